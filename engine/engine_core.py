@@ -1,0 +1,130 @@
+"""Loads a checkpoint, sizes and allocates the KV cache, and validates what requests carry."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.block_hash import root_hash
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
+from engine.loader import build_model, model_fingerprint, weights_identity
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 2 << 30
+_GPU_MEMORY_FRACTION = 0.85
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.max_model_len = self._max_model_len()
+        self.block_size = config.cache.block_size
+        self.device = torch.device(
+            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.fingerprint = model_fingerprint(
+            self.model_config, weights_identity(model_dir), config.dtype, self.block_size
+        )
+        self.root_hash = root_hash(self.fingerprint)
+        self.model = build_model(
+            self.model_config, model_dir, torch_dtype(config.dtype), self.device,
+            self.max_model_len,
+        )
+        mc = self.model_config
+        self.kv_layout = KVCacheLayout(
+            model_fingerprint=self.fingerprint,
+            dtype=config.dtype,
+            block_size=self.block_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        )
+        self.num_blocks = self._num_blocks()
+        self.kv_cache = KVCache(self.kv_layout, self.num_blocks, self.device)
+        use_triton = config.use_triton
+        if use_triton is None:
+            use_triton = self.device.type == "cuda"
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, use_triton)
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            mc.architecture, self.num_blocks, self.block_size,
+            self.num_blocks * self.kv_layout.block_bytes / 2**20, self.max_model_len,
+        )
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Subclasses set up scheduling state here."""
+
+    def _max_model_len(self) -> int:
+        mc = self.model_config
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        requested = self.config.max_model_len
+        if requested is None:
+            return limit
+        if requested > limit:
+            # Past the window the HF reference slides and we do not: refuse rather than differ.
+            raise ValueError(
+                f"max_model_len {requested} exceeds the model's limit {limit} "
+                "(max_position_embeddings / sliding_window in config.json)"
+            )
+        return requested
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free_bytes, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free_bytes * _GPU_MEMORY_FRACTION)
+            else:
+                budget = _CPU_KV_CACHE_BYTES
+        by_memory = budget // self.kv_layout.block_bytes
+        # More than every admitted sequence at full length can use is wasted memory.
+        per_seq = -(-self.max_model_len // self.block_size)
+        wanted = self.config.scheduler.max_num_seqs * per_seq
+        num_blocks = min(by_memory, wanted)
+        if num_blocks < per_seq:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds {by_memory} blocks, fewer than one "
+                f"max_model_len sequence needs ({per_seq}); raise kv_cache_bytes"
+            )
+        return int(num_blocks)
+
+    # ---- validation ----------------------------------------------------------------------
+    def validate_token_ids(self, token_ids: list[int], name: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the model has no tokenizer.json; "
+                                 "pass prompt_token_ids")
+            token_ids = self.tokenizer.encode(prompt)
+            name = "prompt"
+        else:
+            token_ids = list(prompt)
+            name = "prompt_token_ids"
+            self.validate_token_ids(token_ids, name)
+        if not token_ids:
+            raise ValueError(f"{name} is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{name} has {len(token_ids)} tokens, more than max_model_len "
+                f"{self.max_model_len}"
+            )
+        return token_ids

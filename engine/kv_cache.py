@@ -1,0 +1,78 @@
+"""The paged KV cache: one preallocated tensor, plus block-level reads and writes.
+
+Layout: ``[num_layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]``. Layer-major,
+so one layer's blocks can be read, shipped and written while the next layer is in flight, and
+``tensor[layer, 0]`` is a contiguous per-layer key cache for the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """What a receiver must agree on before it accepts another engine's blocks."""
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, keys and values."""
+        itemsize = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def mismatch(self, other: KVCacheLayout) -> str | None:
+        """None when compatible, else a message naming both layouts."""
+        return None if self == other else f"local layout {self} != remote layout {other}"
+
+
+class KVCache:
+    def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(
+            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+            layout.head_dim, dtype=_DTYPES[layout.dtype], device=device,
+        )
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"block_ids out of range [0, {self.num_blocks}): {block_ids}")
+        return torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+
+    def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """``[2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
+        return self.tensor[layer][:, self._index(block_ids)]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
+        return self.tensor[:, :, self._index(block_ids)]
+
+    def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        expected = (2, len(block_ids), *self.tensor.shape[3:])
+        if tuple(data.shape) != expected or data.dtype != self.tensor.dtype:
+            raise ValueError(
+                f"layer data has shape {tuple(data.shape)} {data.dtype}, "
+                f"expected {expected} {self.tensor.dtype}"
+            )
+        self.tensor[layer][:, self._index(block_ids)] = data.to(self.tensor.device)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        if data.shape[0] != self.layout.num_layers:
+            raise ValueError(f"data has {data.shape[0]} layers, expected {self.layout.num_layers}")
+        for layer in range(self.layout.num_layers):
+            self.write_layer(layer, block_ids, data[layer])

@@ -1,0 +1,76 @@
+"""Offline API (vLLM-like): ``LLM(model).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        device: str | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        use_triton: bool | None = None,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=str(model),
+                dtype=dtype,
+                max_model_len=max_model_len,
+                device=device,
+                cache=CacheConfig(
+                    block_size=block_size,
+                    num_blocks=num_blocks,
+                    enable_prefix_caching=enable_prefix_caching,
+                ),
+                scheduler=SchedulerConfig(
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                ),
+                use_triton=use_triton,
+            )
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of prompts, not one string")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                token_ids = self.engine.validate_prompt(prompt)
+                request_id = self.engine.add_request(token_ids, params)
+                outputs[request_id] = RequestOutput(request_id, token_ids)
+                order.append(request_id)
+            while self.engine.has_unfinished_requests():
+                for update in self.engine.step():
+                    outputs[update.request_id].apply(update)
+        except BaseException:
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
+        return [outputs[r] for r in order]

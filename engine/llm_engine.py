@@ -1,0 +1,254 @@
+"""The engine loop: admit requests, schedule a step, run it, turn samples into updates.
+
+Disaggregation hooks (block ownership is spelled out because this is where systems leak):
+- ``add_request(..., prefill_only=True)``: the request stops after its first token; its blocks
+  stay pinned (still referenced) and it is listed in ``pinned``. ``export_prefilled`` and
+  ``read_kv`` read them; ``release`` frees them, exactly once. The prefill side must call
+  ``release`` when the decode side confirms, when a lease expires, or on abort.
+- ``reserve_prefilled`` (decode side): allocates blocks for a prompt computed elsewhere, or
+  returns None if there is no room. The blocks belong to the reserved request from then on;
+  ``write_kv`` fills them; ``start_prefilled`` joins the request to the batch (it computes no
+  prompt token); ``abort`` frees them if the transfer fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
+from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    reported_cached: bool = False
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine(EngineCore):
+    """Single-process engine. Not thread-safe: one caller drives ``step``."""
+
+    def _init_state(self) -> None:
+        self.block_manager = BlockManager(
+            self.num_blocks, self.block_size, self.config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self._requests: dict[str, _Request] = {}
+        self.pinned: dict[str, Sequence] = {}
+        self._reserved: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens_computed = 0
+        self.num_prefix_hit_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prefill_only: bool = False,
+    ) -> str:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests or request_id in self.pinned:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        token_ids = self.validate_prompt(prompt)
+        seq = Sequence(request_id, token_ids, params, prefill_only=prefill_only)
+        self._hash(seq)
+        self._requests[request_id] = _Request(seq, self._detokenizer(seq))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if unknown."""
+        if request_id in self.pinned:
+            self.release(request_id)
+            return True
+        req = self._requests.pop(request_id, None) or self._reserved.pop(request_id, None)
+        if req is None:
+            return False
+        req.seq.status = SequenceStatus.FINISHED_ABORTED
+        self.scheduler.remove(req.seq)
+        self.block_manager.free(req.seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestUpdate]:
+        out = self.scheduler.schedule()
+        updates = [self._finish(self._requests[s.request_id], s.status) for s in out.dropped]
+        if out.is_empty:
+            return updates
+        samplers, samples = self.runner.execute(out.scheduled)
+        for s in out.scheduled:
+            seq = s.seq
+            self.num_prompt_tokens_computed += max(
+                0, min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens)
+                - seq.num_computed_tokens,
+            )
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.register_computed_blocks(seq)
+        for s, token_id, logprobs in zip(samplers, samples.token_ids, samples.logprobs,
+                                         strict=True):
+            update = self._append_token(self._requests[s.seq.request_id], token_id, logprobs)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _append_token(
+        self, req: _Request, token_id: int, logprobs: TokenLogprobs | None
+    ) -> RequestUpdate | None:
+        seq = req.seq
+        if not req.reported_cached:
+            self.num_prefix_hit_tokens += max(seq.num_cached_tokens, 0)
+        seq.token_ids.append(token_id)
+        self._hash(seq)
+        req.pending_ids.append(token_id)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            req.pending_logprobs.append(logprobs)
+        stop_string = False
+        if req.detokenizer is not None:
+            text, stop_string = req.detokenizer.add_token(token_id)
+            req.pending_text += text
+        status = self._stop_status(seq, token_id, stop_string)
+        if status is not None:
+            return self._finish(req, status)
+        if seq.prefill_only:
+            return self._pin(req)
+        return self._flush(req, None)
+
+    def _stop_status(
+        self, seq: Sequence, token_id: int, stop_string: bool
+    ) -> SequenceStatus | None:
+        p = seq.params
+        if stop_string or token_id in p.stop_ids or (
+            not p.ignore_eos and token_id in self.model_config.eos_token_ids
+        ):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: _Request, status: SequenceStatus) -> RequestUpdate:
+        seq = req.seq
+        seq.status = status
+        self.scheduler.remove(seq)
+        if req.detokenizer is not None:
+            req.pending_text += req.detokenizer.finish()
+        del self._requests[seq.request_id]
+        if seq.prefill_only:
+            # Finished at its first token, but the caller still owns a release() of the blocks.
+            self.pinned[seq.request_id] = seq
+        else:
+            self.block_manager.free(seq)
+        return self._flush(req, status.finish_reason)
+
+    def _pin(self, req: _Request) -> RequestUpdate:
+        seq = req.seq
+        self.scheduler.remove(seq)
+        del self._requests[seq.request_id]
+        self.pinned[seq.request_id] = seq
+        return self._flush(req, None, prefilled=True)
+
+    def _flush(
+        self, req: _Request, finish_reason: str | None, prefilled: bool = False
+    ) -> RequestUpdate:
+        update = RequestUpdate(
+            request_id=req.seq.request_id,
+            new_token_ids=req.pending_ids,
+            new_text=req.pending_text,
+            new_logprobs=req.pending_logprobs,
+            finish_reason=finish_reason,
+            num_cached_tokens=max(req.seq.num_cached_tokens, 0),
+            prefilled=prefilled or (req.seq.prefill_only and finish_reason is not None),
+        )
+        req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
+        req.reported_cached = True
+        return update
+
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop_strings
+        )
+
+    def _hash(self, seq: Sequence) -> None:
+        if self.config.cache.enable_prefix_caching:
+            seq.update_block_hashes(self.root_hash, self.block_size)
+
+    # ---- disaggregation: prefill side ------------------------------------------------------
+    def export_prefilled(self, request_id: str) -> PrefilledRequest:
+        seq = self.pinned[request_id]
+        return PrefilledRequest(
+            request_id=request_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            first_token_id=seq.token_ids[seq.num_prompt_tokens],
+            params=seq.params,
+            block_ids=list(seq.block_table),
+            first_token_logprobs=seq.logprobs[0] if seq.logprobs else None,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Free a pinned request's blocks. Raises KeyError if not pinned (double release)."""
+        seq = self.pinned.pop(request_id)
+        self.block_manager.free(seq)
+
+    # ---- disaggregation: decode side -------------------------------------------------------
+    def reserve_prefilled(self, request: PrefilledRequest) -> list[int] | None:
+        """Allocate blocks for a request prefilled elsewhere; None when the cache is too full."""
+        if request.request_id in self._requests or request.request_id in self._reserved:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        prompt = self.validate_prompt(request.prompt_token_ids)
+        self.validate_token_ids([request.first_token_id], "first_token_id")
+        seq = Sequence(request.request_id, prompt, request.params)
+        if not self.block_manager.allocate_slots(seq, len(prompt)):
+            return None
+        seq.num_cached_tokens = 0
+        self._reserved[request.request_id] = _Request(seq, self._detokenizer(seq))
+        return list(seq.block_table)
+
+    def start_prefilled(self, request: PrefilledRequest) -> RequestUpdate | None:
+        """The KV is written: the request joins the batch as if it had prefilled here.
+
+        Returns an update carrying the first token (already final if it ended the request).
+        """
+        req = self._reserved.pop(request.request_id)
+        seq = req.seq
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self._hash(seq)
+        self.block_manager.register_computed_blocks(seq)
+        self._requests[seq.request_id] = req
+        self.scheduler.add_running(seq)
+        return self._append_token(req, request.first_token_id, request.first_token_logprobs)
+
+    # ---- introspection ---------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_pinned=len(self.pinned),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+        )

@@ -1,0 +1,146 @@
+"""Load HF-format safetensors checkpoints (single file or sharded) into the engine's model.
+
+Each HF tensor name maps to a slice of one engine parameter (q/k/v and gate/up are fused).
+Missing tensors are an error naming them; so are unexpected ones, since they usually mean a
+checkpoint of another architecture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaFamilyForCausalLM
+
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class _Target:
+    param: nn.Parameter
+    row_start: int
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index.name}: weight_map must be a non-empty object")
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {model_dir}")
+    return files
+
+
+def _targets(model: LlamaFamilyForCausalLM) -> dict[str, _Target]:
+    cfg = model.config
+    targets: dict[str, _Target] = {
+        "model.embed_tokens.weight": _Target(model.embed_tokens, 0),
+        "model.norm.weight": _Target(model.norm.weight, 0),
+    }
+    if not cfg.tie_word_embeddings:
+        targets["lm_head.weight"] = _Target(model.lm_head, 0)
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn = layer.self_attn
+        targets[p + "input_layernorm.weight"] = _Target(layer.input_layernorm.weight, 0)
+        targets[p + "post_attention_layernorm.weight"] = _Target(
+            layer.post_attention_layernorm.weight, 0
+        )
+        offsets = {"q": 0, "k": cfg.q_size, "v": cfg.q_size + cfg.kv_size}
+        for name, start in offsets.items():
+            targets[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj, start)
+            if attn.qkv_bias is not None:
+                targets[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_bias, start)
+        targets[p + "self_attn.o_proj.weight"] = _Target(attn.o_proj, 0)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            targets[p + "self_attn.q_norm.weight"] = _Target(attn.q_norm.weight, 0)
+            targets[p + "self_attn.k_norm.weight"] = _Target(attn.k_norm.weight, 0)
+        targets[p + "mlp.gate_proj.weight"] = _Target(layer.mlp.gate_up_proj, 0)
+        targets[p + "mlp.up_proj.weight"] = _Target(layer.mlp.gate_up_proj, cfg.intermediate_size)
+        targets[p + "mlp.down_proj.weight"] = _Target(layer.mlp.down_proj, 0)
+    return targets
+
+
+def load_weights(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
+    targets = _targets(model)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                target = targets.get(name)
+                if target is None:
+                    if not _IGNORED.match(name) and not (
+                        name == "lm_head.weight" and model.config.tie_word_embeddings
+                    ):
+                        unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                rows = tensor.shape[0]
+                dest = target.param.data[target.row_start : target.row_start + rows]
+                if dest.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)} from config.json"
+                    )
+                dest.copy_(tensor.to(dest.dtype))
+                loaded.add(name)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]} ({len(missing)} in all)")
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has tensors this architecture does not use: {unexpected[:5]} "
+            f"({len(unexpected)} in all)"
+        )
+
+
+def weights_identity(model_dir: Path) -> str:
+    """A cheap identity of the weights: config, safetensors headers, sizes and sampled bytes.
+
+    Hashing every byte of a 100+ GB checkpoint at start-up is too slow; headers (names, shapes,
+    dtypes, offsets) plus 16 evenly spaced 64 KiB samples per file distinguish checkpoints that
+    share an architecture, including two random initialisations of the same shapes.
+    """
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    sample_bytes, num_samples = 64 * 1024, 16
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        digest.update(path.name.encode() + size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(header_len))
+            for i in range(num_samples):
+                f.seek(max(0, (size - sample_bytes) * i // max(num_samples - 1, 1)))
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:32]
+
+
+def model_fingerprint(config: ModelConfig, weights_id: str, dtype: str, block_size: int) -> str:
+    """Names the exact KV layout and contents a block holds; seeds every block hash."""
+    return f"{config.architecture}:{weights_id}:{dtype}:bs{block_size}"
+
+
+def build_model(
+    config: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+    max_positions: int,
+) -> LlamaFamilyForCausalLM:
+    with torch.device(device):
+        model = LlamaFamilyForCausalLM(config, dtype, max_positions)
+    load_weights(model, model_dir)
+    return model.eval()

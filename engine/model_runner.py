@@ -1,0 +1,122 @@
+"""Turns one scheduled step into tensors, runs the model, and samples.
+
+Per-step host work is the enemy of decode throughput, so inputs are built with a handful of
+list operations and one tensor conversion each; the logits are computed only for the rows that
+sample (the last token of sequences whose known tokens are all computed after this step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaFamilyForCausalLM
+from engine.sampler import Sampler, SampleRequest, SamplerOutput
+from engine.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaFamilyForCausalLM,
+        kv_cache: KVCache,
+        device: torch.device,
+        use_triton: bool,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.layout.block_size
+        self.use_triton = use_triton
+        self.sampler = Sampler(device, seed)
+
+    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SamplerOutput]:
+        """Runs the step; returns the sequences that sampled, in row order, and their samples.
+
+        Reads each sequence's ``num_computed_tokens`` as it was *before* this step.
+        """
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        ordered = prefills + decodes
+        input_ids, positions, slots = self._flatten(ordered)
+        meta = self._metadata(prefills, decodes, slots)
+        sample_rows: list[int] = []
+        samplers: list[ScheduledSeq] = []
+        row = 0
+        for s in ordered:
+            row += s.num_new_tokens
+            if s.completes_sequence:
+                sample_rows.append(row - 1)
+                samplers.append(s)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta)
+            if not samplers:
+                return [], SamplerOutput([], [])
+            rows = torch.tensor(sample_rows, device=self.device)
+            logits = self.model.compute_logits(hidden[rows])  # [num_samplers, vocab]
+            requests = [SampleRequest(s.seq.params, s.seq.num_output_tokens) for s in samplers]
+            return samplers, self.sampler(logits, requests)
+
+    def _flatten(
+        self, ordered: list[ScheduledSeq]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in ordered:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids.extend(seq.token_ids[start:end])
+            if s.num_new_tokens == 1:
+                pos.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+                continue
+            positions = range(start, end)
+            pos.extend(positions)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in positions)
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+        )
+
+    def _metadata(
+        self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq], slots: torch.Tensor
+    ) -> AttentionMetadata:
+        spans: list[PrefillSpan] = []
+        start = 0
+        for s in prefills:
+            context_len = s.seq.num_computed_tokens + s.num_new_tokens
+            block_ids = s.seq.block_table[: -(-context_len // self.block_size)]
+            spans.append(
+                PrefillSpan(
+                    query_start=start,
+                    query_len=s.num_new_tokens,
+                    context_len=context_len,
+                    block_ids=torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                )
+            )
+            start += s.num_new_tokens
+        context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        max_context = max(context_lens, default=0)
+        width = max(-(-max_context // self.block_size), 1)
+        tables = [
+            s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table[:width]))
+            for s in decodes
+        ]
+        return AttentionMetadata(
+            slot_mapping=slots,
+            prefills=tuple(spans),
+            num_prefill_tokens=start,
+            decode_block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device).view(
+                len(decodes), width
+            ),
+            decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            decode_max_context_len=max_context,
+            use_triton=self.use_triton,
+        )

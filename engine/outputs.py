@@ -1,0 +1,70 @@
+"""What the engine reports: per-step updates (for streaming) and whole-request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """One step's news for one request: the tokens and text it produced in that step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprobs]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_cached_tokens: int = 0
+    # Set once for prefill-only requests: the first token is sampled and the blocks are pinned.
+    prefilled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def apply(self, update: RequestUpdate) -> None:
+        self.token_ids.extend(update.new_token_ids)
+        self.text += update.new_text
+        self.logprobs.extend(update.new_logprobs)
+        self.finish_reason = update.finish_reason
+        self.num_cached_tokens = update.num_cached_tokens
+
+
+@dataclass(frozen=True)
+class PrefilledRequest:
+    """What a decode engine needs to resume a request prefilled elsewhere (besides the KV)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    params: SamplingParams
+    block_ids: list[int]  # on the prefill engine; pinned until release()
+    first_token_logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_pinned: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_preemptions: int
+    # Prompt tokens this engine ran through the model (prefix hits and imported KV excluded).
+    num_prompt_tokens_computed: int
+    num_prefix_hit_tokens: int

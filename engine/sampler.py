@@ -1,0 +1,132 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Sampling uses the exponential race: token = argmax(p / q) with q ~ Exp(1) i.i.d., which draws
+from p exactly. A seeded request's noise comes from a generator seeded by (seed, output index)
+alone, so its tokens do not depend on batch composition, on preemption, or on which process
+runs the step: a decode worker resuming a prefilled request needs no generator state beyond the
+number of tokens already generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, output_index: int) -> int:
+    """SplitMix64 of (seed, index): decorrelated streams for consecutive steps."""
+    z = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    params: SamplingParams
+    output_index: int  # how many tokens this request has generated before this one
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, requests: list[SampleRequest]
+    ) -> SamplerOutput:  # logits: [num_requests, vocab] fp32
+        if all(r.params.greedy for r in requests):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, requests)
+        ids = token_ids.tolist()
+        return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, requests))
+
+    def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        num_rows, vocab = logits.shape
+        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
+        temps = torch.tensor(
+            [r.params.temperature if not r.params.greedy else 1.0 for r in requests],
+            device=logits.device,
+        )
+        scaled = logits / temps[:, None]
+        if any(0 < r.params.top_k < vocab for r in requests):
+            scaled = _apply_top_k(scaled, [r.params.top_k for r in requests])
+        if any(r.params.top_p < 1.0 for r in requests):
+            scaled = _apply_top_p(scaled, [r.params.top_p for r in requests])
+        probs = torch.softmax(scaled, dim=-1)
+        if any(r.params.min_p > 0.0 for r in requests):
+            min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self._generator)
+        for row, r in enumerate(requests):
+            if r.params.seed is not None and not r.params.greedy:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed(step_seed(r.params.seed, r.output_index))
+                noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        ids: list[int],
+        requests: list[SampleRequest],
+    ) -> list[TokenLogprobs | None]:
+        wanted = [r.params.logprobs for r in requests]
+        if all(n is None for n in wanted):
+            return [None] * len(requests)
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        max_n = max(n or 0 for n in wanted)
+        top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n else (logp[:, :0], logp[:, :0])
+        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.long().tolist()
+        out: list[TokenLogprobs | None] = []
+        for row, n in enumerate(wanted):
+            if n is None:
+                out.append(None)
+                continue
+            out.append(
+                TokenLogprobs(
+                    token_id=ids[row],
+                    logprob=chosen[row],
+                    top_token_ids=tuple(top_ids_l[row][:n]),
+                    top_logprobs=tuple(top_vals_l[row][:n]),
+                )
+            )
+        return out
+
+
+def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+    sorted_desc = logits.sort(dim=-1, descending=True).values
+    kth = sorted_desc.gather(1, (ks - 1)[:, None])  # [rows, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    p = torch.tensor(top_ps, device=logits.device, dtype=torch.float32)
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop the low tail whose total mass is <= 1 - p; the top token always survives.
+    drop = cum <= (1 - p)[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

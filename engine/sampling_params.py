@@ -1,0 +1,65 @@
+"""Per-request sampling parameters, validated on construction (errors name the parameter)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (of the raw model logits)
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        for token_id in stop_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        # Normalised to tuples so the object stays immutable and hashable.
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.stop_token_ids or ())
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

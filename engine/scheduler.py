@@ -1,0 +1,142 @@
+"""Continuous batching with chunked prefill under a token budget (pure Python, no torch).
+
+Each step spends at most ``max_num_batched_tokens`` tokens: running sequences first (one decode
+token each, or the next chunk of a prompt), then waiting sequences in arrival order while
+``max_num_seqs`` and free blocks allow. When a running sequence cannot get a block, the most
+recently admitted running sequence is preempted by recompute: its blocks are freed and it goes
+back to the front of the waiting queue (prompt + outputs so far are recomputed later, mostly
+from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that can never fit in the cache; finished with reason "length".
+    dropped: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose blocks are already allocated and filled (imported KV)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, num_new, out):
+                break
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+        # Admitting new work right after preempting would only thrash the cache.
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.cached_prefix(seq)
+            num_computed = len(hits) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, hits):
+                if self._never_fits(seq):
+                    self.waiting.popleft()
+                    out.dropped.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_computed
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        for seq in out.dropped:
+            logger.warning(
+                "request %s needs more KV blocks than the cache holds; finished as 'length'",
+                seq.request_id,
+            )
+            seq.status = SequenceStatus.FINISHED_LENGTH
+        return out
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate for ``seq``, preempting from the back of ``running`` as needed.
+
+        Returns False when ``seq`` itself had to be preempted (or dropped).
+        """
+        while not self.block_manager.allocate_slots(seq, num_new):
+            victim = self.running.pop()
+            self.block_manager.free(victim)
+            if victim is seq and self._never_fits(seq):
+                out.dropped.append(victim)
+                return False
+            victim.reset_for_recompute()
+            self.waiting.appendleft(victim)
+            out.preempted.append(victim)
+            self.num_preemptions += 1
+            if victim is seq:
+                return False
+        return True
+
+    def _never_fits(self, seq: Sequence) -> bool:
+        """Even an empty cache could not hold this sequence's next step."""
+        return self.block_manager.blocks_needed(seq.num_tokens) > self.block_manager.num_blocks
+
+    def remove(self, seq: Sequence) -> None:
+        """Stop scheduling a sequence; the caller owns freeing (or pinning) its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

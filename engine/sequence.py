@@ -1,0 +1,104 @@
+"""Request state inside the engine: token ids, block table, progress, status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_blocks
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH,
+    SequenceStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # Prompt followed by every generated token.
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache (prefix hits included).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission.
+    num_cached_tokens: int = -1
+    # Chained hashes of every full block of token_ids (computed eagerly as tokens arrive).
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Blocks of block_table already published to the prefix cache.
+    num_registered_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prefill-only requests keep their blocks pinned after the first token (disaggregation).
+    prefill_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def update_block_hashes(self, root: BlockHash, block_size: int) -> None:
+        """Extend ``block_hashes`` to cover every full block of ``token_ids``."""
+        if len(self.token_ids) // block_size <= len(self.block_hashes):
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        self.block_hashes.extend(
+            hash_blocks(root, self.token_ids, block_size, len(self.block_hashes), parent)
+        )
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; prompt and outputs so far are recomputed later."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        self.status = SequenceStatus.WAITING

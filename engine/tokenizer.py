@@ -1,0 +1,52 @@
+"""Tokenizer loaded from ``tokenizer.json`` (HF fast-tokenizer format) with the `tokenizers` lib.
+
+Optional: a model directory without tokenizer files still serves token-id prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, add_bos_token_id: int | None = None) -> None:
+        self._tok = tokenizer
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # Set when tokenizer_config asks for a BOS that tokenizer.json's post-processor lacks.
+        self._add_bos_token_id = add_bos_token_id
+        self.special_token_ids = frozenset(
+            token_id
+            for token_id, added in tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
+        path = Path(model_dir)
+        if not (path / "tokenizer.json").is_file():
+            return None
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        add_bos: int | None = None
+        config_path = path / "tokenizer_config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+            bos = config.get("bos_token")
+            bos_text = bos.get("content") if isinstance(bos, dict) else bos
+            if config.get("add_bos_token") and isinstance(bos_text, str):
+                add_bos = tok.token_to_id(bos_text)
+        return cls(tok, add_bos)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=True).ids
+        if self._add_bos_token_id is not None and (not ids or ids[0] != self._add_bos_token_id):
+            ids.insert(0, self._add_bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Ids past the tokenizer's vocabulary (padded embedding rows) carry no text.
+        known = [t for t in token_ids if 0 <= t < self.vocab_size]
+        text: str = self._tok.decode(known, skip_special_tokens=skip_special_tokens)
+        return text

@@ -1,0 +1,1 @@
+"""Planned: see docs/architecture.md (services issue)."""

@@ -1,0 +1,1 @@
+"""pdserve: disaggregated prefill/decode LLM serving."""

@@ -1,0 +1,245 @@
+"""Build tiny/small random-init Hugging Face checkpoints for tests and demos.
+
+There is no model hub access, so every checkpoint the project uses is made here: a byte-level
+BPE tokenizer trained on a bundled corpus plus a randomly initialised Llama/Qwen2/Qwen3 model.
+Output is a normal HF directory (config.json, model.safetensors, generation_config.json,
+tokenizer.json, tokenizer_config.json) and is byte-for-byte reproducible for a given seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+ARCHS = ("llama", "qwen2", "qwen3")
+SIZES = ("tiny", "small")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
+
+TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096}
+ROPE_THETA = 10000.0
+
+# Shapes per size. "small" (~50M params) deliberately has a config vocab far larger than the
+# tokenizer so that serving code cannot assume len(tokenizer) == vocab_size.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 512,
+    },
+    "small": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1408,
+        "max_position_embeddings": 4096,
+        "vocab_size": 32000,
+    },
+}
+# qwen3 gets a head_dim != hidden/heads so code that derives head_dim from hidden_size breaks.
+QWEN3_HEAD_DIM = {"tiny": 32, "small": 128}
+
+# Output logit std ~= LOGIT_SCALE: with the 0.02 HF default the tiny model's next-token
+# distribution is nearly uniform, so bf16 noise flips greedy choices and comparisons are flaky.
+LOGIT_SCALE = 4.0
+# Weights use gain/sqrt(fan_in) so activations stay O(1) at any width. The residual-branch
+# outputs get a larger gain because with tied embeddings a dominant input embedding makes every
+# token predict itself, and greedy decoding then repeats one token forever.
+LINEAR_GAIN = 1.0
+RESIDUAL_OUT_GAIN = 2.0
+NORM_JITTER = 0.1
+BIAS_STD = 0.1
+
+
+def corpus_text() -> str:
+    """The bundled English training text for the tokenizer."""
+    # Path(__file__) rather than importlib.resources: the latter fails on namespace/editable
+    # installs, while package-data keeps data/ next to this file in wheels too.
+    return (Path(__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
+
+
+def train_tokenizer(vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with the exact Qwen2 pipeline (NFC, Qwen split regex, no BOS added).
+
+    AutoTokenizer ignores tokenizer_config for model_type "qwen2" and rebuilds a Qwen2Tokenizer
+    from vocab+merges with this pipeline; using it for every arch keeps tokenizer.json and
+    AutoTokenizer producing identical ids.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        # Full byte alphabet so any UTF-8 input is encodable, not just what the corpus contains.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus_text().splitlines(keepends=True), trainer=trainer)
+    return tok
+
+
+def build_config(
+    arch: str,
+    size: str,
+    tokenizer_vocab_size: int,
+    special_ids: dict[str, int],
+    *,
+    tie_word_embeddings: bool | None = None,
+    rope_scaling: bool = False,
+) -> PretrainedConfig:
+    """HF config for arch/size; validates arguments like make_model."""
+    _check_args(arch, size, rope_scaling)
+    shape: dict[str, Any] = dict(SHAPES[size])
+    shape.setdefault("vocab_size", -(-tokenizer_vocab_size // 8) * 8)
+    if tie_word_embeddings is None:
+        tie_word_embeddings = arch != "llama"
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": ROPE_THETA}
+    if rope_scaling:
+        # Small original context so the scaled frequencies matter within the tiny 512 window.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": ROPE_THETA,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    common: dict[str, Any] = {
+        **shape,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tie_word_embeddings,
+        "rope_parameters": rope,
+        "bos_token_id": special_ids[BOS_TOKEN],
+        "eos_token_id": special_ids[EOS_TOKEN],
+        "pad_token_id": special_ids[PAD_TOKEN],
+    }
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    return Qwen3Config(**common, head_dim=QWEN3_HEAD_DIM[size])
+
+
+def _check_args(arch: str, size: str, rope_scaling: bool) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    if rope_scaling and arch != "llama":
+        raise ValueError(f"rope_scaling is only supported for arch='llama', got arch={arch!r}")
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialise every parameter from one seeded generator.
+
+    HF sets norms to 1 and biases to 0, which would hide bugs such as a dropped q_norm or
+    bias; jittering them makes every parameter observable in the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    hidden = int(model.config.hidden_size)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("bias"):
+            value = BIAS_STD * noise
+        elif p.dim() == 1:
+            value = 1.0 + NORM_JITTER * noise
+        elif "embed_tokens" in name or "lm_head" in name:
+            # Final hidden state has RMS ~1, so this gives logits with std ~LOGIT_SCALE.
+            value = (LOGIT_SCALE / hidden**0.5) * noise
+        else:
+            gain = RESIDUAL_OUT_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            value = (gain * LINEAR_GAIN / p.shape[1] ** 0.5) * noise
+        p.copy_(value.to(p.dtype))
+
+
+def make_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    *,
+    dtype: str = "float32",
+    tie_word_embeddings: bool | None = None,
+    rope_scaling: bool = False,
+) -> Path:
+    """Write a random-init checkpoint + tokenizer to out_dir and return it as a Path."""
+    _check_args(arch, size, rope_scaling)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok = train_tokenizer(TOKENIZER_VOCAB[size])
+    special_ids = {t: _token_id(tok, t) for t in SPECIAL_TOKENS}
+    config = build_config(
+        arch,
+        size,
+        tok.get_vocab_size(),
+        special_ids,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_scaling=rope_scaling,
+    )
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, seed)
+    model = model.to(DTYPES[dtype]).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=special_ids[BOS_TOKEN],
+        eos_token_id=special_ids[EOS_TOKEN],
+        pad_token_id=special_ids[PAD_TOKEN],
+    )
+    model.save_pretrained(out)
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        # Default clean-up rewrites " ." to "." and breaks exact decode(encode(x)) == x.
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(config.max_position_embeddings),
+    )
+    fast.save_pretrained(out)
+    return out
+
+
+def _token_id(tok: Tokenizer, token: str) -> int:
+    idx = tok.token_to_id(token)
+    if idx is None:
+        raise RuntimeError(f"special token {token!r} missing from trained tokenizer")
+    return int(idx)
