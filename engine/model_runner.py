@@ -37,11 +37,7 @@ class ModelRunner:
 
         Reads each sequence's ``num_computed_tokens`` as it was *before* this step.
         """
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        ordered = prefills + decodes
-        input_ids, positions, slots = self._flatten(ordered)
-        meta = self._metadata(prefills, decodes, slots)
+        ordered, hidden = self._forward(scheduled)
         sample_rows: list[int] = []
         samplers: list[ScheduledSeq] = []
         row = 0
@@ -50,14 +46,33 @@ class ModelRunner:
             if s.completes_sequence:
                 sample_rows.append(row - 1)
                 samplers.append(s)
+        if not samplers:
+            return [], SamplerOutput([], [])
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv_cache.tensor, meta)
-            if not samplers:
-                return [], SamplerOutput([], [])
             rows = torch.tensor(sample_rows, device=self.device)
             logits = self.model.compute_logits(hidden[rows])  # [num_samplers, vocab]
             requests = [SampleRequest(s.seq.params, s.seq.num_output_tokens) for s in samplers]
             return samplers, self.sampler(logits, requests)
+
+    def forward_logits(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        """Logits of every scheduled token (prompt logprobs, tests), rows in returned order."""
+        ordered, hidden = self._forward(scheduled)
+        with torch.inference_mode():
+            return ordered, self.model.compute_logits(hidden)  # [num_tokens, vocab]
+
+    def _forward(
+        self, scheduled: list[ScheduledSeq]
+    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        # Prefill chunks first, then single-token steps: the decode part is one batched call.
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        ordered = prefills + decodes
+        input_ids, positions, slots = self._flatten(ordered)
+        meta = self._metadata(prefills, decodes, slots)
+        with torch.inference_mode():
+            return ordered, self.model(input_ids, positions, self.kv_cache.tensor, meta)
 
     def _flatten(
         self, ordered: list[ScheduledSeq]

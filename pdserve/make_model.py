@@ -8,6 +8,7 @@ tokenizer.json, tokenizer_config.json) and is byte-for-byte reproducible for a g
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -26,11 +28,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 ARCHS = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -39,6 +37,14 @@ SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
 
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096}
 ROPE_THETA = 10000.0
+# Small original context so the llama3 frequency scaling matters within the tiny 512 window.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 # Shapes per size. "small" (~50M params) deliberately has a config vocab far larger than the
 # tokenizer so that serving code cannot assume len(tokenizer) == vocab_size.
@@ -64,14 +70,14 @@ SHAPES: dict[str, dict[str, int]] = {
 # qwen3 gets a head_dim != hidden/heads so code that derives head_dim from hidden_size breaks.
 QWEN3_HEAD_DIM = {"tiny": 32, "small": 128}
 
-# Output logit std ~= LOGIT_SCALE: with the 0.02 HF default the tiny model's next-token
-# distribution is nearly uniform, so bf16 noise flips greedy choices and comparisons are flaky.
+# Output logit std ~= LOGIT_SCALE: with the 0.02 HF default the tiny model's logits have std
+# ~0.16, a near-uniform distribution where any numeric noise flips greedy choices.
 LOGIT_SCALE = 4.0
-# Weights use gain/sqrt(fan_in) so activations stay O(1) at any width. The residual-branch
-# outputs get a larger gain because with tied embeddings a dominant input embedding makes every
-# token predict itself, and greedy decoding then repeats one token forever.
-LINEAR_GAIN = 1.0
-RESIDUAL_OUT_GAIN = 2.0
+# Matrices use gain/sqrt(fan_in) so activations stay O(1) at any width. o_proj/down_proj get a
+# large gain because with tied embeddings a dominant input embedding makes every token predict
+# itself and greedy decoding repeats one token forever (measured on tiny qwen2/qwen3: gain 1 ->
+# nearly every prompt loops on one token; gain 6 -> most prompts give varied output).
+RESIDUAL_OUT_GAIN = 6.0
 NORM_JITTER = 0.1
 BIAS_STD = 0.1
 
@@ -128,15 +134,7 @@ def build_config(
         tie_word_embeddings = arch != "llama"
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": ROPE_THETA}
     if rope_scaling:
-        # Small original context so the scaled frequencies matter within the tiny 512 window.
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": ROPE_THETA,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
+        rope.update(LLAMA3_ROPE)
     common: dict[str, Any] = {
         **shape,
         "rms_norm_eps": 1e-6,
@@ -163,7 +161,7 @@ def _check_args(arch: str, size: str, rope_scaling: bool) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, seed: int) -> None:
+def init_weights(model: PreTrainedModel, seed: int) -> None:
     """Re-initialise every parameter from one seeded generator.
 
     HF sets norms to 1 and biases to 0, which would hide bugs such as a dropped q_norm or
@@ -180,9 +178,10 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
         elif "embed_tokens" in name or "lm_head" in name:
             # Final hidden state has RMS ~1, so this gives logits with std ~LOGIT_SCALE.
             value = (LOGIT_SCALE / hidden**0.5) * noise
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            value = (RESIDUAL_OUT_GAIN / p.shape[1] ** 0.5) * noise
         else:
-            gain = RESIDUAL_OUT_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            value = (gain * LINEAR_GAIN / p.shape[1] ** 0.5) * noise
+            value = noise / p.shape[1] ** 0.5
         p.copy_(value.to(p.dtype))
 
 
@@ -204,7 +203,8 @@ def make_model(
     out.mkdir(parents=True, exist_ok=True)
 
     tok = train_tokenizer(TOKENIZER_VOCAB[size])
-    special_ids = {t: _token_id(tok, t) for t in SPECIAL_TOKENS}
+    vocab = tok.get_vocab()
+    special_ids = {t: vocab[t] for t in SPECIAL_TOKENS}
     config = build_config(
         arch,
         size,
@@ -214,8 +214,10 @@ def make_model(
         rope_scaling=rope_scaling,
     )
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # fork_rng: HF's own init draws from the global RNG; leave the caller's stream untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed)
     model = model.to(DTYPES[dtype]).eval()
     model.generation_config = GenerationConfig(
@@ -235,11 +237,13 @@ def make_model(
         model_max_length=int(config.max_position_embeddings),
     )
     fast.save_pretrained(out)
+    _disable_default_unk(out / "tokenizer_config.json")
     return out
 
 
-def _token_id(tok: Tokenizer, token: str) -> int:
-    idx = tok.token_to_id(token)
-    if idx is None:
-        raise RuntimeError(f"special token {token!r} missing from trained tokenizer")
-    return int(idx)
+def _disable_default_unk(path: Path) -> None:
+    # Qwen2Tokenizer (forced for model_type qwen2) otherwise invents an "<|endoftext|>" unk
+    # token, growing the vocab by one; byte-level BPE never needs an unk token.
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["unk_token"] = None
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")

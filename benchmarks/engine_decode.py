@@ -1,0 +1,288 @@
+"""Decode and prefill throughput: pdserve engine vs HF transformers vs a GEMM roofline (CPU).
+
+Every number comes from one process and one checkpoint (random-init Llama, float32, built with
+``pdserve.make_model`` into ``models/bench-llama-<size>`` when missing):
+
+- Decode tok/s (engine and HF alike): ``batch * (N - 1) / (t(max_tokens=N) - t(max_tokens=1))``
+  with 64-token random prompts and greedy, EOS-free generation. ``t(1)`` is the prefill plus the
+  first token, so the difference is exactly N - 1 decode steps. Each time is the best (min) of
+  ``--repeats`` runs, engine and HF interleaved; each run uses fresh prompts (no prefix-cache
+  hits), and the same prompts go to both, so their greedy tokens are compared too.
+- Prefill tok/s: one ``--prefill-len`` prompt, ``max_tokens=1``, best of ``--repeats``.
+- Roofline: one decode step's matmuls alone (``F.linear`` over HF's unfused weight shapes: per
+  layer q, k, v, o, gate, up, down; lm_head once) at the same batch: ``batch / step_time``.
+
+Ends with a single JSON line holding every number. ``--quick`` is a seconds-long smoke run on
+the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from engine import LLM, SamplingParams
+from pdserve.make_model import make_model
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 16
+FULL = {
+    "batch_sizes": "1,8,32",
+    "prompt_len": 64,
+    "new_tokens": 128,
+    "prefill_len": 1024,
+    "repeats": 3,
+    "size": "small",
+}
+QUICK = {
+    "batch_sizes": "1,2",
+    "prompt_len": 16,
+    "new_tokens": 8,
+    "prefill_len": 64,
+    "repeats": 1,
+    "size": "tiny",
+}
+
+# (prompts, max_new_tokens) -> (seconds, generated token ids per prompt)
+Runner = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--batch-sizes", help=f"comma-separated (default {FULL['batch_sizes']})")
+    p.add_argument("--prompt-len", type=int, help="decode prompt tokens (default 64)")
+    p.add_argument("--new-tokens", type=int, help="generated tokens per request (default 128)")
+    p.add_argument("--prefill-len", type=int, help="prefill prompt tokens (default 1024)")
+    p.add_argument("--repeats", type=int, help="timed runs per measurement, best kept (3)")
+    p.add_argument("--size", choices=("tiny", "small"), help="checkpoint size (default small)")
+    p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
+    p.add_argument("--quick", action="store_true", help="tiny model and sizes (CI smoke)")
+    args = p.parse_args()
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.new_tokens < 2 or args.prompt_len < 1 or args.prefill_len < 1 or args.repeats < 1:
+        p.error("need --new-tokens >= 2 and --prompt-len, --prefill-len, --repeats >= 1")
+    return args
+
+
+def ensure_model(args: argparse.Namespace) -> Path:
+    model_dir: Path = args.model or REPO / "models" / f"bench-llama-{args.size}"
+    if not (model_dir / "config.json").is_file():
+        print(f"building {args.size} llama checkpoint in {model_dir} ...", flush=True)
+        make_model(model_dir, arch="llama", size=args.size, seed=0)
+    return model_dir
+
+
+def make_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[int]]:
+    """Random ids past the special tokens (0..2); a distinct seed per run defeats prefix caching."""
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[list[int]] = torch.randint(3, vocab, (batch, length), generator=gen).tolist()
+    return ids
+
+
+def engine_runner(llm: LLM) -> Runner:
+    def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        tokens = [o.token_ids for o in outputs]
+        assert all(len(t) == n for t in tokens), "engine generated the wrong number of tokens"
+        return elapsed, tokens
+
+    return run
+
+
+def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
+    def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+        ids = torch.tensor(prompts, dtype=torch.long)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(  # type: ignore[operator]
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+            elapsed = time.perf_counter() - start
+        tokens: list[list[int]] = out[:, ids.shape[1] :].tolist()
+        assert all(len(t) == n for t in tokens), "HF generated the wrong number of tokens"
+        return elapsed, tokens
+
+    return run
+
+
+def gemm_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+    """(out_features, in_features) of one decode step's matmuls, HF's unfused projections."""
+    hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    q, kv = int(cfg["num_attention_heads"]) * head_dim, int(cfg["num_key_value_heads"]) * head_dim
+    layer = [
+        (q, hidden),
+        (kv, hidden),
+        (kv, hidden),
+        (hidden, q),
+        (inter, hidden),
+        (inter, hidden),
+        (hidden, inter),
+    ]
+    return layer * int(cfg["num_hidden_layers"]) + [(int(cfg["vocab_size"]), hidden)]
+
+
+def roofline_step_seconds(
+    weights: list[torch.Tensor], batch: int, chunks: int, chunk_seconds: float
+) -> float:
+    """Best per-step time of the matmuls alone, over ``chunks`` timed chunks of many steps."""
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+
+    def step() -> None:
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+
+    with torch.inference_mode():
+        step()
+        start = time.perf_counter()
+        step()
+        reps = max(3, int(chunk_seconds / max(time.perf_counter() - start, 1e-6)))
+        best = float("inf")
+        for _ in range(chunks):
+            start = time.perf_counter()
+            for _ in range(reps):
+                step()
+            best = min(best, (time.perf_counter() - start) / reps)
+    return best
+
+
+def measure_decode(
+    runners: dict[str, Runner], batch: int, args: argparse.Namespace, vocab: int
+) -> dict[str, Any]:
+    n, seed = args.new_tokens, 1000 * batch
+
+    def prompts(k: int) -> list[list[int]]:
+        return make_prompts(seed + k, batch, args.prompt_len, vocab)
+
+    for run in runners.values():
+        run(prompts(0), n)  # warm-up
+    full: dict[str, list[float]] = {name: [] for name in runners}
+    first: dict[str, list[float]] = {name: [] for name in runners}
+    tokens: dict[str, list[list[int]]] = {}
+    for rep in range(args.repeats):
+        for name, run in runners.items():  # interleaved: load drift hits both alike
+            elapsed, tokens[name] = run(prompts(2 * rep + 1), n)
+            full[name].append(elapsed)
+            first[name].append(run(prompts(2 * rep + 2), 1)[0])
+    result: dict[str, Any] = {"batch": batch}
+    for name in runners:
+        step = (min(full[name]) - min(first[name])) / (n - 1)
+        result[f"{name}_step_ms"] = 1e3 * step
+        result[f"{name}_tok_s"] = batch / step if step > 0 else float("nan")
+    same = sum(a == b for a, b in zip(tokens["engine"], tokens["hf"], strict=True))
+    result["greedy_match"] = same / batch
+    return result
+
+
+def measure_prefill(
+    runners: dict[str, Runner], args: argparse.Namespace, vocab: int
+) -> dict[str, float]:
+    result: dict[str, float] = {"tokens": args.prefill_len}
+    for run in runners.values():
+        run(make_prompts(7, 1, args.prefill_len, vocab), 1)  # warm-up
+    for name, run in runners.items():
+        best = min(
+            run(make_prompts(8 + rep, 1, args.prefill_len, vocab), 1)[0]
+            for rep in range(args.repeats)
+        )
+        result[f"{name}_tok_s"] = args.prefill_len / best
+    result["ratio"] = result["engine_tok_s"] / result["hf_tok_s"]
+    return result
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(
+        f"\nmodel {report['model']} (float32, CPU, {report['threads']} threads); decode: "
+        f"{report['prompt_len']}-token prompts, {report['new_tokens']} new tokens, greedy; "
+        f"best of {report['repeats']}"
+    )
+    header = (
+        f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'eng/HF':>7} "
+        f"{'roofline tok/s':>15} {'eng/roof':>9} {'HF/roof':>8} {'greedy=':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in report["decode"]:
+        print(
+            f"{r['batch']:>5} {r['engine_tok_s']:>13.1f} {r['hf_tok_s']:>10.1f} "
+            f"{r['engine_over_hf']:>6.2f}x {r['roofline_tok_s']:>15.1f} "
+            f"{r['engine_over_roofline']:>8.1%} {r['hf_over_roofline']:>8.1%} "
+            f"{r['greedy_match']:>8.0%}"
+        )
+    pf = report["prefill"]
+    print(
+        f"\nprefill ({pf['tokens']}-token prompt): engine {pf['engine_tok_s']:.1f} tok/s, "
+        f"HF {pf['hf_tok_s']:.1f} tok/s, engine/HF {pf['ratio']:.2f}x\n"
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    model_dir = ensure_model(args)
+    cfg: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    vocab = int(cfg["vocab_size"])
+    batch_sizes = [int(b) for b in str(args.batch_sizes).split(",")]
+    per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
+    # Sized to the workload (the default CPU budget is a 2 GiB cache this run never touches).
+    num_blocks = 2 * max(max(batch_sizes) * per_seq, -(-(args.prefill_len + 1) // BLOCK_SIZE))
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max(2048, args.prefill_len),
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runners = {"engine": engine_runner(llm), "hf": hf_runner(hf, int(cfg["pad_token_id"]))}
+    weights = [torch.randn(o, i) for o, i in gemm_shapes(cfg)]
+    chunk_seconds = 0.02 if args.quick else 0.3
+
+    decode: list[dict[str, Any]] = []
+    for batch in batch_sizes:
+        print(f"decode batch {batch} ...", flush=True)
+        r = measure_decode(runners, batch, args, vocab)
+        roof = roofline_step_seconds(weights, batch, max(3, args.repeats), chunk_seconds)
+        r["roofline_step_ms"] = 1e3 * roof
+        r["roofline_tok_s"] = batch / roof
+        r["engine_over_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
+        r["engine_over_roofline"] = r["engine_tok_s"] / r["roofline_tok_s"]
+        r["hf_over_roofline"] = r["hf_tok_s"] / r["roofline_tok_s"]
+        decode.append(r)
+    print("prefill ...", flush=True)
+    report: dict[str, Any] = {
+        "model": str(model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir),
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "decode_method": "(t(max_tokens=N) - t(max_tokens=1)) / (N - 1), best of repeats",
+        "decode": decode,
+        "prefill": measure_prefill(runners, args, vocab),
+    }
+    print_table(report)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

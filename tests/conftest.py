@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random HF checkpoints (built once per session) and leak-checked engines."""
+
+from __future__ import annotations
+
+import os
+
+# Triton kernels run in the interpreter: there is no GPU on CI.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Callable, Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine import LLM  # noqa: E402
+from pdserve.make_model import make_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Builds (and caches) a tiny checkpoint per distinct set of make_model arguments."""
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[tuple[object, ...], Path] = {}
+
+    def build(arch: str = "llama", **kwargs: object) -> Path:
+        key = (arch, *sorted(kwargs.items()))
+        if key not in cache:
+            out = root / f"{arch}-{len(cache)}"
+            cache[key] = make_model(out, arch, "tiny", **kwargs)  # type: ignore[arg-type]
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_factory: Callable[..., Path]) -> Path:
+    return model_factory("llama")
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    """Creates engines and, after the test, asserts each one leaked no KV block."""
+    engines: list[LLM] = []
+
+    def create(model: Path | str, **kwargs: object) -> LLM:
+        llm = LLM(str(model), **kwargs)  # type: ignore[arg-type]
+        engines.append(llm)
+        return llm
+
+    yield create
+    for llm in engines:
+        assert not llm.engine.pinned, f"pinned requests left: {list(llm.engine.pinned)}"
+        llm.engine.block_manager.check_no_leaks()

@@ -1,0 +1,33 @@
+"""The `pdserve` console script: make-model then demo, as `make demo` runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pdserve.cli import main
+
+
+def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
+    model_dir = tmp_path / "demo-model"
+    exe = Path(sys.executable).parent / "pdserve"
+    made = subprocess.run(
+        [str(exe), "make-model", str(model_dir), "--arch", "qwen2", "--seed", "3"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    assert "wrote qwen2/tiny" in made.stdout
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
+        "Qwen2ForCausalLM"
+    ]
+    demo = subprocess.run(
+        [str(exe), "demo", "--model", str(model_dir), "--max-tokens", "5"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    assert demo.stdout.count("[5 tokens, TTFT") == 3
+
+
+def test_errors_are_reported_without_traceback(tmp_path: Path, capsys) -> None:
+    assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
+    assert "config.json" in capsys.readouterr().err
