@@ -152,15 +152,24 @@ def paged_attention(
 
             outputs.append(
                 paged_decode_attention(
-                    decode_query, k_cache, v_cache, meta.decode_block_tables,
-                    meta.decode_context_lens, scale,
+                    decode_query,
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    scale,
                 )
             )
         else:
             outputs.append(
                 paged_decode_attention_torch(
-                    decode_query, k_cache, v_cache, meta.decode_block_tables,
-                    meta.decode_context_lens, meta.decode_max_context_len, scale,
+                    decode_query,
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                    meta.decode_max_context_len,
+                    scale,
                 )
             )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -102,7 +102,9 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_computed_tokens = num_computed
-        seq.num_registered_blocks = len(seq.block_table)
+        if cached_block_ids:
+            # Hits are published already; only blocks computed from here on need registering.
+            seq.num_registered_blocks = len(seq.block_table)
         for _ in range(num_new_blocks):
             seq.block_table.append(self._pop_free())
         return True

@@ -37,7 +37,10 @@ class EngineCore:
         )
         self.root_hash = root_hash(self.fingerprint)
         self.model = build_model(
-            self.model_config, model_dir, torch_dtype(config.dtype), self.device,
+            self.model_config,
+            model_dir,
+            torch_dtype(config.dtype),
+            self.device,
             self.max_model_len,
         )
         mc = self.model_config
@@ -57,8 +60,11 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, use_triton)
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
-            mc.architecture, self.num_blocks, self.block_size,
-            self.num_blocks * self.kv_layout.block_bytes / 2**20, self.max_model_len,
+            mc.architecture,
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.kv_layout.block_bytes / 2**20,
+            self.max_model_len,
         )
         self._init_state()
 
@@ -112,8 +118,9 @@ class EngineCore:
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt is text but the model has no tokenizer.json; "
-                                 "pass prompt_token_ids")
+                raise ValueError(
+                    "prompt is text but the model has no tokenizer.json; pass prompt_token_ids"
+                )
             token_ids = self.tokenizer.encode(prompt)
             name = "prompt"
         else:
@@ -124,7 +131,6 @@ class EngineCore:
             raise ValueError(f"{name} is empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(
-                f"{name} has {len(token_ids)} tokens, more than max_model_len "
-                f"{self.max_model_len}"
+                f"{name} has {len(token_ids)} tokens, more than max_model_len {self.max_model_len}"
             )
         return token_ids

@@ -45,8 +45,14 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         self.tensor = torch.zeros(
-            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
-            layout.head_dim, dtype=_DTYPES[layout.dtype], device=device,
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=_DTYPES[layout.dtype],
+            device=device,
         )
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:

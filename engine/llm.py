@@ -61,7 +61,8 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            prompt_list: list[str | list[int]] = list(prompts)
+            for prompt, params in zip(prompt_list, params_list, strict=True):
                 token_ids = self.engine.validate_prompt(prompt)
                 request_id = self.engine.add_request(token_ids, params)
                 outputs[request_id] = RequestOutput(request_id, token_ids)

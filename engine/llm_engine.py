@@ -98,13 +98,15 @@ class LLMEngine(EngineCore):
         for s in out.scheduled:
             seq = s.seq
             self.num_prompt_tokens_computed += max(
-                0, min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens)
+                0,
+                min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens)
                 - seq.num_computed_tokens,
             )
             seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed_blocks(seq)
-        for s, token_id, logprobs in zip(samplers, samples.token_ids, samples.logprobs,
-                                         strict=True):
+        for s, token_id, logprobs in zip(
+            samplers, samples.token_ids, samples.logprobs, strict=True
+        ):
             update = self._append_token(self._requests[s.seq.request_id], token_id, logprobs)
             if update is not None:
                 updates.append(update)
@@ -137,8 +139,10 @@ class LLMEngine(EngineCore):
         self, seq: Sequence, token_id: int, stop_string: bool
     ) -> SequenceStatus | None:
         p = seq.params
-        if stop_string or token_id in p.stop_ids or (
-            not p.ignore_eos and token_id in self.model_config.eos_token_ids
+        if (
+            stop_string
+            or token_id in p.stop_ids
+            or (not p.ignore_eos and token_id in self.model_config.eos_token_ids)
         ):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -185,9 +189,7 @@ class LLMEngine(EngineCore):
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, seq.params.stop_strings
-        )
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop_strings)
 
     def _hash(self, seq: Sequence) -> None:
         if self.config.cache.enable_prefix_caching:

@@ -54,7 +54,7 @@ def _targets(model: LlamaFamilyForCausalLM) -> dict[str, _Target]:
     }
     if not cfg.tie_word_embeddings:
         targets["lm_head.weight"] = _Target(model.lm_head, 0)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers()):
         p = f"model.layers.{i}."
         attn = layer.self_attn
         targets[p + "input_layernorm.weight"] = _Target(layer.input_layernorm.weight, 0)
@@ -137,7 +137,10 @@ def model_fingerprint(config: ModelConfig, weights_id: str, dtype: str, block_si
 
 
 def build_model(
-    config: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+    config: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
     max_positions: int,
 ) -> LlamaFamilyForCausalLM:
     with torch.device(device):

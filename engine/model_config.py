@@ -76,8 +76,16 @@ class ModelConfig:
     sliding_window: int | None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_q_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"config.json: {name} must be >= 1, got {getattr(self, name)}")
         if self.num_q_heads % self.num_kv_heads:
@@ -122,10 +130,13 @@ class ModelConfig:
         hidden_size = _int(raw, "hidden_size")
         head_dim = raw.get("head_dim") or hidden_size // num_q_heads
         sliding_window = None
-        if traits.has_sliding_window and raw.get("sliding_window"):
-            # Qwen declares a window but only applies it when use_sliding_window is true.
-            if raw.get("use_sliding_window", architecture == "MistralForCausalLM"):
-                sliding_window = int(raw["sliding_window"])
+        # Qwen declares a window but only applies it when use_sliding_window is true.
+        if (
+            traits.has_sliding_window
+            and raw.get("sliding_window")
+            and raw.get("use_sliding_window", architecture == "MistralForCausalLM")
+        ):
+            sliding_window = int(raw["sliding_window"])
         eos_ids = _token_ids(raw.get("eos_token_id")) + _token_ids(
             (generation or {}).get("eos_token_id")
         )

@@ -62,9 +62,7 @@ class ModelRunner:
         with torch.inference_mode():
             return ordered, self.model.compute_logits(hidden)  # [num_tokens, vocab]
 
-    def _forward(
-        self, scheduled: list[ScheduledSeq]
-    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+    def _forward(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
         # Prefill chunks first, then single-token steps: the decode part is one batched call.
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         decodes = [s for s in scheduled if s.num_new_tokens == 1]

@@ -56,7 +56,7 @@ class Sampler:
         return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, requests))
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        num_rows, vocab = logits.shape
+        vocab = logits.shape[-1]
         greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         temps = torch.tensor(
             [r.params.temperature if not r.params.greedy else 1.0 for r in requests],

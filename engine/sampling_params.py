@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
@@ -22,12 +23,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         _check_int("top_k", self.top_k, minimum=-1)
-        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=0)
@@ -35,10 +36,14 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
-        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
-        if any(not isinstance(s, str) or not s for s in stop):
+        stop = (
+            () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        )
+        if not isinstance(stop, list | tuple) or any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(stop_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {stop_ids!r}")
         for token_id in stop_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         # Normalised to tuples so the object stays immutable and hashable.
@@ -56,6 +61,10 @@ class SamplingParams:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(self.stop_token_ids or ())
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

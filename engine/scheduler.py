@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -83,9 +82,12 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only thrash the cache.
-        if out.preempted:
-            return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[0]
             hits = self.block_manager.cached_prefix(seq)
             num_computed = len(hits) * self.block_manager.block_size

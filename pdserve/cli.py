@@ -55,7 +55,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument(
-        "--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
+        "--log-level",
+        default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
         help="logging level (env PDSERVE_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,8 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_cmd_make_model)
 
     demo = sub.add_parser("demo", help="stream generations from the offline engine")
-    demo.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"), required=
-                      "PDSERVE_MODEL" not in os.environ, help="model directory (env PDSERVE_MODEL)")
+    demo.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL"),
+        required="PDSERVE_MODEL" not in os.environ,
+        help="model directory (env PDSERVE_MODEL)",
+    )
     demo.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "float32"))
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=_cmd_demo)

@@ -7,13 +7,13 @@ import os
 # Triton kernels run in the interpreter: there is no GPU on CI.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from collections.abc import Callable, Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
-from engine import LLM  # noqa: E402
-from pdserve.make_model import make_model  # noqa: E402
+from engine import LLM
+from pdserve.make_model import make_model
 
 
 @pytest.fixture(scope="session")

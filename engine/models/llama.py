@@ -6,6 +6,8 @@ They differ only in flags carried by ``ModelConfig``. Projections are fused at l
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,12 @@ def _weight(rows: int, cols: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Attention(nn.Module):
+    qkv_proj: nn.Parameter
+    qkv_bias: nn.Parameter | None
+    o_proj: nn.Parameter
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -27,14 +35,19 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = _weight(config.q_size + 2 * config.kv_size, config.hidden_size, dtype)
         self.qkv_bias = (
-            nn.Parameter(torch.zeros(config.q_size + 2 * config.kv_size, dtype=dtype),
-                         requires_grad=False)
+            nn.Parameter(
+                torch.zeros(config.q_size + 2 * config.kv_size, dtype=dtype), requires_grad=False
+            )
             if config.qkv_bias
             else None
         )
         self.o_proj = _weight(config.hidden_size, config.q_size, dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        )
 
     def forward(
         self,
@@ -59,6 +72,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+    mlp: GatedMLP
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -79,6 +97,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyForCausalLM(nn.Module):
+    embed_tokens: nn.Parameter
+    lm_head: nn.Parameter
+    norm: RMSNorm
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -93,6 +115,9 @@ class LlamaFamilyForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, dtype)
         )
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def forward(
         self,

@@ -24,7 +24,10 @@ from tests.engine.hf_reference import hf_logits, load_hf
     [("bfloat16", torch.bfloat16, 0.4), ("float16", torch.float16, 0.05)],
 )
 def test_half_precision_logits_close_to_hf(
-    llama_dir: Path, make_llm: Callable[..., LLM], dtype: str, torch_dtype: torch.dtype,
+    llama_dir: Path,
+    make_llm: Callable[..., LLM],
+    dtype: str,
+    torch_dtype: torch.dtype,
     atol: float,
 ) -> None:
     llm = make_llm(llama_dir, dtype=dtype)

@@ -43,8 +43,9 @@ def test_parallel_prefill_equals_token_by_token(
     chunked = _run_chunks(llm, token_ids, chunk=7)  # prefill with cached context
     torch.testing.assert_close(stepwise, parallel, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(chunked, parallel, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(parallel, hf_logits(load_hf(llama_dir), token_ids), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(
+        parallel, hf_logits(load_hf(llama_dir), token_ids), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_prefix_cache_hit_reports_shared_blocks_and_keeps_outputs(
@@ -90,8 +91,9 @@ def test_request_larger_than_cache_finishes_instead_of_hanging(
     llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
     llm = make_llm(llama_dir, block_size=4, num_blocks=4)  # 16 tokens in all
-    out = llm.generate([[5] * 10], SamplingParams(max_tokens=50, temperature=0.0,
-                                                   ignore_eos=True))[0]
+    out = llm.generate([[5] * 10], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length"
     # 16 cached tokens are enough to sample the 17th: 7 new tokens, then no block is left.
     assert len(out.token_ids) == 16 - 10 + 1

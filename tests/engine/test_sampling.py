@@ -28,15 +28,19 @@ def test_seed_gives_same_tokens_regardless_of_batch(
     seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=42, ignore_eos=True)
     alone = llm.generate([prompt], seeded)[0].token_ids
     others = _prompts(6, seed=9)
-    mixed_params = [SamplingParams(max_tokens=n, temperature=0.7, ignore_eos=True)
-                    for n in (3, 30, 5, 12, 24, 7)]
+    mixed_params = [
+        SamplingParams(max_tokens=n, temperature=0.7, ignore_eos=True)
+        for n in (3, 30, 5, 12, 24, 7)
+    ]
     batch = llm.generate([*others, prompt], [*mixed_params, seeded])
     assert batch[-1].token_ids == alone
-    other_seed = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=43,
-                                                       ignore_eos=True))[0].token_ids
+    other_seed = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=43, ignore_eos=True)
+    )[0].token_ids
     assert other_seed != alone
-    greedy = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0,
-                                                   ignore_eos=True))[0].token_ids
+    greedy = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )[0].token_ids
     assert greedy != alone  # temperature 1 on a random model really samples
 
 
@@ -50,15 +54,16 @@ def test_filters_that_keep_one_token_equal_greedy(
 ) -> None:
     llm = make_llm(llama_dir)
     prompts = _prompts(4)
-    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
-                                                  ignore_eos=True))
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     filtered = llm.generate(
         prompts, SamplingParams(max_tokens=12, temperature=1.5, ignore_eos=True, **filters)
     )
     assert [o.token_ids for o in filtered] == [o.token_ids for o in greedy]
 
 
-def test_top_k_restricts_samples_to_the_k_best(llama_dir: Path, make_llm: Callable[..., LLM]) -> None:
+def test_top_k_restricts_samples_to_the_k_best(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
     llm = make_llm(llama_dir)
     hf = load_hf(llama_dir)
     prompt = _prompts(1, seed=11)[0]
@@ -71,8 +76,9 @@ def test_top_k_restricts_samples_to_the_k_best(llama_dir: Path, make_llm: Callab
 def test_logprobs_match_hf_log_softmax(llama_dir: Path, make_llm: Callable[..., LLM]) -> None:
     llm = make_llm(llama_dir)
     prompt = _prompts(1, seed=12)[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, logprobs=5,
-                                                ignore_eos=True))[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, ignore_eos=True)
+    )[0]
     assert len(out.logprobs) == 3
     ref = torch.log_softmax(hf_logits(load_hf(llama_dir), prompt + out.token_ids[:2]), dim=-1)
     for i, lp in enumerate(out.logprobs):
@@ -87,20 +93,24 @@ def test_logprobs_match_hf_log_softmax(llama_dir: Path, make_llm: Callable[..., 
 def test_stop_token_ids_and_stop_strings(llama_dir: Path, make_llm: Callable[..., LLM]) -> None:
     llm = make_llm(llama_dir)
     prompt = "The weather today"
-    free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
-                                                 ignore_eos=True))[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert free.finish_reason == "length" and len(free.token_ids) == 30
     stop_id = free.token_ids[6]
     first_index = free.token_ids.index(stop_id)
-    by_id = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
-                                                  ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    by_id = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
+    )[0]
     assert by_id.finish_reason == "stop"
     assert by_id.token_ids == free.token_ids[: first_index + 1]
     # A stop string taken from the middle of the free-running text.
     stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
     assert stop.strip()
-    by_text = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
-                                                    ignore_eos=True, stop=[stop]))[0]
+    by_text = llm.generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0]
     assert by_text.finish_reason == "stop"
     assert by_text.text == free.text[: free.text.index(stop)]
     assert stop not in by_text.text
@@ -111,8 +121,9 @@ def test_eos_from_generation_config_stops_unless_ignored(
 ) -> None:
     prompt = _prompts(1, seed=13)[0]
     params = SamplingParams(max_tokens=20, temperature=0.0)
-    free = make_llm(llama_dir).generate([prompt], SamplingParams(max_tokens=20, temperature=0.0,
-                                                                 ignore_eos=True))[0]
+    free = make_llm(llama_dir).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )[0]
     eos = free.token_ids[4]
     model_dir = tmp_path / "eos-model"
     shutil.copytree(llama_dir, model_dir)
@@ -122,8 +133,9 @@ def test_eos_from_generation_config_stops_unless_ignored(
     stopped = llm.generate([prompt], params)[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
-    ignored = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0,
-                                                    ignore_eos=True))[0]
+    ignored = llm.generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    )[0]
     assert ignored.token_ids == free.token_ids
 
 
@@ -147,7 +159,10 @@ def test_text_prompt_and_text_output(llama_dir: Path, make_llm: Callable[..., LL
     ],
 )
 def test_bad_prompts_name_the_field(
-    llama_dir: Path, make_llm: Callable[..., LLM], prompt: object, params: SamplingParams,
+    llama_dir: Path,
+    make_llm: Callable[..., LLM],
+    prompt: object,
+    params: SamplingParams,
     field: str,
 ) -> None:
     llm = make_llm(llama_dir)

@@ -15,7 +15,10 @@ def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "pdserve"
     made = subprocess.run(
         [str(exe), "make-model", str(model_dir), "--arch", "qwen2", "--seed", "3"],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert "wrote qwen2/tiny" in made.stdout
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
@@ -23,7 +26,10 @@ def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
     ]
     demo = subprocess.run(
         [str(exe), "demo", "--model", str(model_dir), "--max-tokens", "5"],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert demo.stdout.count("[5 tokens, TTFT") == 3
 
