@@ -19,6 +19,7 @@ the tiny model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -30,10 +31,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine import LLM, SamplingParams
+from engine.models.linear import Linear
 from pdserve.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FULL = {
     "batch_sizes": "1,8,32",
     "prompt_len": 64,
@@ -65,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", choices=("tiny", "small"), help="checkpoint size (default small)")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--quick", action="store_true", help="tiny model and sizes (CI smoke)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default float32")
     args = p.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -104,7 +109,7 @@ def engine_runner(llm: LLM) -> Runner:
 
 def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
     def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
-        ids = torch.tensor(prompts, dtype=torch.long)
+        ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():
             start = time.perf_counter()
@@ -142,14 +147,22 @@ def gemm_shapes(cfg: dict[str, Any]) -> list[tuple[int, int]]:
 
 
 def roofline_step_seconds(
-    weights: list[torch.Tensor], batch: int, chunks: int, chunk_seconds: float
+    matmuls: list[Callable[[torch.Tensor], torch.Tensor]],
+    in_features: list[int],
+    batch: int,
+    chunks: int,
+    chunk_seconds: float,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> float:
     """Best per-step time of the matmuls alone, over ``chunks`` timed chunks of many steps."""
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    inputs = {k: torch.randn(batch, k, device=device, dtype=dtype) for k in set(in_features)}
 
     def step() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for matmul, k in zip(matmuls, in_features, strict=True):
+            matmul(inputs[k])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     with torch.inference_mode():
         step()
@@ -163,6 +176,23 @@ def roofline_step_seconds(
                 step()
             best = min(best, (time.perf_counter() - start) / reps)
     return best
+
+
+def roofline_matmuls(
+    shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype, packed: bool
+) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Plain ``F.linear`` (the spec's roofline), or the engine's own GEMM layer (prepacked)."""
+    matmuls: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features, device=device, dtype=dtype)
+        if not packed:
+            matmuls.append(functools.partial(F.linear, weight=weight))
+            continue
+        layer = Linear(out_features, in_features, dtype)
+        layer.weight.data = weight
+        layer.prepack()
+        matmuls.append(layer)
+    return matmuls
 
 
 def measure_decode(
@@ -199,25 +229,28 @@ def measure_prefill(
     result: dict[str, float] = {"tokens": args.prefill_len}
     for run in runners.values():
         run(make_prompts(7, 1, args.prefill_len, vocab), 1)  # warm-up
-    for name, run in runners.items():
-        best = min(
-            run(make_prompts(8 + rep, 1, args.prefill_len, vocab), 1)[0]
-            for rep in range(args.repeats)
-        )
-        result[f"{name}_tok_s"] = args.prefill_len / best
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for rep in range(args.repeats):
+        prompt = make_prompts(8 + rep, 1, args.prefill_len, vocab)
+        for name, run in runners.items():  # interleaved, like decode
+            times[name].append(run(prompt, 1)[0])
+    for name, elapsed in times.items():
+        result[f"{name}_tok_s"] = args.prefill_len / min(elapsed)
     result["ratio"] = result["engine_tok_s"] / result["hf_tok_s"]
     return result
 
 
 def print_table(report: dict[str, Any]) -> None:
     print(
-        f"\nmodel {report['model']} (float32, CPU, {report['threads']} threads); decode: "
+        f"\nmodel {report['model']} ({report['dtype']}, {report['device']}, "
+        f"{report['threads']} threads); decode: "
         f"{report['prompt_len']}-token prompts, {report['new_tokens']} new tokens, greedy; "
         f"best of {report['repeats']}"
     )
     header = (
         f"{'batch':>5} {'engine tok/s':>13} {'HF tok/s':>10} {'eng/HF':>7} "
-        f"{'roofline tok/s':>15} {'eng/roof':>9} {'HF/roof':>8} {'greedy=':>8}"
+        f"{'roofline tok/s':>15} {'eng/roof':>9} {'HF/roof':>8} "
+        f"{'packed roof':>12} {'eng/packed':>11} {'greedy=':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -226,6 +259,7 @@ def print_table(report: dict[str, Any]) -> None:
             f"{r['batch']:>5} {r['engine_tok_s']:>13.1f} {r['hf_tok_s']:>10.1f} "
             f"{r['engine_over_hf']:>6.2f}x {r['roofline_tok_s']:>15.1f} "
             f"{r['engine_over_roofline']:>8.1%} {r['hf_over_roofline']:>8.1%} "
+            f"{r['packed_roofline_tok_s']:>12.1f} {r['engine_over_packed_roofline']:>10.1%} "
             f"{r['greedy_match']:>8.0%}"
         )
     pf = report["prefill"]
@@ -244,34 +278,46 @@ def main() -> None:
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     # Sized to the workload (the default CPU budget is a 2 GiB cache this run never touches).
     num_blocks = 2 * max(max(batch_sizes) * per_seq, -(-(args.prefill_len + 1) // BLOCK_SIZE))
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
     llm = LLM(
         str(model_dir),
-        dtype="float32",
-        device="cpu",
+        dtype=args.dtype,
+        device=args.device,
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
         max_num_batched_tokens=max(2048, args.prefill_len),
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    hf.to(device)  # type: ignore[arg-type]
+    hf.eval()
     runners = {"engine": engine_runner(llm), "hf": hf_runner(hf, int(cfg["pad_token_id"]))}
-    weights = [torch.randn(o, i) for o, i in gemm_shapes(cfg)]
+    shapes = gemm_shapes(cfg)
+    in_features = [i for _, i in shapes]
+    rooflines = {
+        "roofline": roofline_matmuls(shapes, device, dtype, packed=False),
+        "packed_roofline": roofline_matmuls(shapes, device, dtype, packed=True),
+    }
     chunk_seconds = 0.02 if args.quick else 0.3
 
     decode: list[dict[str, Any]] = []
     for batch in batch_sizes:
         print(f"decode batch {batch} ...", flush=True)
         r = measure_decode(runners, batch, args, vocab)
-        roof = roofline_step_seconds(weights, batch, max(3, args.repeats), chunk_seconds)
-        r["roofline_step_ms"] = 1e3 * roof
-        r["roofline_tok_s"] = batch / roof
+        for name, matmuls in rooflines.items():
+            roof = roofline_step_seconds(
+                matmuls, in_features, batch, max(3, args.repeats), chunk_seconds, device, dtype
+            )
+            r[f"{name}_step_ms"] = 1e3 * roof
+            r[f"{name}_tok_s"] = batch / roof
+            r[f"engine_over_{name}"] = r["engine_tok_s"] / r[f"{name}_tok_s"]
         r["engine_over_hf"] = r["engine_tok_s"] / r["hf_tok_s"]
-        r["engine_over_roofline"] = r["engine_tok_s"] / r["roofline_tok_s"]
         r["hf_over_roofline"] = r["hf_tok_s"] / r["roofline_tok_s"]
         decode.append(r)
     print("prefill ...", flush=True)
     report: dict[str, Any] = {
         "model": str(model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir),
-        "dtype": "float32",
+        "dtype": args.dtype,
+        "device": args.device,
         "threads": torch.get_num_threads(),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.config import AttentionBackend
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -34,7 +36,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor  # [num_decodes] int32
     decode_max_context_len: int
-    use_triton: bool = False
+    backend: AttentionBackend = AttentionBackend.TORCH
+    # Torch decode path, built once per step instead of once per layer:
+    decode_gather_table: torch.Tensor | None = None  # [num_decodes, num_ctx_blocks] int64
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, num_ctx_blocks * block_size]
 
     @property
     def num_decodes(self) -> int:
@@ -53,29 +58,39 @@ def store_kv_torch(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def decode_gather_inputs(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    max_context_len: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block indices to gather and the padding mask, shared by every layer of a step."""
+    num_blocks = -(-max_context_len // block_size)
+    table = block_tables[:, :num_blocks].long()  # [num_seqs, num_blocks]
+    positions = torch.arange(num_blocks * block_size, device=block_tables.device)
+    mask = positions[None, :] < context_lens[:, None]  # [num_seqs, padded_len]
+    return table, mask[:, None, None, :]
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    context_lens: torch.Tensor,  # [num_seqs] int32
-    max_context_len: int,
+    table: torch.Tensor,  # [num_seqs, num_ctx_blocks] int64
+    mask: torch.Tensor,  # [num_seqs, 1, 1, num_ctx_blocks * block_size] bool
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     num_seqs, num_q_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-max_context_len // block_size)
-    table = block_tables[:, :num_blocks].long()
+    num_kv_heads = k_cache.shape[2]
+    padded_len = mask.shape[-1]
     # Gathering whole blocks copies contiguous runs of block_size * heads * head_dim elements.
-    keys = k_cache[table].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    values = v_cache[table].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    positions = torch.arange(num_blocks * block_size, device=query.device)
-    mask = positions[None, :] < context_lens[:, None]  # [num_seqs, padded_len]
+    keys = k_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim)
+    values = v_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [num_seqs, num_q_heads, 1, head_dim]
         keys.transpose(1, 2),  # [num_seqs, num_kv_heads, padded_len, head_dim]
         values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+        attn_mask=mask,
         scale=scale,
         enable_gqa=num_q_heads != num_kv_heads,
     )
@@ -91,14 +106,15 @@ def prefill_attention(
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_q_heads, head_dim]
+    # 4-D inputs: torch's fused CPU attention kernel does not take 3-D ones (math fallback).
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
-    q = query.transpose(0, 1)  # [num_q_heads, query_len, head_dim]
+    q = query.transpose(0, 1)[None]  # [1, num_q_heads, query_len, head_dim]
     if span.context_len == span.query_len:
         # No cached context: the chunk's own K/V are the whole sequence.
-        k, v = key.transpose(0, 1), value.transpose(0, 1)
+        k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
-        ).transpose(0, 1)
+        )[0].transpose(0, 1)
     head_dim = key.shape[2]
     k = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
     v = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
@@ -108,12 +124,12 @@ def prefill_attention(
     mask = torch.arange(span.context_len, device=query.device)[None, :] <= rows
     return F.scaled_dot_product_attention(
         q,
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        k.transpose(0, 1)[None],  # [1, num_kv_heads, context_len, head_dim]
+        v.transpose(0, 1)[None],
         attn_mask=mask,
         scale=scale,
         enable_gqa=num_q_heads != num_kv_heads,
-    ).transpose(0, 1)
+    )[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -125,7 +141,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    if meta.use_triton:
+    if meta.backend is AttentionBackend.TRITON:
         from engine.kernels import store_kv
 
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -146,30 +162,32 @@ def paged_attention(
             )
         )
     if meta.num_decodes:
-        decode_query = query[meta.num_prefill_tokens :]
-        if meta.use_triton:
-            from engine.kernels import paged_decode_attention
-
-            outputs.append(
-                paged_decode_attention(
-                    decode_query,
-                    k_cache,
-                    v_cache,
-                    meta.decode_block_tables,
-                    meta.decode_context_lens,
-                    scale,
-                )
-            )
-        else:
-            outputs.append(
-                paged_decode_attention_torch(
-                    decode_query,
-                    k_cache,
-                    v_cache,
-                    meta.decode_block_tables,
-                    meta.decode_context_lens,
-                    meta.decode_max_context_len,
-                    scale,
-                )
-            )
+        outputs.append(
+            _decode_attention(query[meta.num_prefill_tokens :], k_cache, v_cache, meta, scale)
+        )
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [num_decodes, num_q_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    if meta.backend is AttentionBackend.TRITON:
+        from engine.kernels import paged_decode_attention
+
+        return paged_decode_attention(
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    if meta.backend is AttentionBackend.CPU:
+        from engine.kernels.cpu import paged_decode_attention_cpu
+
+        return paged_decode_attention_cpu(
+            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    assert meta.decode_gather_table is not None and meta.decode_mask is not None
+    return paged_decode_attention_torch(
+        query, k_cache, v_cache, meta.decode_gather_table, meta.decode_mask, scale
+    )

@@ -5,9 +5,18 @@ Only the CLI/settings layer reads argv or the environment; everything below take
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from engine.model_config import DTYPE_NAMES
+
+
+class AttentionBackend(enum.Enum):
+    """How decode attention and KV stores run (prefill always uses torch SDPA)."""
+
+    TORCH = "torch"  # portable: gather blocks, then scaled_dot_product_attention
+    TRITON = "triton"  # CUDA kernels (also runs under TRITON_INTERPRET=1 on CPU, for tests)
+    CPU = "cpu"  # native C++ kernel for CPU float32, compiled on first use
 
 
 @dataclass(frozen=True)
@@ -50,8 +59,8 @@ class EngineConfig:
     device: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    # Use the Triton kernels for decode attention and KV stores (default: on CUDA only).
-    use_triton: bool | None = None
+    # None: TRITON on CUDA, CPU on CPU float32 (falls back to TORCH if it cannot be built).
+    attention_backend: AttentionBackend | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

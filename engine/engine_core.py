@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from engine.block_hash import root_hash
-from engine.config import EngineConfig
+from engine.config import AttentionBackend, EngineConfig
+from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
 from engine.loader import build_model, model_fingerprint, weights_identity
 from engine.model_config import ModelConfig
@@ -54,22 +55,38 @@ class EngineCore:
         )
         self.num_blocks = self._num_blocks()
         self.kv_cache = KVCache(self.kv_layout, self.num_blocks, self.device)
-        use_triton = config.use_triton
-        if use_triton is None:
-            use_triton = self.device.type == "cuda"
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, use_triton)
+        self.attention_backend = self._attention_backend()
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend)
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
+            "attention %s",
             mc.architecture,
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.kv_layout.block_bytes / 2**20,
             self.max_model_len,
+            self.attention_backend.value,
         )
         self._init_state()
 
     def _init_state(self) -> None:
         """Subclasses set up scheduling state here."""
+
+    def _attention_backend(self) -> AttentionBackend:
+        requested = self.config.attention_backend
+        native_ok = self.device.type == "cpu" and self.config.dtype == "float32"
+        if requested is None:
+            if self.device.type == "cuda":
+                return AttentionBackend.TRITON
+            if native_ok and load_cpu_kernels():
+                return AttentionBackend.CPU
+            return AttentionBackend.TORCH
+        if requested is AttentionBackend.CPU and not (native_ok and load_cpu_kernels()):
+            raise ValueError(
+                "attention_backend 'cpu' needs device cpu, dtype float32 and a C++ compiler "
+                f"(device {self.device.type}, dtype {self.config.dtype})"
+            )
+        return requested
 
     def _max_model_len(self) -> int:
         mc = self.model_config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -23,7 +23,7 @@ class LLM:
         device: str | None = None,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
-        use_triton: bool | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -39,7 +39,9 @@ class LLM:
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
                 ),
-                use_triton=use_triton,
+                attention_backend=(
+                    AttentionBackend(attention_backend) if attention_backend else None
+                ),
             )
         )
 

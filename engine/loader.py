@@ -53,7 +53,7 @@ def _targets(model: LlamaFamilyForCausalLM) -> dict[str, _Target]:
         "model.norm.weight": _Target(model.norm.weight, 0),
     }
     if not cfg.tie_word_embeddings:
-        targets["lm_head.weight"] = _Target(model.lm_head, 0)
+        targets["lm_head.weight"] = _Target(model.lm_head.weight, 0)
     for i, layer in enumerate(model.decoder_layers()):
         p = f"model.layers.{i}."
         attn = layer.self_attn
@@ -63,16 +63,17 @@ def _targets(model: LlamaFamilyForCausalLM) -> dict[str, _Target]:
         )
         offsets = {"q": 0, "k": cfg.q_size, "v": cfg.q_size + cfg.kv_size}
         for name, start in offsets.items():
-            targets[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj, start)
-            if attn.qkv_bias is not None:
-                targets[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_bias, start)
-        targets[p + "self_attn.o_proj.weight"] = _Target(attn.o_proj, 0)
+            targets[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj.weight, start)
+            if attn.qkv_proj.bias is not None:
+                targets[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_proj.bias, start)
+        targets[p + "self_attn.o_proj.weight"] = _Target(attn.o_proj.weight, 0)
         if attn.q_norm is not None and attn.k_norm is not None:
             targets[p + "self_attn.q_norm.weight"] = _Target(attn.q_norm.weight, 0)
             targets[p + "self_attn.k_norm.weight"] = _Target(attn.k_norm.weight, 0)
-        targets[p + "mlp.gate_proj.weight"] = _Target(layer.mlp.gate_up_proj, 0)
-        targets[p + "mlp.up_proj.weight"] = _Target(layer.mlp.gate_up_proj, cfg.intermediate_size)
-        targets[p + "mlp.down_proj.weight"] = _Target(layer.mlp.down_proj, 0)
+        mlp = layer.mlp
+        targets[p + "mlp.gate_proj.weight"] = _Target(mlp.gate_up_proj.weight, 0)
+        targets[p + "mlp.up_proj.weight"] = _Target(mlp.gate_up_proj.weight, cfg.intermediate_size)
+        targets[p + "mlp.down_proj.weight"] = _Target(mlp.down_proj.weight, 0)
     return targets
 
 
@@ -146,4 +147,5 @@ def build_model(
     with torch.device(device):
         model = LlamaFamilyForCausalLM(config, dtype, max_positions)
     load_weights(model, model_dir)
+    model.prepack()
     return model.eval()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan
+from engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
+from engine.config import AttentionBackend
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import Sampler, SampleRequest, SamplerOutput
@@ -22,14 +23,14 @@ class ModelRunner:
         model: LlamaFamilyForCausalLM,
         kv_cache: KVCache,
         device: torch.device,
-        use_triton: bool,
+        backend: AttentionBackend,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
-        self.use_triton = use_triton
+        self.backend = backend
         self.sampler = Sampler(device, seed)
 
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SamplerOutput]:
@@ -122,14 +123,23 @@ class ModelRunner:
             s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table[:width]))
             for s in decodes
         ]
+        block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device).view(
+            len(decodes), width
+        )
+        lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)
+        gather_table = mask = None
+        if decodes and self.backend is AttentionBackend.TORCH:
+            gather_table, mask = decode_gather_inputs(
+                block_tables, lens, max_context, self.block_size
+            )
         return AttentionMetadata(
             slot_mapping=slots,
             prefills=tuple(spans),
             num_prefill_tokens=start,
-            decode_block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device).view(
-                len(decodes), width
-            ),
-            decode_context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
+            decode_block_tables=block_tables,
+            decode_context_lens=lens,
             decode_max_context_len=max_context,
-            use_triton=self.use_triton,
+            backend=self.backend,
+            decode_gather_table=gather_table,
+            decode_mask=mask,
         )

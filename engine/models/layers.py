@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import RopeConfig, RopeScalingType
+from engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +24,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
         dtype = x.dtype
+        if dtype == torch.float32:
+            # Same arithmetic as below in one fused kernel.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -65,15 +69,18 @@ class RotaryEmbedding(nn.Module):
         self.cos: torch.Tensor
         self.sin: torch.Tensor
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [num_tokens] int64
-        q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a step's positions, ``[num_tokens, 1, head_dim]``; once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,14 +94,10 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
-        )
-        self.down_proj = nn.Parameter(
-            torch.empty(hidden_size, intermediate_size, dtype=dtype), requires_grad=False
-        )
+        self.gate_up_proj = Linear(2 * intermediate_size, hidden_size, dtype)
+        self.down_proj = Linear(hidden_size, intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate_up = F.linear(x, self.gate_up_proj)  # [num_tokens, 2 * intermediate]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return self.down_proj(F.silu(gate) * up)

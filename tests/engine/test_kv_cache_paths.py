@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -97,3 +98,26 @@ def test_request_larger_than_cache_finishes_instead_of_hanging(
     assert out.finish_reason == "length"
     # 16 cached tokens are enough to sample the 17th: 7 new tokens, then no block is left.
     assert len(out.token_ids) == 16 - 10 + 1
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_kernel_backends_in_the_engine_match_the_torch_path(
+    llama_dir: Path, make_llm: Callable[..., LLM], backend: str
+) -> None:
+    """The engine wired to the Triton kernels (interpreted on CPU) or the native CPU kernel gives
+    the torch path's tokens and logits."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 18)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    fast = make_llm(llama_dir, attention_backend=backend, block_size=8)
+    torch_path = make_llm(llama_dir, attention_backend="torch", block_size=8)
+    assert fast.engine.attention_backend.value == backend
+    got = fast.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in torch_path.generate(prompts, params)]
+    token_ids = prompts[1] + got[1].token_ids
+    torch.testing.assert_close(
+        _run_chunks(fast, token_ids, chunk=1),
+        _run_chunks(torch_path, token_ids, chunk=1),
+        atol=1e-4,
+        rtol=1e-4,
+    )
