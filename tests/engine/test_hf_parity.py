@@ -96,3 +96,29 @@ def test_chunked_prefill_and_small_batches_match_hf(
 ) -> None:
     # A 7-token budget forces every long prompt through several prefill chunks with context.
     _check_parity(llama_dir, make_llm(llama_dir, max_num_batched_tokens=7, max_num_seqs=3))
+
+
+def test_mistral_matches_hf(make_llm: Callable[..., LLM], tmp_path: Path) -> None:
+    """Mistral is Llama-shaped; make-model does not build it, so save one with transformers."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=None,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.08)
+    model.save_pretrained(str(tmp_path / "mistral"))
+    _check_parity(tmp_path / "mistral", make_llm(tmp_path / "mistral"))
