@@ -140,6 +140,8 @@ class EngineCore:
                 )
             token_ids = self.tokenizer.encode(prompt)
             name = "prompt"
+            # Added tokens of a tokenizer can lie past the model's vocabulary.
+            self.validate_token_ids(token_ids, name)
         else:
             token_ids = list(prompt)
             name = "prompt_token_ids"

@@ -63,14 +63,27 @@ class LLMEngine(EngineCore):
         prefill_only: bool = False,
     ) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests or request_id in self.pinned:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_new_request(request_id, params)
         token_ids = self.validate_prompt(prompt)
         seq = Sequence(request_id, token_ids, params, prefill_only=prefill_only)
         self._hash(seq)
         self._requests[request_id] = _Request(seq, self._detokenizer(seq))
         self.scheduler.add(seq)
         return request_id
+
+    def _check_new_request(self, request_id: str, params: SamplingParams) -> None:
+        """One namespace for ids at every stage, and params checked against this model."""
+        if (
+            request_id in self._requests
+            or request_id in self.pinned
+            or (request_id in self._reserved)
+        ):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.validate_token_ids(list(params.stop_ids), "stop_token_ids")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
+        if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
+            raise ValueError(f"logprobs must be <= vocab_size {self.model_config.vocab_size}")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
@@ -124,28 +137,25 @@ class LLMEngine(EngineCore):
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             req.pending_logprobs.append(logprobs)
+        stop_token = token_id in seq.params.stop_ids or (
+            not seq.params.ignore_eos and token_id in self.model_config.eos_token_ids
+        )
         stop_string = False
-        if req.detokenizer is not None:
+        # A stop token ends the request but, as in vLLM, its text is not part of the output.
+        if req.detokenizer is not None and not stop_token:
             text, stop_string = req.detokenizer.add_token(token_id)
             req.pending_text += text
-        status = self._stop_status(seq, token_id, stop_string)
+        status = self._stop_status(seq, stop_token or stop_string)
         if status is not None:
             return self._finish(req, status)
         if seq.prefill_only:
             return self._pin(req)
         return self._flush(req, None)
 
-    def _stop_status(
-        self, seq: Sequence, token_id: int, stop_string: bool
-    ) -> SequenceStatus | None:
-        p = seq.params
-        if (
-            stop_string
-            or token_id in p.stop_ids
-            or (not p.ignore_eos and token_id in self.model_config.eos_token_ids)
-        ):
+    def _stop_status(self, seq: Sequence, stopped: bool) -> SequenceStatus | None:
+        if stopped:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -155,8 +165,11 @@ class LLMEngine(EngineCore):
         self.scheduler.remove(seq)
         if req.detokenizer is not None:
             req.pending_text += req.detokenizer.finish()
+            if req.detokenizer.stopped and status is SequenceStatus.FINISHED_LENGTH:
+                # The stop string completed inside the last, held-back characters.
+                status = seq.status = SequenceStatus.FINISHED_STOPPED
         del self._requests[seq.request_id]
-        if seq.prefill_only:
+        if seq.prefill_only and seq.num_output_tokens > 0:
             # Finished at its first token, but the caller still owns a release() of the blocks.
             self.pinned[seq.request_id] = seq
         else:
@@ -180,7 +193,10 @@ class LLMEngine(EngineCore):
             new_logprobs=req.pending_logprobs,
             finish_reason=finish_reason,
             num_cached_tokens=max(req.seq.num_cached_tokens, 0),
-            prefilled=prefilled or (req.seq.prefill_only and finish_reason is not None),
+            prefilled=prefilled
+            or (
+                req.seq.prefill_only and finish_reason is not None and req.seq.num_output_tokens > 0
+            ),
         )
         req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
         req.reported_cached = True
@@ -215,8 +231,7 @@ class LLMEngine(EngineCore):
     # ---- disaggregation: decode side -------------------------------------------------------
     def reserve_prefilled(self, request: PrefilledRequest) -> list[int] | None:
         """Allocate blocks for a request prefilled elsewhere; None when the cache is too full."""
-        if request.request_id in self._requests or request.request_id in self._reserved:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._check_new_request(request.request_id, request.params)
         prompt = self.validate_prompt(request.prompt_token_ids)
         self.validate_token_ids([request.first_token_id], "first_token_id")
         seq = Sequence(request.request_id, prompt, request.params)

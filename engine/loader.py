@@ -28,6 +28,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class _Target:
     param: nn.Parameter
     row_start: int
+    rows: int = -1  # -1: the whole parameter
+
+    def destination(self) -> torch.Tensor:
+        rows = self.param.shape[0] if self.rows < 0 else self.rows
+        return self.param.data[self.row_start : self.row_start + rows]
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -61,18 +66,24 @@ def _targets(model: LlamaFamilyForCausalLM) -> dict[str, _Target]:
         targets[p + "post_attention_layernorm.weight"] = _Target(
             layer.post_attention_layernorm.weight, 0
         )
-        offsets = {"q": 0, "k": cfg.q_size, "v": cfg.q_size + cfg.kv_size}
-        for name, start in offsets.items():
-            targets[f"{p}self_attn.{name}_proj.weight"] = _Target(attn.qkv_proj.weight, start)
-            if attn.qkv_proj.bias is not None:
-                targets[f"{p}self_attn.{name}_proj.bias"] = _Target(attn.qkv_proj.bias, start)
+        slices = {
+            "q": (0, cfg.q_size),
+            "k": (cfg.q_size, cfg.kv_size),
+            "v": (cfg.q_size + cfg.kv_size, cfg.kv_size),
+        }
+        for name, (start, rows) in slices.items():
+            qkv = attn.qkv_proj
+            targets[f"{p}self_attn.{name}_proj.weight"] = _Target(qkv.weight, start, rows)
+            if qkv.bias is not None:
+                targets[f"{p}self_attn.{name}_proj.bias"] = _Target(qkv.bias, start, rows)
         targets[p + "self_attn.o_proj.weight"] = _Target(attn.o_proj.weight, 0)
         if attn.q_norm is not None and attn.k_norm is not None:
             targets[p + "self_attn.q_norm.weight"] = _Target(attn.q_norm.weight, 0)
             targets[p + "self_attn.k_norm.weight"] = _Target(attn.k_norm.weight, 0)
         mlp = layer.mlp
-        targets[p + "mlp.gate_proj.weight"] = _Target(mlp.gate_up_proj.weight, 0)
-        targets[p + "mlp.up_proj.weight"] = _Target(mlp.gate_up_proj.weight, cfg.intermediate_size)
+        inter = cfg.intermediate_size
+        targets[p + "mlp.gate_proj.weight"] = _Target(mlp.gate_up_proj.weight, 0, inter)
+        targets[p + "mlp.up_proj.weight"] = _Target(mlp.gate_up_proj.weight, inter, inter)
         targets[p + "mlp.down_proj.weight"] = _Target(mlp.down_proj.weight, 0)
     return targets
 
@@ -92,8 +103,7 @@ def load_weights(model: LlamaFamilyForCausalLM, model_dir: Path) -> None:
                         unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                rows = tensor.shape[0]
-                dest = target.param.data[target.row_start : target.row_start + rows]
+                dest = target.destination()
                 if dest.shape != tensor.shape:
                     raise ValueError(
                         f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "

@@ -63,15 +63,14 @@ class Sampler:
             device=logits.device,
         )
         scaled = logits / temps[:, None]
+        # vLLM v1's order: temperature, min-p, then top-k and top-p.
+        if any(r.params.min_p > 0.0 for r in requests):
+            scaled = _apply_min_p(scaled, [r.params.min_p for r in requests])
         if any(0 < r.params.top_k < vocab for r in requests):
             scaled = _apply_top_k(scaled, [r.params.top_k for r in requests])
         if any(r.params.top_p < 1.0 for r in requests):
             scaled = _apply_top_p(scaled, [r.params.top_p for r in requests])
         probs = torch.softmax(scaled, dim=-1)
-        if any(r.params.min_p > 0.0 for r in requests):
-            min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self._generator)
         for row, r in enumerate(requests):
@@ -111,6 +110,13 @@ class Sampler:
                 )
             )
         return out
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    min_p = torch.tensor(min_ps, device=logits.device, dtype=torch.float32)
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

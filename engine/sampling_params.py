@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+_MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Dividing logits by a near-zero temperature overflows fp32; it means greedy anyway.
+        return self.temperature < _MIN_TEMPERATURE
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

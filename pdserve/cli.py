@@ -27,9 +27,15 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
+    print(
+        "loading the engine (the first run on a machine also compiles the CPU attention "
+        "kernel, ~20 s) ...",
+        flush=True,
+    )
     engine = LLMEngine(
         EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=16))
     )
+    print(f"attention backend: {engine.attention_backend.value}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
     for prompt in DEMO_PROMPTS:
         engine.add_request(prompt, params)

@@ -3,10 +3,9 @@
 On CPU, torch's default ``F.linear`` goes through a path that is 2-4x slower than oneDNN on the
 small-M (decode) shapes that dominate serving. After loading, ``prepack`` reorders each fp32
 weight once into oneDNN's blocked layout (the same private ops inductor's weight freezing uses).
-A packed call costs ~50 us more up front, so (measured on 2 cores, benchmarks/engine_decode.py):
-- weights of >= 1M elements use only the packed copy (it wins even at one row),
-- weights of 128K..1M elements keep both and pick per call by the work (rows x weight size),
-- smaller weights are never packed.
+A packed call costs ~50 us more up front, so weights under 128K elements stay on ``F.linear``.
+Every other weight always takes the packed path, whatever the batch size: choosing per call
+would make a request's numerics depend on how many others share its step.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACK_ONLY_NUMEL = 1 << 20
 _PACK_MIN_NUMEL = 1 << 17
-_PACKED_MIN_MACS = 1 << 20
 
 
 def _onednn_available() -> bool:
@@ -52,24 +49,21 @@ class Linear(nn.Module):
         )
         self._owns_weight = shared_weight is None
         self._packed: torch.Tensor | None = None
-        self._min_packed_rows = 1
 
     def prepack(self) -> None:
         """Call once, after the weights are loaded."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_available():
             return
-        numel = w.numel()
-        if numel < _PACK_MIN_NUMEL:
+        if w.numel() < _PACK_MIN_NUMEL:
             return
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data)
-        self._min_packed_rows = 1 if numel >= _PACK_ONLY_NUMEL else -(-_PACKED_MIN_MACS // numel)
-        if self._owns_weight and numel >= _PACK_ONLY_NUMEL:
+        if self._owns_weight:
             # The packed copy is the only one used from now on.
             w.data = torch.empty(0, dtype=w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
-        if self._packed is not None and x.shape[0] >= self._min_packed_rows:
+        if self._packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [], ""
             )

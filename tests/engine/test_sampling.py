@@ -105,6 +105,10 @@ def test_stop_token_ids_and_stop_strings(llama_dir: Path, make_llm: Callable[...
     )[0]
     assert by_id.finish_reason == "stop"
     assert by_id.token_ids == free.token_ids[: first_index + 1]
+    # The stop token is returned, but its text is not (vLLM's default).
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer is not None
+    assert by_id.text == tokenizer.decode(by_id.token_ids[:-1])
     # A stop string taken from the middle of the free-running text.
     stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
     assert stop.strip()

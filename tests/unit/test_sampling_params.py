@@ -141,7 +141,8 @@ def test_params_are_frozen_and_hashable() -> None:
 
 @pytest.mark.parametrize(
     ("temperature", "greedy"),
-    [(0, True), (0.0, True), (1e-9, False), (0.7, False), (1.0, False)],
+    # Below 1e-5 a temperature would overflow fp32 logits: treated as greedy (as vLLM does).
+    [(0, True), (0.0, True), (1e-9, True), (1e-5, False), (0.7, False), (1.0, False)],
 )
 def test_greedy_property(temperature: float, greedy: bool) -> None:
     assert SamplingParams(temperature=temperature).greedy is greedy

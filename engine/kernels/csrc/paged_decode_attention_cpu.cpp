@@ -19,6 +19,11 @@ at::Tensor paged_decode_attention(
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
               v_cache.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              query.size(2) == k_cache.size(3), "query [S, Hq, D] / cache [N, B, Hkv, D] mismatch");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_q_heads must be a multiple of num_kv_heads");
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
@@ -26,6 +31,18 @@ at::Tensor paged_decode_attention(
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t max_blocks = tables.size(1);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.numel() == num_seqs,
+              "block_tables / context_lens do not match the number of sequences");
+  // Validate every block id a context can reach before any thread dereferences one.
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = lens.data_ptr<int32_t>()[s];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "bad context length ", len);
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables.data_ptr<int32_t>()[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range");
+    }
+  }
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
   at::Tensor out = at::empty_like(q);
@@ -45,7 +62,6 @@ at::Tensor paged_decode_attention(
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lp[seq];
-      TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "bad context length ", len);
       const float* q_group = qp + (seq * num_q_heads + kv_head * group) * head_dim;
       scores.assign(group * len, 0.0f);
       for (int64_t t = 0; t < len; ++t) {
