@@ -169,12 +169,13 @@ class LLMEngine(EngineCore):
                 # The stop string completed inside the last, held-back characters.
                 status = seq.status = SequenceStatus.FINISHED_STOPPED
         del self._requests[seq.request_id]
-        if seq.prefill_only and seq.num_output_tokens > 0:
-            # Finished at its first token, but the caller still owns a release() of the blocks.
+        # Finished at its first token: the caller still owns a release() of the blocks.
+        pinned = seq.prefill_only and seq.num_output_tokens > 0
+        if pinned:
             self.pinned[seq.request_id] = seq
         else:
             self.block_manager.free(seq)
-        return self._flush(req, status.finish_reason)
+        return self._flush(req, status.finish_reason, prefilled=pinned)
 
     def _pin(self, req: _Request) -> RequestUpdate:
         seq = req.seq
@@ -193,10 +194,7 @@ class LLMEngine(EngineCore):
             new_logprobs=req.pending_logprobs,
             finish_reason=finish_reason,
             num_cached_tokens=max(req.seq.num_cached_tokens, 0),
-            prefilled=prefilled
-            or (
-                req.seq.prefill_only and finish_reason is not None and req.seq.num_output_tokens > 0
-            ),
+            prefilled=prefilled,
         )
         req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
         req.reported_cached = True

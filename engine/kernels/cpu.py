@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +20,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.cpp"
+# A build takes ~20 s; a lock older than this was left by a killed process and would make
+# every later build wait on it forever.
+_STALE_LOCK_S = 600
+
+
+def _build_directory() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    path = Path(root) / f"pdserve_cpu_kernels-torch{torch.__version__}"
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        logger.warning("removing stale build lock %s", lock)
+        lock.unlink(missing_ok=True)
+    return path
 
 
 @functools.cache
@@ -30,6 +46,7 @@ def load_cpu_kernels() -> bool:
             name="pdserve_cpu_kernels",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", "-ffast-math", "-fopenmp"],
+            build_directory=str(_build_directory()),
             is_python_module=False,
             verbose=False,
         )
