@@ -105,3 +105,27 @@ def test_abort_after_reserve_frees_decode_blocks(
     assert b.abort(prefilled.request_id)  # e.g. the transfer failed its checksum
     assert b.stats().num_free_blocks == b.stats().num_blocks
     a.release(prefilled.request_id)
+
+
+def test_seeded_sampling_is_identical_in_another_process(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """The seed alone fixes the tokens: a fresh interpreter reproduces them exactly."""
+    import json
+    import subprocess
+    import sys
+
+    prompt = [7, 8, 9, 10, 11]
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=99, ignore_eos=True)
+    here = make_llm(llama_dir).generate([prompt], params)[0].token_ids
+    code = (
+        "import json, sys\n"
+        "from engine import LLM, SamplingParams\n"
+        f"llm = LLM({str(llama_dir)!r})\n"
+        "p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=99, ignore_eos=True)\n"
+        f"print(json.dumps(llm.generate([{prompt!r}], p)[0].token_ids))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == here
