@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -26,8 +25,10 @@ _STALE_LOCK_S = 600
 
 
 def _build_directory() -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    path = Path(root) / f"pdserve_cpu_kernels-torch{torch.__version__}"
+    from torch.utils import cpp_extension
+
+    root = Path(cpp_extension.get_default_build_root())
+    path = root / f"pdserve_cpu_kernels-torch{torch.__version__}"
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
