@@ -35,7 +35,6 @@ class AttentionMetadata:
     num_prefill_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor  # [num_decodes] int32
-    decode_max_context_len: int
     backend: AttentionBackend = AttentionBackend.TORCH
     # Torch decode path, built once per step instead of once per layer:
     decode_gather_table: torch.Tensor | None = None  # [num_decodes, num_ctx_blocks] int64

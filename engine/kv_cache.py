@@ -64,10 +64,6 @@ class KVCache:
         """``[2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
         return self.tensor[layer][:, self._index(block_ids)]
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """``[num_layers, 2, n, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
-        return self.tensor[:, :, self._index(block_ids)]
-
     def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (2, len(block_ids), *self.tensor.shape[3:])
         if tuple(data.shape) != expected or data.dtype != self.tensor.dtype:
@@ -76,9 +72,3 @@ class KVCache:
                 f"expected {expected} {self.tensor.dtype}"
             )
         self.tensor[layer][:, self._index(block_ids)] = data.to(self.tensor.device)
-
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        if data.shape[0] != self.layout.num_layers:
-            raise ValueError(f"data has {data.shape[0]} layers, expected {self.layout.num_layers}")
-        for layer in range(self.layout.num_layers):
-            self.write_layer(layer, block_ids, data[layer])

@@ -138,7 +138,6 @@ class ModelRunner:
             num_prefill_tokens=start,
             decode_block_tables=block_tables,
             decode_context_lens=lens,
-            decode_max_context_len=max_context,
             backend=self.backend,
             decode_gather_table=gather_table,
             decode_mask=mask,

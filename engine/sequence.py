@@ -83,10 +83,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished
-
     def update_block_hashes(self, root: BlockHash, block_size: int) -> None:
         """Extend ``block_hashes`` to cover every full block of ``token_ids``."""
         if len(self.token_ids) // block_size <= len(self.block_hashes):
