@@ -1,1 +1,1 @@
-"""Planned: see docs/architecture.md (services issue)."""
+"""Decode worker: admits prefilled requests, pulls their KV, and streams the remaining tokens."""

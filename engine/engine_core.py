@@ -14,6 +14,7 @@ from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
 from engine.loader import build_model, model_fingerprint, weights_identity
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.prompt import validate_prompt, validate_token_ids
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -127,29 +128,9 @@ class EngineCore:
 
     # ---- validation ----------------------------------------------------------------------
     def validate_token_ids(self, token_ids: list[int], name: str) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name} has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        validate_token_ids(token_ids, self.model_config.vocab_size, name)
 
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "prompt is text but the model has no tokenizer.json; pass prompt_token_ids"
-                )
-            token_ids = self.tokenizer.encode(prompt)
-            name = "prompt"
-            # Added tokens of a tokenizer can lie past the model's vocabulary.
-            self.validate_token_ids(token_ids, name)
-        else:
-            token_ids = list(prompt)
-            name = "prompt_token_ids"
-            self.validate_token_ids(token_ids, name)
-        if not token_ids:
-            raise ValueError(f"{name} is empty")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"{name} has {len(token_ids)} tokens, more than max_model_len {self.max_model_len}"
-            )
-        return token_ids
+        return validate_prompt(
+            prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len
+        )

@@ -1,1 +1,59 @@
-"""Planned: see docs/architecture.md (services issue)."""
+"""KV block transfer between prefill and decode workers: one contract, pluggable backends.
+
+See ``kvtransfer.base`` for the contract (who reads, writes and frees which block, when).
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import (
+    BlockLeases,
+    KVHandle,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferErrorCode,
+    TransferStats,
+)
+
+BACKENDS = ("grpc", "local")
+
+
+def make_sender(
+    backend: str, cache: KVCache, leases: BlockLeases, host: str, port: int
+) -> KVSender:
+    if backend == "grpc":
+        from kvtransfer.grpc_stream import GrpcKVSender
+
+        return GrpcKVSender(cache, leases, host, port)
+    if backend == "local":
+        from kvtransfer.local import LocalKVSender
+
+        return LocalKVSender(cache, leases)
+    raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def make_receiver(backend: str, cache: KVCache, timeout_s: float) -> KVReceiver:
+    if backend == "grpc":
+        from kvtransfer.grpc_stream import GrpcKVReceiver
+
+        return GrpcKVReceiver(cache, timeout_s)
+    if backend == "local":
+        from kvtransfer.local import LocalKVReceiver
+
+        return LocalKVReceiver(cache)
+    raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
+
+
+__all__ = [
+    "BACKENDS",
+    "BlockLeases",
+    "KVHandle",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "TransferErrorCode",
+    "TransferStats",
+    "make_receiver",
+    "make_sender",
+]

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import os
+import shlex
+import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pdserve import settings
+from pdserve.settings import add_flag
+
+if TYPE_CHECKING:
+    from pdserve.local_cluster import ClusterConfig
+    from pdserve.server import ServerConfig, Service
+    from pdserve.v1 import router_pb2
 
 DEMO_PROMPTS = (
     "The weather today is",
@@ -24,38 +37,165 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+def _serve(service: Service, config: ServerConfig, role: str, *, reflect: bool = False) -> int:
+    from pdserve.metrics import start_metrics_server
+    from pdserve.server import serve
 
-    print(
-        "loading the engine (the first run on a machine also compiles the CPU attention "
-        "kernel, ~20 s) ...",
-        flush=True,
-    )
-    engine = LLMEngine(
-        EngineConfig(model=args.model, dtype=args.dtype, cache=CacheConfig(block_size=16))
-    )
-    print(f"attention backend: {engine.attention_backend.value}")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
-    for prompt in DEMO_PROMPTS:
-        engine.add_request(prompt, params)
-        start = time.perf_counter()
-        first_token_s: float | None = None
-        num_tokens = 0
-        print(f"\n>>> {prompt}", end="", flush=True)
-        while engine.has_unfinished_requests():
-            for update in engine.step():
-                if update.new_token_ids and first_token_s is None:
-                    first_token_s = time.perf_counter() - start
-                num_tokens += len(update.new_token_ids)
-                print(update.new_text, end="", flush=True)
-        total_s = time.perf_counter() - start
-        ttft = first_token_s or total_s
-        tpot = (total_s - ttft) / max(num_tokens - 1, 1)
-        print(f"\n    [{num_tokens} tokens, TTFT {ttft * 1e3:.1f} ms, TPOT {tpot * 1e3:.2f} ms]")
-    engine.block_manager.check_no_leaks()
-    print("\n(random-weight demo model: the text is gibberish by design)")
+    def announce(event: str, address: str) -> None:
+        # Supervisors (pdserve up, tests) wait for the "ready" line.
+        print(f"pdserve {role} {event} {address}", flush=True)
+
+    if config.metrics_port is not None:
+        port = start_metrics_server(config.host, config.metrics_port)
+        announce("metrics", f"{config.host}:{port}")
+    asyncio.run(serve(service, config, reflect=reflect, on_event=announce))
     return 0
+
+
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from prefill_service.service import PrefillService
+
+    config = settings.prefill_config(args)
+    return _serve(PrefillService(config), config.server, "prefill")
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from decode_service.service import DecodeService
+
+    config = settings.decode_config(args)
+    return _serve(DecodeService(config), config.server, "decode")
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from router.service import RouterService
+
+    config = settings.router_config(args)
+    return _serve(RouterService(config), config.server, "router", reflect=True)
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    from pdserve.local_cluster import ClusterConfig
+
+    return ClusterConfig(
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        router_port=args.port,
+        prefill_args=tuple(shlex.split(args.prefill_args)),
+        decode_args=tuple(shlex.split(args.decode_args)),
+        log_level=args.log_level,
+    )
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.embedded_redis import EmbeddedRedis
+    from pdserve.local_cluster import LocalCluster
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    redis = None if args.redis else EmbeddedRedis().start()
+    redis_url = args.redis or (redis.url if redis else "")
+    cluster = LocalCluster(_cluster_config(args))
+    try:
+        cluster.start()
+        for c in cluster.components:
+            print(f"  {c.name:<10} {c.address}  metrics http://{c.metrics_address}/metrics")
+        print(f"pdserve cluster ready: router {cluster.address}, redis {redis_url}", flush=True)
+        stop.wait()
+        print("draining ...", flush=True)
+    finally:
+        codes = cluster.stop()
+        if redis is not None:
+            redis.stop()
+    print(f"stopped: {codes}")
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _generate_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
+    from pdserve.v1 import common_pb2, router_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = router_pb2.GenerateRequest(sampling=sampling)
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("pass exactly one of --prompt and --prompt-token-ids")
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.prompt_token_ids.extend(int(t) for t in args.prompt_token_ids.split(","))
+    return request
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.client import generate, router_channel
+    from pdserve.v1 import router_pb2_grpc
+
+    request = _generate_request(args)
+
+    def show(text: str) -> None:
+        if not args.json:
+            print(text, end="", flush=True)
+
+    async def run() -> int:
+        async with router_channel(args.router) as channel:
+            try:
+                result = await generate(router_pb2_grpc.RouterStub(channel), request, show)
+            except grpc.aio.AioRpcError as exc:
+                print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        if args.json:
+            print(json.dumps(result.to_json_dict()))
+        else:
+            print(
+                f"\n[{result.completion_tokens} tokens, {result.finish_reason}, "
+                f"TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.mean_tpot_s * 1e3:.2f} ms]"
+            )
+        return 0
+
+    return asyncio.run(run())
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """A local cluster (1 prefill + 1 decode), three streamed generations, a clean stop."""
+    from pdserve.client import generate, router_channel
+    from pdserve.local_cluster import LocalCluster
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    print("starting router + 1 prefill + 1 decode worker (first run compiles a CPU kernel) ...")
+    from pdserve.local_cluster import ClusterConfig
+
+    cluster = LocalCluster(ClusterConfig(model=args.model, log_level="WARNING")).start()
+
+    async def run() -> None:
+        async with router_channel(cluster.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for prompt in DEMO_PROMPTS:
+                sampling = common_pb2.SamplingParams(
+                    max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0
+                )
+                request = router_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+                print(f"\n>>> {prompt}", end="", flush=True)
+                result = await generate(stub, request, lambda t: print(t, end="", flush=True))
+                print(
+                    f"\n    [{result.completion_tokens} tokens, TTFT {result.ttft_s * 1e3:.1f} ms"
+                    f" (prefill {result.prefill_s * 1e3:.1f} ms, KV transfer "
+                    f"{result.transfer_s * 1e3:.1f} ms), TPOT {result.mean_tpot_s * 1e3:.2f} ms]"
+                )
+
+    try:
+        print(f"cluster ready: router {cluster.address}")
+        asyncio.run(run())
+    finally:
+        codes = cluster.stop()
+    print(f"\nshut down cleanly: {codes}")
+    print("(random-weight demo model: the text is gibberish by design)")
+    return 0 if all(code == 0 for code in codes.values()) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,16 +215,40 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     make.set_defaults(func=_cmd_make_model)
 
-    demo = sub.add_parser("demo", help="stream generations from the offline engine")
-    demo.add_argument(
-        "--model",
-        default=os.environ.get("PDSERVE_MODEL"),
-        required="PDSERVE_MODEL" not in os.environ,
-        help="model directory (env PDSERVE_MODEL)",
-    )
-    demo.add_argument("--dtype", default=os.environ.get("PDSERVE_DTYPE", "float32"))
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo = sub.add_parser("demo", help="local cluster + three streamed generations")
+    add_flag(demo, "--model", required=True, help="model directory")
+    add_flag(demo, "--max-tokens", type=int, default=32)
     demo.set_defaults(func=_cmd_demo)
+
+    for name, add, func, text in (
+        ("prefill", settings.add_prefill_flags, _cmd_prefill, "run a prefill worker"),
+        ("decode", settings.add_decode_flags, _cmd_decode, "run a decode worker"),
+        ("router", settings.add_router_flags, _cmd_router, "run the router"),
+    ):
+        component = sub.add_parser(name, help=text)
+        add(component)
+        component.set_defaults(func=func)
+
+    up = sub.add_parser("up", help="start a local cluster; Ctrl-C drains and stops it")
+    add_flag(up, "--model", required=True, help="model directory")
+    add_flag(up, "--prefill", type=int, default=1, help="number of prefill workers")
+    add_flag(up, "--decode", type=int, default=1, help="number of decode workers")
+    add_flag(up, "--port", type=int, default=50051, help="router port")
+    add_flag(up, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
+    add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
+    add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
+    up.set_defaults(func=_cmd_up)
+
+    gen = sub.add_parser("generate", help="stream one generation from a router")
+    add_flag(gen, "--router", default="127.0.0.1:50051", help="router host:port")
+    gen.add_argument("--prompt", default=None)
+    gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 

@@ -1,1 +1,1 @@
-"""Planned: see docs/architecture.md (services issue)."""
+"""Prefill worker: computes prompts' KV and first tokens, and leases the blocks to decode."""

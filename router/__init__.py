@@ -1,1 +1,1 @@
-"""Planned: see docs/architecture.md (services issue)."""
+"""Router: the public Generate API; picks workers, relays tokens, detokenizes."""

@@ -1,0 +1,23 @@
+"""Decode worker configuration (built by the CLI; validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from pdserve.server import ServerConfig
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    engine: EngineConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
+    kv_backend: str = "grpc"
+    transfer_timeout_s: float = 60.0  # one request's whole KV pull
+    release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks
+
+    def __post_init__(self) -> None:
+        if not self.transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not self.release_timeout_s > 0:
+            raise ValueError(f"release_timeout_s must be > 0, got {self.release_timeout_s}")

@@ -1,0 +1,199 @@
+"""The decode worker's gRPC service.
+
+Admission: a request is admitted only if its prompt's blocks can be allocated now
+(RESOURCE_EXHAUSTED otherwise; the router retries elsewhere or waits). Once admitted, this worker
+owns ending the prefill lease: it releases it after the pull, whether the pull succeeded or not.
+It then joins the batch without computing any prompt token (the engine counts them; the test
+suite asserts zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_service.config import DecodeConfig
+from engine.outputs import PrefilledRequest
+from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode, make_receiver
+from pdserve import metrics
+from pdserve.channels import ChannelPool
+from pdserve.convert import (
+    finish_reason_to_proto,
+    handle_from_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_from_proto,
+)
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.worker import WorkerService
+
+logger = logging.getLogger(__name__)
+
+_TRANSFER_CODES = {
+    TransferErrorCode.LAYOUT_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    TransferErrorCode.CORRUPTED: grpc.StatusCode.DATA_LOSS,
+    TransferErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    TransferErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
+    name = "pdserve.v1.DecodeWorker"
+
+    def __init__(self, config: DecodeConfig) -> None:
+        super().__init__(config.engine)
+        self.config = config
+        self._receiver: KVReceiver | None = None
+        self._channels = ChannelPool()
+        self._releases: set[asyncio.Task[None]] = set()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
+
+    async def load(self) -> None:
+        await super().load()
+        self._receiver = make_receiver(
+            self.config.kv_backend, self.engine.engine.kv_cache, self.config.transfer_timeout_s
+        )
+
+    async def close(self) -> None:
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
+        if self._receiver is not None:
+            await self._receiver.close()
+        await self._channels.close()
+        await super().close()
+
+    async def GetStats(
+        self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.WorkerStats:
+        return await self.stats()
+
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        await self.check_accepting(context)
+        try:
+            prefilled = PrefilledRequest(
+                request_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                first_token_id=request.first_token_id,
+                params=sampling_from_proto(request.sampling),
+                block_ids=[],
+                first_token_logprobs=(
+                    logprobs_from_proto(request.first_token_logprobs)
+                    if request.HasField("first_token_logprobs")
+                    else None
+                ),
+            )
+            if not request.request_id:
+                raise ValueError("request_id is empty")
+            handle = handle_from_proto(request.handle)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        with self.admitted():
+            start = time.perf_counter()
+            block_ids = await self._reserve(prefilled, context)
+            transfer_s = await self._pull(handle, block_ids, request.prefill_address, context)
+            yield decode_pb2.DecodeResponse(transfer_s=time.perf_counter() - start)
+            logger.info(
+                "request_id=%s admitted: %d blocks pulled in %.1f ms",
+                request.request_id,
+                len(block_ids),
+                transfer_s * 1e3,
+            )
+            llm_engine = self.engine.engine
+            stream = self.engine.stream(
+                prefilled.request_id, lambda: llm_engine.start_prefilled(prefilled)
+            )
+            first = True
+            async with contextlib.aclosing(stream) as updates:
+                async for update in updates:
+                    token_ids, logprobs = update.new_token_ids, update.new_logprobs
+                    if first:
+                        # The router already has the first token (from the prefill worker).
+                        token_ids, logprobs, first = token_ids[1:], logprobs[1:], False
+                    yield decode_pb2.DecodeResponse(
+                        token_ids=token_ids,
+                        logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+                        finish_reason=finish_reason_to_proto(update.finish_reason),
+                    )
+
+    async def _reserve(
+        self, prefilled: PrefilledRequest, context: grpc.aio.ServicerContext
+    ) -> list[int]:
+        llm_engine = self.engine.engine
+        try:
+            block_ids = await self.engine.call(lambda: llm_engine.reserve_prefilled(prefilled))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if block_ids is None:
+            needed = -(-len(prefilled.prompt_token_ids) // llm_engine.block_size)
+            free = llm_engine.block_manager.num_free_blocks
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"decode worker has {free} free KV blocks of {llm_engine.num_blocks}; "
+                f"prompt_token_ids needs {needed}",
+            )
+        assert block_ids is not None  # context.abort raised
+        return block_ids
+
+    async def _pull(
+        self,
+        handle: KVHandle,
+        block_ids: list[int],
+        prefill_address: str,
+        context: grpc.aio.ServicerContext,
+    ) -> float:
+        """Pulls the KV into the reserved blocks; on any failure frees them before returning.
+        Either way, asks the prefill worker to release its lease."""
+        assert self._receiver is not None
+        pull = asyncio.ensure_future(self._receiver.pull(handle, block_ids))
+        ok = False
+        try:
+            stats = await asyncio.shield(pull)
+            ok = True
+        except asyncio.CancelledError:
+            # The receiver stops writing before the blocks go back to the free list.
+            await asyncio.wait([pull])
+            raise
+        except KVTransferError as exc:
+            metrics.TRANSFER_FAILURES.labels(exc.code.value).inc()
+            logger.warning("request_id=%s KV pull failed: %s", handle.request_id, exc)
+            await context.abort(_TRANSFER_CODES[exc.code], f"KV transfer failed: {exc}")
+        finally:
+            if not ok:
+                llm_engine = self.engine.engine
+                await asyncio.shield(self.engine.call(lambda: llm_engine.abort(handle.request_id)))
+            self._release_later(prefill_address, handle.request_id)
+        metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
+        metrics.TRANSFER_S.observe(stats.duration_s)
+        return stats.duration_s
+
+    def _release_later(self, prefill_address: str, request_id: str) -> None:
+        """Confirms receipt off the token path; the lease is the backstop if this fails."""
+        if not prefill_address:
+            return
+        task = asyncio.create_task(self._release(prefill_address, request_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, prefill_address: str, request_id: str) -> None:
+        stub = prefill_pb2_grpc.PrefillWorkerStub(self._channels.get(prefill_address))
+        try:
+            await stub.Release(
+                prefill_pb2.ReleaseRequest(request_id=request_id),
+                timeout=self.config.release_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning(
+                "request_id=%s release at %s failed (%s); the lease will expire",
+                request_id,
+                prefill_address,
+                exc.code().name,
+            )

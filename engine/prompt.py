@@ -1,0 +1,39 @@
+"""Prompt validation shared by the engine and the router (torch-free): errors name the field."""
+
+from __future__ import annotations
+
+from engine.tokenizer import Tokenizer
+
+
+def validate_token_ids(token_ids: list[int], vocab_size: int, name: str) -> None:
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def validate_prompt(
+    prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """Token ids of a text or token-id prompt that fits ``max_model_len``."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(
+                "prompt is text but the model has no tokenizer.json; pass prompt_token_ids"
+            )
+        if not prompt:
+            # Checked before encoding: a tokenizer that adds BOS would make it non-empty.
+            raise ValueError("prompt is empty")
+        token_ids = tokenizer.encode(prompt)
+        name = "prompt"
+    else:
+        token_ids = list(prompt)
+        name = "prompt_token_ids"
+    # Added tokens of a tokenizer can lie past the model's vocabulary, so text is checked too.
+    validate_token_ids(token_ids, vocab_size, name)
+    if not token_ids:
+        raise ValueError(f"{name} is empty")
+    if len(token_ids) > max_model_len:
+        raise ValueError(
+            f"{name} has {len(token_ids)} tokens, more than max_model_len {max_model_len}"
+        )
+    return token_ids

@@ -1,0 +1,140 @@
+"""The KV transfer contract: a sender on each prefill worker, a receiver on each decode worker.
+
+Block ownership (who frees what, and when):
+- Prefill side. The prefill service pins a request's blocks in its engine and leases them
+  (``BlockLeases``). The sender only *reads* them, between ``checkout`` and ``checkin``; while
+  checked out, neither lease expiry nor a release frees them (a release is deferred to the
+  checkin). The sender never frees a block.
+- Decode side. The decode service allocates the destination blocks *before* calling ``pull`` and
+  owns them throughout. ``pull`` only writes them. When ``pull`` returns or raises (including on
+  cancellation), it has stopped writing: the caller may free or reuse the blocks at once.
+- After a pull, success or failure, the decode service tells the prefill side to release the
+  lease (the "confirm"). If it never does, the lease expires and the prefill side frees them.
+
+Errors are ``KVTransferError`` with a ``TransferErrorCode``; services map codes to gRPC statuses.
+Nothing is pickled: the wire carries raw tensor bytes described by a ``KVCacheLayout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCache, KVCacheLayout
+
+
+class TransferErrorCode(enum.Enum):
+    NOT_FOUND = "not_found"  # the sender holds no lease for the request (expired, released)
+    LAYOUT_MISMATCH = "layout_mismatch"  # sender and receiver caches are not interchangeable
+    CORRUPTED = "corrupted"  # checksum, offset or size check failed
+    UNAVAILABLE = "unavailable"  # the sender cannot be reached or the stream broke
+
+
+class KVTransferError(Exception):
+    def __init__(self, code: TransferErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Everything a receiver needs to pull one request's blocks; travels prefill -> router ->
+    decode inside ``PrefillResponse``/``DecodeRequest``."""
+
+    backend: str
+    address: str  # backend-specific endpoint of the sender
+    request_id: str
+    num_blocks: int
+    layout: KVCacheLayout
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    num_bytes: int
+    duration_s: float
+
+
+class BlockLeases(ABC):
+    """Prefill-side view of leased requests; implemented by the prefill service."""
+
+    @abstractmethod
+    def checkout(self, request_id: str) -> list[int]:
+        """The leased request's block ids. They stay allocated until ``checkin``.
+        Raises ``KeyError`` when the request holds no lease."""
+
+    @abstractmethod
+    async def checkin(self, request_id: str) -> None:
+        """Ends one checkout; frees the blocks if the lease was released or expired meanwhile."""
+
+
+class KVSender(ABC):
+    """Prefill side: serves pulls of leased blocks from ``cache``. Created and started by the
+    prefill service; ``address`` goes into every ``KVHandle`` it issues."""
+
+    backend: str
+
+    def __init__(self, cache: KVCache, leases: BlockLeases) -> None:
+        self.cache = cache
+        self.leases = leases
+
+    @property
+    @abstractmethod
+    def address(self) -> str: ...
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    def handle(self, request_id: str, num_blocks: int, lease_s: float) -> KVHandle:
+        return KVHandle(
+            self.backend, self.address, request_id, num_blocks, self.cache.layout, lease_s
+        )
+
+
+class KVReceiver(ABC):
+    """Decode side: writes a remote request's blocks into ``cache``. One per decode worker."""
+
+    backend: str
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    @abstractmethod
+    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+        """Fills ``block_ids`` (allocated by the caller, ``len == handle.num_blocks``) with the
+        handle's blocks, in order. Raises ``KVTransferError``; see the module docstring for the
+        guarantee on return."""
+
+    async def close(self) -> None:
+        """Releases connections."""
+        return None
+
+    def check_handle(self, handle: KVHandle, block_ids: list[int]) -> None:
+        mismatch = self.cache.layout.mismatch(handle.layout)
+        if mismatch is not None:
+            raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
+        if handle.backend != self.backend:
+            raise KVTransferError(
+                TransferErrorCode.UNAVAILABLE,
+                f"handle backend {handle.backend!r} != receiver backend {self.backend!r}",
+            )
+        if len(block_ids) != handle.num_blocks:
+            raise ValueError(f"{len(block_ids)} destination blocks for {handle.num_blocks}")
+
+
+async def write_in_thread(fn: Callable[..., None], *args: object) -> None:
+    """Runs a cache write in a thread. If cancelled, waits for the thread to finish before
+    re-raising, so that a returning ``pull`` has really stopped writing."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise

@@ -1,0 +1,82 @@
+"""In-process backend: the receiver copies tensors straight out of the sender's cache.
+
+For tests and single-process setups. Same contract as every backend (see ``kvtransfer.base``):
+the copy happens between checkout and checkin, layer by layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import ClassVar
+
+from engine.kv_cache import KVCache
+from kvtransfer.base import (
+    BlockLeases,
+    KVHandle,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    TransferErrorCode,
+    TransferStats,
+    write_in_thread,
+)
+
+
+class LocalKVSender(KVSender):
+    backend = "local"
+    _registry: ClassVar[dict[str, LocalKVSender]] = {}
+    _ids = itertools.count()
+
+    def __init__(self, cache: KVCache, leases: BlockLeases) -> None:
+        super().__init__(cache, leases)
+        self._address = f"local-{next(self._ids)}"
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    async def start(self) -> None:
+        self._registry[self._address] = self
+
+    async def stop(self) -> None:
+        self._registry.pop(self._address, None)
+
+    @classmethod
+    def lookup(cls, address: str) -> LocalKVSender:
+        sender = cls._registry.get(address)
+        if sender is None:
+            raise KVTransferError(TransferErrorCode.UNAVAILABLE, f"no local sender {address!r}")
+        return sender
+
+
+class LocalKVReceiver(KVReceiver):
+    backend = "local"
+
+    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+        self.check_handle(handle, block_ids)
+        sender = LocalKVSender.lookup(handle.address)
+        mismatch = sender.cache.layout.mismatch(self.cache.layout)
+        if mismatch is not None:
+            raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
+        try:
+            source_ids = sender.leases.checkout(handle.request_id)
+        except KeyError:
+            raise KVTransferError(
+                TransferErrorCode.NOT_FOUND, f"no lease for request {handle.request_id!r}"
+            ) from None
+        start = time.perf_counter()
+        num_bytes = 0
+        try:
+            if len(source_ids) != len(block_ids):
+                raise KVTransferError(
+                    TransferErrorCode.CORRUPTED,
+                    f"sender holds {len(source_ids)} blocks, receiver expects {len(block_ids)}",
+                )
+            for layer in range(self.cache.layout.num_layers):
+                data = sender.cache.read_layer(layer, source_ids)
+                await write_in_thread(self.cache.write_layer, layer, block_ids, data)
+                num_bytes += data.numel() * data.element_size()
+        finally:
+            await sender.leases.checkin(handle.request_id)
+        return TransferStats(num_bytes, time.perf_counter() - start)

@@ -1,0 +1,108 @@
+"""Drives one ``LLMEngine`` from asyncio for the gRPC services.
+
+The engine is not thread-safe. Steps run in a worker thread so the event loop keeps serving RPCs;
+every other engine call runs on the event loop while no step is in flight (one lock, FIFO).
+KV reads and writes for transfers touch only pinned or reserved blocks, which no step reads or
+writes, so transfers run in their own threads without the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Callable
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats, RequestUpdate
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised: the engine state can no longer be trusted; the worker must restart."""
+
+
+class AsyncEngine:
+    def __init__(
+        self, engine: LLMEngine, on_step: Callable[[EngineStats], None] | None = None
+    ) -> None:
+        self.engine = engine
+        self._on_step = on_step
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[RequestUpdate | BaseException]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Runs a (fast) engine call between steps."""
+        self._check_alive()
+        async with self._lock:
+            return fn()
+
+    async def stream(
+        self, request_id: str, admit: Callable[[], RequestUpdate | None]
+    ) -> AsyncGenerator[RequestUpdate, None]:
+        """Runs ``admit`` (an engine call that adds ``request_id``) between steps, then yields
+        the request's updates until it finishes or is prefilled (pinned: the caller then owns a
+        ``release``). Leaving early, by cancellation or ``aclose``, aborts the request."""
+        self._check_alive()
+        queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
+        async with self._lock:
+            first = admit()
+            self._queues[request_id] = queue
+        self._wakeup.set()
+        done = False
+        try:
+            if first is not None:
+                done = first.finished or first.prefilled
+                yield first
+            while not done:
+                update = await queue.get()
+                if isinstance(update, BaseException):
+                    raise EngineDeadError(f"engine step failed: {update!r}") from update
+                done = update.finished or update.prefilled
+                yield update
+        finally:
+            self._queues.pop(request_id, None)
+            if not done and self.error is None:
+                # Shielded: a second cancellation must not skip freeing the blocks.
+                await asyncio.shield(self.call(lambda: self.engine.abort(request_id)))
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine step failed: {self.error!r}")
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            async with self._lock:
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    continue
+                try:
+                    updates = await asyncio.to_thread(self.engine.step)
+                except Exception as exc:
+                    logger.exception("engine step failed; failing every request")
+                    self.error = exc
+                    for queue in self._queues.values():
+                        queue.put_nowait(exc)
+                    return
+                stats = self.engine.stats() if self._on_step is not None else None
+            for update in updates:
+                target = self._queues.get(update.request_id)
+                if target is not None:
+                    target.put_nowait(update)
+            if self._on_step is not None and stats is not None:
+                self._on_step(stats)

@@ -1,0 +1,73 @@
+"""A small Python client for ``pdserve.v1.Router`` (used by ``pdserve generate`` and tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.convert import finish_reason_from_proto
+from pdserve.server import GRPC_OPTIONS
+from pdserve.v1 import router_pb2, router_pb2_grpc
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    request_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float = 0.0
+    mean_tpot_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+
+    def to_json_dict(self) -> dict[str, object]:
+        return {
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+            },
+            "ttft_s": self.ttft_s,
+            "mean_tpot_s": self.mean_tpot_s,
+        }
+
+
+async def generate(
+    stub: router_pb2_grpc.RouterStub,
+    request: router_pb2.GenerateRequest,
+    on_text: Callable[[str], None] = lambda text: None,
+    timeout_s: float | None = None,
+) -> GenerateResult:
+    """Streams one request; ``on_text`` hears each text delta. Raises grpc.aio.AioRpcError."""
+    result = GenerateResult()
+    async for response in stub.Generate(request, timeout=timeout_s):
+        if response.HasField("chunk"):
+            result.token_ids.extend(response.chunk.token_ids)
+            result.text += response.chunk.text
+            if response.chunk.text:
+                on_text(response.chunk.text)
+        else:
+            final = response.final
+            result.finish_reason = finish_reason_from_proto(final.finish_reason)
+            result.request_id = final.request_id
+            result.prompt_tokens = final.usage.prompt_tokens
+            result.completion_tokens = final.usage.completion_tokens
+            result.cached_tokens = final.usage.cached_tokens
+            result.ttft_s = final.timings.ttft_s
+            result.mean_tpot_s = final.timings.mean_tpot_s
+            result.prefill_s = final.timings.prefill_s
+            result.transfer_s = final.timings.transfer_s
+    return result
+
+
+def router_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)

@@ -1,0 +1,155 @@
+"""Protobuf <-> engine dataclasses. The one place the wire vocabulary meets the engine's.
+
+Validation errors raise ``ValueError`` whose message names the field; servicers turn them into
+``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+from engine.kv_cache import KVCacheLayout
+from engine.outputs import EngineStats
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+from kvtransfer.base import KVHandle
+from pdserve.v1 import common_pb2, prefill_pb2
+
+_FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_NAMES = {v: k for k, v in _FINISH_REASONS.items()}
+_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
+_OPTIONAL_FLOATS = ("temperature", "top_p", "min_p")
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine defaults; SamplingParams validates the rest."""
+    kwargs: dict[str, object] = {}
+    for name in _OPTIONAL_INTS + _OPTIONAL_FLOATS:
+        if msg.HasField(name):  # type: ignore[arg-type]
+            value = getattr(msg, name)
+            # float32 on the wire: 0.7 arrives as 0.699999988; round back to what was sent.
+            kwargs[name] = float(f"{value:.7g}") if name in _OPTIONAL_FLOATS else value
+    return SamplingParams(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        stop=list(params.stop_strings),
+        stop_token_ids=list(params.stop_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_token_ids=list(lp.top_token_ids),
+        top_logprobs=list(lp.top_logprobs),
+    )
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        top_token_ids=tuple(msg.top_token_ids),
+        top_logprobs=tuple(msg.top_logprobs),
+    )
+
+
+def finish_reason_to_proto(reason: str | None) -> common_pb2.FinishReason.ValueType:
+    return _FINISH_REASONS[reason] if reason else common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def finish_reason_from_proto(value: common_pb2.FinishReason.ValueType) -> str | None:
+    return _FINISH_NAMES.get(value)
+
+
+def layout_to_proto(layout: KVCacheLayout) -> common_pb2.KVCacheLayout:
+    return common_pb2.KVCacheLayout(
+        model_fingerprint=layout.model_fingerprint,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+    )
+
+
+def layout_from_proto(msg: common_pb2.KVCacheLayout) -> KVCacheLayout:
+    return KVCacheLayout(
+        model_fingerprint=msg.model_fingerprint,
+        dtype=msg.dtype,
+        block_size=msg.block_size,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+    )
+
+
+def stats_to_proto(
+    stats: EngineStats,
+    layout: KVCacheLayout,
+    *,
+    block_size: int,
+    max_model_len: int,
+    num_inflight: int,
+    draining: bool,
+) -> common_pb2.WorkerStats:
+    return common_pb2.WorkerStats(
+        num_waiting=stats.num_waiting,
+        num_running=stats.num_running,
+        num_pinned=stats.num_pinned,
+        num_blocks=stats.num_blocks,
+        num_free_blocks=stats.num_free_blocks,
+        num_cached_blocks=stats.num_cached_blocks,
+        num_prompt_tokens_computed=stats.num_prompt_tokens_computed,
+        num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_inflight=num_inflight,
+        draining=draining,
+        layout=layout_to_proto(layout),
+    )
+
+
+def handle_to_proto(handle: KVHandle) -> prefill_pb2.KVHandle:
+    return prefill_pb2.KVHandle(
+        backend=handle.backend,
+        address=handle.address,
+        request_id=handle.request_id,
+        num_blocks=handle.num_blocks,
+        layout=layout_to_proto(handle.layout),
+        lease_s=handle.lease_s,
+    )
+
+
+def handle_from_proto(msg: prefill_pb2.KVHandle) -> KVHandle:
+    if not msg.backend or not msg.address or not msg.request_id or msg.num_blocks < 1:
+        raise ValueError("handle must carry backend, address, request_id and num_blocks >= 1")
+    return KVHandle(
+        backend=msg.backend,
+        address=msg.address,
+        request_id=msg.request_id,
+        num_blocks=msg.num_blocks,
+        layout=layout_from_proto(msg.layout),
+        lease_s=msg.lease_s,
+    )

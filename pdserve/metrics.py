@@ -1,0 +1,58 @@
+"""Prometheus metrics. One process runs one component, so each uses the default registry and
+exposes ``/metrics`` on its ``--metrics-port``."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from engine.outputs import EngineStats
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# Router: what clients experience.
+TTFT_S = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS_S)
+TPOT_S = Histogram(
+    "pdserve_tpot_seconds", "Mean time per output token after the first", buckets=_LATENCY_BUCKETS_S
+)
+REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason"])
+REQUEST_ERRORS = Counter("pdserve_request_errors_total", "Requests ended by an error", ["code"])
+ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the router")
+DECODE_RETRIES = Counter(
+    "pdserve_decode_admission_retries_total", "Decode admissions refused for lack of KV blocks"
+)
+PREFIX_HIT_TOKENS = Counter(
+    "pdserve_prefix_hit_tokens_total", "Prompt tokens served from a prefix cache"
+)
+
+# Workers: engine state, refreshed after every step.
+QUEUE_DEPTH = Gauge("pdserve_queue_depth", "Requests waiting in the engine scheduler")
+RUNNING = Gauge("pdserve_running_requests", "Requests in the engine's running batch")
+KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV blocks referenced by requests")
+KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "KV blocks free (cached or empty)")
+LEASED_REQUESTS = Gauge("pdserve_leased_requests", "Prefilled requests awaiting a KV pull")
+LEASES_EXPIRED = Counter("pdserve_leases_expired_total", "Leases freed by expiry, not by decode")
+PROMPT_TOKENS_COMPUTED = Gauge(
+    "pdserve_prompt_tokens_computed",
+    "Prompt tokens this worker ran through the model (on decode: should stay 0)",
+)
+
+# KV transfer, on both ends.
+TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes moved", ["direction"])
+TRANSFER_S = Histogram(
+    "pdserve_kv_transfer_seconds", "Duration of one request's KV pull", buckets=_LATENCY_BUCKETS_S
+)
+TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV pulls", ["reason"])
+
+
+def observe_engine(stats: EngineStats) -> None:
+    QUEUE_DEPTH.set(stats.num_waiting)
+    RUNNING.set(stats.num_running)
+    KV_BLOCKS_USED.set(stats.num_blocks - stats.num_free_blocks)
+    KV_BLOCKS_FREE.set(stats.num_free_blocks)
+    PROMPT_TOKENS_COMPUTED.set(stats.num_prompt_tokens_computed)
+
+
+def start_metrics_server(host: str, port: int) -> int:
+    """Serves /metrics; returns the bound port (``port`` 0 picks one)."""
+    server, _thread = start_http_server(port, addr=host)
+    return int(server.server_port)

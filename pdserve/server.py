@@ -1,0 +1,152 @@
+"""The lifecycle every pdserve service shares.
+
+grpc.aio server with the standard health service: NOT_SERVING while the model and KV cache load,
+SERVING once ready, NOT_SERVING again on SIGTERM/SIGINT. Then a graceful drain (no new work,
+in-flight requests finish, bounded by ``drain_timeout_s``), then stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# KV chunks and long prompts exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: an ephemeral port, reported once bound
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: ephemeral
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+class Service(ABC):
+    """One pdserve component. ``serve`` calls, in order: register, load, (serve), drain, close."""
+
+    name: str  # fully qualified gRPC service name, for health and reflection
+    draining: bool = False
+
+    @abstractmethod
+    def register(self, server: grpc.aio.Server) -> None: ...
+
+    @abstractmethod
+    async def load(self) -> None:
+        """Heavy start-up (model, KV cache, peers). Health turns SERVING when it returns."""
+
+    @abstractmethod
+    def num_inflight(self) -> int: ...
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> None:
+        """Refuse new work and wait for in-flight requests, up to ``timeout_s``."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.num_inflight() > 0 and loop.time() < deadline:
+            await asyncio.sleep(poll_s)
+        if self.num_inflight():
+            logger.warning("%s: drain timed out with %d in flight", self.name, self.num_inflight())
+
+    async def close(self) -> None:
+        """Release what load() acquired."""
+        return None
+
+
+class ServiceServer:
+    def __init__(self, service: Service, config: ServerConfig, *, reflect: bool = False) -> None:
+        self.service = service
+        self.config = config
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        service.register(self.server)
+        if reflect:
+            names = (service.name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.server)
+        self.address = ""
+
+    async def start(self) -> str:
+        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        self.address = f"{self.config.host}:{port}"
+        await self._set_health(serving=False)
+        await self.server.start()
+        return self.address
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", self.service.name):
+            await self.health.set(name, status)
+
+    async def ready(self) -> None:
+        await self.service.load()
+        await self._set_health(serving=True)
+
+    async def shutdown(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.service.drain(self.config.drain_timeout_s)
+        await self.server.stop(grace=1.0)
+        await self.service.close()
+
+
+async def serve(
+    service: Service,
+    config: ServerConfig,
+    *,
+    reflect: bool = False,
+    on_event: Callable[[str, str], None] = lambda event, detail: None,
+) -> None:
+    """Runs a service until SIGTERM/SIGINT. ``on_event`` hears ("listening", address) once bound
+    and ("ready", address) once healthy; the CLI prints them for supervisors."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = ServiceServer(service, config, reflect=reflect)
+    address = await server.start()
+    on_event("listening", address)
+    load = asyncio.create_task(server.ready())
+    stop_wait = asyncio.create_task(stop.wait())
+    await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+    if load.done():
+        if load.exception() is not None:
+            stop_wait.cancel()
+            await server.server.stop(grace=None)
+            await service.close()
+            load.result()  # a failed load ends the process with its error
+        on_event("ready", address)
+        await stop_wait
+    else:
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+    logger.info("%s: draining", service.name)
+    await server.shutdown()
+    logger.info("%s: stopped", service.name)

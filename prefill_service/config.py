@@ -1,0 +1,25 @@
+"""Prefill worker configuration (built by the CLI; validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from pdserve.server import ServerConfig
+
+DEFAULT_LEASE_S = 30.0
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    engine: EngineConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
+    lease_s: float = DEFAULT_LEASE_S  # how long leased blocks wait for a decode worker's pull
+    kv_backend: str = "grpc"
+    kv_port: int = 0  # the gRPC KV sender's port (0: ephemeral)
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")

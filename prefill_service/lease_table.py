@@ -1,0 +1,92 @@
+"""Leases on prefilled requests' blocks: pure bookkeeping, clock passed in (no torch, no I/O).
+
+A lease ends in exactly one of three ways, and the caller frees the blocks exactly once, when a
+method says so: ``release`` (decode confirmed, or gave up), ``expire`` (nobody came), or abort
+(``release`` again). While a sender has the request checked out, neither a release nor expiry
+frees it; the free is deferred to the last ``checkin``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Lease:
+    block_ids: list[int]
+    deadline_s: float
+    num_readers: int = 0
+    released: bool = False
+
+
+class LeaseTable:
+    def __init__(self, lease_s: float) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.lease_s = lease_s
+        self._leases: dict[str, _Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._leases
+
+    def grant(self, request_id: str, block_ids: list[int], now_s: float) -> None:
+        if request_id in self._leases:
+            raise KeyError(f"request_id {request_id!r} already holds a lease")
+        self._leases[request_id] = _Lease(list(block_ids), now_s + self.lease_s)
+
+    def renew(self, request_id: str, now_s: float) -> bool:
+        lease = self._leases.get(request_id)
+        if lease is None or lease.released:
+            return False
+        lease.deadline_s = max(lease.deadline_s, now_s + self.lease_s)
+        return True
+
+    def checkout(self, request_id: str) -> list[int]:
+        """Block ids of a live lease, pinned until ``checkin``. KeyError if none."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.released:
+            raise KeyError(request_id)
+        lease.num_readers += 1
+        return list(lease.block_ids)
+
+    def checkin(self, request_id: str) -> bool:
+        """True when the caller must now free the blocks (released while checked out)."""
+        lease = self._leases[request_id]
+        lease.num_readers -= 1
+        return self._drop_if_done(request_id, lease)
+
+    def release(self, request_id: str) -> tuple[bool, bool]:
+        """(was leased, free now). A second release of the same lease is (False, False)."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.released:
+            return False, False
+        lease.released = True
+        return True, self._drop_if_done(request_id, lease)
+
+    def expire(self, now_s: float) -> list[str]:
+        """Leases past their deadline and not checked out: dropped; the caller frees them."""
+        expired = [
+            rid
+            for rid, lease in self._leases.items()
+            if not lease.released and lease.num_readers == 0 and lease.deadline_s <= now_s
+        ]
+        for rid in expired:
+            del self._leases[rid]
+        return expired
+
+    def next_deadline_s(self) -> float | None:
+        live = [
+            lease.deadline_s
+            for lease in self._leases.values()
+            if not lease.released and lease.num_readers == 0
+        ]
+        return min(live, default=None)
+
+    def _drop_if_done(self, request_id: str, lease: _Lease) -> bool:
+        if lease.released and lease.num_readers == 0:
+            del self._leases[request_id]
+            return True
+        return False

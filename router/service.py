@@ -1,0 +1,286 @@
+"""The public ``pdserve.v1.Router`` service: validate, prefill, hand over to decode, relay.
+
+Lease ownership: after a successful prefill the router owns ending the prefill lease until a
+decode worker admits the request (its first stream message); from then on the decode worker
+does. The router releases it itself on every other path (no decode room, errors, client cancel);
+Release is idempotent and the lease's expiry is the backstop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.model_config import ModelConfig
+from engine.prompt import validate_prompt, validate_token_ids
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from pdserve import metrics
+from pdserve.convert import sampling_from_proto, sampling_to_proto
+from pdserve.server import Service
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from router.config import RouterConfig
+from router.output_stream import OutputStream
+from router.worker_pool import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+_RETRY_FIRST_S = 0.01
+_RETRY_MAX_S = 0.25
+
+
+class WorkerError(Exception):
+    """A worker's failure, already phrased for the client."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
+    code = exc.code()
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return WorkerError(code, exc.details() or code.name)
+    return WorkerError(code, f"{what}: {exc.details() or code.name}")
+
+
+class RouterService(Service, router_pb2_grpc.RouterServicer):
+    name = "pdserve.v1.Router"
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self._pool: WorkerPool | None = None
+        self._inflight = 0
+        self._refresher: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        router_pb2_grpc.add_RouterServicer_to_server(self, server)
+
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            raise RuntimeError("the router is not loaded yet")
+        return self._pool
+
+    async def load(self) -> None:
+        # Channels belong to the running event loop, so the pool is built here.
+        self._pool = WorkerPool(self.config.prefill_addresses, self.config.decode_addresses)
+        await self.pool.wait_ready(self.config.ready_timeout_s)
+        self._refresher = asyncio.create_task(
+            self.pool.refresh_forever(self.config.stats_interval_s)
+        )
+
+    def num_inflight(self) -> int:
+        return self._inflight
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._pool is not None:
+            await self._pool.close()
+
+    def _validate(self, request: router_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
+        if has_text == has_ids:
+            raise ValueError("set exactly one of prompt and prompt_token_ids")
+        params = sampling_from_proto(request.sampling)
+        vocab_size = self.model_config.vocab_size
+        validate_token_ids(list(params.stop_ids), vocab_size, "stop_token_ids")
+        prompt = request.prompt if has_text else list(request.prompt_token_ids)
+        prompt_ids = validate_prompt(prompt, self.tokenizer, vocab_size, self.pool.max_model_len)
+        return prompt_ids, params
+
+    async def Generate(
+        self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        start_s = time.perf_counter()
+        if self.draining or self._pool is None:
+            state = "draining" if self.draining else "still loading"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"router is {state}")
+        client_id = request.request_id or uuid.uuid4().hex
+        # Unique on the workers even if a client reuses its ids.
+        request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            prompt_ids, params = self._validate(request)
+        except ValueError as exc:
+            metrics.REQUEST_ERRORS.labels("INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        out = OutputStream(
+            self.tokenizer, prompt_ids, params, self.model_config.eos_token_ids, start_s
+        )
+        self._inflight += 1
+        metrics.ROUTER_INFLIGHT.inc()
+        try:
+            async for response in self._generate(request_id, client_id, prompt_ids, params, out):
+                yield response
+        except WorkerError as exc:
+            metrics.REQUEST_ERRORS.labels(exc.code.name).inc()
+            logger.warning("request_id=%s failed: %s %s", request_id, exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        finally:
+            self._inflight -= 1
+            metrics.ROUTER_INFLIGHT.dec()
+
+    async def _generate(
+        self,
+        request_id: str,
+        client_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        out: OutputStream,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        sampling = sampling_to_proto(params)
+        prefill_start = time.perf_counter()
+        prefill_worker, prefilled = await self._prefill(request_id, prompt_ids, sampling)
+        prefill_s = time.perf_counter() - prefill_start
+        first_logprobs = (
+            [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
+        )
+        yield out.chunk([prefilled.first_token_id], first_logprobs)
+        metrics.TTFT_S.observe(out.ttft_s)
+        metrics.PREFIX_HIT_TOKENS.inc(prefilled.num_cached_tokens)
+        finish_reason = prefilled.finish_reason
+        transfer_s = 0.0
+        if finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            decode_request = decode_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                first_token_id=prefilled.first_token_id,
+                handle=prefilled.handle,
+                prefill_address=prefill_worker.address,
+            )
+            if prefilled.HasField("first_token_logprobs"):
+                decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
+            admitted = False
+            try:
+                call, decode_worker, transfer_s = await self._admit(
+                    decode_request, prefill_worker, len(prompt_ids)
+                )
+                admitted = True
+                with self.pool.dispatched(decode_worker):
+                    try:
+                        while (message := await call.read()) != grpc.aio.EOF:
+                            assert isinstance(message, decode_pb2.DecodeResponse)
+                            if message.token_ids:
+                                yield out.chunk(list(message.token_ids), list(message.logprobs))
+                            finish_reason = message.finish_reason
+                    except grpc.aio.AioRpcError as exc:
+                        raise _worker_error(exc, f"decode worker {decode_worker.address}") from None
+                    finally:
+                        call.cancel()  # client gone: stop the decode worker's request too
+            finally:
+                if not admitted:
+                    self._release_later(prefill_worker, request_id)
+        if finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
+        tail = out.tail()
+        if tail:
+            yield router_pb2.GenerateResponse(chunk=router_pb2.TokenChunk(text=tail))
+        final = out.final(
+            client_id, finish_reason, prefilled.num_cached_tokens, prefill_s, transfer_s
+        )
+        metrics.TPOT_S.observe(out.mean_tpot_s)
+        metrics.REQUESTS.labels(final.final.finish_reason).inc()
+        logger.info(
+            "request_id=%s finished: %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
+            request_id,
+            out.num_prompt_tokens,
+            out.num_output_tokens,
+            out.ttft_s * 1e3,
+            out.mean_tpot_s * 1e3,
+        )
+        yield final
+
+    async def _prefill(
+        self, request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams
+    ) -> tuple[Worker, prefill_pb2.PrefillResponse]:
+        request = prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
+        )
+        workers = self.pool.ranked_prefill()
+        if not workers:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        error: WorkerError | None = None
+        for worker in workers:
+            with self.pool.dispatched(worker):
+                call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
+                try:
+                    return worker, await call
+                except grpc.aio.AioRpcError as exc:
+                    error = _worker_error(exc, f"prefill worker {worker.address}")
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise error from None
+                finally:
+                    call.cancel()  # no-op when done; aborts the prefill if we are cancelled
+        assert error is not None
+        raise error
+
+    async def _admit(
+        self, request: decode_pb2.DecodeRequest, prefill_worker: Worker, num_prompt_tokens: int
+    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float]:
+        """A decode worker that admitted the request and pulled its KV (its first message).
+        Retries while every worker is full, renewing the lease, up to admission_timeout_s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.admission_timeout_s
+        delay_s = _RETRY_FIRST_S
+        while True:
+            workers = self.pool.ranked_decode(num_prompt_tokens)
+            if not workers:
+                raise WorkerError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no healthy decode worker can hold {num_prompt_tokens} prompt tokens",
+                )
+            for worker in workers:
+                call = worker.decode.Decode(request)
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        metrics.DECODE_RETRIES.inc()
+                        continue
+                    raise _worker_error(exc, f"decode worker {worker.address}") from None
+                except BaseException:
+                    call.cancel()
+                    raise
+                if first == grpc.aio.EOF:
+                    raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
+                assert isinstance(first, decode_pb2.DecodeResponse)
+                return call, worker, first.transfer_s
+            if loop.time() + delay_s > deadline:
+                raise WorkerError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no decode worker had room for {num_prompt_tokens} prompt tokens within "
+                    f"admission_timeout_s={self.config.admission_timeout_s}",
+                )
+            await prefill_worker.prefill.RenewLease(
+                prefill_pb2.RenewLeaseRequest(request_id=request.request_id), timeout=5.0
+            )
+            # Backoff: blocks free as other requests finish; the stats refresh sees it too.
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, _RETRY_MAX_S)
+
+    def _release_later(self, worker: Worker, request_id: str) -> None:
+        async def release() -> None:
+            try:
+                await worker.prefill.Release(
+                    prefill_pb2.ReleaseRequest(request_id=request_id), timeout=5.0
+                )
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("request_id=%s release failed: %s", request_id, exc.code().name)
+
+        # Not awaited by the (possibly cancelled) request task; the lease is the backstop.
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
