@@ -1,0 +1,185 @@
+"""The contract every KV transfer backend must pass (kvtransfer.base). The Ray backend joins
+the parametrization when it exists.
+
+The sender side is the real prefill service (its leases and sender) on a loopback gRPC server;
+the receiver writes into a real decode engine's cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, PrefilledRequest, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from kvtransfer import KVHandle, KVTransferError, TransferErrorCode, make_receiver
+from pdserve.convert import handle_from_proto, sampling_to_proto
+from pdserve.v1 import prefill_pb2
+from prefill_service.service import PrefillService
+from tests.services.harness import (
+    all_blocks_free,
+    engine_config,
+    prefill_stub,
+    start_prefill,
+    wait_for,
+)
+
+BACKENDS = ["local", "grpc"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+async def _prefill(
+    stub: object, request_id: str, prompt: list[int], params: SamplingParams
+) -> prefill_pb2.PrefillResponse:
+    request = prefill_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
+    )
+    return await stub.Prefill(request)  # type: ignore[attr-defined, no-any-return]
+
+
+def _prefilled(response: prefill_pb2.PrefillResponse, prompt: list[int]) -> PrefilledRequest:
+    return PrefilledRequest(response.request_id, prompt, response.first_token_id, GREEDY, [])
+
+
+def _source_blocks(service: PrefillService, request_id: str) -> list[int]:
+    return list(service.engine.engine.pinned[request_id].block_table)
+
+
+def _finish(engine: LLMEngine, prefilled: PrefilledRequest) -> list[int]:
+    out = RequestOutput(prefilled.request_id, prefilled.prompt_token_ids)
+    first = engine.start_prefilled(prefilled)
+    assert first is not None
+    out.apply(first)
+    while not out.finish_reason:
+        for update in engine.step():
+            out.apply(update)
+    return out.token_ids
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transfer_is_lossless_and_decodes_like_one_engine(
+    backend: str, llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1024) for _ in range(n)] for n in (1, 16, 17, 45)]
+    reference = make_llm(llama_dir).generate(prompts, GREEDY)
+    decode = LLMEngine(engine_config(llama_dir))
+
+    async def run() -> None:
+        service, server = await start_prefill(llama_dir, kv_backend=backend)
+        stub = prefill_stub(server)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        try:
+            for i, (prompt, expected) in enumerate(zip(prompts, reference, strict=True)):
+                response = await _prefill(stub, f"r{i}", prompt, GREEDY)
+                handle = handle_from_proto(response.handle)
+                assert handle.backend == backend
+                prefilled = _prefilled(response, prompt)
+                block_ids = decode.reserve_prefilled(prefilled)
+                assert block_ids is not None
+                stats = await receiver.pull(handle, block_ids)
+                source = _source_blocks(service, f"r{i}")
+                for layer in range(decode.kv_layout.num_layers):
+                    sent = service.engine.engine.kv_cache.read_layer(layer, source)
+                    assert torch.equal(decode.kv_cache.read_layer(layer, block_ids), sent)
+                assert stats.num_bytes == len(block_ids) * decode.kv_layout.block_bytes
+                assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id=f"r{i}"))).released
+                assert _finish(decode, prefilled) == expected.token_ids
+            assert await all_blocks_free(stub)
+            decode.block_manager.check_no_leaks()
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layout_mismatch_names_both_layouts(backend: str, llama_dir: Path) -> None:
+    decode = LLMEngine(engine_config(llama_dir, block_size=8))
+
+    async def run() -> None:
+        _, server = await start_prefill(llama_dir, kv_backend=backend)
+        stub = prefill_stub(server)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        try:
+            response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
+            handle = handle_from_proto(response.handle)
+            with pytest.raises(KVTransferError) as err:
+                await receiver.pull(handle, list(range(handle.num_blocks)))
+            assert err.value.code is TransferErrorCode.LAYOUT_MISMATCH
+            assert "bs16" in str(err.value) and "bs8" in str(err.value)
+            await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+            assert await all_blocks_free(stub)
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expired_lease_frees_blocks_and_pull_is_not_found(backend: str, llama_dir: Path) -> None:
+    decode = LLMEngine(engine_config(llama_dir))
+
+    async def run() -> None:
+        service, server = await start_prefill(llama_dir, kv_backend=backend, lease_s=0.2)
+        stub = prefill_stub(server)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        try:
+            response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
+            assert response.handle.lease_s == pytest.approx(0.2)
+            assert len(service.leases) == 1
+            # Nobody pulls: the lease, not a decode worker, frees the blocks.
+            await wait_for(lambda: all_blocks_free(stub), 5.0, "blocks freed by lease expiry")
+            handle = handle_from_proto(response.handle)
+            prefilled = _prefilled(response, list(range(1, 40)))
+            block_ids = decode.reserve_prefilled(prefilled)
+            assert block_ids is not None
+            with pytest.raises(KVTransferError) as err:
+                await receiver.pull(handle, block_ids)
+            assert err.value.code is TransferErrorCode.NOT_FOUND
+            decode.abort("r")  # the caller frees what it allocated
+            decode.block_manager.check_no_leaks()
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelled_pull_stops_writing_and_leaks_nothing(backend: str, llama_dir: Path) -> None:
+    decode = LLMEngine(engine_config(llama_dir))
+
+    async def run() -> None:
+        _, server = await start_prefill(llama_dir, kv_backend=backend)
+        stub = prefill_stub(server)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        prompt = list(range(1, 200))
+        try:
+            response = await _prefill(stub, "r", prompt, GREEDY)
+            handle: KVHandle = handle_from_proto(response.handle)
+            block_ids = decode.reserve_prefilled(_prefilled(response, prompt))
+            assert block_ids is not None
+            pull = asyncio.create_task(receiver.pull(handle, block_ids))
+            await asyncio.sleep(0)  # let it start
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            decode.abort("r")
+            # The lease survives a cancelled pull until the decode side (here: we) releases it.
+            assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
+            await wait_for(lambda: all_blocks_free(stub), 5.0, "prefill blocks freed")
+            decode.block_manager.check_no_leaks()
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())

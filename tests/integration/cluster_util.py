@@ -1,0 +1,48 @@
+"""Helpers for tests against a multi-process local cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from pdserve.client import GenerateResult, generate, router_channel
+from pdserve.local_cluster import LocalCluster
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+async def worker_stats(cluster: LocalCluster) -> dict[str, common_pb2.WorkerStats]:
+    stats = {}
+    for component in [*cluster.prefill, *cluster.decode]:
+        async with grpc.aio.insecure_channel(component.address) as channel:
+            stub: Any = (
+                prefill_pb2_grpc.PrefillWorkerStub(channel)
+                if component.name.startswith("prefill")
+                else decode_pb2_grpc.DecodeWorkerStub(channel)
+            )
+            stats[component.name] = await stub.GetStats(common_pb2.GetStatsRequest())
+    return stats
+
+
+async def nothing_held(cluster: LocalCluster) -> bool:
+    return all(
+        s.num_free_blocks == s.num_blocks and s.num_pinned == 0 and s.num_running == 0
+        and s.num_waiting == 0 and s.num_inflight == 0
+        for s in (await worker_stats(cluster)).values()
+    )  # fmt: skip
+
+
+async def generate_many(
+    address: str, requests: list[router_pb2.GenerateRequest]
+) -> list[GenerateResult]:
+    async with router_channel(address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        return list(await asyncio.gather(*(generate(stub, r, timeout_s=300) for r in requests)))

@@ -1,0 +1,77 @@
+"""In-process services on real gRPC loopback servers (port 0), for tests that need to vary
+configurations cheaply. The multi-process path is covered by tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+
+from decode_service.config import DecodeConfig
+from decode_service.service import DecodeService
+from engine.config import CacheConfig, EngineConfig
+from pdserve.server import ServerConfig, Service, ServiceServer
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from prefill_service.config import PrefillConfig
+from prefill_service.service import PrefillService
+
+WorkerStub = prefill_pb2_grpc.PrefillWorkerStub | decode_pb2_grpc.DecodeWorkerStub
+
+
+def engine_config(model: Path, block_size: int = 16, num_blocks: int = 256) -> EngineConfig:
+    return EngineConfig(
+        model=str(model), cache=CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    )
+
+
+async def start(service: Service) -> ServiceServer:
+    server = ServiceServer(service, ServerConfig(port=0))
+    await server.start()
+    await server.ready()
+    return server
+
+
+async def start_prefill(model: Path, **kwargs: object) -> tuple[PrefillService, ServiceServer]:
+    service = PrefillService(PrefillConfig(engine=engine_config(model), **kwargs))  # type: ignore[arg-type]
+    return service, await start(service)
+
+
+async def start_decode(
+    model: Path, block_size: int = 16, num_blocks: int = 256, **kwargs: object
+) -> tuple[DecodeService, ServiceServer]:
+    config = DecodeConfig(engine=engine_config(model, block_size, num_blocks), **kwargs)  # type: ignore[arg-type]
+    service = DecodeService(config)
+    return service, await start(service)
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[bool]], timeout_s: float, what: str, poll_s: float = 0.01
+) -> None:
+    """Polls ``check`` until true; fails the test after ``timeout_s`` (a bound, not a guess)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not await check():
+                await asyncio.sleep(poll_s)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {timeout_s} s") from None
+
+
+async def all_blocks_free(stub: WorkerStub) -> bool:
+    stats = await stub.GetStats(common_pb2.GetStatsRequest())
+    return (
+        stats.num_free_blocks == stats.num_blocks
+        and stats.num_pinned == 0
+        and stats.num_running == 0
+        and stats.num_waiting == 0
+        and stats.num_inflight == 0
+    )
+
+
+def prefill_stub(server: ServiceServer) -> prefill_pb2_grpc.PrefillWorkerStub:
+    return prefill_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(server.address))
+
+
+def decode_stub(server: ServiceServer) -> decode_pb2_grpc.DecodeWorkerStub:
+    return decode_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(server.address))

@@ -1,0 +1,71 @@
+"""The shared service lifecycle: NOT_SERVING while loading, SERVING when ready, NOT_SERVING and
+refusing new work while draining, stop once in-flight work is done."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine import SamplingParams
+from pdserve.convert import sampling_to_proto
+from pdserve.server import ServerConfig, ServiceServer
+from pdserve.v1 import prefill_pb2
+from prefill_service.config import PrefillConfig
+from prefill_service.service import PrefillService
+from tests.services.harness import engine_config, prefill_stub
+
+
+async def _health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.PrefillWorker")
+        )
+        return int(reply.status)
+
+
+def test_health_follows_load_and_drain(llama_dir: Path) -> None:
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+
+    async def run() -> None:
+        service = PrefillService(PrefillConfig(engine=engine_config(llama_dir)))
+        server = ServiceServer(service, ServerConfig(port=0, drain_timeout_s=30))
+        await server.start()
+        assert await _health(server.address) == not_serving
+        stub = prefill_stub(server)
+        request = prefill_pb2.PrefillRequest(
+            request_id="r",
+            prompt_token_ids=[1, 2, 3],
+            sampling=sampling_to_proto(SamplingParams(max_tokens=4)),
+        )
+        try:
+            await stub.Prefill(request)
+            raise AssertionError("a loading worker accepted work")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in (exc.details() or "")
+        await server.ready()
+        assert await _health(server.address) == serving
+        await stub.Prefill(request)  # leaves a lease: in flight until released
+
+        shutdown = asyncio.create_task(server.shutdown())
+        while not service.draining:
+            await asyncio.sleep(0)
+        assert await _health(server.address) == not_serving
+        try:
+            await stub.Prefill(prefill_pb2.PrefillRequest(request_id="s", prompt_token_ids=[1]))
+            raise AssertionError("a draining worker accepted work")
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            assert "draining" in (exc.details() or "")
+        assert not shutdown.done()  # waits for the lease
+        released = await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+        assert released.released
+        await asyncio.wait_for(shutdown, 10)
+
+    asyncio.run(run())

@@ -1,0 +1,157 @@
+"""Transfer failures through the real services: the decode worker reports a clean status and
+both sides end with every block free."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine import SamplingParams
+from pdserve.convert import layout_to_proto, sampling_to_proto
+from pdserve.server import GRPC_OPTIONS
+from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
+from tests.services.harness import (
+    all_blocks_free,
+    decode_stub,
+    prefill_stub,
+    start_decode,
+    start_prefill,
+    wait_for,
+)
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(3, 300))
+
+
+class CorruptingProxy(kv_transfer_pb2_grpc.KVTransferServicer):
+    """A faulty network: relays a real sender's stream, flipping one bit in the second chunk."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+
+    async def Pull(  # noqa: N802
+        self, request: kv_transfer_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_transfer_pb2.KVMessage]:
+        async with grpc.aio.insecure_channel(self.upstream, options=GRPC_OPTIONS) as channel:
+            n = 0
+            async for message in kv_transfer_pb2_grpc.KVTransferStub(channel).Pull(request):
+                if message.HasField("chunk"):
+                    n += 1
+                    if n == 2:
+                        data = bytearray(message.chunk.data)
+                        data[len(data) // 2] ^= 0x10
+                        message.chunk.data = bytes(data)
+                yield message
+
+
+async def _prefill_and_decode(
+    prefill_address: str, decode_address: str, rewrite_handle: str | None = None
+) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(prefill_address) as channel:
+        from pdserve.v1 import prefill_pb2_grpc
+
+        prefilled = await prefill_pb2_grpc.PrefillWorkerStub(channel).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(PARAMS)
+            )
+        )
+    handle = prefilled.handle
+    if rewrite_handle is not None:
+        handle.address = rewrite_handle
+    request = decode_pb2.DecodeRequest(
+        request_id="r",
+        prompt_token_ids=PROMPT,
+        sampling=sampling_to_proto(PARAMS),
+        first_token_id=prefilled.first_token_id,
+        handle=handle,
+        prefill_address=prefill_address,
+    )
+    async with grpc.aio.insecure_channel(decode_address) as channel:
+        from pdserve.v1 import decode_pb2_grpc
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request):
+                pass
+    return err.value
+
+
+def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> None:
+    async def run() -> None:
+        prefill, prefill_server = await start_prefill(llama_dir)
+        _, decode_server = await start_decode(llama_dir)
+        proxy = grpc.aio.server()
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
+            CorruptingProxy(prefill._sender.address), proxy  # type: ignore[union-attr]
+        )
+        proxy_port = proxy.add_insecure_port("127.0.0.1:0")
+        await proxy.start()
+        # Small chunks, so that the stream has a second chunk to damage.
+        prefill._sender.chunk_bytes = 4096  # type: ignore[union-attr]
+        try:
+            error = await _prefill_and_decode(
+                prefill_server.address, decode_server.address, f"127.0.0.1:{proxy_port}"
+            )
+            assert error.code() == grpc.StatusCode.DATA_LOSS
+            assert "checksum mismatch" in (error.details() or "")
+            await wait_for(
+                lambda: all_blocks_free(decode_stub(decode_server)), 5.0, "decode blocks freed"
+            )
+            await wait_for(
+                lambda: all_blocks_free(prefill_stub(prefill_server)), 5.0, "prefill blocks freed"
+            )
+        finally:
+            await proxy.stop(None)
+            await decode_server.shutdown()
+            await prefill_server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_layout_mismatch_is_failed_precondition_and_frees_both_sides(llama_dir: Path) -> None:
+    async def run() -> None:
+        prefill, prefill_server = await start_prefill(llama_dir)
+        _, decode_server = await start_decode(llama_dir, block_size=8)
+        try:
+            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            details = error.details() or ""
+            assert "local layout" in details and "remote layout" in details
+            assert "block_size=8" in details and "block_size=16" in details
+            await wait_for(
+                lambda: all_blocks_free(decode_stub(decode_server)), 5.0, "decode blocks freed"
+            )
+            await wait_for(
+                lambda: all_blocks_free(prefill_stub(prefill_server)), 5.0, "prefill blocks freed"
+            )
+        finally:
+            await decode_server.shutdown()
+            await prefill_server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_sender_refuses_a_mismatched_receiver_layout(llama_dir: Path) -> None:
+    async def run() -> None:
+        prefill, prefill_server = await start_prefill(llama_dir)
+        try:
+            layout = prefill.engine.engine.kv_layout
+            wrong = layout_to_proto(layout)
+            wrong.head_dim = layout.head_dim * 2
+            sender = prefill._sender.address  # type: ignore[union-attr]
+            async with grpc.aio.insecure_channel(sender) as channel:
+                stub = kv_transfer_pb2_grpc.KVTransferStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Pull(
+                        kv_transfer_pb2.PullRequest(request_id="x", receiver_layout=wrong)
+                    ):
+                        pass
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"head_dim={layout.head_dim * 2}" in (err.value.details() or "")
+        finally:
+            await prefill_server.shutdown()
+
+    asyncio.run(run())
