@@ -7,37 +7,17 @@ so one layer's blocks can be read, shipped and written while the next layer is i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from engine.kv_layout import KVCacheLayout
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = ["KVCache", "KVCacheLayout", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What a receiver must agree on before it accepts another engine's blocks."""
-
-    model_fingerprint: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block across all layers, keys and values."""
-        itemsize = torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    def mismatch(self, other: KVCacheLayout) -> str | None:
-        """None when compatible, else a message naming both layouts."""
-        return None if self == other else f"local layout {self} != remote layout {other}"
 
 
 class KVCache:

@@ -5,7 +5,8 @@ See ``kvtransfer.base`` for the contract (who reads, writes and frees which bloc
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCache
+from typing import TYPE_CHECKING
+
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -15,6 +16,9 @@ from kvtransfer.base import (
     TransferErrorCode,
     TransferStats,
 )
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 BACKENDS = ("grpc", "local")
 

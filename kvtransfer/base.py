@@ -22,8 +22,12 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.kv_cache import KVCache, KVCacheLayout
+from engine.kv_layout import KVCacheLayout
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 
 class TransferErrorCode(enum.Enum):

@@ -6,7 +6,7 @@ Validation errors raise ``ValueError`` whose message names the field; servicers 
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCacheLayout
+from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs

@@ -53,7 +53,9 @@ def _prompts() -> list[str | list[int]]:
     return [*token_prompts, *TEXT_PROMPTS]
 
 
-def _request(prompt: str | list[int], sampling: common_pb2.SamplingParams) -> router_pb2.GenerateRequest:
+def _request(
+    prompt: str | list[int], sampling: common_pb2.SamplingParams
+) -> router_pb2.GenerateRequest:
     if isinstance(prompt, str):
         return router_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
     return router_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)

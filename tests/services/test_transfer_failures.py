@@ -33,7 +33,7 @@ class CorruptingProxy(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream
 
-    async def Pull(  # noqa: N802
+    async def Pull(
         self, request: kv_transfer_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kv_transfer_pb2.KVMessage]:
         async with grpc.aio.insecure_channel(self.upstream, options=GRPC_OPTIONS) as channel:
@@ -85,7 +85,8 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
         _, decode_server = await start_decode(llama_dir)
         proxy = grpc.aio.server()
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
-            CorruptingProxy(prefill._sender.address), proxy  # type: ignore[union-attr]
+            CorruptingProxy(prefill._sender.address),
+            proxy,  # type: ignore[union-attr]
         )
         proxy_port = proxy.add_insecure_port("127.0.0.1:0")
         await proxy.start()
@@ -113,7 +114,7 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
 
 def test_layout_mismatch_is_failed_precondition_and_frees_both_sides(llama_dir: Path) -> None:
     async def run() -> None:
-        prefill, prefill_server = await start_prefill(llama_dir)
+        _, prefill_server = await start_prefill(llama_dir)
         _, decode_server = await start_decode(llama_dir, block_size=8)
         try:
             error = await _prefill_and_decode(prefill_server.address, decode_server.address)

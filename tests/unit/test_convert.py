@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv_cache import KVCacheLayout
+from engine.kv_layout import KVCacheLayout
 from engine.sampling_params import SamplingParams
 from pdserve.convert import (
     layout_from_proto,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCacheLayout
+from engine.kv_layout import KVCacheLayout
 from kvtransfer import KVTransferError, TransferErrorCode
 from kvtransfer.codec import LayerAssembler, iter_chunks, layer_bytes, tensor_bytes
 

@@ -16,6 +16,12 @@ PURE_CORE = [
     "engine.sampling_params",
     "engine.config",
     "engine.model_config",
+    "engine.kv_layout",
+    "engine.prompt",
+    "prefill_service.lease_table",
+    "router.policy",
+    # The router process tokenizes and relays; it must not pay for torch.
+    "router.service",
 ]
 
 
