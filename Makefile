@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints-cpu.txt
 DEMO_MODEL := models/demo-llama-tiny
 
-.PHONY: demo test lint typecheck unit bench install install-dev clean
+.PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,17 @@ $(DEMO_MODEL)/config.json: | $(VENV)/.installed
 demo: $(VENV)/.installed $(DEMO_MODEL)/config.json
 	$(VENV)/bin/pdserve demo --model $(DEMO_MODEL)
 
+# Generated gRPC/protobuf code is checked in (pdserve/v1); `make proto` regenerates it and
+# `make test` fails when it is stale.
+proto: $(VENV)/.installed-dev
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/gen_proto.sh .
+
+proto-check: $(VENV)/.installed-dev
+	@tmp=$$(mktemp -d) && PATH=$(CURDIR)/$(VENV)/bin:$$PATH scripts/gen_proto.sh $$tmp 2>/dev/null \
+	  && diff -r -x __init__.py -x __pycache__ $$tmp/pdserve/v1 pdserve/v1 \
+	  && rm -rf $$tmp && echo "generated proto code is fresh" \
+	  || { echo "pdserve/v1 is stale: run 'make proto'"; rm -rf $$tmp; exit 1; }
+
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -40,10 +51,11 @@ typecheck: $(VENV)/.installed-dev
 unit: $(VENV)/.installed-dev
 	$(PY) -m pytest -q
 
-test: lint typecheck unit
+test: proto-check lint typecheck unit
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/engine_decode.py
+	$(PY) benchmarks/kv_transfer.py
 
 clean:
 	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache

@@ -9,4 +9,4 @@ bin=$(dirname "$(command -v python)")
 cd "$top"
 PATH="$bin:$PATH" python -m grpc_tools.protoc -Iproto \
   --python_out="$out" --grpc_python_out="$out" --mypy_out="$out" --mypy_grpc_out="$out" \
-  proto/pdserve/v1/*.proto >/dev/null
+  proto/pdserve/v1/*.proto 2> >(grep -v "^Writing mypy" >&2)
