@@ -73,9 +73,17 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return _serve(RouterService(config), config.server, "router", reflect=True)
 
 
+def _check_model(model: str) -> None:
+    """Fail here, with the file named, rather than in every child process."""
+    from engine.model_config import ModelConfig
+
+    ModelConfig.from_dir(model)
+
+
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from pdserve.local_cluster import ClusterConfig
 
+    _check_model(args.model)
     return ClusterConfig(
         model=args.model,
         num_prefill=args.prefill,
@@ -167,6 +175,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.local_cluster import LocalCluster
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+    _check_model(args.model)
     print("starting router + 1 prefill + 1 decode worker (first run compiles a CPU kernel) ...")
     from pdserve.local_cluster import ClusterConfig
 

@@ -37,3 +37,19 @@ def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
 def test_errors_are_reported_without_traceback(tmp_path: Path, capsys) -> None:
     assert main(["demo", "--model", str(tmp_path / "missing")]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_every_serving_flag_reads_its_environment_variable(monkeypatch) -> None:
+    from pdserve.cli import build_parser
+
+    monkeypatch.setenv("PDSERVE_LEASE_S", "7.5")
+    monkeypatch.setenv("PDSERVE_MODEL", "/models/x")
+    monkeypatch.setenv("PDSERVE_NO_PREFIX_CACHING", "true")
+    args = build_parser().parse_args(["prefill"])
+    assert (args.lease_s, args.model, args.no_prefix_caching) == (7.5, "/models/x", True)
+    # The command line still wins over the environment.
+    assert build_parser().parse_args(["prefill", "--lease-s", "2"]).lease_s == 2.0
+    monkeypatch.setenv("PDSERVE_DECODE", "a:1,b:2")
+    monkeypatch.setenv("PDSERVE_PREFILL", "c:3")
+    router = build_parser().parse_args(["router"])
+    assert (router.prefill, router.decode) == (("c:3",), ("a:1", "b:2"))
