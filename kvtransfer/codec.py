@@ -18,7 +18,6 @@ from engine.kv_cache import KVCacheLayout, torch_dtype
 from kvtransfer.base import KVTransferError, TransferErrorCode
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-MIN_CHUNK_BYTES = 1 << 20
 
 
 def checksum(data: bytes | memoryview) -> int:

@@ -264,12 +264,24 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                     f"no decode worker had room for {num_prompt_tokens} prompt tokens within "
                     f"admission_timeout_s={self.config.admission_timeout_s}",
                 )
-            await prefill_worker.prefill.RenewLease(
-                prefill_pb2.RenewLeaseRequest(request_id=request.request_id), timeout=5.0
-            )
+            await self._renew(prefill_worker, request.request_id)
             # Backoff: blocks free as other requests finish; the stats refresh sees it too.
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _RETRY_MAX_S)
+
+    async def _renew(self, worker: Worker, request_id: str) -> None:
+        """Keeps the prefilled blocks while waiting for decode room; fails if they are gone."""
+        try:
+            reply = await worker.prefill.RenewLease(
+                prefill_pb2.RenewLeaseRequest(request_id=request_id), timeout=5.0
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _worker_error(exc, f"prefill worker {worker.address} (lease renewal)") from None
+        if not reply.renewed:
+            raise WorkerError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the prefilled KV on {worker.address} expired while waiting for a decode worker",
+            )
 
     def _release_later(self, worker: Worker, request_id: str) -> None:
         async def release() -> None:
