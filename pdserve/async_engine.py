@@ -27,15 +27,18 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, on_step: Callable[[EngineStats], None] | None = None
+        self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None
     ) -> None:
         self.engine = engine
-        self._on_step = on_step
+        self._on_step = on_stats
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestUpdate | BaseException]] = {}
         self._task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
+        # Refreshed after every step and every call: stats RPCs must not wait behind a long
+        # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
+        self.stats: EngineStats = engine.stats()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -49,7 +52,15 @@ class AsyncEngine:
         """Runs a (fast) engine call between steps."""
         self._check_alive()
         async with self._lock:
-            return fn()
+            try:
+                return fn()
+            finally:
+                self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        self.stats = self.engine.stats()
+        if self._on_step is not None:
+            self._on_step(self.stats)
 
     async def stream(
         self, request_id: str, admit: Callable[[], RequestUpdate | None]
@@ -60,7 +71,10 @@ class AsyncEngine:
         self._check_alive()
         queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
         async with self._lock:
-            first = admit()
+            try:
+                first = admit()
+            finally:
+                self._refresh_stats()
             self._queues[request_id] = queue
         self._wakeup.set()
         done = False
@@ -99,10 +113,8 @@ class AsyncEngine:
                     for queue in self._queues.values():
                         queue.put_nowait(exc)
                     return
-                stats = self.engine.stats() if self._on_step is not None else None
+                self._refresh_stats()
             for update in updates:
                 target = self._queues.get(update.request_id)
                 if target is not None:
                     target.put_nowait(update)
-            if self._on_step is not None and stats is not None:
-                self._on_step(stats)

@@ -36,9 +36,9 @@ class WorkerService(Service):
 
     async def load(self) -> None:
         llm_engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self._engine = AsyncEngine(llm_engine, on_step=metrics.observe_engine)
+        self._engine = AsyncEngine(llm_engine, on_stats=metrics.observe_engine)
         self._engine.start()
-        metrics.observe_engine(llm_engine.stats())
+        metrics.observe_engine(self._engine.stats)
 
     async def close(self) -> None:
         if self._engine is not None:
@@ -61,11 +61,10 @@ class WorkerService(Service):
             state = "draining" if self.draining else "still loading"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is {state}")
 
-    async def stats(self) -> common_pb2.WorkerStats:
+    def stats(self) -> common_pb2.WorkerStats:
         engine = self.engine.engine
-        stats = await self.engine.call(engine.stats)
         return stats_to_proto(
-            stats,
+            self.engine.stats,
             engine.kv_layout,
             block_size=engine.block_size,
             max_model_len=engine.max_model_len,

@@ -57,8 +57,13 @@ class Worker:
             self.stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
             self.healthy = True
         except grpc.aio.AioRpcError as exc:
+            # A slow answer is a busy worker, not a dead one; keep its last state.
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.stats is not None:
+                return
             if self.healthy:
-                logger.warning("%s worker %s unhealthy: %s", self.role.value, self.address, exc)
+                logger.warning(
+                    "%s worker %s unhealthy: %s", self.role.value, self.address, exc.code().name
+                )
             self.healthy = False
 
 
