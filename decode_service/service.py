@@ -72,7 +72,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
-        return await self.stats()
+        return self.stats()
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext

@@ -44,6 +44,19 @@ class KVCache:
         """``[2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
         return self.tensor[layer][:, self._index(block_ids)]
 
+    def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
+        """Keys (kv 0) or values (kv 1) of one layer: ``[n, block_size, heads, head_dim]``."""
+        return self.tensor[layer, kv].index_select(0, self._index(block_ids))
+
+    def write_slab(self, layer: int, kv: int, block_ids: list[int], data: torch.Tensor) -> None:
+        expected = (len(block_ids), *self.tensor.shape[3:])
+        if tuple(data.shape) != expected or data.dtype != self.tensor.dtype:
+            raise ValueError(
+                f"slab data has shape {tuple(data.shape)} {data.dtype}, "
+                f"expected {expected} {self.tensor.dtype}"
+            )
+        self.tensor[layer, kv].index_copy_(0, self._index(block_ids), data.to(self.tensor.device))
+
     def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (2, len(block_ids), *self.tensor.shape[3:])
         if tuple(data.shape) != expected or data.dtype != self.tensor.dtype:

@@ -1,127 +1,98 @@
-"""The byte stream of a KV transfer: layer-major, cut into checksummed chunks.
+"""The chunking of a gRPC KV transfer: block-aligned slabs, layer-major, each checksummed.
 
-Stream = ``[num_layers][2 (k|v)][num_blocks][block_size][num_kv_heads][head_dim]`` raw bytes in
-the cache dtype. Chunks are slices of that stream (``chunk_bytes`` each, the last one shorter),
-so they may span layers; the receiver writes each layer as soon as its bytes are all in, while
-later layers are still on the wire.
+A chunk is the keys or the values of one layer for a run of the request's blocks, sized to about
+``chunk_bytes`` (at least one block). Block-aligned chunks let the receiver copy each straight
+into its destination blocks: no reassembly buffer, and a layer is written as soon as it arrives.
 """
 
 from __future__ import annotations
 
+import warnings
 import zlib
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCacheLayout, torch_dtype
+from engine.kv_cache import torch_dtype
+from engine.kv_layout import DTYPE_BYTES, KVCacheLayout
 from kvtransfer.base import KVTransferError, TransferErrorCode
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
-def checksum(data: bytes | memoryview) -> int:
+def checksum(data: bytes) -> int:
     return zlib.crc32(data)
 
 
-def layer_bytes(layout: KVCacheLayout, num_blocks: int) -> int:
-    """Bytes of one layer's K and V for ``num_blocks`` blocks."""
-    return layout.block_bytes // layout.num_layers * num_blocks
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """A read-only byte view of a tensor (copied to host memory first if needed)."""
-    flat = tensor.detach().contiguous().reshape(-1).cpu()
-    return flat.view(torch.uint8).numpy().data
+def slab_block_bytes(layout: KVCacheLayout) -> int:
+    """Bytes of one block's keys (or values) in one layer."""
+    return layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
 
 
 @dataclass(frozen=True)
-class Chunk:
-    offset: int
-    data: bytes
-    crc32: int
+class ChunkSpec:
+    layer: int
+    kv: int  # 0: keys, 1: values
+    first_block: int  # index into the request's block list
+    num_blocks: int
 
 
-def iter_chunks(
-    read_layer: Callable[[int], memoryview], num_layers: int, chunk_bytes: int
-) -> Iterator[Chunk]:
-    """Chunks of the layer-major stream. ``read_layer`` is called lazily, one layer at a time."""
+def blocks_per_chunk(layout: KVCacheLayout, chunk_bytes: int) -> int:
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    offset = 0
-    pending: list[memoryview] = []
-    num_pending = 0
-    for layer in range(num_layers):
-        view = read_layer(layer)
-        start = 0
-        while start < len(view):
-            take = min(chunk_bytes - num_pending, len(view) - start)
-            pending.append(view[start : start + take])
-            num_pending += take
-            start += take
-            if num_pending == chunk_bytes:
-                data = b"".join(pending)
-                yield Chunk(offset, data, checksum(data))
-                offset += num_pending
-                pending, num_pending = [], 0
-    if num_pending:
-        data = b"".join(pending)
-        yield Chunk(offset, data, checksum(data))
+    return max(1, chunk_bytes // slab_block_bytes(layout))
 
 
-class LayerAssembler:
-    """Receiver side: checks chunks (order, bounds, checksum) and hands out completed layers as
-    tensors ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` backed by its buffer."""
+def plan_chunks(layout: KVCacheLayout, num_blocks: int, per_chunk: int) -> list[ChunkSpec]:
+    """Every chunk of a transfer, in wire order."""
+    if per_chunk < 1:
+        raise ValueError(f"blocks_per_chunk must be >= 1, got {per_chunk}")
+    return [
+        ChunkSpec(layer, kv, first, min(per_chunk, num_blocks - first))
+        for layer in range(layout.num_layers)
+        for kv in (0, 1)
+        for first in range(0, num_blocks, per_chunk)
+    ]
 
-    def __init__(self, layout: KVCacheLayout, num_blocks: int) -> None:
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().reshape(-1).cpu()
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+class ChunkChecker:
+    """Receiver side: each chunk must be the next one planned, of the right size, and match its
+    checksum; returns it as a tensor ``[n, block_size, heads, head_dim]`` over ``data``."""
+
+    def __init__(self, layout: KVCacheLayout, num_blocks: int, plan: list[ChunkSpec]) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
-        self.layer_bytes = layer_bytes(layout, num_blocks)
-        self.total_bytes = self.layer_bytes * layout.num_layers
-        self._buffer = bytearray(self.total_bytes)
-        self._received = 0
-        self._next_layer = 0
+        self._plan = plan
+        self._next = 0
+        self.num_bytes = 0
 
     @property
     def complete(self) -> bool:
-        return self._received == self.total_bytes
+        return self._next == len(self._plan)
 
-    def add(self, offset: int, data: bytes, crc32: int) -> list[tuple[int, torch.Tensor]]:
-        """Returns the layers this chunk completed (usually none or one)."""
-        if offset != self._received:
+    def check(self, spec: ChunkSpec, data: bytes, crc32: int) -> torch.Tensor:
+        if self._next >= len(self._plan) or spec != self._plan[self._next]:
+            expected = self._plan[self._next] if not self.complete else "end of stream"
             raise KVTransferError(
-                TransferErrorCode.CORRUPTED, f"chunk at offset {offset}, expected {self._received}"
+                TransferErrorCode.CORRUPTED, f"got chunk {spec}, expected {expected}"
             )
-        end = offset + len(data)
-        if end > self.total_bytes:
+        if len(data) != spec.num_blocks * slab_block_bytes(self.layout):
             raise KVTransferError(
-                TransferErrorCode.CORRUPTED,
-                f"chunk ends at byte {end}, past the stream's {self.total_bytes} bytes",
+                TransferErrorCode.CORRUPTED, f"chunk {spec} has {len(data)} bytes"
             )
         if checksum(data) != crc32:
-            raise KVTransferError(
-                TransferErrorCode.CORRUPTED, f"checksum mismatch in chunk at offset {offset}"
-            )
-        self._buffer[offset:end] = data
-        self._received = end
-        done = []
-        while (
-            self._next_layer < self.layout.num_layers
-            and (self._next_layer + 1) * self.layer_bytes <= self._received
-        ):
-            done.append((self._next_layer, self._layer(self._next_layer)))
-            self._next_layer += 1
-        return done
-
-    def _layer(self, layer: int) -> torch.Tensor:
-        start = layer * self.layer_bytes
-        view = memoryview(self._buffer)[start : start + self.layer_bytes]
-        shape = (
-            2,
-            self.num_blocks,
-            self.layout.block_size,
-            self.layout.num_kv_heads,
-            self.layout.head_dim,
-        )
-        raw = torch.frombuffer(view, dtype=torch.uint8)
-        return raw.view(torch_dtype(self.layout.dtype)).reshape(shape)
+            raise KVTransferError(TransferErrorCode.CORRUPTED, f"checksum mismatch in chunk {spec}")
+        self._next += 1
+        self.num_bytes += len(data)
+        layout = self.layout
+        with warnings.catch_warnings():
+            # Read-only view of the message bytes; the cache copy is the only write.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        shape = (spec.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        return raw.view(torch_dtype(layout.dtype)).reshape(shape)

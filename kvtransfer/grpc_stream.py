@@ -25,7 +25,15 @@ from kvtransfer.base import (
     TransferStats,
     write_in_thread,
 )
-from kvtransfer.codec import DEFAULT_CHUNK_BYTES, LayerAssembler, iter_chunks, tensor_bytes
+from kvtransfer.codec import (
+    DEFAULT_CHUNK_BYTES,
+    ChunkChecker,
+    ChunkSpec,
+    blocks_per_chunk,
+    checksum,
+    plan_chunks,
+    tensor_bytes,
+)
 from pdserve.channels import ChannelPool
 from pdserve.convert import layout_from_proto, layout_to_proto
 from pdserve.server import GRPC_OPTIONS
@@ -85,28 +93,32 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
             )
         try:
             layout = self.cache.layout
-            layer_bytes = layout.block_bytes // layout.num_layers * len(block_ids)
+            per_chunk = blocks_per_chunk(layout, self.chunk_bytes)
+            plan = plan_chunks(layout, len(block_ids), per_chunk)
             yield kv_transfer_pb2.KVMessage(
                 header=kv_transfer_pb2.KVHeader(
                     layout=layout_to_proto(layout),
                     num_blocks=len(block_ids),
-                    total_bytes=layer_bytes * layout.num_layers,
-                    layer_bytes=layer_bytes,
+                    blocks_per_chunk=per_chunk,
+                    total_bytes=len(block_ids) * layout.block_bytes,
                 )
             )
-            chunks = iter_chunks(
-                lambda layer: tensor_bytes(self.cache.read_layer(layer, block_ids)),
-                layout.num_layers,
-                self.chunk_bytes,
-            )
-            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-                yield kv_transfer_pb2.KVMessage(
-                    chunk=kv_transfer_pb2.KVChunk(
-                        offset=chunk.offset, data=chunk.data, crc32=chunk.crc32
-                    )
-                )
+            for spec in plan:
+                ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
+                yield await asyncio.to_thread(self._encode, spec, ids)
         finally:
             await self.leases.checkin(request.request_id)
+
+    def _encode(self, spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
+        data = tensor_bytes(self.cache.read_slab(spec.layer, spec.kv, block_ids))
+        message = kv_transfer_pb2.KVMessage()
+        # Filled in place: constructing nested messages from kwargs copies the payload twice.
+        chunk = message.chunk
+        chunk.layer, chunk.kv = spec.layer, spec.kv
+        chunk.first_block, chunk.num_blocks = spec.first_block, spec.num_blocks
+        chunk.data = data
+        chunk.crc32 = checksum(data)
+        return message
 
 
 class GrpcKVReceiver(KVReceiver):
@@ -144,38 +156,34 @@ class GrpcKVReceiver(KVReceiver):
         handle: KVHandle,
         block_ids: list[int],
     ) -> int:
-        assembler: LayerAssembler | None = None
+        checker: ChunkChecker | None = None
         async for message in call:
             if message.HasField("header"):
-                assembler = self._check_header(message.header, handle)
+                checker = self._check_header(message.header, handle)
                 continue
-            if assembler is None:
+            if checker is None:
                 raise KVTransferError(TransferErrorCode.CORRUPTED, "chunk before header")
-            chunk = message.chunk
-            for layer, data in assembler.add(chunk.offset, chunk.data, chunk.crc32):
-                # One layer at a time: the next chunks queue in gRPC while this one is written.
-                await write_in_thread(self.cache.write_layer, layer, block_ids, data)
-        if assembler is None or not assembler.complete:
-            raise KVTransferError(TransferErrorCode.CORRUPTED, "stream ended before all layers")
-        return assembler.total_bytes
+            c = message.chunk
+            spec = ChunkSpec(c.layer, c.kv, c.first_block, c.num_blocks)
+            data = checker.check(spec, c.data, c.crc32)
+            ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
+            # The next chunks queue in gRPC while this one is copied into the cache.
+            await write_in_thread(self.cache.write_slab, spec.layer, spec.kv, ids, data)
+        if checker is None or not checker.complete:
+            raise KVTransferError(TransferErrorCode.CORRUPTED, "stream ended before all chunks")
+        return checker.num_bytes
 
-    def _check_header(self, header: kv_transfer_pb2.KVHeader, handle: KVHandle) -> LayerAssembler:
+    def _check_header(self, header: kv_transfer_pb2.KVHeader, handle: KVHandle) -> ChunkChecker:
         mismatch = self.cache.layout.mismatch(layout_from_proto(header.layout))
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
-        if header.num_blocks != handle.num_blocks:
+        layout = self.cache.layout
+        expected = (handle.num_blocks, handle.num_blocks * layout.block_bytes)
+        if (header.num_blocks, header.total_bytes) != expected or header.blocks_per_chunk < 1:
             raise KVTransferError(
                 TransferErrorCode.CORRUPTED,
-                f"sender has {header.num_blocks} blocks, handle says {handle.num_blocks}",
+                f"header: {header.num_blocks} blocks, {header.total_bytes} bytes, "
+                f"{header.blocks_per_chunk} blocks per chunk; expected (blocks, bytes) {expected}",
             )
-        assembler = LayerAssembler(self.cache.layout, handle.num_blocks)
-        if (header.total_bytes, header.layer_bytes) != (
-            assembler.total_bytes,
-            assembler.layer_bytes,
-        ):
-            raise KVTransferError(
-                TransferErrorCode.CORRUPTED,
-                f"header sizes {header.total_bytes}/{header.layer_bytes} bytes, expected "
-                f"{assembler.total_bytes}/{assembler.layer_bytes}",
-            )
-        return assembler
+        plan = plan_chunks(layout, handle.num_blocks, header.blocks_per_chunk)
+        return ChunkChecker(layout, handle.num_blocks, plan)

@@ -133,7 +133,7 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
-        return await self.stats()
+        return self.stats()
 
     # ---- leases (BlockLeases, for the KV sender) -------------------------------------------
     def checkout(self, request_id: str) -> list[int]:

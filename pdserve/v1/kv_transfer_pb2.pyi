@@ -46,13 +46,12 @@ class KVHeader(_message.Message):
 
     LAYOUT_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCKS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
-    LAYER_BYTES_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
+    blocks_per_chunk: _builtins.int
+    """every chunk but a (layer, kv) run's last holds this many"""
     total_bytes: _builtins.int
-    """num_layers * layer_bytes"""
-    layer_bytes: _builtins.int
-    """one layer's K and V for these blocks: [2, num_blocks, block_size, heads, dim]"""
     @_builtins.property
     def layout(self) -> _common_pb2.KVCacheLayout: ...
     def __init__(
@@ -60,12 +59,12 @@ class KVHeader(_message.Message):
         *,
         layout: _common_pb2.KVCacheLayout | None = ...,
         num_blocks: _builtins.int = ...,
+        blocks_per_chunk: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
-        layer_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_bytes", b"layer_bytes", "layout", b"layout", "num_blocks", b"num_blocks", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_per_chunk", b"blocks_per_chunk", "layout", b"layout", "num_blocks", b"num_blocks", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -73,27 +72,40 @@ Global___KVHeader: _TypeAlias = KVHeader  # noqa: Y015
 
 @_typing.final
 class KVChunk(_message.Message):
-    """A slice of the layer-major byte stream [num_layers][2][num_blocks][block_size][heads][dim]."""
+    """Keys (kv = 0) or values (kv = 1) of one layer for the request's blocks
+    [first_block, first_block + num_blocks): raw [num_blocks][block_size][num_kv_heads][head_dim]
+    in the cache dtype. Chunks arrive layer-major (layer, then kv, then first_block) so the
+    receiver writes each straight into its cache while later layers are on the wire.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    OFFSET_FIELD_NUMBER: _builtins.int
+    LAYER_FIELD_NUMBER: _builtins.int
+    KV_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CRC32_FIELD_NUMBER: _builtins.int
-    offset: _builtins.int
+    layer: _builtins.int
+    kv: _builtins.int
+    first_block: _builtins.int
+    num_blocks: _builtins.int
     data: _builtins.bytes
     crc32: _builtins.int
     """zlib.crc32 of data"""
     def __init__(
         self,
         *,
-        offset: _builtins.int = ...,
+        layer: _builtins.int = ...,
+        kv: _builtins.int = ...,
+        first_block: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
         data: _builtins.bytes = ...,
         crc32: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "first_block", b"first_block", "kv", b"kv", "layer", b"layer", "num_blocks", b"num_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -34,3 +34,35 @@ def test_engine_decode_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -
         assert row["engine_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["roofline_tok_s"] > 0
         assert row["greedy_match"] == 1.0  # engine and HF agree on the benchmark prompts too
     assert report["prefill"]["engine_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_kv_transfer_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/kv_transfer.py",
+            "--quick",
+            "--mib",
+            "8",
+            "--repeats",
+            "1",
+            "--model",
+            str(tmp_path / "bench-model"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    transport = report["transport"]
+    assert transport["verified"] is True  # the gRPC path delivered the sender's exact bytes
+    assert transport["bytes"] == 8 << 20
+    assert transport["grpc_gb_s"] > 0 and transport["raw_tcp_gb_s"] > 0
+    assert report["grpc_over_raw"] == transport["grpc_over_raw"] > 0
+    ttft = report["ttft"]
+    assert ttft["ttft_s"] > 0 and ttft["compute_s"] > 0 and ttft["transfer_s"] > 0
+    assert report["transfer_over_ttft"] == ttft["transfer_over_ttft"] > 0
+    assert ttft["cached_tokens"] == [0] * ttft["repeats"]  # fresh prompts: no prefix-cache hits

@@ -1,64 +1,77 @@
-"""The KV stream codec: layer-major chunks round-trip exactly; damage is detected."""
+"""The KV chunk codec: exact chunk plans, lossless round trip into other blocks, damage detected."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.kv_cache import KVCache
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import KVTransferError, TransferErrorCode
-from kvtransfer.codec import LayerAssembler, iter_chunks, layer_bytes, tensor_bytes
+from kvtransfer.codec import (
+    ChunkChecker,
+    ChunkSpec,
+    blocks_per_chunk,
+    checksum,
+    plan_chunks,
+    slab_block_bytes,
+    tensor_bytes,
+)
 
-LAYOUT = KVCacheLayout("fp", "float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
-
-
-def _layers(num_blocks: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randn(2, num_blocks, 4, 2, 8, generator=gen) for _ in range(3)]
-
-
-@pytest.mark.parametrize("chunk_bytes", [100, 768, 1536, 10_000])
-def test_round_trip_any_chunking(chunk_bytes: int) -> None:
-    layers = _layers(num_blocks=3)
-    assert layer_bytes(LAYOUT, 3) == layers[0].numel() * 4 == 1536
-    assembler = LayerAssembler(LAYOUT, 3)
-    got: dict[int, torch.Tensor] = {}
-    chunks = list(iter_chunks(lambda i: tensor_bytes(layers[i]), 3, chunk_bytes))
-    assert all(len(c.data) == chunk_bytes for c in chunks[:-1])
-    for chunk in chunks:
-        for layer, data in assembler.add(chunk.offset, chunk.data, chunk.crc32):
-            got[layer] = data.clone()
-    assert assembler.complete
-    assert sorted(got) == [0, 1, 2]
-    for i in range(3):
-        assert torch.equal(got[i], layers[i])
+LAYOUT = KVCacheLayout("fp", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
 
-def test_layers_complete_as_bytes_arrive() -> None:
-    layers = _layers(num_blocks=1)  # 512 bytes per layer
-    assembler = LayerAssembler(LAYOUT, 1)
-    chunks = list(iter_chunks(lambda i: tensor_bytes(layers[i]), 3, 384))
-    completed = [[layer for layer, _ in assembler.add(c.offset, c.data, c.crc32)] for c in chunks]
-    assert completed == [[], [0], [1], [2]]
+def test_plan_is_layer_major_and_block_aligned() -> None:
+    assert slab_block_bytes(LAYOUT) == 4 * 2 * 8 * 4 == 256
+    per_chunk = blocks_per_chunk(LAYOUT, chunk_bytes=600)
+    assert per_chunk == 2
+    assert plan_chunks(LAYOUT, 3, per_chunk) == [
+        ChunkSpec(0, 0, 0, 2), ChunkSpec(0, 0, 2, 1), ChunkSpec(0, 1, 0, 2), ChunkSpec(0, 1, 2, 1),
+        ChunkSpec(1, 0, 0, 2), ChunkSpec(1, 0, 2, 1), ChunkSpec(1, 1, 0, 2), ChunkSpec(1, 1, 2, 1),
+    ]  # fmt: skip
+    assert blocks_per_chunk(LAYOUT, chunk_bytes=10) == 1  # never less than a block
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 512, 1 << 20])
+def test_round_trip_into_other_blocks(chunk_bytes: int) -> None:
+    source = KVCache(LAYOUT, 8, torch.device("cpu"))
+    source.tensor.copy_(
+        torch.randn(source.tensor.shape, generator=torch.Generator().manual_seed(0))
+    )
+    dest = KVCache(LAYOUT, 8, torch.device("cpu"))
+    src_ids, dst_ids = [5, 1, 6], [0, 7, 3]
+    plan = plan_chunks(LAYOUT, 3, blocks_per_chunk(LAYOUT, chunk_bytes))
+    checker = ChunkChecker(LAYOUT, 3, plan)
+    for spec in plan:
+        part = slice(spec.first_block, spec.first_block + spec.num_blocks)
+        data = tensor_bytes(source.read_slab(spec.layer, spec.kv, src_ids[part]))
+        slab = checker.check(spec, data, checksum(data))
+        dest.write_slab(spec.layer, spec.kv, dst_ids[part], slab)
+    assert checker.complete and checker.num_bytes == 3 * LAYOUT.block_bytes
+    for layer in range(2):
+        assert torch.equal(dest.read_layer(layer, dst_ids), source.read_layer(layer, src_ids))
+    assert not dest.tensor[:, :, [1, 2, 4, 5, 6]].any()  # nothing written elsewhere
+
+
+def _first_chunk() -> tuple[ChunkChecker, ChunkSpec, bytes]:
+    plan = plan_chunks(LAYOUT, 1, 1)
+    data = bytes(range(256))
+    return ChunkChecker(LAYOUT, 1, plan), plan[0], data
 
 
 def test_corrupted_chunk_detected() -> None:
-    layers = _layers(num_blocks=1)
-    chunk = next(iter_chunks(lambda i: tensor_bytes(layers[i]), 3, 256))
-    damaged = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
+    checker, spec, data = _first_chunk()
+    damaged = bytes([data[0] ^ 1]) + data[1:]
     with pytest.raises(KVTransferError) as err:
-        LayerAssembler(LAYOUT, 1).add(chunk.offset, damaged, chunk.crc32)
+        checker.check(spec, damaged, checksum(data))
     assert err.value.code is TransferErrorCode.CORRUPTED
-    assert "checksum" in str(err.value)
+    assert "checksum mismatch" in str(err.value)
 
 
-def test_out_of_order_and_overlong_chunks_detected() -> None:
-    assembler = LayerAssembler(LAYOUT, 1)
-    data = b"\0" * 16
-    from kvtransfer.codec import checksum
-
-    with pytest.raises(KVTransferError, match="offset 16, expected 0"):
-        assembler.add(16, data, checksum(data))
-    too_long = b"\0" * (assembler.total_bytes + 1)
-    with pytest.raises(KVTransferError, match="past the stream"):
-        assembler.add(0, too_long, checksum(too_long))
+def test_out_of_order_and_wrong_size_chunks_detected() -> None:
+    checker, spec, data = _first_chunk()
+    with pytest.raises(KVTransferError, match="expected ChunkSpec"):
+        checker.check(ChunkSpec(0, 1, 0, 1), data, checksum(data))
+    with pytest.raises(KVTransferError, match="has 255 bytes"):
+        checker.check(spec, data[:-1], checksum(data[:-1]))
+    assert not checker.complete
