@@ -21,6 +21,7 @@ from decode_service.config import DecodeConfig
 from engine.outputs import PrefilledRequest
 from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode, make_receiver
 from pdserve import metrics
+from pdserve.async_engine import EngineDeadError
 from pdserve.channels import ChannelPool
 from pdserve.convert import (
     finish_reason_to_proto,
@@ -96,32 +97,42 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             handle = handle_from_proto(request.handle)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        llm_engine = self.engine.engine
         with self.admitted():
             start = time.perf_counter()
             block_ids = await self._reserve(prefilled, context)
-            transfer_s = await self._pull(handle, block_ids, request.prefill_address, context)
-            yield decode_pb2.DecodeResponse(transfer_s=time.perf_counter() - start)
-            logger.info(
-                "request_id=%s admitted: %d blocks pulled in %.1f ms",
-                request.request_id,
-                len(block_ids),
-                transfer_s * 1e3,
-            )
-            llm_engine = self.engine.engine
-            stream = self.engine.stream(
-                prefilled.request_id, lambda: llm_engine.start_prefilled(prefilled)
-            )
-            first = True
-            async with contextlib.aclosing(stream) as updates:
-                async for update in updates:
-                    token_ids, logprobs = update.new_token_ids, update.new_logprobs
-                    if first:
-                        # The router already has the first token (from the prefill worker).
-                        token_ids, logprobs, first = token_ids[1:], logprobs[1:], False
-                    yield decode_pb2.DecodeResponse(
-                        token_ids=token_ids,
-                        logprobs=[logprobs_to_proto(lp) for lp in logprobs],
-                        finish_reason=finish_reason_to_proto(update.finish_reason),
+            try:
+                transfer_s = await self._pull(handle, block_ids, request.prefill_address, context)
+                yield decode_pb2.DecodeResponse(transfer_s=time.perf_counter() - start)
+                logger.info(
+                    "request_id=%s admitted: %d blocks pulled in %.1f ms",
+                    request.request_id,
+                    len(block_ids),
+                    transfer_s * 1e3,
+                )
+                stream = self.engine.stream(
+                    prefilled.request_id, lambda: llm_engine.start_prefilled(prefilled)
+                )
+                first = True
+                async with contextlib.aclosing(stream) as updates:
+                    async for update in updates:
+                        token_ids, logprobs = update.new_token_ids, update.new_logprobs
+                        if first:
+                            # The router already has the first token (from the prefill worker).
+                            token_ids, logprobs, first = token_ids[1:], logprobs[1:], False
+                        yield decode_pb2.DecodeResponse(
+                            token_ids=token_ids,
+                            logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+                            finish_reason=finish_reason_to_proto(update.finish_reason),
+                        )
+            except EngineDeadError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            finally:
+                # However this ends (finished, failed pull, client gone at any await), the
+                # request's blocks go back; a no-op when it already finished.
+                with contextlib.suppress(EngineDeadError):
+                    await asyncio.shield(
+                        self.engine.call(lambda: llm_engine.abort(prefilled.request_id))
                     )
 
     async def _reserve(
@@ -150,26 +161,24 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         prefill_address: str,
         context: grpc.aio.ServicerContext,
     ) -> float:
-        """Pulls the KV into the reserved blocks; on any failure frees them before returning.
-        Either way, asks the prefill worker to release its lease."""
+        """Pulls the KV into the reserved blocks. Success or not, then asks the prefill worker to
+        release its lease (the caller frees the reserved blocks on failure)."""
         assert self._receiver is not None
         pull = asyncio.ensure_future(self._receiver.pull(handle, block_ids))
-        ok = False
         try:
             stats = await asyncio.shield(pull)
-            ok = True
         except asyncio.CancelledError:
-            # The receiver stops writing before the blocks go back to the free list.
+            # Stop the pull and wait until it has stopped writing: the caller frees the blocks.
+            pull.cancel()
             await asyncio.wait([pull])
             raise
         except KVTransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code.value).inc()
             logger.warning("request_id=%s KV pull failed: %s", handle.request_id, exc)
             await context.abort(_TRANSFER_CODES[exc.code], f"KV transfer failed: {exc}")
+        except ValueError as exc:  # a handle that does not fit the request
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
-            if not ok:
-                llm_engine = self.engine.engine
-                await asyncio.shield(self.engine.call(lambda: llm_engine.abort(handle.request_id)))
             self._release_later(prefill_address, handle.request_id)
         metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
         metrics.TRANSFER_S.observe(stats.duration_s)

@@ -52,6 +52,9 @@ class LLMEngine(EngineCore):
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_prefix_hit_tokens = 0
+        # True when the last step found nothing it could run (e.g. no free blocks for waiting
+        # requests); stepping again changes nothing until a request is added, freed or aborted.
+        self.last_step_idle = False
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -105,6 +108,7 @@ class LLMEngine(EngineCore):
     def step(self) -> list[RequestUpdate]:
         out = self.scheduler.schedule()
         updates = [self._finish(self._requests[s.request_id], s.status) for s in out.dropped]
+        self.last_step_idle = out.is_empty and not updates
         if out.is_empty:
             return updates
         samplers, samples = self.runner.execute(out.scheduled)

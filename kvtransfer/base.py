@@ -17,10 +17,8 @@ Nothing is pickled: the wire carries raw tensor bytes described by a ``KVCacheLa
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -131,14 +129,3 @@ class KVReceiver(ABC):
             )
         if len(block_ids) != handle.num_blocks:
             raise ValueError(f"{len(block_ids)} destination blocks for {handle.num_blocks}")
-
-
-async def write_in_thread(fn: Callable[..., None], *args: object) -> None:
-    """Runs a cache write in a thread. If cancelled, waits for the thread to finish before
-    re-raising, so that a returning ``pull`` has really stopped writing."""
-    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])
-        raise

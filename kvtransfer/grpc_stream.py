@@ -23,7 +23,6 @@ from kvtransfer.base import (
     KVTransferError,
     TransferErrorCode,
     TransferStats,
-    write_in_thread,
 )
 from kvtransfer.codec import (
     DEFAULT_CHUNK_BYTES,
@@ -37,6 +36,7 @@ from kvtransfer.codec import (
 from pdserve.channels import ChannelPool
 from pdserve.convert import layout_from_proto, layout_to_proto
 from pdserve.server import GRPC_OPTIONS
+from pdserve.threads import finish_in_thread
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _CODES = {
@@ -168,7 +168,7 @@ class GrpcKVReceiver(KVReceiver):
             data = checker.check(spec, c.data, c.crc32)
             ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
             # The next chunks queue in gRPC while this one is copied into the cache.
-            await write_in_thread(self.cache.write_slab, spec.layer, spec.kv, ids, data)
+            await finish_in_thread(self.cache.write_slab, spec.layer, spec.kv, ids, data)
         if checker is None or not checker.complete:
             raise KVTransferError(TransferErrorCode.CORRUPTED, "stream ended before all chunks")
         return checker.num_bytes

@@ -19,8 +19,8 @@ from kvtransfer.base import (
     KVTransferError,
     TransferErrorCode,
     TransferStats,
-    write_in_thread,
 )
+from pdserve.threads import finish_in_thread
 
 
 class LocalKVSender(KVSender):
@@ -75,7 +75,7 @@ class LocalKVReceiver(KVReceiver):
                 )
             for layer in range(self.cache.layout.num_layers):
                 data = sender.cache.read_layer(layer, source_ids)
-                await write_in_thread(self.cache.write_layer, layer, block_ids, data)
+                await finish_in_thread(self.cache.write_layer, layer, block_ids, data)
                 num_bytes += data.numel() * data.element_size()
         finally:
             await sender.leases.checkin(handle.request_id)

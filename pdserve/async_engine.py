@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestUpdate
+from pdserve.threads import finish_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,13 @@ class AsyncEngine:
         """Runs a (fast) engine call between steps."""
         self._check_alive()
         async with self._lock:
+            self._check_alive()  # the engine may have died while we waited for the lock
             try:
                 return fn()
             finally:
                 self._refresh_stats()
+                # What the call freed or added may let a stalled scheduler move again.
+                self._wakeup.set()
 
     def _refresh_stats(self) -> None:
         self.stats = self.engine.stats()
@@ -71,6 +75,7 @@ class AsyncEngine:
         self._check_alive()
         queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
         async with self._lock:
+            self._check_alive()
             try:
                 first = admit()
             finally:
@@ -106,7 +111,7 @@ class AsyncEngine:
                     self._wakeup.clear()
                     continue
                 try:
-                    updates = await asyncio.to_thread(self.engine.step)
+                    updates = await finish_in_thread(self.engine.step)
                 except Exception as exc:
                     logger.exception("engine step failed; failing every request")
                     self.error = exc
@@ -114,6 +119,10 @@ class AsyncEngine:
                         queue.put_nowait(exc)
                     return
                 self._refresh_stats()
+                if self.engine.last_step_idle:
+                    # Nothing could be scheduled (no free blocks): wait for a call to change that
+                    # instead of spinning.
+                    self._wakeup.clear()
             for update in updates:
                 target = self._queues.get(update.request_id)
                 if target is not None:

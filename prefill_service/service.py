@@ -15,6 +15,7 @@ import grpc
 from engine.outputs import RequestUpdate
 from kvtransfer import BlockLeases, KVSender, make_sender
 from pdserve import metrics
+from pdserve.async_engine import EngineDeadError
 from pdserve.convert import (
     finish_reason_to_proto,
     handle_to_proto,
@@ -94,6 +95,8 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
                         last = update
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineDeadError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             assert last is not None and last.prefilled
             # Pinned now: lease the blocks before the next await, so that no cancellation can
             # strand them. (A pinned request is never touched by a step: no lock needed.)
@@ -166,7 +169,10 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
             for request_id in self.leases.expire(self._now()):
                 logger.warning("request_id=%s lease expired; freeing its blocks", request_id)
                 metrics.LEASES_EXPIRED.inc()
-                await self._free(request_id)
+                try:
+                    await self._free(request_id)
+                except Exception:  # the reaper must outlive one bad free
+                    logger.exception("request_id=%s freeing an expired lease failed", request_id)
 
     @staticmethod
     def _now() -> float:

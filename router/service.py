@@ -147,28 +147,29 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         first_logprobs = (
             [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
         )
-        yield out.chunk([prefilled.first_token_id], first_logprobs)
-        metrics.TTFT_S.observe(out.ttft_s)
-        metrics.PREFIX_HIT_TOKENS.inc(prefilled.num_cached_tokens)
         finish_reason = prefilled.finish_reason
         transfer_s = 0.0
-        if finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-            decode_request = decode_pb2.DecodeRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_ids,
-                sampling=sampling,
-                first_token_id=prefilled.first_token_id,
-                handle=prefilled.handle,
-                prefill_address=prefill_worker.address,
-            )
-            if prefilled.HasField("first_token_logprobs"):
-                decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
-            admitted = False
-            try:
+        leased = finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        admitted = False
+        try:
+            yield out.chunk([prefilled.first_token_id], first_logprobs)
+            metrics.TTFT_S.observe(out.ttft_s)
+            metrics.PREFIX_HIT_TOKENS.inc(prefilled.num_cached_tokens)
+            if leased:
+                decode_request = decode_pb2.DecodeRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling=sampling,
+                    first_token_id=prefilled.first_token_id,
+                    handle=prefilled.handle,
+                    prefill_address=prefill_worker.address,
+                )
+                if prefilled.HasField("first_token_logprobs"):
+                    decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
                 call, decode_worker, transfer_s = await self._admit(
                     decode_request, prefill_worker, len(prompt_ids)
                 )
-                admitted = True
+                admitted = True  # the decode worker now owns ending the lease
                 with self.pool.dispatched(decode_worker):
                     try:
                         while (message := await call.read()) != grpc.aio.EOF:
@@ -180,9 +181,9 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                         raise _worker_error(exc, f"decode worker {decode_worker.address}") from None
                     finally:
                         call.cancel()  # client gone: stop the decode worker's request too
-            finally:
-                if not admitted:
-                    self._release_later(prefill_worker, request_id)
+        finally:
+            if leased and not admitted:
+                self._release_later(prefill_worker, request_id)
         if finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         tail = out.tail()
@@ -220,8 +221,14 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                     return worker, await call
                 except grpc.aio.AioRpcError as exc:
                     error = _worker_error(exc, f"prefill worker {worker.address}")
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        self._release_later(worker, request_id)  # it may have leased blocks
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
                         raise error from None
+                except asyncio.CancelledError:
+                    # The worker aborts the request, or, if it had just finished, holds a lease.
+                    self._release_later(worker, request_id)
+                    raise
                 finally:
                     call.cancel()  # no-op when done; aborts the prefill if we are cancelled
         assert error is not None
@@ -238,9 +245,11 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         while True:
             workers = self.pool.ranked_decode(num_prompt_tokens)
             if not workers:
+                if not any(w.healthy for w in self.pool.decode.values()):
+                    raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
                 raise WorkerError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no healthy decode worker can hold {num_prompt_tokens} prompt tokens",
+                    f"no decode worker can hold {num_prompt_tokens} prompt tokens",
                 )
             for worker in workers:
                 call = worker.decode.Decode(request)
