@@ -163,15 +163,19 @@ class GrpcKVReceiver(KVReceiver):
                 continue
             if checker is None:
                 raise KVTransferError(TransferErrorCode.CORRUPTED, "chunk before header")
-            c = message.chunk
-            spec = ChunkSpec(c.layer, c.kv, c.first_block, c.num_blocks)
-            data = checker.check(spec, c.data, c.crc32)
-            ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
-            # The next chunks queue in gRPC while this one is copied into the cache.
-            await finish_in_thread(self.cache.write_slab, spec.layer, spec.kv, ids, data)
+            # Checked and copied into the cache off the event loop, while gRPC receives the next.
+            await finish_in_thread(self._write_chunk, checker, message.chunk, block_ids)
         if checker is None or not checker.complete:
             raise KVTransferError(TransferErrorCode.CORRUPTED, "stream ended before all chunks")
         return checker.num_bytes
+
+    def _write_chunk(
+        self, checker: ChunkChecker, chunk: kv_transfer_pb2.KVChunk, block_ids: list[int]
+    ) -> None:
+        spec = ChunkSpec(chunk.layer, chunk.kv, chunk.first_block, chunk.num_blocks)
+        data = checker.check(spec, chunk.data, chunk.crc32)
+        ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
+        self.cache.write_slab(spec.layer, spec.kv, ids, data)
 
     def _check_header(self, header: kv_transfer_pb2.KVHeader, handle: KVHandle) -> ChunkChecker:
         mismatch = self.cache.layout.mismatch(layout_from_proto(header.layout))
