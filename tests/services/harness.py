@@ -11,7 +11,7 @@ import grpc
 
 from decode_service.config import DecodeConfig
 from decode_service.service import DecodeService
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
@@ -20,9 +20,13 @@ from prefill_service.service import PrefillService
 WorkerStub = prefill_pb2_grpc.PrefillWorkerStub | decode_pb2_grpc.DecodeWorkerStub
 
 
-def engine_config(model: Path, block_size: int = 16, num_blocks: int = 256) -> EngineConfig:
+def engine_config(
+    model: Path, block_size: int = 16, num_blocks: int = 256, max_num_batched_tokens: int = 2048
+) -> EngineConfig:
     return EngineConfig(
-        model=str(model), cache=CacheConfig(block_size=block_size, num_blocks=num_blocks)
+        model=str(model),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
     )
 
 
@@ -33,8 +37,11 @@ async def start(service: Service) -> ServiceServer:
     return server
 
 
-async def start_prefill(model: Path, **kwargs: object) -> tuple[PrefillService, ServiceServer]:
-    service = PrefillService(PrefillConfig(engine=engine_config(model), **kwargs))  # type: ignore[arg-type]
+async def start_prefill(
+    model: Path, max_num_batched_tokens: int = 2048, **kwargs: object
+) -> tuple[PrefillService, ServiceServer]:
+    engine = engine_config(model, max_num_batched_tokens=max_num_batched_tokens)
+    service = PrefillService(PrefillConfig(engine=engine, **kwargs))  # type: ignore[arg-type]
     return service, await start(service)
 
 
