@@ -28,13 +28,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine import LLM, SamplingParams
 from engine.models.linear import Linear
-from pdserve.make_model import make_model
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FULL = {
@@ -77,21 +76,6 @@ def parse_args() -> argparse.Namespace:
     if args.new_tokens < 2 or args.prompt_len < 1 or args.prefill_len < 1 or args.repeats < 1:
         p.error("need --new-tokens >= 2 and --prompt-len, --prefill-len, --repeats >= 1")
     return args
-
-
-def ensure_model(args: argparse.Namespace) -> Path:
-    model_dir: Path = args.model or REPO / "models" / f"bench-llama-{args.size}"
-    if not (model_dir / "config.json").is_file():
-        print(f"building {args.size} llama checkpoint in {model_dir} ...", flush=True)
-        make_model(model_dir, arch="llama", size=args.size, seed=0)
-    return model_dir
-
-
-def make_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[int]]:
-    """Random ids past the special tokens (0..2); a distinct seed per run defeats prefix caching."""
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[list[int]] = torch.randint(3, vocab, (batch, length), generator=gen).tolist()
-    return ids
 
 
 def engine_runner(llm: LLM) -> Runner:

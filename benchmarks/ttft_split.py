@@ -12,32 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
 
 from engine import LLM, SamplingParams
 from pdserve.client import GenerateResult, generate, router_channel
 from pdserve.local_cluster import ClusterConfig, LocalCluster
-from pdserve.make_model import make_model
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 16
 TRANSFER_GOAL = 0.10  # transfer_s / ttft_s, at most
-
-
-def ensure_model(args: argparse.Namespace) -> Path:
-    model_dir: Path = args.model or REPO / "models" / f"bench-llama-{args.size}"
-    if not (model_dir / "config.json").is_file():
-        print(f"building {args.size} llama checkpoint in {model_dir} ...", flush=True)
-        make_model(model_dir, arch="llama", size=args.size, seed=0)
-    return model_dir
-
-
-def make_prompt(seed: int, length: int, vocab: int) -> list[int]:
-    """Random ids past the special tokens (0..2); a distinct seed per request defeats caching."""
-    gen = torch.Generator().manual_seed(seed)
-    ids: list[int] = torch.randint(3, vocab, (length,), generator=gen).tolist()
-    return ids
 
 
 def measure_compute(model_dir: Path, prompts: list[list[int]], max_model_len: int) -> list[float]:
@@ -87,12 +70,12 @@ def measure_ttft(args: argparse.Namespace) -> dict[str, Any]:
     n = 1 + args.ttft_repeats  # one warm-up each
     print(f"prefill compute, in-process engine ({prompt_len} tokens) ...", flush=True)
     compute = measure_compute(
-        model_dir, [make_prompt(100 + i, prompt_len, vocab) for i in range(n)], max_pos
+        model_dir, [make_prompts(100 + i, 1, prompt_len, vocab)[0] for i in range(n)], max_pos
     )
     print("TTFT, local cluster (router + 1 prefill + 1 decode) ...", flush=True)
     config = ClusterConfig(model=str(model_dir), log_level="WARNING")
     with LocalCluster(config) as cluster:
-        prompts = [make_prompt(200 + i, prompt_len, vocab) for i in range(n)]
+        prompts = [make_prompts(200 + i, 1, prompt_len, vocab)[0] for i in range(n)]
         results = asyncio.run(cluster_requests(cluster.address, prompts, args.max_tokens))
     results = results[1:]
     ttft = [r.ttft_s for r in results]

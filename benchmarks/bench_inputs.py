@@ -1,0 +1,28 @@
+"""What the benchmarks share: a cached random-init checkpoint and random prompts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from pdserve.make_model import make_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ensure_model(args: argparse.Namespace) -> Path:
+    """``args.model``, or ``models/bench-llama-<args.size>`` (built once when missing)."""
+    model_dir: Path = args.model or REPO / "models" / f"bench-llama-{args.size}"
+    if not (model_dir / "config.json").is_file():
+        print(f"building {args.size} llama checkpoint in {model_dir} ...", flush=True)
+        make_model(model_dir, arch="llama", size=args.size, seed=0)
+    return model_dir
+
+
+def make_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[int]]:
+    """Random ids past the special tokens (0..2); a distinct seed per run defeats prefix caching."""
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[list[int]] = torch.randint(3, vocab, (batch, length), generator=gen).tolist()
+    return ids
