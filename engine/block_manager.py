@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
+from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
 
@@ -42,6 +43,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evicted_blocks = 0
+        self.kv_events = KVEventLog()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -116,6 +118,7 @@ class BlockManager:
             # Evicted from the prefix cache: its contents are about to be overwritten.
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                self.kv_events.removed(block.block_hash)
             block.block_hash = None
             self.num_evicted_blocks += 1
         block.ref_count = 1
@@ -136,6 +139,7 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
+                self.kv_events.stored(block_hash)
                 stored.append(block_hash)
             # else: the same contents are already cached in another block; keep this one private.
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
@@ -161,6 +165,11 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        self.kv_events.cleared()
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache: the snapshot a worker publishes on (re)connect."""
+        return list(self._cached)
 
     def check_no_leaks(self) -> None:
         """Raise if any block is still referenced; used by tests and on shutdown."""

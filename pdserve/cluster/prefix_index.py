@@ -1,0 +1,75 @@
+"""The cluster prefix-cache index: for each worker, the block hashes its prefix cache holds.
+
+Who calls what:
+- A worker calls ``apply`` with the KV events it drained from its engine (batched), and
+  ``replace`` with a full snapshot when it (re)connects, so the index heals after a restart.
+- The router calls ``longest_prefixes`` with a prompt's chained block hashes (the engine's own
+  hasher, ``engine.block_hash``) and the live candidate workers.
+- Whoever sees a worker leave (deregistration, heartbeat expiry) calls ``remove_worker``.
+The index holds no blocks and frees nothing: a stale entry costs a routing miss, never
+correctness, and the worker's own prefix cache decides what is really reused.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from engine.block_hash import BlockHash
+from engine.kv_events import KVEvents
+
+
+class PrefixIndex(ABC):
+    @abstractmethod
+    async def apply(self, worker_id: str, events: KVEvents) -> None: ...
+
+    @abstractmethod
+    async def replace(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None: ...
+
+    @abstractmethod
+    async def remove_worker(self, worker_id: str) -> None: ...
+
+    @abstractmethod
+    async def longest_prefixes(
+        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+    ) -> dict[str, int]:
+        """For each worker, how many leading blocks of ``block_hashes`` it holds (it stops at
+        the first missing block: later hits cannot be reused without it)."""
+
+    async def close(self) -> None:
+        return None
+
+
+def leading_hits(held: set[BlockHash] | frozenset[BlockHash], hashes: Sequence[BlockHash]) -> int:
+    n = 0
+    for block_hash in hashes:
+        if block_hash not in held:
+            break
+        n += 1
+    return n
+
+
+class InMemoryPrefixIndex(PrefixIndex):
+    """One process's index (tests, single-router setups without Redis)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[BlockHash]] = {}
+
+    async def apply(self, worker_id: str, events: KVEvents) -> None:
+        held = self._held.setdefault(worker_id, set())
+        if events.cleared:
+            held.clear()
+        held.update(events.stored)
+        held.difference_update(events.removed)
+
+    async def replace(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        self._held[worker_id] = set(block_hashes)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        self._held.pop(worker_id, None)
+
+    async def longest_prefixes(
+        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+    ) -> dict[str, int]:
+        empty: frozenset[BlockHash] = frozenset()
+        return {w: leading_hits(self._held.get(w, empty), block_hashes) for w in worker_ids}

@@ -1,0 +1,84 @@
+"""The prefix index in Redis: one set of raw 16-byte block hashes per worker.
+
+``longest_prefixes`` is one round trip for any prompt length and any number of workers (a Lua
+script walks each worker's set in prompt order); ``apply`` and ``replace`` are one pipelined
+transaction each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from engine.block_hash import BlockHash
+from engine.kv_events import KVEvents
+from pdserve.cluster.prefix_index import PrefixIndex
+
+# KEYS: one set per worker. ARGV: the prompt's block hashes, in order.
+# Returns, per worker, the number of leading hashes its set holds.
+_LONGEST_PREFIXES = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local n = 0
+  for j = 1, #ARGV do
+    if redis.call('SISMEMBER', key, ARGV[j]) == 0 then break end
+    n = j
+  end
+  out[i] = n
+end
+return out
+"""
+
+
+class RedisPrefixIndex(PrefixIndex):
+    def __init__(self, redis: Redis, namespace: str = "pdserve") -> None:
+        self.redis = redis
+        self.namespace = namespace
+        self._lookup = redis.register_script(_LONGEST_PREFIXES)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "pdserve") -> RedisPrefixIndex:
+        return cls(Redis.from_url(url), namespace)
+
+    def _key(self, worker_id: str) -> str:
+        return f"{self.namespace}:prefix:{worker_id}"
+
+    async def apply(self, worker_id: str, events: KVEvents) -> None:
+        if events.empty:
+            return
+        key = self._key(worker_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if events.cleared:
+                pipe.delete(key)
+            if events.stored:
+                pipe.sadd(key, *events.stored)
+            if events.removed:
+                pipe.srem(key, *events.removed)
+            await pipe.execute()
+
+    async def replace(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        key = self._key(worker_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            if block_hashes:
+                pipe.sadd(key, *block_hashes)
+            await pipe.execute()
+
+    async def remove_worker(self, worker_id: str) -> None:
+        await self.redis.delete(self._key(worker_id))
+
+    async def longest_prefixes(
+        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+    ) -> dict[str, int]:
+        if not worker_ids:
+            return {}
+        if not block_hashes:
+            return dict.fromkeys(worker_ids, 0)
+        counts = await self._lookup(
+            keys=[self._key(w) for w in worker_ids], args=list(block_hashes)
+        )
+        return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
+
+    async def close(self) -> None:
+        await self.redis.aclose()
