@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from pdserve.cluster.config import RedisConfig
 from pdserve.server import ServerConfig
 
 
@@ -12,6 +13,8 @@ from pdserve.server import ServerConfig
 class DecodeConfig:
     engine: EngineConfig
     server: ServerConfig = field(default_factory=ServerConfig)
+    redis: RedisConfig | None = None  # registry + prefix index; None: static routing only
+    worker_id: str | None = None  # default: <role>-<8 hex>
     kv_backend: str = "grpc"
     transfer_timeout_s: float = 60.0  # one request's whole KV pull
     release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks

@@ -23,6 +23,7 @@ from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode,
 from pdserve import metrics
 from pdserve.async_engine import EngineDeadError
 from pdserve.channels import ChannelPool
+from pdserve.cluster.registry import Role
 from pdserve.convert import (
     finish_reason_to_proto,
     handle_from_proto,
@@ -44,10 +45,11 @@ _TRANSFER_CODES = {
 
 
 class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
+    role = Role.DECODE
     name = "pdserve.v1.DecodeWorker"
 
     def __init__(self, config: DecodeConfig) -> None:
-        super().__init__(config.engine)
+        super().__init__(config.engine, config.redis, config.worker_id)
         self.config = config
         self._receiver: KVReceiver | None = None
         self._channels = ChannelPool()

@@ -9,9 +9,10 @@ import torch
 
 from engine.block_hash import root_hash
 from engine.config import AttentionBackend, EngineConfig
+from engine.fingerprint import fingerprint_of
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
-from engine.loader import build_model, model_fingerprint, weights_identity
+from engine.loader import build_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.prompt import validate_prompt, validate_token_ids
@@ -34,9 +35,7 @@ class EngineCore:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.fingerprint = model_fingerprint(
-            self.model_config, weights_identity(model_dir), config.dtype, self.block_size
-        )
+        self.fingerprint = fingerprint_of(model_dir, config.dtype, self.block_size)
         self.root_hash = root_hash(self.fingerprint)
         self.model = build_model(
             self.model_config,

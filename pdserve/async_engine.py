@@ -13,6 +13,8 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
+from engine.block_hash import BlockHash
+from engine.kv_events import KVEvents
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, RequestUpdate
 from pdserve.threads import finish_in_thread
@@ -37,6 +39,8 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestUpdate | BaseException]] = {}
         self._task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
+        self.collect_kv_events = False  # set by a worker that publishes to a prefix index
+        self._kv_events: list[KVEvents] = []
         # Refreshed after every step and every call: stats RPCs must not wait behind a long
         # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
         self.stats: EngineStats = engine.stats()
@@ -63,6 +67,10 @@ class AsyncEngine:
 
     def _refresh_stats(self) -> None:
         self.stats = self.engine.stats()
+        # Drained under the lock, after every step and call, so the log never grows unbounded.
+        events = self.engine.block_manager.kv_events.drain()
+        if self.collect_kv_events and not events.empty:
+            self._kv_events.append(events)
         if self._on_step is not None:
             self._on_step(self.stats)
 
@@ -98,6 +106,23 @@ class AsyncEngine:
             if not done and self.error is None:
                 # Shielded: a second cancellation must not skip freeing the blocks.
                 await asyncio.shield(self.call(lambda: self.engine.abort(request_id)))
+
+    def take_kv_events(self) -> list[KVEvents]:
+        """KV events since the last take, oldest first (event-loop thread only)."""
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    async def snapshot_cached_hashes(self) -> list[BlockHash]:
+        """Every cached block hash, with the pending events dropped in the same breath: the
+        snapshot already contains them."""
+
+        def snapshot() -> list[BlockHash]:
+            hashes = self.engine.block_manager.cached_hashes()
+            self.engine.block_manager.kv_events.drain()
+            self._kv_events = []
+            return hashes
+
+        return await self.call(snapshot)
 
     def _check_alive(self) -> None:
         if self.error is not None:

@@ -89,6 +89,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         num_prefill=args.prefill,
         num_decode=args.decode,
         router_port=args.port,
+        redis_url=args.redis_url,
         prefill_args=tuple(shlex.split(args.prefill_args)),
         decode_args=tuple(shlex.split(args.decode_args)),
         log_level=args.log_level,
@@ -103,13 +104,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     redis = None if args.redis else EmbeddedRedis().start()
-    redis_url = args.redis or (redis.url if redis else "")
+    args.redis_url = args.redis or (redis.url if redis else "")
     cluster = LocalCluster(_cluster_config(args))
     try:
         cluster.start()
         for c in cluster.components:
             print(f"  {c.name:<10} {c.address}  metrics http://{c.metrics_address}/metrics")
-        print(f"pdserve cluster ready: router {cluster.address}, redis {redis_url}", flush=True)
+        print(
+            f"pdserve cluster ready: router {cluster.address}, redis {args.redis_url}", flush=True
+        )
         stop.wait()
         print("draining ...", flush=True)
     finally:

@@ -28,6 +28,9 @@ class ClusterConfig:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    # With Redis, workers register and the router discovers them (and routes cache-aware);
+    # without, the router gets static address lists.
+    redis_url: str | None = None
     log_dir: Path | None = None  # each component's stderr goes to <log_dir>/<name>.log
     log_level: str = "INFO"
     ready_timeout_s: float = 300.0
@@ -103,17 +106,28 @@ class LocalCluster:
         )
         return Component(name, process)
 
+    def spawn_worker(self, role: str, extra_args: tuple[str, ...] = ()) -> Component:
+        """Starts one more prefill or decode worker (not waited for)."""
+        cfg = self.config
+        args = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
+        if cfg.redis_url:
+            args += ["--redis", cfg.redis_url]
+        if role == "prefill":
+            args += ["--kv-port", "0", *cfg.prefill_args]
+        else:
+            args += list(cfg.decode_args)
+        group = self.prefill if role == "prefill" else self.decode
+        component = self._spawn(f"{role}-{len(group)}", role, [*args, *extra_args])
+        group.append(component)
+        return component
+
     def start(self) -> LocalCluster:
         cfg = self.config
-        common = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
         try:
-            for i in range(cfg.num_prefill):
-                args = [*common, "--kv-port", "0", *cfg.prefill_args]
-                self.prefill.append(self._spawn(f"prefill-{i}", "prefill", args))
-            for i in range(cfg.num_decode):
-                self.decode.append(
-                    self._spawn(f"decode-{i}", "decode", [*common, *cfg.decode_args])
-                )
+            for _ in range(cfg.num_prefill):
+                self.spawn_worker("prefill")
+            for _ in range(cfg.num_decode):
+                self.spawn_worker("decode")
             for worker in [*self.prefill, *self.decode]:
                 worker.wait_ready(cfg.ready_timeout_s)
             router_args = [
@@ -121,10 +135,13 @@ class LocalCluster:
                 "--port", str(cfg.router_port),
                 "--metrics-port", "0",
                 "--model", cfg.model,
-                "--prefill", ",".join(w.address for w in self.prefill),
-                "--decode", ",".join(w.address for w in self.decode),
                 *cfg.router_args,
             ]  # fmt: skip
+            if cfg.redis_url:
+                router_args += ["--redis", cfg.redis_url]
+            else:
+                router_args += ["--prefill", ",".join(w.address for w in self.prefill)]
+                router_args += ["--decode", ",".join(w.address for w in self.decode)]
             self.router = self._spawn("router", "router", router_args)
             self.router.wait_ready(cfg.ready_timeout_s)
         except BaseException:

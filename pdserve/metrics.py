@@ -20,6 +20,9 @@ ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the rou
 DECODE_RETRIES = Counter(
     "pdserve_decode_admission_retries_total", "Decode admissions refused for lack of KV blocks"
 )
+PREFILL_TOKENS = Counter(
+    "pdserve_prefill_tokens_total", "Prompt tokens the prefill pool computed (not cache hits)"
+)
 PREFIX_HIT_TOKENS = Counter(
     "pdserve_prefix_hit_tokens_total", "Prompt tokens served from a prefix cache"
 )
@@ -34,6 +37,18 @@ LEASES_EXPIRED = Counter("pdserve_leases_expired_total", "Leases freed by expiry
 PROMPT_TOKENS_COMPUTED = Gauge(
     "pdserve_prompt_tokens_computed",
     "Prompt tokens this worker ran through the model (on decode: should stay 0)",
+)
+
+# Cluster state (Redis): 1 when this process reaches Redis; routing degrades to load-only at 0.
+REDIS_UP = Gauge("pdserve_redis_up", "Whether Redis (registry, prefix index) is reachable")
+ROUTING_DECISIONS = Counter(
+    "pdserve_routing_decisions_total", "Worker choices", ["pool", "policy", "reason"]
+)
+PREFIX_MISSES = Counter(
+    "pdserve_prefix_miss_tokens_total",
+    "Prompt tokens not served from cache: 'none' (no worker had them) or 'stale' (the index "
+    "said the chosen worker had them, but it had evicted them)",
+    ["kind"],
 )
 
 # KV transfer, on both ends.

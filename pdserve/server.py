@@ -33,6 +33,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: an ephemeral port, reported once bound
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: ephemeral
+    advertise_host: str | None = None  # the host peers dial (default: host)
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -49,6 +50,9 @@ class Service(ABC):
 
     name: str  # fully qualified gRPC service name, for health and reflection
     draining: bool = False
+    address: str = ""  # host:port peers use to reach this service (set once bound)
+    # Set by ``serve``: starts the same graceful shutdown as SIGTERM (e.g. a drain request).
+    request_stop: Callable[[], None] | None = None
 
     @abstractmethod
     def register(self, server: grpc.aio.Server) -> None: ...
@@ -93,6 +97,7 @@ class ServiceServer:
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         self.address = f"{self.config.host}:{port}"
+        self.service.address = f"{self.config.advertise_host or self.config.host}:{port}"
         await self._set_health(serving=False)
         await self.server.start()
         return self.address
@@ -130,6 +135,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    service.request_stop = stop.set
     server = ServiceServer(service, config, reflect=reflect)
     address = await server.start()
     on_event("listening", address)

@@ -12,9 +12,11 @@ from typing import Any
 
 from decode_service.config import DecodeConfig
 from engine.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.cluster.config import RedisConfig
 from pdserve.server import ServerConfig
 from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
 from router.config import RouterConfig
+from router.policy import RoutingPolicy
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -43,6 +45,9 @@ def _csv(value: str) -> tuple[str, ...]:
 
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     add_flag(parser, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(parser, "--advertise-host", default=None, help="host peers dial (default: --host)")
+    add_flag(parser, "--redis", default="", help="Redis URL: registry + prefix index (optional)")
+    add_flag(parser, "--redis-namespace", default="pdserve", help="key prefix in Redis")
     add_flag(parser, "--port", type=int, default=default_port, help="gRPC port (0: ephemeral)")
     add_flag(parser, "--metrics-port", type=int, default=None, help="Prometheus /metrics port")
     add_flag(parser, "--drain-timeout-s", type=float, default=30.0, help="graceful drain bound")
@@ -61,11 +66,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     add_flag(parser, "--attention-backend", default=None, choices=("torch", "triton", "cpu"))
     add_flag(parser, "--kv-backend", default="grpc", choices=("grpc",), help="KV transfer backend")
+    add_flag(parser, "--worker-id", default=None, help="registry id (default: <role>-<8 hex>)")
+
+
+def redis_config(args: argparse.Namespace) -> RedisConfig | None:
+    return RedisConfig(url=args.redis, namespace=args.redis_namespace) if args.redis else None
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
+        advertise_host=args.advertise_host,
         port=args.port,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
@@ -106,6 +117,8 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         lease_s=args.lease_s,
         kv_backend=args.kv_backend,
         kv_port=args.kv_port,
+        redis=redis_config(args),
+        worker_id=args.worker_id,
     )
 
 
@@ -121,14 +134,27 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
         server=server_config(args),
         kv_backend=args.kv_backend,
         transfer_timeout_s=args.transfer_timeout_s,
+        redis=redis_config(args),
+        worker_id=args.worker_id,
     )
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> None:
     add_server_flags(parser, default_port=50051)
     add_flag(parser, "--model", required=True, help="model directory (tokenizer, config)")
-    add_flag(parser, "--prefill", required=True, type=_csv, help="prefill workers host:port,...")
-    add_flag(parser, "--decode", required=True, type=_csv, help="decode workers host:port,...")
+    add_flag(parser, "--prefill", type=_csv, default=(), help="static prefill workers h:p,...")
+    add_flag(parser, "--decode", type=_csv, default=(), help="static decode workers h:p,...")
+    add_flag(parser, "--dtype", default="float32", help="the workers' dtype (KV fingerprint)")
+    add_flag(parser, "--block-size", type=int, default=16, help="the workers' block size")
+    add_flag(
+        parser,
+        "--prefill-policy",
+        default="cache_aware",
+        choices=[p.value for p in RoutingPolicy],
+        help="prefill worker choice",
+    )
+    add_flag(parser, "--cache-alpha", type=float, default=1.0, help="cache_aware load weight")
+    add_flag(parser, "--imbalance-tokens", type=int, default=8192, help="cache_aware guard")
     add_flag(parser, "--admission-timeout-s", type=float, default=10.0)
     add_flag(parser, "--ready-timeout-s", type=float, default=120.0)
 
@@ -139,6 +165,12 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         prefill_addresses=args.prefill,
         decode_addresses=args.decode,
         server=server_config(args),
+        redis=redis_config(args),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        prefill_policy=RoutingPolicy(args.prefill_policy),
+        cache_alpha=args.cache_alpha,
+        imbalance_tokens=args.imbalance_tokens,
         admission_timeout_s=args.admission_timeout_s,
         ready_timeout_s=args.ready_timeout_s,
     )

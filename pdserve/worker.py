@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -13,6 +14,9 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from pdserve import metrics
 from pdserve.async_engine import AsyncEngine
+from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.membership import Membership
+from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
 from pdserve.convert import stats_to_proto
 from pdserve.server import Service
 from pdserve.v1 import common_pb2
@@ -23,10 +27,20 @@ logger = logging.getLogger(__name__)
 class WorkerService(Service):
     """A service around one engine. Subclasses add their RPCs."""
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    role: Role
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        redis: RedisConfig | None = None,
+        worker_id: str | None = None,
+    ) -> None:
         self.engine_config = engine_config
+        self.redis = redis
+        self.worker_id = worker_id or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
         self._engine: AsyncEngine | None = None
         self._inflight = 0
+        self._membership: Membership | None = None
 
     @property
     def engine(self) -> AsyncEngine:
@@ -39,8 +53,43 @@ class WorkerService(Service):
         self._engine = AsyncEngine(llm_engine, on_stats=metrics.observe_engine)
         self._engine.start()
         metrics.observe_engine(self._engine.stats)
+        if self.redis is not None:
+            self._membership = Membership(
+                self.redis, self._engine, self.record, self._on_drain_request
+            )
+            self._membership.start()
+
+    def record(self) -> WorkerRecord:
+        """This worker as the registry shows it."""
+        stats, engine = self.engine.stats, self.engine.engine
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=self.address,
+            model_fingerprint=engine.fingerprint,
+            block_size=engine.block_size,
+            num_blocks=engine.num_blocks,
+            state=WorkerState.DRAINING if self.draining else WorkerState.SERVING,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_free_blocks=stats.num_free_blocks,
+            num_cached_blocks=stats.num_cached_blocks,
+        )
+
+    def _on_drain_request(self) -> None:
+        logger.info("worker_id=%s drain requested through the registry", self.worker_id)
+        if self.request_stop is not None:
+            self.request_stop()
+
+    async def drain(self, timeout_s: float, poll_s: float = 0.05) -> None:
+        self.draining = True
+        if self._membership is not None:
+            self._membership.heartbeat_now()  # routers stop sending new work at once
+        await super().drain(timeout_s, poll_s)
 
     async def close(self) -> None:
+        if self._membership is not None:
+            await self._membership.stop()  # deregistered: no routing, no stale index entries
         if self._engine is not None:
             await self._engine.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from pdserve.cluster.config import RedisConfig
 from pdserve.server import ServerConfig
 
 DEFAULT_LEASE_S = 30.0
@@ -14,6 +15,8 @@ DEFAULT_LEASE_S = 30.0
 class PrefillConfig:
     engine: EngineConfig
     server: ServerConfig = field(default_factory=ServerConfig)
+    redis: RedisConfig | None = None  # registry + prefix index; None: static routing only
+    worker_id: str | None = None  # default: <role>-<8 hex>
     lease_s: float = DEFAULT_LEASE_S  # how long leased blocks wait for a decode worker's pull
     kv_backend: str = "grpc"
     kv_port: int = 0  # the gRPC KV sender's port (0: ephemeral)

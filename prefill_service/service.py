@@ -16,6 +16,7 @@ from engine.outputs import RequestUpdate
 from kvtransfer import BlockLeases, KVSender, make_sender
 from pdserve import metrics
 from pdserve.async_engine import EngineDeadError
+from pdserve.cluster.registry import Role
 from pdserve.convert import (
     finish_reason_to_proto,
     handle_to_proto,
@@ -31,10 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerServicer):
+    role = Role.PREFILL
     name = "pdserve.v1.PrefillWorker"
 
     def __init__(self, config: PrefillConfig) -> None:
-        super().__init__(config.engine)
+        super().__init__(config.engine, config.redis, config.worker_id)
         self.config = config
         self.leases = LeaseTable(config.lease_s)
         self._leases_changed = asyncio.Event()

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.cluster.config import RedisConfig
 from pdserve.server import ServerConfig
+from router.policy import RoutingPolicy
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str  # model directory: tokenizer, vocabulary, EOS ids
-    prefill_addresses: tuple[str, ...]
-    decode_addresses: tuple[str, ...]
+    model: str  # model directory: tokenizer, vocabulary, EOS ids, fingerprint
+    prefill_addresses: tuple[str, ...] = ()  # static workers (also with Redis discovery)
+    decode_addresses: tuple[str, ...] = ()
     server: ServerConfig = field(default_factory=ServerConfig)
+    redis: RedisConfig | None = None  # registry discovery + prefix index
+    # The workers' KV layout: discovered workers with another fingerprint are refused.
+    dtype: str = "float32"
+    block_size: int = 16
+    prefill_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    cache_alpha: float = 1.0  # cache_aware: cached tokens - alpha x queued prefill tokens
+    imbalance_tokens: int = 8192  # cache_aware: queue gap past which cache credit is dropped
     # How long a prefilled request may wait for a decode worker with free blocks.
     admission_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
@@ -20,10 +29,12 @@ class RouterConfig:
     ready_timeout_s: float = 120.0  # waiting for workers at start-up
 
     def __post_init__(self) -> None:
-        if not self.prefill_addresses:
-            raise ValueError("prefill_addresses must name at least one prefill worker")
-        if not self.decode_addresses:
-            raise ValueError("decode_addresses must name at least one decode worker")
+        if self.redis is None and not (self.prefill_addresses and self.decode_addresses):
+            raise ValueError(
+                "without redis, prefill_addresses and decode_addresses must each name a worker"
+            )
+        if self.cache_alpha < 0 or self.imbalance_tokens < 0:
+            raise ValueError("cache_alpha and imbalance_tokens must be >= 0")
         for name in ("admission_timeout_s", "prefill_timeout_s", "stats_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

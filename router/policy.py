@@ -1,12 +1,27 @@
 """Worker choice: pure functions over load snapshots (no I/O), unit-tested with exact values.
 
-Least-loaded: fewest requests the router has in flight on the worker, then most free KV blocks,
-then round-robin among equals so sequential requests spread too.
+- ``round_robin``: healthy workers in turn.
+- ``least_loaded``: fewest requests this router has in flight there, then most free KV blocks,
+  then round-robin among equals so sequential requests spread too.
+- ``cache_aware`` (prefill default): score = cached prompt tokens - alpha x queued prefill
+  tokens, ties broken as least_loaded. Load-imbalance guard: a worker whose queued prefill
+  tokens exceed the least-queued worker's by more than ``imbalance_tokens`` loses its cache
+  credit (it competes on load alone). Under ordinary load the queues differ by far less than
+  that, so the cache decides; the guard only stops a hot prefix from piling every request onto
+  one worker while others idle.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+
+class RoutingPolicy(enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    CACHE_AWARE = "cache_aware"
 
 
 @dataclass(frozen=True)
@@ -17,6 +32,7 @@ class WorkerLoad:
     num_blocks: int
     block_size: int = 16
     healthy: bool = True
+    queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -41,3 +57,50 @@ def rank_decode(workers: list[WorkerLoad], num_prompt_tokens: int, turn: int = 0
         _rank(able, turn), key=lambda w: w.num_free_blocks < w.blocks_for(num_prompt_tokens)
     )
     return [w.address for w in ranked]
+
+
+def rank_round_robin(workers: list[WorkerLoad], turn: int = 0) -> list[str]:
+    healthy = [w.address for w in workers if w.healthy]
+    if not healthy:
+        return []
+    k = turn % len(healthy)
+    return healthy[k:] + healthy[:k]
+
+
+@dataclass(frozen=True)
+class CacheAwareChoice:
+    order: list[str]
+    reason: str  # "cache" | "load" | "imbalance"
+    cached_tokens: int  # what the index predicts the first choice holds
+
+
+def rank_cache_aware(
+    workers: list[WorkerLoad],
+    cached_tokens: Mapping[str, int],
+    alpha: float,
+    imbalance_tokens: int,
+    turn: int = 0,
+) -> CacheAwareChoice:
+    healthy = [w for w in workers if w.healthy]
+    if not healthy:
+        return CacheAwareChoice([], "load", 0)
+    least_queued = min(w.queued_prefill_tokens for w in healthy)
+
+    def credit(w: WorkerLoad) -> int:
+        balanced = w.queued_prefill_tokens - least_queued <= imbalance_tokens
+        return cached_tokens.get(w.address, 0) if balanced else 0
+
+    tie_order = {a: i for i, a in enumerate(rank_prefill(healthy, turn))}
+    order = sorted(
+        healthy,
+        key=lambda w: (-(credit(w) - alpha * w.queued_prefill_tokens), tie_order[w.address]),
+    )
+    best = order[0]
+    best_cached = max(healthy, key=lambda w: cached_tokens.get(w.address, 0))
+    if credit(best) > 0:
+        reason = "cache"
+    elif cached_tokens.get(best_cached.address, 0) > 0 and credit(best_cached) == 0:
+        reason = "imbalance"
+    else:
+        reason = "load"
+    return CacheAwareChoice([w.address for w in order], reason, credit(best))

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from engine.fingerprint import fingerprint_of
 from engine.model_config import ModelConfig
 from engine.prompt import validate_prompt, validate_token_ids
 from engine.sampling_params import SamplingParams
@@ -24,8 +25,10 @@ from pdserve import metrics
 from pdserve.convert import sampling_from_proto, sampling_to_proto
 from pdserve.server import Service
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.output_stream import OutputStream
+from router.policy import RoutingPolicy, rank_cache_aware
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -58,8 +61,8 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self._pool: WorkerPool | None = None
+        self._cluster: ClusterState | None = None
         self._inflight = 0
-        self._refresher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -71,20 +74,31 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
             raise RuntimeError("the router is not loaded yet")
         return self._pool
 
+    @property
+    def cluster(self) -> ClusterState:
+        if self._cluster is None:
+            raise RuntimeError("the router is not loaded yet")
+        return self._cluster
+
     async def load(self) -> None:
+        config = self.config
         # Channels belong to the running event loop, so the pool is built here.
-        self._pool = WorkerPool(self.config.prefill_addresses, self.config.decode_addresses)
-        await self.pool.wait_ready(self.config.ready_timeout_s)
-        self._refresher = asyncio.create_task(
-            self.pool.refresh_forever(self.config.stats_interval_s)
+        self._pool = WorkerPool(
+            config.prefill_addresses, config.decode_addresses, config.prefill_policy
         )
+        fingerprint = await asyncio.to_thread(
+            fingerprint_of, config.model, config.dtype, config.block_size
+        )
+        self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
+        await self.cluster.wait_ready(config.ready_timeout_s)
+        self.cluster.start(config.stats_interval_s)
 
     def num_inflight(self) -> int:
         return self._inflight
 
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        if self._cluster is not None:
+            await self._cluster.close()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         if self._pool is not None:
@@ -210,15 +224,17 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         request = prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
         )
-        workers = self.pool.ranked_prefill()
+        workers, predicted = await self._choose_prefill(prompt_ids)
         if not workers:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         error: WorkerError | None = None
         for worker in workers:
-            with self.pool.dispatched(worker):
+            with self.pool.dispatched(worker, len(prompt_ids) - predicted):
                 call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
                 try:
-                    return worker, await call
+                    response = await call
+                    self._count_prefix(len(prompt_ids), predicted, response.num_cached_tokens)
+                    return worker, response
                 except grpc.aio.AioRpcError as exc:
                     error = _worker_error(exc, f"prefill worker {worker.address}")
                     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -233,6 +249,34 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                     call.cancel()  # no-op when done; aborts the prefill if we are cancelled
         assert error is not None
         raise error
+
+    async def _choose_prefill(self, prompt_ids: list[int]) -> tuple[list[Worker], int]:
+        """Prefill workers best first, and the cached tokens predicted for the first."""
+        policy = self.config.prefill_policy
+        if policy is RoutingPolicy.CACHE_AWARE and self.cluster.index is not None:
+            healthy = [w for w in self.pool.prefill.values() if w.load().healthy]
+            cached = await self.cluster.cached_tokens(prompt_ids, healthy)
+            if cached:
+                choice = rank_cache_aware(
+                    [w.load() for w in healthy],
+                    cached,
+                    self.config.cache_alpha,
+                    self.config.imbalance_tokens,
+                    self.pool.turn,
+                )
+                metrics.ROUTING_DECISIONS.labels("prefill", policy.value, choice.reason).inc()
+                return [self.pool.prefill[a] for a in choice.order], choice.cached_tokens
+        reason = "load" if policy is not RoutingPolicy.CACHE_AWARE else "no_index"
+        metrics.ROUTING_DECISIONS.labels("prefill", policy.value, reason).inc()
+        return self.pool.ranked_prefill(), 0
+
+    def _count_prefix(self, num_prompt_tokens: int, predicted: int, actual: int) -> None:
+        """Splits uncached tokens into 'stale' (the index promised them) and 'none'."""
+        usable = (num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        stale = max(predicted - actual, 0)
+        metrics.PREFIX_MISSES.labels("stale").inc(stale)
+        metrics.PREFIX_MISSES.labels("none").inc(max(usable - actual - stale, 0))
+        metrics.PREFILL_TOKENS.inc(num_prompt_tokens - actual)
 
     async def _admit(
         self, request: decode_pb2.DecodeRequest, prefill_worker: Worker, num_prompt_tokens: int
@@ -259,6 +303,8 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         metrics.DECODE_RETRIES.inc()
                         continue
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        continue  # draining or gone: another worker takes it
                     raise _worker_error(exc, f"decode worker {worker.address}") from None
                 except BaseException:
                     call.cancel()

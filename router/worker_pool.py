@@ -1,10 +1,10 @@
-"""The router's view of its workers: stubs, in-flight counts, and periodically refreshed stats."""
+"""The router's view of its workers: stubs, in-flight counts, refreshed stats, and (with Redis)
+membership that follows the registry: workers appear, drain and leave at runtime."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,17 +12,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.channels import ChannelPool
+from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from router.policy import WorkerLoad, rank_decode, rank_prefill
+from router.policy import RoutingPolicy, WorkerLoad, rank_decode, rank_prefill, rank_round_robin
 
 logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 2.0
 
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
+__all__ = ["Role", "Worker", "WorkerPool"]
 
 
 @dataclass
@@ -30,13 +28,17 @@ class Worker:
     address: str
     role: Role
     channel: grpc.aio.Channel
+    worker_id: str = ""  # registry id (the prefix index key); the address for static workers
     num_inflight: int = 0
+    queued_prefill_tokens: int = 0
     stats: common_pb2.WorkerStats | None = None
     healthy: bool = False
+    draining: bool = False  # from the registry: no new work
     prefill: prefill_pb2_grpc.PrefillWorkerStub = field(init=False)
     decode: decode_pb2_grpc.DecodeWorkerStub = field(init=False)
 
     def __post_init__(self) -> None:
+        self.worker_id = self.worker_id or self.address
         self.prefill = prefill_pb2_grpc.PrefillWorkerStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeWorkerStub(self.channel)
 
@@ -48,7 +50,8 @@ class Worker:
             num_free_blocks=stats.num_free_blocks if stats else 0,
             num_blocks=stats.num_blocks if stats else 0,
             block_size=stats.block_size if stats and stats.block_size else 1,
-            healthy=self.healthy and not (stats and stats.draining),
+            healthy=self.healthy and not self.draining and not (stats and stats.draining),
+            queued_prefill_tokens=self.queued_prefill_tokens,
         )
 
     async def refresh(self) -> None:
@@ -68,34 +71,76 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        prefill: tuple[str, ...] = (),
+        decode: tuple[str, ...] = (),
+        prefill_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
+    ) -> None:
         self._channels = ChannelPool()
-        self.prefill = {a: Worker(a, Role.PREFILL, self._channels.get(a)) for a in prefill}
-        self.decode = {a: Worker(a, Role.DECODE, self._channels.get(a)) for a in decode}
+        self.prefill_policy = prefill_policy
+        self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
+        for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
+            for address in addresses:
+                self.pools[role][address] = Worker(address, role, self._channels.get(address))
+        self._static = {*prefill, *decode}
+        self._refused: set[str] = set()
         self._turn = 0
+
+    @property
+    def prefill(self) -> dict[str, Worker]:
+        return self.pools[Role.PREFILL]
+
+    @property
+    def decode(self) -> dict[str, Worker]:
+        return self.pools[Role.DECODE]
 
     @property
     def workers(self) -> list[Worker]:
         return [*self.prefill.values(), *self.decode.values()]
 
+    def sync(self, records: list[WorkerRecord], fingerprint: str, block_size: int) -> None:
+        """Follow the registry: add new workers (if their KV layout matches), mark draining
+        ones, drop those whose records expired or were removed. Static workers stay."""
+        seen: set[str] = set()
+        for record in records:
+            pool = self.pools[record.role]
+            if record.model_fingerprint != fingerprint or record.block_size != block_size:
+                if record.worker_id not in self._refused:
+                    self._refused.add(record.worker_id)
+                    logger.error(
+                        "refusing worker_id=%s at %s: fingerprint %s block_size %d, router has "
+                        "%s block_size %d",
+                        record.worker_id, record.address, record.model_fingerprint,
+                        record.block_size, fingerprint, block_size,
+                    )  # fmt: skip
+                continue
+            seen.add(record.address)
+            worker = pool.get(record.address)
+            if worker is None:
+                channel = self._channels.get(record.address)
+                worker = Worker(record.address, record.role, channel, record.worker_id)
+                worker.healthy = True  # it heartbeats; stats follow at the next refresh
+                pool[record.address] = worker
+                logger.info("%s worker %s joined", record.role.value, record.address)
+            worker.draining = record.state is WorkerState.DRAINING
+        for pool in self.pools.values():
+            for address in [a for a in pool if a not in seen and a not in self._static]:
+                logger.info("%s worker %s left", pool[address].role.value, address)
+                del pool[address]
+
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.workers))
-
-    async def wait_ready(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Until at least one prefill and one decode worker answer; TimeoutError otherwise."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                await self.refresh()
-                if any(w.healthy for w in self.prefill.values()) and any(
-                    w.healthy for w in self.decode.values()
-                ):
-                    return
-                await asyncio.sleep(poll_s)
 
     async def refresh_forever(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
             await self.refresh()
+
+    def ready(self) -> bool:
+        return any(w.healthy for w in self.prefill.values()) and any(
+            w.healthy for w in self.decode.values()
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -104,8 +149,14 @@ class WorkerPool:
         return min(lens) if lens else 0
 
     def ranked_prefill(self) -> list[Worker]:
+        """Load-only order (round-robin or least-loaded); cache-aware ranking is done by the
+        router with the prefix index, over ``self.prefill``."""
         self._turn += 1
-        order = rank_prefill([w.load() for w in self.prefill.values()], self._turn)
+        loads = [w.load() for w in self.prefill.values()]
+        if self.prefill_policy is RoutingPolicy.ROUND_ROBIN:
+            order = rank_round_robin(loads, self._turn)
+        else:
+            order = rank_prefill(loads, self._turn)
         return [self.prefill[a] for a in order]
 
     def ranked_decode(self, num_prompt_tokens: int) -> list[Worker]:
@@ -113,13 +164,20 @@ class WorkerPool:
         loads = [w.load() for w in self.decode.values()]
         return [self.decode[a] for a in rank_decode(loads, num_prompt_tokens, self._turn)]
 
+    @property
+    def turn(self) -> int:
+        self._turn += 1
+        return self._turn
+
     @contextlib.contextmanager
-    def dispatched(self, worker: Worker) -> Iterator[Worker]:
+    def dispatched(self, worker: Worker, num_prefill_tokens: int = 0) -> Iterator[Worker]:
         worker.num_inflight += 1
+        worker.queued_prefill_tokens += num_prefill_tokens
         try:
             yield worker
         finally:
             worker.num_inflight -= 1
+            worker.queued_prefill_tokens -= num_prefill_tokens
 
     async def close(self) -> None:
         await self._channels.close()

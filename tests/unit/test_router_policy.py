@@ -34,3 +34,52 @@ def test_decode_prefers_workers_with_room_and_drops_too_small() -> None:
 
 def test_no_healthy_worker() -> None:
     assert rank_decode([_w("a", 0, 10, healthy=False)], num_prompt_tokens=1) == []
+
+
+def _q(address: str, queued: int, inflight: int = 0) -> WorkerLoad:
+    return WorkerLoad(address, inflight, 10, 100, queued_prefill_tokens=queued)
+
+
+def test_round_robin_rotates_over_healthy_workers() -> None:
+    from router.policy import rank_round_robin
+
+    workers = [_w("a", 5, 0), _w("b", 0, 0, healthy=False), _w("c", 0, 90)]
+    assert rank_round_robin(workers, turn=0) == ["a", "c"]
+    assert rank_round_robin(workers, turn=1) == ["c", "a"]
+
+
+def test_cache_aware_prefers_the_cache_under_ordinary_load() -> None:
+    from router.policy import rank_cache_aware
+
+    workers = [_q("a", queued=300), _q("b", queued=0)]
+    choice = rank_cache_aware(workers, {"a": 1024, "b": 0}, alpha=1.0, imbalance_tokens=4096)
+    # a: 1024 - 300 = 724 beats b: 0.
+    assert (choice.order, choice.reason, choice.cached_tokens) == (["a", "b"], "cache", 1024)
+
+
+def test_cache_aware_weighs_queued_work_against_cached_tokens() -> None:
+    from router.policy import rank_cache_aware
+
+    workers = [_q("a", queued=2000), _q("b", queued=0)]
+    choice = rank_cache_aware(workers, {"a": 1024}, alpha=1.0, imbalance_tokens=4096)
+    # a: 1024 - 2000 < b: 0 -> b, on load.
+    assert (choice.order, choice.reason) == (["b", "a"], "load")
+
+
+def test_imbalance_guard_drops_cache_credit_only_past_the_threshold() -> None:
+    from router.policy import rank_cache_aware
+
+    workers = [_q("a", queued=5000), _q("b", queued=0)]
+    cached = {"a": 8000}
+    kept = rank_cache_aware(workers, cached, alpha=0.1, imbalance_tokens=6000)
+    assert (kept.order[0], kept.reason) == ("a", "cache")  # 8000 - 500 > 0
+    guarded = rank_cache_aware(workers, cached, alpha=0.1, imbalance_tokens=4096)
+    assert (guarded.order, guarded.reason, guarded.cached_tokens) == (["b", "a"], "imbalance", 0)
+
+
+def test_cache_aware_ties_fall_back_to_least_loaded() -> None:
+    from router.policy import rank_cache_aware
+
+    workers = [_q("a", 0, inflight=3), _q("b", 0, inflight=1), _q("c", 0, inflight=0)]
+    choice = rank_cache_aware(workers, {}, alpha=1.0, imbalance_tokens=4096)
+    assert (choice.order, choice.reason) == (["c", "b", "a"], "load")

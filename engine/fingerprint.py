@@ -1,0 +1,61 @@
+"""The model fingerprint: names exactly which KV contents a block holds (torch-free, so the
+router can compute it from the same checkpoint directory and refuse mismatched workers)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from engine.model_config import ModelConfig
+
+__all__ = ["checkpoint_files", "fingerprint_of", "model_fingerprint", "weights_identity"]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index.name}: weight_map must be a non-empty object")
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {model_dir}")
+    return files
+
+
+def weights_identity(model_dir: Path) -> str:
+    """A cheap identity of the weights: config, safetensors headers, sizes and sampled bytes.
+
+    Hashing every byte of a 100+ GB checkpoint at start-up is too slow; headers (names, shapes,
+    dtypes, offsets) plus 16 evenly spaced 64 KiB samples per file distinguish checkpoints that
+    share an architecture, including two random initialisations of the same shapes.
+    """
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    sample_bytes, num_samples = 64 * 1024, 16
+    for path in checkpoint_files(model_dir):
+        size = path.stat().st_size
+        digest.update(path.name.encode() + size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(header_len))
+            for i in range(num_samples):
+                f.seek(max(0, (size - sample_bytes) * i // max(num_samples - 1, 1)))
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:32]
+
+
+def model_fingerprint(config: ModelConfig, weights_id: str, dtype: str, block_size: int) -> str:
+    """Names the exact KV layout and contents a block holds; seeds every block hash."""
+    return f"{config.architecture}:{weights_id}:{dtype}:bs{block_size}"
+
+
+def fingerprint_of(model_dir: str | Path, dtype: str, block_size: int) -> str:
+    model_dir = Path(model_dir)
+    return model_fingerprint(
+        ModelConfig.from_dir(model_dir), weights_identity(model_dir), dtype, block_size
+    )

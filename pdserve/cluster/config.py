@@ -1,0 +1,30 @@
+"""How a process reaches the cluster state in Redis (validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_TTL_S = 3.0
+DEFAULT_HEARTBEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str
+    namespace: str = "pdserve"
+    ttl_s: float = DEFAULT_TTL_S  # a silent worker leaves routing after this
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    publish_interval_s: float = 0.05  # KV event batching window
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"redis url must start with redis://, rediss:// or unix://: {self.url}"
+            )
+        if not 0 < self.heartbeat_s < self.ttl_s:
+            raise ValueError(
+                f"need 0 < heartbeat_s < ttl_s, got heartbeat_s={self.heartbeat_s}, "
+                f"ttl_s={self.ttl_s}"
+            )
+        if self.publish_interval_s <= 0:
+            raise ValueError(f"publish_interval_s must be > 0, got {self.publish_interval_s}")

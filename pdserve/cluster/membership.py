@@ -1,0 +1,96 @@
+"""A worker's presence in the cluster: it heartbeats its registry record, publishes its KV
+events to the prefix index, and watches for a drain request.
+
+Redis trouble never stops serving: the loop keeps retrying, and after a reconnect it publishes
+a full snapshot of the cache, so the index heals after a Redis restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from pdserve import metrics
+from pdserve.async_engine import AsyncEngine
+from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
+from pdserve.cluster.registry import Registry, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(
+        self,
+        config: RedisConfig,
+        engine: AsyncEngine,
+        record: Callable[[], WorkerRecord],
+        on_drain_request: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.record = record
+        self.on_drain_request = on_drain_request
+        redis = Redis.from_url(config.url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.registry = Registry(redis, config.namespace, config.ttl_s)
+        self.index: PrefixIndex = RedisPrefixIndex(redis, config.namespace)
+        self._redis = redis
+        self._task: asyncio.Task[None] | None = None
+        self._beat_now = asyncio.Event()
+
+    @property
+    def worker_id(self) -> str:
+        return self.record().worker_id
+
+    def start(self) -> None:
+        self.engine.collect_kv_events = True
+        self._task = asyncio.create_task(self._run(), name="cluster-membership")
+
+    def heartbeat_now(self) -> None:
+        """Publish the record at once (e.g. the state turned DRAINING)."""
+        self._beat_now.set()
+
+    async def stop(self) -> None:
+        """Leaves the cluster: no more routing to this worker, no stale index entries."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(RedisError, OSError):
+            await self.registry.deregister(self.worker_id)
+            await self.index.remove_worker(self.worker_id)
+        await self._redis.aclose()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        need_snapshot, next_beat = True, 0.0
+        while True:
+            try:
+                if need_snapshot:
+                    await self.index.replace(
+                        self.worker_id, await self.engine.snapshot_cached_hashes()
+                    )
+                    need_snapshot = False
+                for events in self.engine.take_kv_events():
+                    await self.index.apply(self.worker_id, events)
+                if self._beat_now.is_set() or loop.time() >= next_beat:
+                    self._beat_now.clear()
+                    await self.registry.heartbeat(self.record())
+                    next_beat = loop.time() + self.config.heartbeat_s
+                    if await self.registry.drain_requested(self.worker_id):
+                        self.on_drain_request()
+                metrics.REDIS_UP.set(1)
+            except (RedisError, OSError) as exc:
+                if not need_snapshot:
+                    logger.warning("redis unavailable (%s); serving continues", exc)
+                metrics.REDIS_UP.set(0)
+                # Whatever was not published is covered by the snapshot after reconnecting.
+                need_snapshot = True
+                self.engine.take_kv_events()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._beat_now.wait(), self.config.publish_interval_s)

@@ -1,0 +1,109 @@
+"""The router's use of Redis: worker discovery (registry) and prefix lookups (index).
+
+Redis is an accelerator: every Redis failure degrades to load-only routing over the last known
+workers (``pdserve_redis_up`` says so), and discovery resumes by itself when Redis returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from engine.block_hash import hash_blocks, root_hash
+from pdserve import metrics
+from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
+from pdserve.cluster.registry import Registry
+from router.worker_pool import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+_DISCOVERY_INTERVAL_S = 0.5
+
+
+class ClusterState:
+    def __init__(
+        self, config: RedisConfig | None, pool: WorkerPool, fingerprint: str, block_size: int
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        # The same root and hasher as every engine with this fingerprint (engine.block_hash).
+        self.root = root_hash(fingerprint)
+        self._redis: Redis | None = None
+        self.registry: Registry | None = None
+        self.index: RedisPrefixIndex | None = None
+        if config is not None:
+            self._redis = Redis.from_url(config.url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            self.registry = Registry(self._redis, config.namespace, config.ttl_s)
+            self.index = RedisPrefixIndex(self._redis, config.namespace)
+        self._up = True
+        self._task: asyncio.Task[None] | None = None
+
+    def _set_up(self, up: bool, exc: Exception | None = None) -> None:
+        metrics.REDIS_UP.set(1 if up else 0)
+        if self._up and not up:
+            logger.warning("redis unavailable (%s): routing on load over known workers", exc)
+        elif up and not self._up:
+            logger.info("redis reachable again: discovery and cache-aware routing resume")
+        self._up = up
+
+    async def discover(self) -> None:
+        if self.registry is None:
+            return
+        try:
+            records = await self.registry.workers()
+        except (RedisError, OSError) as exc:
+            self._set_up(False, exc)
+            return
+        self._set_up(True)
+        self.pool.sync(records, self.fingerprint, self.block_size)
+
+    async def wait_ready(self, timeout_s: float, poll_s: float = 0.1) -> None:
+        """Until at least one prefill and one decode worker answer; TimeoutError otherwise."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                await self.discover()
+                await self.pool.refresh()
+                if self.pool.ready():
+                    return
+                await asyncio.sleep(poll_s)
+
+    def start(self, stats_interval_s: float) -> None:
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            next_stats = loop.time()
+            while True:
+                await self.discover()
+                if loop.time() >= next_stats:
+                    await self.pool.refresh()
+                    next_stats = loop.time() + stats_interval_s
+                await asyncio.sleep(_DISCOVERY_INTERVAL_S)
+
+        self._task = asyncio.create_task(run(), name="cluster-state")
+
+    async def cached_tokens(self, prompt_ids: list[int], workers: list[Worker]) -> dict[str, int]:
+        """Predicted prefix-cache hit tokens per worker address, or {} without an index.
+        Like the engine, the last prompt token is never counted: it must be computed."""
+        if self.index is None or not workers:
+            return {}
+        usable = (len(prompt_ids) - 1) // self.block_size * self.block_size
+        hashes = hash_blocks(self.root, prompt_ids[:usable], self.block_size)
+        try:
+            blocks = await self.index.longest_prefixes(hashes, [w.worker_id for w in workers])
+        except (RedisError, OSError) as exc:
+            self._set_up(False, exc)
+            return {}
+        self._set_up(True)
+        return {w.address: blocks[w.worker_id] * self.block_size for w in workers}
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.aclose()
