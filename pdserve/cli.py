@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pdserve import settings
 from pdserve.settings import add_flag
@@ -172,6 +172,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.cluster.status import status_table
+
+    print(asyncio.run(status_table(settings.redis_config(args) or _no_redis())))
+    return 0
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from pdserve.cluster.status import request_drain
+
+    config = settings.redis_config(args) or _no_redis()
+    if not asyncio.run(request_drain(config, args.worker_id)):
+        print(f"pdserve: error: no registered worker {args.worker_id!r}", file=sys.stderr)
+        return 1
+    print(f"drain requested: {args.worker_id} finishes its work, deregisters and exits")
+    return 0
+
+
+def _no_redis() -> NoReturn:
+    raise ValueError("--redis (or PDSERVE_REDIS) is required")
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """A local cluster (1 prefill + 1 decode), three streamed generations, a clean stop."""
     from pdserve.client import generate, router_channel
@@ -179,10 +201,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
     _check_model(args.model)
-    print("starting router + 1 prefill + 1 decode worker (first run compiles a CPU kernel) ...")
+    print(
+        "starting embedded Redis, router, 1 prefill + 1 decode worker "
+        "(the first run compiles a CPU kernel) ..."
+    )
+    from pdserve.embedded_redis import EmbeddedRedis
     from pdserve.local_cluster import ClusterConfig
 
-    cluster = LocalCluster(ClusterConfig(model=args.model, log_level="WARNING")).start()
+    redis = EmbeddedRedis().start()
+    config = ClusterConfig(model=args.model, log_level="WARNING", redis_url=redis.url)
+    try:
+        cluster = LocalCluster(config).start()
+    except BaseException:
+        redis.stop()
+        raise
 
     async def run() -> None:
         async with router_channel(cluster.address) as channel:
@@ -205,6 +237,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         asyncio.run(run())
     finally:
         codes = cluster.stop()
+        redis.stop()
     print(f"\nshut down cleanly: {codes}")
     print("(random-weight demo model: the text is gibberish by design)")
     return 0 if all(code == 0 for code in codes.values()) else 1
@@ -250,6 +283,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
     up.set_defaults(func=_cmd_up)
+
+    for name, func, text in (
+        ("status", _cmd_status, "pools and workers from the registry"),
+        ("drain", _cmd_drain, "ask a worker to drain, deregister and exit"),
+    ):
+        admin = sub.add_parser(name, help=text)
+        add_flag(admin, "--redis", default="", help="Redis URL")
+        add_flag(admin, "--redis-namespace", default="pdserve", help="key prefix in Redis")
+        if name == "drain":
+            admin.add_argument("worker_id")
+        admin.set_defaults(func=func)
 
     gen = sub.add_parser("generate", help="stream one generation from a router")
     add_flag(gen, "--router", default="127.0.0.1:50051", help="router host:port")

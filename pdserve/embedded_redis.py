@@ -27,9 +27,9 @@ def _free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, ready_timeout_s: float = 10.0) -> None:
+    def __init__(self, ready_timeout_s: float = 10.0, port: int = 0) -> None:
         self.ready_timeout_s = ready_timeout_s
-        self.port = 0
+        self.port = port  # 0: a free port is picked at start (kept across restarts)
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -38,7 +38,7 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> EmbeddedRedis:
-        self.port = _free_port()
+        self.port = self.port or _free_port()
         args = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port)]
         args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name]
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
@@ -62,7 +62,6 @@ class EmbeddedRedis:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             self._process.wait(timeout=10)
-        self._dir.cleanup()
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
@@ -74,3 +73,4 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+        self._dir.cleanup()

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -48,6 +49,7 @@ class Component:
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
     address: str = ""
     metrics_address: str = ""
+    worker_id: str = ""
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -117,7 +119,11 @@ class LocalCluster:
         else:
             args += list(cfg.decode_args)
         group = self.prefill if role == "prefill" else self.decode
-        component = self._spawn(f"{role}-{len(group)}", role, [*args, *extra_args])
+        name = f"{role}-{len(group)}"
+        worker_id = f"{name}-{uuid.uuid4().hex[:6]}"
+        # A readable registry id, for `pdserve status` and `pdserve drain`.
+        component = self._spawn(name, role, [*args, "--worker-id", worker_id, *extra_args])
+        component.worker_id = worker_id
         group.append(component)
         return component
 

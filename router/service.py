@@ -29,7 +29,7 @@ from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.output_stream import OutputStream
 from router.policy import RoutingPolicy, rank_cache_aware
-from router.worker_pool import Worker, WorkerPool
+from router.worker_pool import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                     cached,
                     self.config.cache_alpha,
                     self.config.imbalance_tokens,
-                    self.pool.turn,
+                    self.pool.next_turn(Role.PREFILL),
                 )
                 metrics.ROUTING_DECISIONS.labels("prefill", policy.value, choice.reason).inc()
                 return [self.pool.prefill[a] for a in choice.order], choice.cached_tokens

@@ -85,7 +85,9 @@ class WorkerPool:
                 self.pools[role][address] = Worker(address, role, self._channels.get(address))
         self._static = {*prefill, *decode}
         self._refused: set[str] = set()
-        self._turn = 0
+        # One rotation per pool: a shared counter would advance by two per request and pin
+        # round-robin to every other worker.
+        self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
 
     @property
     def prefill(self) -> dict[str, Worker]:
@@ -151,23 +153,22 @@ class WorkerPool:
     def ranked_prefill(self) -> list[Worker]:
         """Load-only order (round-robin or least-loaded); cache-aware ranking is done by the
         router with the prefix index, over ``self.prefill``."""
-        self._turn += 1
+        turn = self.next_turn(Role.PREFILL)
         loads = [w.load() for w in self.prefill.values()]
         if self.prefill_policy is RoutingPolicy.ROUND_ROBIN:
-            order = rank_round_robin(loads, self._turn)
+            order = rank_round_robin(loads, turn)
         else:
-            order = rank_prefill(loads, self._turn)
+            order = rank_prefill(loads, turn)
         return [self.prefill[a] for a in order]
 
     def ranked_decode(self, num_prompt_tokens: int) -> list[Worker]:
-        self._turn += 1
+        turn = self.next_turn(Role.DECODE)
         loads = [w.load() for w in self.decode.values()]
-        return [self.decode[a] for a in rank_decode(loads, num_prompt_tokens, self._turn)]
+        return [self.decode[a] for a in rank_decode(loads, num_prompt_tokens, turn)]
 
-    @property
-    def turn(self) -> int:
-        self._turn += 1
-        return self._turn
+    def next_turn(self, role: Role) -> int:
+        self._turns[role] += 1
+        return self._turns[role]
 
     @contextlib.contextmanager
     def dispatched(self, worker: Worker, num_prefill_tokens: int = 0) -> Iterator[Worker]:

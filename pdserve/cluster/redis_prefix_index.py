@@ -80,5 +80,8 @@ class RedisPrefixIndex(PrefixIndex):
         )
         return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
 
+    async def num_blocks(self, worker_id: str) -> int:
+        return int(await self.redis.scard(self._key(worker_id)))
+
     async def close(self) -> None:
         await self.redis.aclose()

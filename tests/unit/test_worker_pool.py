@@ -1,0 +1,71 @@
+"""The router's pool follows the registry: joins, drains, departures; mismatched KV layouts are
+refused; static workers stay."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
+from router.worker_pool import WorkerPool
+
+FP = "LlamaForCausalLM:abc:float32:bs16"
+
+
+def _record(worker_id: str, role: Role, port: int, **kw: object) -> WorkerRecord:
+    fields: dict[str, object] = {
+        "worker_id": worker_id,
+        "role": role,
+        "address": f"127.0.0.1:{port}",
+        "model_fingerprint": FP,
+        "block_size": 16,
+        "num_blocks": 64,
+        **kw,
+    }
+    return WorkerRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_sync_follows_the_registry() -> None:
+    async def run() -> None:
+        pool = WorkerPool(prefill=("127.0.0.1:1",), decode=())
+        records = [
+            _record("p1", Role.PREFILL, 2),
+            _record("d1", Role.DECODE, 3),
+            _record("d2", Role.DECODE, 4, state=WorkerState.DRAINING),
+            _record("bad", Role.DECODE, 5, model_fingerprint="other:fp"),
+            _record("bs8", Role.PREFILL, 6, block_size=8),
+        ]
+        pool.sync(records, FP, 16)
+        assert sorted(pool.prefill) == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert sorted(pool.decode) == ["127.0.0.1:3", "127.0.0.1:4"]
+        assert pool.prefill["127.0.0.1:2"].worker_id == "p1"
+        assert pool.decode["127.0.0.1:4"].draining
+        assert not pool.decode["127.0.0.1:4"].load().healthy
+        assert pool.decode["127.0.0.1:3"].load().healthy
+        # d1 leaves (record expired); the static prefill worker stays.
+        pool.sync(records[:1], FP, 16)
+        assert sorted(pool.prefill) == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert pool.decode == {}
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_round_robin_alternates_per_pool() -> None:
+    from router.policy import RoutingPolicy
+
+    async def run() -> None:
+        pool = WorkerPool(
+            prefill=("127.0.0.1:1", "127.0.0.1:2"),
+            decode=("127.0.0.1:3",),
+            prefill_policy=RoutingPolicy.ROUND_ROBIN,
+        )
+        for worker in pool.workers:
+            worker.healthy = True
+        picks = []
+        for _ in range(4):
+            picks.append(pool.ranked_prefill()[0].address)
+            pool.ranked_decode(10)  # decode choices must not shift the prefill rotation
+        assert picks == ["127.0.0.1:2", "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"]
+        await pool.close()
+
+    asyncio.run(run())
