@@ -103,7 +103,10 @@ class WorkerPool:
 
     def sync(self, records: list[WorkerRecord], fingerprint: str, block_size: int) -> None:
         """Follow the registry: add new workers (if their KV layout matches), mark draining
-        ones, drop those whose records expired or were removed. Static workers stay."""
+        ones, and drop those whose record is gone once they are also draining or unhealthy.
+        (A record can vanish while its worker is fine, e.g. just after a Redis restart and
+        before the next heartbeat; dropping a healthy worker then would drop traffic.)
+        Static workers stay."""
         seen: set[str] = set()
         for record in records:
             pool = self.pools[record.role]
@@ -127,7 +130,12 @@ class WorkerPool:
                 logger.info("%s worker %s joined", record.role.value, record.address)
             worker.draining = record.state is WorkerState.DRAINING
         for pool in self.pools.values():
-            for address in [a for a in pool if a not in seen and a not in self._static]:
+            gone = [
+                a
+                for a, w in pool.items()
+                if a not in seen and a not in self._static and (w.draining or not w.healthy)
+            ]
+            for address in gone:
                 logger.info("%s worker %s left", pool[address].role.value, address)
                 del pool[address]
 

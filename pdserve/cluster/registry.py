@@ -124,6 +124,15 @@ class Registry:
             await self.redis.srem(self._members, *gone)
         return records
 
+    @staticmethod
+    async def workers_at(url: str, namespace: str = "pdserve") -> list[WorkerRecord]:
+        """One-shot read of the live workers (tools and tests)."""
+        redis = Redis.from_url(url, socket_timeout=5.0)
+        try:
+            return await Registry(redis, namespace).workers()
+        finally:
+            await redis.aclose()
+
     async def request_drain(self, worker_id: str) -> bool:
         """Asks a worker to drain (it polls with its heartbeat). False if no such worker."""
         if not await self.redis.exists(self._key(worker_id)):

@@ -41,7 +41,11 @@ def test_sync_follows_the_registry() -> None:
         assert pool.decode["127.0.0.1:4"].draining
         assert not pool.decode["127.0.0.1:4"].load().healthy
         assert pool.decode["127.0.0.1:3"].load().healthy
-        # d1 leaves (record expired); the static prefill worker stays.
+        # Records gone: the draining worker leaves; a healthy one stays until it also fails its
+        # stats check (a Redis restart must not drop live workers); static workers stay.
+        pool.sync(records[:1], FP, 16)
+        assert sorted(pool.decode) == ["127.0.0.1:3"]
+        pool.decode["127.0.0.1:3"].healthy = False
         pool.sync(records[:1], FP, 16)
         assert sorted(pool.prefill) == ["127.0.0.1:1", "127.0.0.1:2"]
         assert pool.decode == {}
