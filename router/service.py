@@ -24,33 +24,14 @@ from engine.tokenizer import Tokenizer
 from pdserve import metrics
 from pdserve.convert import sampling_from_proto, sampling_to_proto
 from pdserve.server import Service
-from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
+from router.dispatch import Dispatcher, WorkerError, worker_error
 from router.output_stream import OutputStream
-from router.policy import RoutingPolicy, rank_cache_aware
-from router.worker_pool import Role, Worker, WorkerPool
+from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
-
-_RETRY_FIRST_S = 0.01
-_RETRY_MAX_S = 0.25
-
-
-class WorkerError(Exception):
-    """A worker's failure, already phrased for the client."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
-    code = exc.code()
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return WorkerError(code, exc.details() or code.name)
-    return WorkerError(code, f"{what}: {exc.details() or code.name}")
 
 
 class RouterService(Service, router_pb2_grpc.RouterServicer):
@@ -62,8 +43,8 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         self.tokenizer = Tokenizer.from_dir(config.model)
         self._pool: WorkerPool | None = None
         self._cluster: ClusterState | None = None
+        self._dispatch: Dispatcher | None = None
         self._inflight = 0
-        self._background: set[asyncio.Task[None]] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(self, server)
@@ -75,10 +56,10 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         return self._pool
 
     @property
-    def cluster(self) -> ClusterState:
-        if self._cluster is None:
+    def dispatch(self) -> Dispatcher:
+        if self._dispatch is None:
             raise RuntimeError("the router is not loaded yet")
-        return self._cluster
+        return self._dispatch
 
     async def load(self) -> None:
         config = self.config
@@ -90,8 +71,9 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
             fingerprint_of, config.model, config.dtype, config.block_size
         )
         self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
-        await self.cluster.wait_ready(config.ready_timeout_s)
-        self.cluster.start(config.stats_interval_s)
+        self._dispatch = Dispatcher(config, self._pool, self._cluster)
+        await self._cluster.wait_ready(config.ready_timeout_s)
+        self._cluster.start(config.stats_interval_s)
 
     def num_inflight(self) -> int:
         return self._inflight
@@ -99,8 +81,8 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
     async def close(self) -> None:
         if self._cluster is not None:
             await self._cluster.close()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        if self._dispatch is not None:
+            await self._dispatch.close()
         if self._pool is not None:
             await self._pool.close()
 
@@ -156,7 +138,7 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         sampling = sampling_to_proto(params)
         prefill_start = time.perf_counter()
-        prefill_worker, prefilled = await self._prefill(request_id, prompt_ids, sampling)
+        prefill_worker, prefilled = await self.dispatch.prefill(request_id, prompt_ids, sampling)
         prefill_s = time.perf_counter() - prefill_start
         first_logprobs = (
             [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
@@ -180,7 +162,7 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                 )
                 if prefilled.HasField("first_token_logprobs"):
                     decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
-                call, decode_worker, transfer_s = await self._admit(
+                call, decode_worker, transfer_s = await self.dispatch.admit(
                     decode_request, prefill_worker, len(prompt_ids)
                 )
                 admitted = True  # the decode worker now owns ending the lease
@@ -192,12 +174,12 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
                                 yield out.chunk(list(message.token_ids), list(message.logprobs))
                             finish_reason = message.finish_reason
                     except grpc.aio.AioRpcError as exc:
-                        raise _worker_error(exc, f"decode worker {decode_worker.address}") from None
+                        raise worker_error(exc, f"decode worker {decode_worker.address}") from None
                     finally:
                         call.cancel()  # client gone: stop the decode worker's request too
         finally:
             if leased and not admitted:
-                self._release_later(prefill_worker, request_id)
+                self.dispatch.release_later(prefill_worker, request_id)
         if finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         tail = out.tail()
@@ -217,137 +199,3 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
             out.mean_tpot_s * 1e3,
         )
         yield final
-
-    async def _prefill(
-        self, request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams
-    ) -> tuple[Worker, prefill_pb2.PrefillResponse]:
-        request = prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
-        )
-        workers, predicted = await self._choose_prefill(prompt_ids)
-        if not workers:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        error: WorkerError | None = None
-        for worker in workers:
-            with self.pool.dispatched(worker, len(prompt_ids) - predicted):
-                call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
-                try:
-                    response = await call
-                    self._count_prefix(len(prompt_ids), predicted, response.num_cached_tokens)
-                    return worker, response
-                except grpc.aio.AioRpcError as exc:
-                    error = _worker_error(exc, f"prefill worker {worker.address}")
-                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        self._release_later(worker, request_id)  # it may have leased blocks
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise error from None
-                except asyncio.CancelledError:
-                    # The worker aborts the request, or, if it had just finished, holds a lease.
-                    self._release_later(worker, request_id)
-                    raise
-                finally:
-                    call.cancel()  # no-op when done; aborts the prefill if we are cancelled
-        assert error is not None
-        raise error
-
-    async def _choose_prefill(self, prompt_ids: list[int]) -> tuple[list[Worker], int]:
-        """Prefill workers best first, and the cached tokens predicted for the first."""
-        policy = self.config.prefill_policy
-        if policy is RoutingPolicy.CACHE_AWARE and self.cluster.index is not None:
-            healthy = [w for w in self.pool.prefill.values() if w.load().healthy]
-            cached = await self.cluster.cached_tokens(prompt_ids, healthy)
-            if cached:
-                choice = rank_cache_aware(
-                    [w.load() for w in healthy],
-                    cached,
-                    self.config.cache_alpha,
-                    self.config.imbalance_tokens,
-                    self.pool.next_turn(Role.PREFILL),
-                )
-                metrics.ROUTING_DECISIONS.labels("prefill", policy.value, choice.reason).inc()
-                return [self.pool.prefill[a] for a in choice.order], choice.cached_tokens
-        reason = "load" if policy is not RoutingPolicy.CACHE_AWARE else "no_index"
-        metrics.ROUTING_DECISIONS.labels("prefill", policy.value, reason).inc()
-        return self.pool.ranked_prefill(), 0
-
-    def _count_prefix(self, num_prompt_tokens: int, predicted: int, actual: int) -> None:
-        """Splits uncached tokens into 'stale' (the index promised them) and 'none'."""
-        usable = (num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
-        stale = max(predicted - actual, 0)
-        metrics.PREFIX_MISSES.labels("stale").inc(stale)
-        metrics.PREFIX_MISSES.labels("none").inc(max(usable - actual - stale, 0))
-        metrics.PREFILL_TOKENS.inc(num_prompt_tokens - actual)
-
-    async def _admit(
-        self, request: decode_pb2.DecodeRequest, prefill_worker: Worker, num_prompt_tokens: int
-    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float]:
-        """A decode worker that admitted the request and pulled its KV (its first message).
-        Retries while every worker is full, renewing the lease, up to admission_timeout_s."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.admission_timeout_s
-        delay_s = _RETRY_FIRST_S
-        while True:
-            workers = self.pool.ranked_decode(num_prompt_tokens)
-            if not workers:
-                if not any(w.healthy for w in self.pool.decode.values()):
-                    raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-                raise WorkerError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no decode worker can hold {num_prompt_tokens} prompt tokens",
-                )
-            for worker in workers:
-                call = worker.decode.Decode(request)
-                try:
-                    first = await call.read()
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        metrics.DECODE_RETRIES.inc()
-                        continue
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                        continue  # draining or gone: another worker takes it
-                    raise _worker_error(exc, f"decode worker {worker.address}") from None
-                except BaseException:
-                    call.cancel()
-                    raise
-                if first == grpc.aio.EOF:
-                    raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
-                assert isinstance(first, decode_pb2.DecodeResponse)
-                return call, worker, first.transfer_s
-            if loop.time() + delay_s > deadline:
-                raise WorkerError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no decode worker had room for {num_prompt_tokens} prompt tokens within "
-                    f"admission_timeout_s={self.config.admission_timeout_s}",
-                )
-            await self._renew(prefill_worker, request.request_id)
-            # Backoff: blocks free as other requests finish; the stats refresh sees it too.
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, _RETRY_MAX_S)
-
-    async def _renew(self, worker: Worker, request_id: str) -> None:
-        """Keeps the prefilled blocks while waiting for decode room; fails if they are gone."""
-        try:
-            reply = await worker.prefill.RenewLease(
-                prefill_pb2.RenewLeaseRequest(request_id=request_id), timeout=5.0
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise _worker_error(exc, f"prefill worker {worker.address} (lease renewal)") from None
-        if not reply.renewed:
-            raise WorkerError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the prefilled KV on {worker.address} expired while waiting for a decode worker",
-            )
-
-    def _release_later(self, worker: Worker, request_id: str) -> None:
-        async def release() -> None:
-            try:
-                await worker.prefill.Release(
-                    prefill_pb2.ReleaseRequest(request_id=request_id), timeout=5.0
-                )
-            except grpc.aio.AioRpcError as exc:
-                logger.warning("request_id=%s release failed: %s", request_id, exc.code().name)
-
-        # Not awaited by the (possibly cancelled) request task; the lease is the backstop.
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
