@@ -137,6 +137,39 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                         self.engine.call(lambda: llm_engine.abort(prefilled.request_id))
                     )
 
+    async def Generate(
+        self, request: decode_pb2.LocalGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        await self.check_accepting(context)
+        try:
+            if not request.request_id:
+                raise ValueError("request_id is empty")
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        llm_engine = self.engine.engine
+        prompt = list(request.prompt_token_ids)
+
+        def admit() -> None:
+            llm_engine.add_request(prompt, params, request.request_id)
+
+        with self.admitted():
+            yield decode_pb2.DecodeResponse()  # admitted: the scheduler queues it like any other
+            try:
+                stream = self.engine.stream(request.request_id, admit)
+                async with contextlib.aclosing(stream) as updates:
+                    async for update in updates:
+                        yield decode_pb2.DecodeResponse(
+                            token_ids=update.new_token_ids,
+                            logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
+                            finish_reason=finish_reason_to_proto(update.finish_reason),
+                            num_cached_tokens=update.num_cached_tokens,
+                        )
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineDeadError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
     async def _reserve(
         self, prefilled: PrefilledRequest, context: grpc.aio.ServicerContext
     ) -> list[int]:

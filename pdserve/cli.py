@@ -209,7 +209,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pdserve.local_cluster import ClusterConfig
 
     redis = EmbeddedRedis().start()
-    config = ClusterConfig(model=args.model, log_level="WARNING", redis_url=redis.url)
+    # Short demo prompts would be prefilled on the decode worker (conditional disaggregation);
+    # the demo shows the disaggregated path.
+    config = ClusterConfig(
+        model=args.model,
+        log_level="WARNING",
+        redis_url=redis.url,
+        router_args=("--local-prefill-tokens", "0"),
+    )
     try:
         cluster = LocalCluster(config).start()
     except BaseException:

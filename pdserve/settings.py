@@ -155,6 +155,13 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_flag(parser, "--cache-alpha", type=float, default=1.0, help="cache_aware load weight")
     add_flag(parser, "--imbalance-tokens", type=int, default=8192, help="cache_aware guard")
+    add_flag(
+        parser,
+        "--local-prefill-tokens",
+        type=int,
+        default=32,
+        help="prefill on the decode worker when fewer prompt tokens are uncached (0: never)",
+    )
     add_flag(parser, "--admission-timeout-s", type=float, default=10.0)
     add_flag(parser, "--ready-timeout-s", type=float, default=120.0)
 
@@ -171,6 +178,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         prefill_policy=RoutingPolicy(args.prefill_policy),
         cache_alpha=args.cache_alpha,
         imbalance_tokens=args.imbalance_tokens,
+        local_prefill_tokens=args.local_prefill_tokens,
         admission_timeout_s=args.admission_timeout_s,
         ready_timeout_s=args.ready_timeout_s,
     )

@@ -22,6 +22,9 @@ class RouterConfig:
     prefill_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     cache_alpha: float = 1.0  # cache_aware: cached tokens - alpha x queued prefill tokens
     imbalance_tokens: int = 8192  # cache_aware: queue gap past which cache credit is dropped
+    # Conditional disaggregation: a prompt whose part uncached on the best decode worker is
+    # shorter than this is prefilled there (no transfer). 0 always disaggregates.
+    local_prefill_tokens: int = 32
     # How long a prefilled request may wait for a decode worker with free blocks.
     admission_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
@@ -33,8 +36,8 @@ class RouterConfig:
             raise ValueError(
                 "without redis, prefill_addresses and decode_addresses must each name a worker"
             )
-        if self.cache_alpha < 0 or self.imbalance_tokens < 0:
-            raise ValueError("cache_alpha and imbalance_tokens must be >= 0")
+        if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:
+            raise ValueError("cache_alpha, imbalance_tokens and local_prefill_tokens must be >= 0")
         for name in ("admission_timeout_s", "prefill_timeout_s", "stats_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -106,6 +106,22 @@ class Dispatcher:
         metrics.ROUTING_DECISIONS.labels("prefill", policy.value, reason).inc()
         return self.pool.ranked_prefill(), 0
 
+    async def choose_local(self, prompt_ids: list[int]) -> Worker | None:
+        """Conditional disaggregation: the decode worker that should prefill this prompt itself
+        (its uncached part is under ``local_prefill_tokens``), or None to disaggregate."""
+        threshold = self.config.local_prefill_tokens
+        if threshold <= 0:
+            return None
+        workers = self.pool.ranked_decode(len(prompt_ids))
+        if not workers:
+            return None
+        cached = await self.cluster.cached_tokens(prompt_ids, workers)
+        best = max(workers, key=lambda w: cached.get(w.address, 0))  # ties: ranked order
+        if len(prompt_ids) - cached.get(best.address, 0) >= threshold:
+            return None
+        metrics.ROUTING_DECISIONS.labels("decode", "conditional", "local_prefill").inc()
+        return best
+
     def count_prefix(self, num_prompt_tokens: int, predicted: int, actual: int) -> None:
         """Splits uncached tokens into 'stale' (the index promised them) and 'none'."""
         usable = (num_prompt_tokens - 1) // self.config.block_size * self.config.block_size

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
@@ -29,7 +30,7 @@ from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, WorkerError, worker_error
 from router.output_stream import OutputStream
-from router.worker_pool import WorkerPool
+from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -137,65 +138,128 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         out: OutputStream,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         sampling = sampling_to_proto(params)
-        prefill_start = time.perf_counter()
-        prefill_worker, prefilled = await self.dispatch.prefill(request_id, prompt_ids, sampling)
-        prefill_s = time.perf_counter() - prefill_start
-        first_logprobs = (
-            [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
-        )
-        finish_reason = prefilled.finish_reason
-        transfer_s = 0.0
-        leased = finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
-        admitted = False
-        try:
-            yield out.chunk([prefilled.first_token_id], first_logprobs)
-            metrics.TTFT_S.observe(out.ttft_s)
-            metrics.PREFIX_HIT_TOKENS.inc(prefilled.num_cached_tokens)
-            if leased:
-                decode_request = decode_pb2.DecodeRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling=sampling,
-                    first_token_id=prefilled.first_token_id,
-                    handle=prefilled.handle,
-                    prefill_address=prefill_worker.address,
-                )
-                if prefilled.HasField("first_token_logprobs"):
-                    decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
-                call, decode_worker, transfer_s = await self.dispatch.admit(
-                    decode_request, prefill_worker, len(prompt_ids)
-                )
-                admitted = True  # the decode worker now owns ending the lease
-                with self.pool.dispatched(decode_worker):
-                    try:
-                        while (message := await call.read()) != grpc.aio.EOF:
-                            assert isinstance(message, decode_pb2.DecodeResponse)
-                            if message.token_ids:
-                                yield out.chunk(list(message.token_ids), list(message.logprobs))
-                            finish_reason = message.finish_reason
-                    except grpc.aio.AioRpcError as exc:
-                        raise worker_error(exc, f"decode worker {decode_worker.address}") from None
-                    finally:
-                        call.cancel()  # client gone: stop the decode worker's request too
-        finally:
-            if leased and not admitted:
-                self.dispatch.release_later(prefill_worker, request_id)
-        if finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        done = _Outcome()
+        local = await self.dispatch.choose_local(prompt_ids)
+        if local is not None:
+            stream = self._local(request_id, prompt_ids, sampling, local, out, done)
+        else:
+            stream = self._disaggregated(request_id, prompt_ids, sampling, out, done)
+        async for response in stream:
+            yield response
+        if done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         tail = out.tail()
         if tail:
             yield router_pb2.GenerateResponse(chunk=router_pb2.TokenChunk(text=tail))
         final = out.final(
-            client_id, finish_reason, prefilled.num_cached_tokens, prefill_s, transfer_s
+            client_id, done.finish_reason, done.cached_tokens, done.prefill_s, done.transfer_s
         )
+        metrics.TTFT_S.observe(out.ttft_s)
         metrics.TPOT_S.observe(out.mean_tpot_s)
+        metrics.PREFIX_HIT_TOKENS.inc(done.cached_tokens)
         metrics.REQUESTS.labels(final.final.finish_reason).inc()
         logger.info(
-            "request_id=%s finished: %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
+            "request_id=%s finished (%s): %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
             request_id,
+            "local prefill" if local is not None else "disaggregated",
             out.num_prompt_tokens,
             out.num_output_tokens,
             out.ttft_s * 1e3,
             out.mean_tpot_s * 1e3,
         )
         yield final
+
+    async def _disaggregated(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        out: OutputStream,
+        done: _Outcome,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Prefill on a prefill worker, stream its first token, then decode elsewhere."""
+        start = time.perf_counter()
+        prefill_worker, prefilled = await self.dispatch.prefill(request_id, prompt_ids, sampling)
+        done.prefill_s = time.perf_counter() - start
+        done.cached_tokens = prefilled.num_cached_tokens
+        done.finish_reason = prefilled.finish_reason
+        first_logprobs = (
+            [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
+        )
+        leased = done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        admitted = False
+        try:
+            yield out.chunk([prefilled.first_token_id], first_logprobs)
+            if not leased:
+                return
+            decode_request = decode_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                first_token_id=prefilled.first_token_id,
+                handle=prefilled.handle,
+                prefill_address=prefill_worker.address,
+            )
+            if prefilled.HasField("first_token_logprobs"):
+                decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
+            call, decode_worker, done.transfer_s = await self.dispatch.admit(
+                decode_request, prefill_worker, len(prompt_ids)
+            )
+            admitted = True  # the decode worker now owns ending the lease
+            async for response in self._relay(call, decode_worker, out, done):
+                yield response
+        finally:
+            if leased and not admitted:
+                self.dispatch.release_later(prefill_worker, request_id)
+
+    async def _local(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        worker: Worker,
+        out: OutputStream,
+        done: _Outcome,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Conditional disaggregation: the decode worker prefills the short uncached part."""
+        request = decode_pb2.LocalGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
+        )
+        call = worker.decode.Generate(request)
+        try:
+            await call.read()  # admitted
+        except grpc.aio.AioRpcError as exc:
+            raise worker_error(exc, f"decode worker {worker.address}") from None
+        async for response in self._relay(call, worker, out, done):
+            yield response
+
+    async def _relay(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        worker: Worker,
+        out: OutputStream,
+        done: _Outcome,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Relays a decode worker's token stream to the client."""
+        with self.pool.dispatched(worker):
+            try:
+                while (message := await call.read()) != grpc.aio.EOF:
+                    assert isinstance(message, decode_pb2.DecodeResponse)
+                    if message.token_ids:
+                        yield out.chunk(list(message.token_ids), list(message.logprobs))
+                    done.cached_tokens = max(done.cached_tokens, message.num_cached_tokens)
+                    done.finish_reason = message.finish_reason
+            except grpc.aio.AioRpcError as exc:
+                raise worker_error(exc, f"decode worker {worker.address}") from None
+            finally:
+                call.cancel()  # client gone: stop the decode worker's request too
+
+
+@dataclass
+class _Outcome:
+    """What a request's path reports for its final message."""
+
+    finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0

@@ -65,6 +65,33 @@ class DecodeRequest(_message.Message):
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
 
 @_typing.final
+class LocalGenerateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def sampling(self) -> _common_pb2.SamplingParams: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        sampling: _common_pb2.SamplingParams | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocalGenerateRequest: _TypeAlias = LocalGenerateRequest  # noqa: Y015
+
+@_typing.final
 class DecodeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -72,8 +99,11 @@ class DecodeResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     TRANSFER_S_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     transfer_s: _builtins.float
+    num_cached_tokens: _builtins.int
+    """Generate: prompt tokens this worker served from its cache"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The first message carries the admission and transfer time and no tokens."""
@@ -87,10 +117,11 @@ class DecodeResponse(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         transfer_s: _builtins.float = ...,
+        num_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

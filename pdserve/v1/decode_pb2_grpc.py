@@ -40,6 +40,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/Generate',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/GetStats',
                 request_serializer=pdserve_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
@@ -58,6 +63,15 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
+        short straight to a decode worker (a transfer would cost more than the prefill). Same
+        response stream as Decode, but every token, the first included, comes from this worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -70,6 +84,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -104,6 +123,33 @@ class DecodeWorker:
             target,
             '/pdserve.v1.DecodeWorker/Decode',
             pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Generate',
+            pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,

@@ -38,6 +38,11 @@ class DecodeWorkerStub:
     """RESOURCE_EXHAUSTED when the worker cannot allocate the prompt's blocks now;
     FAILED_PRECONDITION on a KV layout mismatch; DATA_LOSS on a corrupted transfer.
     """
+    Generate: _grpc.UnaryStreamMultiCallable[_decode_pb2.LocalGenerateRequest, _decode_pb2.DecodeResponse]
+    """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
+    short straight to a decode worker (a transfer would cost more than the prefill). Same
+    response stream as Decode, but every token, the first included, comes from this worker.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]
 
 @_typing.type_check_only
@@ -46,6 +51,11 @@ class DecodeWorkerAsyncStub(DecodeWorkerStub):
     Decode: _aio.UnaryStreamMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.DecodeResponse]  # type: ignore[assignment]
     """RESOURCE_EXHAUSTED when the worker cannot allocate the prompt's blocks now;
     FAILED_PRECONDITION on a KV layout mismatch; DATA_LOSS on a corrupted transfer.
+    """
+    Generate: _aio.UnaryStreamMultiCallable[_decode_pb2.LocalGenerateRequest, _decode_pb2.DecodeResponse]  # type: ignore[assignment]
+    """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
+    short straight to a decode worker (a transfer would cost more than the prefill). Same
+    response stream as Decode, but every token, the first included, comes from this worker.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]  # type: ignore[assignment]
 
@@ -58,6 +68,17 @@ class DecodeWorkerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_decode_pb2.DecodeResponse], _abc.AsyncIterator[_decode_pb2.DecodeResponse]]:
         """RESOURCE_EXHAUSTED when the worker cannot allocate the prompt's blocks now;
         FAILED_PRECONDITION on a KV layout mismatch; DATA_LOSS on a corrupted transfer.
+        """
+
+    @_abc_1.abstractmethod
+    def Generate(
+        self,
+        request: _decode_pb2.LocalGenerateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_decode_pb2.DecodeResponse], _abc.AsyncIterator[_decode_pb2.DecodeResponse]]:
+        """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
+        short straight to a decode worker (a transfer would cost more than the prefill). Same
+        response stream as Decode, but every token, the first included, comes from this worker.
         """
 
     @_abc_1.abstractmethod

@@ -29,6 +29,7 @@ from tests.services.harness import wait_for
 
 pytestmark = pytest.mark.slow
 
+NO_LOCAL_PREFILL = ("--local-prefill-tokens", "0")
 TOKEN_PROMPT_LENS = (1, 2, 5, 15, 16, 17, 31, 32, 33, 64, 100, 250)
 TEXT_PROMPTS = (
     "The weather today is",
@@ -41,7 +42,10 @@ TEXT_PROMPTS = (
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     log_dir = tmp_path_factory.mktemp("cluster-logs")
-    with LocalCluster(ClusterConfig(model=str(llama_dir), log_dir=log_dir)) as c:
+    # Every request disaggregated (no local prefill of short prompts): these tests are about
+    # the prefill -> transfer -> decode path.
+    config = ClusterConfig(model=str(llama_dir), log_dir=log_dir, router_args=NO_LOCAL_PREFILL)
+    with LocalCluster(config) as c:
         yield c
 
 
@@ -227,7 +231,13 @@ def test_two_prefill_two_decode_32_concurrent_streams(
     rng = random.Random(32)
     prompts = [[rng.randrange(1024) for _ in range(rng.randrange(1, 120))] for _ in range(32)]
     sampling = common_pb2.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    config = ClusterConfig(model=str(llama_dir), num_prefill=2, num_decode=2, log_dir=tmp_path)
+    config = ClusterConfig(
+        model=str(llama_dir),
+        num_prefill=2,
+        num_decode=2,
+        log_dir=tmp_path,
+        router_args=NO_LOCAL_PREFILL,
+    )
     with LocalCluster(config) as cluster:
         results = run(generate_many(cluster.address, [_request(p, sampling) for p in prompts]))
         stats = run(worker_stats(cluster))

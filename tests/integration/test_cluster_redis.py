@@ -37,7 +37,12 @@ def redis() -> Iterator[EmbeddedRedis]:
 
 @pytest.fixture
 def cluster(llama_dir: Path, redis: EmbeddedRedis, tmp_path: Path) -> Iterator[LocalCluster]:
-    config = LocalClusterConfig(model=str(llama_dir), redis_url=redis.url, log_dir=tmp_path)
+    config = LocalClusterConfig(
+        model=str(llama_dir),
+        redis_url=redis.url,
+        log_dir=tmp_path,
+        router_args=("--local-prefill-tokens", "0"),  # traffic is counted by KV pulls
+    )
     with LocalCluster(config) as c:
         yield c
 

@@ -30,7 +30,11 @@ async def _prefill_tokens(policy: RoutingPolicy, llama_dir: Path, redis_url: str
     prefills = [await start_prefill(llama_dir, redis=redis) for _ in range(2)]
     _, decode_server = await start_decode(llama_dir, redis=redis)
     router_server = await start(
-        RouterService(RouterConfig(model=str(llama_dir), redis=redis, prefill_policy=policy))
+        RouterService(
+            RouterConfig(
+                model=str(llama_dir), redis=redis, prefill_policy=policy, local_prefill_tokens=0
+            )
+        )
     )
     index = RedisPrefixIndex.from_url(redis_url, redis.namespace)
     worker_ids = [service.worker_id for service, _ in prefills]

@@ -44,6 +44,7 @@ def test_decode_without_room_rejects_or_queues_never_hangs(
                 prefill_addresses=(prefill_server.address,),
                 decode_addresses=(decode_server.address,),
                 admission_timeout_s=1.0,
+                local_prefill_tokens=0,
             )
         )
         router_server = await start(router)

@@ -1,0 +1,75 @@
+"""Conditional disaggregation: a prompt with a short uncached part is prefilled on the decode
+worker (no transfer); a long one is disaggregated. Both give one engine's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from engine import LLM, SamplingParams
+from pdserve.client import generate
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.config import RouterConfig
+from router.service import RouterService
+from tests.services.harness import decode_stub, prefill_stub, start, start_decode, start_prefill
+
+
+def test_short_prompts_prefill_on_decode_long_ones_disaggregate(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    rng = random.Random(5)
+    short, long = (
+        [rng.randrange(3, 1024) for _ in range(20)],
+        [rng.randrange(3, 1024) for _ in range(80)],
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = make_llm(llama_dir).generate([short, long], params)
+
+    async def run() -> None:
+        _, prefill_server = await start_prefill(llama_dir)
+        _, decode_server = await start_decode(llama_dir)
+        router_server = await start(
+            RouterService(
+                RouterConfig(
+                    model=str(llama_dir),
+                    prefill_addresses=(prefill_server.address,),
+                    decode_addresses=(decode_server.address,),
+                    local_prefill_tokens=32,
+                )
+            )
+        )
+        sampling = common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        stats = common_pb2.GetStatsRequest()
+        try:
+            async with grpc.aio.insecure_channel(router_server.address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                got_short = await generate(
+                    stub, router_pb2.GenerateRequest(prompt_token_ids=short, sampling=sampling)
+                )
+                decode_after_short = await decode_stub(decode_server).GetStats(stats)
+                prefill_after_short = await prefill_stub(prefill_server).GetStats(stats)
+                got_long = await generate(
+                    stub, router_pb2.GenerateRequest(prompt_token_ids=long, sampling=sampling)
+                )
+                decode_after_long = await decode_stub(decode_server).GetStats(stats)
+                prefill_after_long = await prefill_stub(prefill_server).GetStats(stats)
+        finally:
+            await router_server.shutdown()
+            await decode_server.shutdown()
+            await prefill_server.shutdown()
+        assert got_short.token_ids == reference[0].token_ids
+        assert got_long.token_ids == reference[1].token_ids
+        # 20 uncached tokens < 32: the decode worker prefilled them, no transfer.
+        assert decode_after_short.num_prompt_tokens_computed == 20
+        assert prefill_after_short.num_prompt_tokens_computed == 0
+        assert got_short.transfer_s == 0.0
+        # 80 tokens: disaggregated; the decode worker computed no further prompt token.
+        assert prefill_after_long.num_prompt_tokens_computed == 80
+        assert decode_after_long.num_prompt_tokens_computed == 20
+        assert got_long.transfer_s > 0.0
+
+    asyncio.run(run())
