@@ -8,6 +8,7 @@ in-flight requests finish, bounded by ``drain_timeout_s``), then stop.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import signal
 from abc import ABC, abstractmethod
@@ -122,6 +123,13 @@ class ServiceServer:
         await self.service.close()
 
 
+def _dump_tasks() -> None:
+    for task in asyncio.all_tasks():
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        logger.warning("task %s:\n%s", task.get_name(), stack.getvalue())
+
+
 async def serve(
     service: Service,
     config: ServerConfig,
@@ -135,6 +143,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # ops: `kill -USR1` shows what waits
     service.request_stop = stop.set
     server = ServiceServer(service, config, reflect=reflect)
     address = await server.start()

@@ -167,7 +167,8 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
             timeout = None if deadline is None else max(deadline - self._now(), 0.0)
             self._leases_changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._leases_changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._leases_changed.wait()
             for request_id in self.leases.expire(self._now()):
                 logger.warning("request_id=%s lease expired; freeing its blocks", request_id)
                 metrics.LEASES_EXPIRED.inc()

@@ -43,6 +43,7 @@ class Membership:
         self._redis = redis
         self._task: asyncio.Task[None] | None = None
         self._beat_now = asyncio.Event()
+        self._stopping = False
 
     @property
     def worker_id(self) -> str:
@@ -58,8 +59,11 @@ class Membership:
 
     async def stop(self) -> None:
         """Leaves the cluster: no more routing to this worker, no stale index entries."""
+        # Asked to finish rather than cancelled: on Python 3.11 a cancel that lands while the
+        # loop's wait is completing can be swallowed, and stop() would wait forever.
+        self._stopping = True
+        self._beat_now.set()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self.registry.deregister(self.worker_id)
@@ -69,7 +73,7 @@ class Membership:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         need_snapshot, next_beat = True, 0.0
-        while True:
+        while not self._stopping:
             try:
                 if need_snapshot:
                     await self.index.replace(
@@ -93,4 +97,5 @@ class Membership:
                 need_snapshot = True
                 self.engine.take_kv_events()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._beat_now.wait(), self.config.publish_interval_s)
+                async with asyncio.timeout(self.config.publish_interval_s):
+                    await self._beat_now.wait()

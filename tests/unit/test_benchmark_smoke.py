@@ -66,3 +66,19 @@ def test_kv_transfer_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> 
     assert ttft["ttft_s"] > 0 and ttft["compute_s"] > 0 and ttft["transfer_s"] > 0
     assert report["transfer_over_ttft"] == ttft["transfer_over_ttft"] > 0
     assert ttft["cached_tokens"] == [0] * ttft["repeats"]  # fresh prompts: no prefix-cache hits
+
+
+@pytest.mark.slow
+def test_prefix_routing_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
+    command = [sys.executable, "benchmarks/prefix_routing.py", "--quick"]
+    command += ["--model", str(tmp_path / "bench-model")]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    by_policy = {run["policy"]: run for run in report["runs"]}
+    assert set(by_policy) == {"cache_aware", "round_robin"}
+    for run in by_policy.values():
+        assert run["requests"] == 12 and run["prefill_tokens"] >= run["ideal_tokens"]
+        assert run["ttft_p50_s"] > 0
+    assert report["cache_aware_over_ideal"] == by_policy["cache_aware"]["over_ideal"]
