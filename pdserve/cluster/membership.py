@@ -18,11 +18,14 @@ from redis.exceptions import RedisError
 from pdserve import metrics
 from pdserve.async_engine import AsyncEngine
 from pdserve.cluster.config import RedisConfig
-from pdserve.cluster.prefix_index import PrefixIndex
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry, WorkerRecord
 
 logger = logging.getLogger(__name__)
+
+# A dead worker's index entries outlive its registry record a while (routers ignore them
+# once the record is gone), then Redis drops them.
+_INDEX_TTL_FACTOR = 10
 
 
 class Membership:
@@ -39,7 +42,7 @@ class Membership:
         self.on_drain_request = on_drain_request
         redis = Redis.from_url(config.url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self.registry = Registry(redis, config.namespace, config.ttl_s)
-        self.index: PrefixIndex = RedisPrefixIndex(redis, config.namespace)
+        self.index = RedisPrefixIndex(redis, config.namespace)
         self._redis = redis
         self._task: asyncio.Task[None] | None = None
         self._beat_now = asyncio.Event()
@@ -85,6 +88,9 @@ class Membership:
                 if self._beat_now.is_set() or loop.time() >= next_beat:
                     self._beat_now.clear()
                     await self.registry.heartbeat(self.record())
+                    await self.index.keep_alive(
+                        self.worker_id, _INDEX_TTL_FACTOR * self.config.ttl_s
+                    )
                     next_beat = loop.time() + self.config.heartbeat_s
                     if await self.registry.drain_requested(self.worker_id):
                         self.on_drain_request()

@@ -80,6 +80,11 @@ class RedisPrefixIndex(PrefixIndex):
         )
         return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
 
+    async def keep_alive(self, worker_id: str, ttl_s: float) -> None:
+        """Entries of a worker that dies without deregistering expire after ``ttl_s`` (routers
+        already ignore them: they only ask about live workers)."""
+        await self.redis.pexpire(self._key(worker_id), int(ttl_s * 1000))
+
     async def num_blocks(self, worker_id: str) -> int:
         return int(await self.redis.scard(self._key(worker_id)))
 
