@@ -83,15 +83,17 @@ def _check_model(model: str) -> None:
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from pdserve.local_cluster import ClusterConfig
 
-    _check_model(args.model)
+    # One KV layout for every component: the router refuses workers whose layout differs.
+    layout = ("--dtype", args.dtype, "--block-size", str(args.block_size))
     return ClusterConfig(
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
         router_port=args.port,
         redis_url=args.redis_url,
-        prefill_args=tuple(shlex.split(args.prefill_args)),
-        decode_args=tuple(shlex.split(args.decode_args)),
+        prefill_args=(*layout, *shlex.split(args.prefill_args)),
+        decode_args=(*layout, *shlex.split(args.decode_args)),
+        router_args=layout,
         log_level=args.log_level,
     )
 
@@ -103,6 +105,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    _check_model(args.model)  # before anything is started
     redis = None if args.redis else EmbeddedRedis().start()
     args.redis_url = args.redis or (redis.url if redis else "")
     cluster = LocalCluster(_cluster_config(args))
@@ -287,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--decode", type=int, default=1, help="number of decode workers")
     add_flag(up, "--port", type=int, default=50051, help="router port")
     add_flag(up, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
+    add_flag(up, "--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    add_flag(up, "--block-size", type=int, default=16, help="KV block size (all components)")
     add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
     up.set_defaults(func=_cmd_up)

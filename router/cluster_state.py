@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from engine.block_hash import hash_blocks, root_hash
 from pdserve import metrics
-from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
 from router.worker_pool import Worker, WorkerPool
@@ -38,11 +38,12 @@ class ClusterState:
         self.registry: Registry | None = None
         self.index: RedisPrefixIndex | None = None
         if config is not None:
-            self._redis = Redis.from_url(config.url, socket_timeout=2.0, socket_connect_timeout=2.0)
+            self._redis = connect(config.url)
             self.registry = Registry(self._redis, config.namespace, config.ttl_s)
             self.index = RedisPrefixIndex(self._redis, config.namespace)
         self._up = True
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     def _set_up(self, up: bool, exc: Exception | None = None) -> None:
         metrics.REDIS_UP.set(1 if up else 0)
@@ -77,11 +78,14 @@ class ClusterState:
         async def run() -> None:
             loop = asyncio.get_running_loop()
             next_stats = loop.time()
-            while True:
-                await self.discover()
-                if loop.time() >= next_stats:
-                    await self.pool.refresh()
-                    next_stats = loop.time() + stats_interval_s
+            while not self._stopping:
+                try:
+                    await self.discover()
+                    if loop.time() >= next_stats:
+                        await self.pool.refresh()
+                        next_stats = loop.time() + stats_interval_s
+                except Exception:  # the loop must outlive any one bad round
+                    logger.exception("cluster state refresh failed")
                 await asyncio.sleep(_DISCOVERY_INTERVAL_S)
 
         self._task = asyncio.create_task(run(), name="cluster-state")
@@ -89,8 +93,8 @@ class ClusterState:
     async def cached_tokens(self, prompt_ids: list[int], workers: list[Worker]) -> dict[str, int]:
         """Predicted prefix-cache hit tokens per worker address, or {} without an index.
         Like the engine, the last prompt token is never counted: it must be computed."""
-        if self.index is None or not workers:
-            return {}
+        if self.index is None or not workers or not self._up:
+            return {}  # while Redis is down, discovery (every 0.5 s) notices its return
         usable = (len(prompt_ids) - 1) // self.block_size * self.block_size
         hashes = hash_blocks(self.root, prompt_ids[:usable], self.block_size)
         try:
@@ -102,8 +106,9 @@ class ClusterState:
         return {w.address: blocks[w.worker_id] * self.block_size for w in workers}
 
     async def close(self) -> None:
+        # Stopped by flag, not cancel: a cancel can be lost inside redis-py's wait_for on 3.11.
+        self._stopping = True
         if self._task is not None:
-            self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._redis is not None:
             await self._redis.aclose()

@@ -112,7 +112,7 @@ class Dispatcher:
         threshold = self.config.local_prefill_tokens
         if threshold <= 0:
             return None
-        workers = self.pool.ranked_decode(len(prompt_ids))
+        workers = self.pool.ranked_decode(len(prompt_ids), advance=False)
         if not workers:
             return None
         cached = await self.cluster.cached_tokens(prompt_ids, workers)

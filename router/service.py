@@ -141,11 +141,13 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         done = _Outcome()
         local = await self.dispatch.choose_local(prompt_ids)
         if local is not None:
-            stream = self._local(request_id, prompt_ids, sampling, local, out, done)
-        else:
+            async for response in self._local(request_id, prompt_ids, sampling, local, out, done):
+                yield response
+        if local is None or done.fall_back:
+            local = None
             stream = self._disaggregated(request_id, prompt_ids, sampling, out, done)
-        async for response in stream:
-            yield response
+            async for response in stream:
+                yield response
         if done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         tail = out.tail()
@@ -229,7 +231,13 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         try:
             await call.read()  # admitted
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                done.fall_back = True  # draining or gone: disaggregate instead
+                return
             raise worker_error(exc, f"decode worker {worker.address}") from None
+        except BaseException:
+            call.cancel()
+            raise
         async for response in self._relay(call, worker, out, done):
             yield response
 
@@ -263,3 +271,4 @@ class _Outcome:
     cached_tokens: int = 0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    fall_back: bool = False  # the local-prefill worker was unavailable: disaggregate

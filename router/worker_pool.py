@@ -128,6 +128,7 @@ class WorkerPool:
                 worker.healthy = True  # it heartbeats; stats follow at the next refresh
                 pool[record.address] = worker
                 logger.info("%s worker %s joined", record.role.value, record.address)
+            worker.worker_id = record.worker_id  # a restart on the same address gets a new id
             worker.draining = record.state is WorkerState.DRAINING
         for pool in self.pools.values():
             gone = [
@@ -169,8 +170,9 @@ class WorkerPool:
             order = rank_prefill(loads, turn)
         return [self.prefill[a] for a in order]
 
-    def ranked_decode(self, num_prompt_tokens: int) -> list[Worker]:
-        turn = self.next_turn(Role.DECODE)
+    def ranked_decode(self, num_prompt_tokens: int, advance: bool = True) -> list[Worker]:
+        """``advance=False`` peeks without moving the rotation (one advance per request)."""
+        turn = self.next_turn(Role.DECODE) if advance else self._turns[Role.DECODE] + 1
         loads = [w.load() for w in self.decode.values()]
         return [self.decode[a] for a in rank_decode(loads, num_prompt_tokens, turn)]
 

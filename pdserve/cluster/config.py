@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
 DEFAULT_TTL_S = 3.0
 DEFAULT_HEARTBEAT_S = 1.0
 
@@ -28,3 +32,14 @@ class RedisConfig:
             )
         if self.publish_interval_s <= 0:
             raise ValueError(f"publish_interval_s must be > 0, got {self.publish_interval_s}")
+
+
+def connect(url: str, timeout_s: float = 1.0) -> Redis:
+    """A client that fails fast: no hidden retries (they would stall every request while Redis
+    is down, and hide a Redis restart from the snapshot logic); callers retry on their own."""
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+    )

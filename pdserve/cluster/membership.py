@@ -12,12 +12,11 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve import metrics
 from pdserve.async_engine import AsyncEngine
-from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry, WorkerRecord
 
@@ -40,7 +39,7 @@ class Membership:
         self.engine = engine
         self.record = record
         self.on_drain_request = on_drain_request
-        redis = Redis.from_url(config.url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        redis = connect(config.url)
         self.registry = Registry(redis, config.namespace, config.ttl_s)
         self.index = RedisPrefixIndex(redis, config.namespace)
         self._redis = redis
@@ -68,9 +67,10 @@ class Membership:
         self._beat_now.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
-            await self.registry.deregister(self.worker_id)
-            await self.index.remove_worker(self.worker_id)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(self.config.ttl_s):
+                await self.registry.deregister(self.worker_id)
+                await self.index.remove_worker(self.worker_id)
         await self._redis.aclose()
 
     async def _run(self) -> None:
@@ -88,10 +88,12 @@ class Membership:
                 if self._beat_now.is_set() or loop.time() >= next_beat:
                     self._beat_now.clear()
                     await self.registry.heartbeat(self.record())
-                    await self.index.keep_alive(
-                        self.worker_id, _INDEX_TTL_FACTOR * self.config.ttl_s
-                    )
+                    index_ttl_s = _INDEX_TTL_FACTOR * self.config.ttl_s
+                    alive = await self.index.keep_alive(self.worker_id, index_ttl_s)
                     next_beat = loop.time() + self.config.heartbeat_s
+                    if not alive and self.engine.stats.num_cached_blocks > 0:
+                        # Our entries vanished (Redis restarted empty): publish them again.
+                        need_snapshot = True
                     if await self.registry.drain_requested(self.worker_id):
                         self.on_drain_request()
                 metrics.REDIS_UP.set(1)

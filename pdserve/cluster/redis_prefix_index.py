@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEvents
+from pdserve.cluster.config import connect
 from pdserve.cluster.prefix_index import PrefixIndex
 
 # KEYS: one set per worker. ARGV: the prompt's block hashes, in order.
@@ -39,7 +40,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "pdserve") -> RedisPrefixIndex:
-        return cls(Redis.from_url(url), namespace)
+        return cls(connect(url), namespace)
 
     def _key(self, worker_id: str) -> str:
         return f"{self.namespace}:prefix:{worker_id}"
@@ -80,10 +81,11 @@ class RedisPrefixIndex(PrefixIndex):
         )
         return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
 
-    async def keep_alive(self, worker_id: str, ttl_s: float) -> None:
+    async def keep_alive(self, worker_id: str, ttl_s: float) -> bool:
         """Entries of a worker that dies without deregistering expire after ``ttl_s`` (routers
-        already ignore them: they only ask about live workers)."""
-        await self.redis.pexpire(self._key(worker_id), int(ttl_s * 1000))
+        already ignore them: they only ask about live workers). False when the worker has no
+        entries at all (e.g. Redis restarted empty)."""
+        return bool(await self.redis.pexpire(self._key(worker_id), int(ttl_s * 1000)))
 
     async def num_blocks(self, worker_id: str) -> int:
         return int(await self.redis.scard(self._key(worker_id)))

@@ -8,12 +8,15 @@ parsed into ``WorkerRecord`` with validation: nothing is pickled.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import asdict, dataclass, fields
 
 from redis.asyncio import Redis
 
-from pdserve.cluster.config import DEFAULT_TTL_S
+from pdserve.cluster.config import DEFAULT_TTL_S, connect
+
+logger = logging.getLogger(__name__)
 
 
 class Role(enum.Enum):
@@ -116,10 +119,13 @@ class Registry:
             raws = await pipe.execute()
         records, gone = [], []
         for worker_id, raw in zip(ids, raws, strict=True):
-            if raw:
-                records.append(WorkerRecord.from_redis(raw))
-            else:
+            if not raw:
                 gone.append(worker_id)
+                continue
+            try:
+                records.append(WorkerRecord.from_redis(raw))
+            except ValueError as exc:  # e.g. a worker of another version: skip, keep the rest
+                logger.warning("ignoring worker_id=%s: %s", worker_id, exc)
         if gone:
             await self.redis.srem(self._members, *gone)
         return records
@@ -127,7 +133,7 @@ class Registry:
     @staticmethod
     async def workers_at(url: str, namespace: str = "pdserve") -> list[WorkerRecord]:
         """One-shot read of the live workers (tools and tests)."""
-        redis = Redis.from_url(url, socket_timeout=5.0)
+        redis = connect(url, timeout_s=5.0)
         try:
             return await Registry(redis, namespace).workers()
         finally:

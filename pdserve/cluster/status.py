@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 
-from redis.asyncio import Redis
-
-from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
 
@@ -14,7 +12,7 @@ _COLUMNS = ("ROLE", "WORKER", "ADDRESS", "STATE", "RUN", "QUEUE", "KV USED/TOTAL
 
 
 async def status_table(config: RedisConfig) -> str:
-    redis = Redis.from_url(config.url, socket_timeout=5.0)
+    redis = connect(config.url, timeout_s=5.0)
     try:
         records = await Registry(redis, config.namespace, config.ttl_s).workers()
         index = RedisPrefixIndex(redis, config.namespace)
@@ -36,14 +34,14 @@ async def status_table(config: RedisConfig) -> str:
         )
         for r, n in sorted(zip(records, indexed, strict=True), key=lambda x: x[0].role.value)
     ]
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
+    widths = [max([len(c), *(len(row[i]) for row in rows)]) for i, c in enumerate(_COLUMNS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     header = "  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))
     return "\n".join([header, *lines]) if rows else "no workers registered"
 
 
 async def request_drain(config: RedisConfig, worker_id: str) -> bool:
-    redis = Redis.from_url(config.url, socket_timeout=5.0)
+    redis = connect(config.url, timeout_s=5.0)
     try:
         return await Registry(redis, config.namespace, config.ttl_s).request_drain(worker_id)
     finally:
