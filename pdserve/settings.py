@@ -153,6 +153,13 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         choices=[p.value for p in RoutingPolicy],
         help="prefill worker choice",
     )
+    add_flag(
+        parser,
+        "--decode-policy",
+        default="least_loaded",
+        choices=("round_robin", "least_loaded"),
+        help="decode worker choice",
+    )
     add_flag(parser, "--cache-alpha", type=float, default=1.0, help="cache_aware load weight")
     add_flag(parser, "--imbalance-tokens", type=int, default=8192, help="cache_aware guard")
     add_flag(
@@ -176,6 +183,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         dtype=args.dtype,
         block_size=args.block_size,
         prefill_policy=RoutingPolicy(args.prefill_policy),
+        decode_policy=RoutingPolicy(args.decode_policy),
         cache_alpha=args.cache_alpha,
         imbalance_tokens=args.imbalance_tokens,
         local_prefill_tokens=args.local_prefill_tokens,

@@ -20,6 +20,9 @@ class RouterConfig:
     dtype: str = "float32"
     block_size: int = 16
     prefill_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    # Decode placement follows free KV blocks; the decode pool's cache is used by conditional
+    # disaggregation (choosing where to prefill locally), so cache_aware is not a decode policy.
+    decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
     cache_alpha: float = 1.0  # cache_aware: cached tokens - alpha x queued prefill tokens
     imbalance_tokens: int = 8192  # cache_aware: queue gap past which cache credit is dropped
     # Conditional disaggregation: a prompt whose part uncached on the best decode worker is
@@ -36,6 +39,8 @@ class RouterConfig:
             raise ValueError(
                 "without redis, prefill_addresses and decode_addresses must each name a worker"
             )
+        if self.decode_policy is RoutingPolicy.CACHE_AWARE:
+            raise ValueError("decode_policy must be round_robin or least_loaded")
         if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:
             raise ValueError("cache_alpha, imbalance_tokens and local_prefill_tokens must be >= 0")
         for name in ("admission_timeout_s", "prefill_timeout_s", "stats_interval_s"):

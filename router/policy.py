@@ -49,13 +49,21 @@ def rank_prefill(workers: list[WorkerLoad], turn: int = 0) -> list[str]:
     return [w.address for w in _rank([w for w in workers if w.healthy], turn)]
 
 
-def rank_decode(workers: list[WorkerLoad], num_prompt_tokens: int, turn: int = 0) -> list[str]:
-    """Healthy decode workers that could ever hold the prompt, best first: those with enough
-    free blocks now ahead of those that would have to free some first."""
+def rank_decode(
+    workers: list[WorkerLoad],
+    num_prompt_tokens: int,
+    turn: int = 0,
+    policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
+) -> list[str]:
+    """Healthy decode workers that could ever hold the prompt, best first (least-loaded or in
+    turn), those with enough free blocks now ahead of those that would have to free some."""
     able = [w for w in workers if w.healthy and w.num_blocks >= w.blocks_for(num_prompt_tokens)]
-    ranked = sorted(
-        _rank(able, turn), key=lambda w: w.num_free_blocks < w.blocks_for(num_prompt_tokens)
-    )
+    if policy is RoutingPolicy.ROUND_ROBIN:
+        by_address = {w.address: w for w in able}
+        ordered = [by_address[a] for a in rank_round_robin(able, turn)]
+    else:
+        ordered = _rank(able, turn)
+    ranked = sorted(ordered, key=lambda w: w.num_free_blocks < w.blocks_for(num_prompt_tokens))
     return [w.address for w in ranked]
 
 

@@ -66,7 +66,10 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         config = self.config
         # Channels belong to the running event loop, so the pool is built here.
         self._pool = WorkerPool(
-            config.prefill_addresses, config.decode_addresses, config.prefill_policy
+            config.prefill_addresses,
+            config.decode_addresses,
+            config.prefill_policy,
+            config.decode_policy,
         )
         fingerprint = await asyncio.to_thread(
             fingerprint_of, config.model, config.dtype, config.block_size

@@ -76,9 +76,11 @@ class WorkerPool:
         prefill: tuple[str, ...] = (),
         decode: tuple[str, ...] = (),
         prefill_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
+        decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
     ) -> None:
         self._channels = ChannelPool()
         self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
         self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             for address in addresses:
@@ -174,7 +176,8 @@ class WorkerPool:
         """``advance=False`` peeks without moving the rotation (one advance per request)."""
         turn = self.next_turn(Role.DECODE) if advance else self._turns[Role.DECODE] + 1
         loads = [w.load() for w in self.decode.values()]
-        return [self.decode[a] for a in rank_decode(loads, num_prompt_tokens, turn)]
+        order = rank_decode(loads, num_prompt_tokens, turn, self.decode_policy)
+        return [self.decode[a] for a in order]
 
     def next_turn(self, role: Role) -> int:
         self._turns[role] += 1

@@ -83,3 +83,13 @@ def test_cache_aware_ties_fall_back_to_least_loaded() -> None:
     workers = [_q("a", 0, inflight=3), _q("b", 0, inflight=1), _q("c", 0, inflight=0)]
     choice = rank_cache_aware(workers, {}, alpha=1.0, imbalance_tokens=4096)
     assert (choice.order, choice.reason) == (["c", "b", "a"], "load")
+
+
+def test_decode_round_robin_keeps_capacity_rules() -> None:
+    from router.policy import RoutingPolicy
+
+    workers = [_w("a", 5, 30), _w("b", 0, 30), _w("c", 0, 1), _w("tiny", 0, 4, total=4)]
+    rr = RoutingPolicy.ROUND_ROBIN
+    # Rotation ignores load, but workers with room still come first and "tiny" never fits.
+    assert rank_decode(workers, 70, turn=0, policy=rr) == ["a", "b", "c"]
+    assert rank_decode(workers, 70, turn=1, policy=rr) == ["b", "a", "c"]
