@@ -140,13 +140,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     async def Generate(
         self, request: decode_pb2.LocalGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        await self.check_accepting(context)
-        try:
-            if not request.request_id:
-                raise ValueError("request_id is empty")
-            params = sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        params = await self.accept(context, request.request_id, request.sampling)
         llm_engine = self.engine.engine
         prompt = list(request.prompt_token_ids)
 

@@ -12,12 +12,13 @@ import grpc
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from pdserve import metrics
 from pdserve.async_engine import AsyncEngine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
-from pdserve.convert import stats_to_proto
+from pdserve.convert import sampling_from_proto, stats_to_proto
 from pdserve.server import Service
 from pdserve.v1 import common_pb2
 
@@ -109,6 +110,22 @@ class WorkerService(Service):
         if self.draining or self._engine is None:
             state = "draining" if self.draining else "still loading"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is {state}")
+
+    async def accept(
+        self,
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        sampling: common_pb2.SamplingParams,
+    ) -> SamplingParams:
+        """Admission checks every request RPC shares: serving, an id, valid sampling."""
+        await self.check_accepting(context)
+        try:
+            if not request_id:
+                raise ValueError("request_id is empty")
+            return sampling_from_proto(sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # not reached: context.abort raises
 
     def stats(self) -> common_pb2.WorkerStats:
         engine = self.engine.engine

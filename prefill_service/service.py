@@ -21,7 +21,6 @@ from pdserve.convert import (
     finish_reason_to_proto,
     handle_to_proto,
     logprobs_to_proto,
-    sampling_from_proto,
 )
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker import WorkerService
@@ -75,14 +74,8 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
-        await self.check_accepting(context)
         request_id = request.request_id
-        try:
-            if not request_id:
-                raise ValueError("request_id is empty")
-            params = sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        params = await self.accept(context, request_id, request.sampling)
         llm_engine = self.engine.engine
         prompt = list(request.prompt_token_ids)
 
