@@ -29,7 +29,6 @@ from pdserve.convert import (
     handle_from_proto,
     logprobs_from_proto,
     logprobs_to_proto,
-    sampling_from_proto,
 )
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker import WorkerService
@@ -80,22 +79,20 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
-        await self.check_accepting(context)
+        params = await self.accept(context, request.request_id, request.sampling)
+        prefilled = PrefilledRequest(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            first_token_id=request.first_token_id,
+            params=params,
+            block_ids=[],
+            first_token_logprobs=(
+                logprobs_from_proto(request.first_token_logprobs)
+                if request.HasField("first_token_logprobs")
+                else None
+            ),
+        )
         try:
-            prefilled = PrefilledRequest(
-                request_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                first_token_id=request.first_token_id,
-                params=sampling_from_proto(request.sampling),
-                block_ids=[],
-                first_token_logprobs=(
-                    logprobs_from_proto(request.first_token_logprobs)
-                    if request.HasField("first_token_logprobs")
-                    else None
-                ),
-            )
-            if not request.request_id:
-                raise ValueError("request_id is empty")
             handle = handle_from_proto(request.handle)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

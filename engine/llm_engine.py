@@ -141,9 +141,7 @@ class LLMEngine(EngineCore):
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             req.pending_logprobs.append(logprobs)
-        stop_token = token_id in seq.params.stop_ids or (
-            not seq.params.ignore_eos and token_id in self.model_config.eos_token_ids
-        )
+        stop_token = seq.params.is_stop_token(token_id, self.model_config.eos_token_ids)
         stop_string = False
         # A stop token ends the request but, as in vLLM, its text is not part of the output.
         if req.detokenizer is not None and not stop_token:

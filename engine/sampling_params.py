@@ -64,6 +64,11 @@ class SamplingParams:
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(self.stop_token_ids or ())
 
+    def is_stop_token(self, token_id: int, eos_token_ids: tuple[int, ...]) -> bool:
+        """Ends the request, and (as in vLLM) contributes no text. The engine and the router's
+        detokenizer both ask this, so their texts agree."""
+        return token_id in self.stop_ids or (not self.ignore_eos and token_id in eos_token_ids)
+
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -29,9 +29,6 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._leases
-
     def grant(self, request_id: str, block_ids: list[int], now_s: float) -> None:
         if request_id in self._leases:
             raise KeyError(f"request_id {request_id!r} already holds a lease")

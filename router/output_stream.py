@@ -21,7 +21,7 @@ class OutputStream:
         start_s: float,
     ) -> None:
         self.params = params
-        self._stop_ids = set(params.stop_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._eos_token_ids = eos_token_ids
         self._detokenizer = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop_strings)
             if tokenizer is not None
@@ -39,7 +39,9 @@ class OutputStream:
         text = ""
         for token_id in token_ids:
             # As in the engine: a stop token ends the request and contributes no text.
-            if self._detokenizer is not None and token_id not in self._stop_ids:
+            if self._detokenizer is not None and not self.params.is_stop_token(
+                token_id, self._eos_token_ids
+            ):
                 delta, _ = self._detokenizer.add_token(token_id)
                 text += delta
         now = time.perf_counter()

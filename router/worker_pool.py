@@ -145,11 +145,6 @@ class WorkerPool:
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.workers))
 
-    async def refresh_forever(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.refresh()
-
     def ready(self) -> bool:
         return any(w.healthy for w in self.prefill.values()) and any(
             w.healthy for w in self.decode.values()
