@@ -142,14 +142,23 @@ def test_serving_survives_redis_dying_and_the_index_heals(
     # Workers re-register and re-publish a full snapshot of their caches.
     run(wait_for(rebuilt, 10.0, "registry and prefix index rebuilt after the Redis restart"))
 
-    def cache_decisions() -> float:
+    def router_metric(name: str, label: str = "") -> float:
         router = cluster.router
         assert router is not None
         with urllib.request.urlopen(f"http://{router.metrics_address}/metrics") as reply:
             for line in reply.read().decode().splitlines():
-                if line.startswith("pdserve_routing_decisions_total") and 'reason="cache"' in line:
+                if line.startswith(name) and label in line:
                     return float(line.split()[-1])
         return 0.0
+
+    async def router_sees_redis() -> bool:
+        return router_metric("pdserve_redis_up ") == 1.0
+
+    # The router's own discovery loop notices the return (it polls every 0.5 s).
+    run(wait_for(router_sees_redis, 5.0, "router reports Redis reachable again"))
+
+    def cache_decisions() -> float:
+        return router_metric("pdserve_routing_decisions_total", 'reason="cache"')
 
     before = cache_decisions()
     run(generate_many(cluster.address, requests[:2]))  # prompts cached before the restart
