@@ -1,4 +1,4 @@
-"""KV transfer: gRPC streaming throughput vs raw loopback TCP, and the TTFT split (CPU).
+"""KV transfer: gRPC streaming vs raw loopback TCP, Ray object store vs raw Ray, TTFT split.
 
 Part 1, transport. A child process (this file, ``--serve-sender``) fills a ``KVCache`` with
 seeded random float32 data and serves it through ``GrpcKVSender``; the parent pulls ``--mib``
@@ -6,7 +6,9 @@ MiB of blocks with ``GrpcKVReceiver`` into its own cache (synthetic layout, 1 Mi
 checks once that the bytes match. The baseline moves the same bytes over a plain loopback TCP
 socket from a second child (``--serve-raw``: ``sendall`` of a preallocated buffer; the parent
 ``recv_into`` a preallocated buffer, one connection reused). One warm-up, then ``--repeats``
-timed runs of each, interleaved; medians. Goal: gRPC >= 0.5x raw TCP.
+timed runs of each, interleaved; medians. Goal: gRPC >= 0.5x raw TCP. Then the Ray rows
+(``benchmarks/ray_transfer.py``): the Ray backend between two actors vs raw ``ray.put`` +
+``ray.get`` of the same bytes. Goal: Ray backend >= 0.8x raw Ray.
 
 Part 2, TTFT split for a long prompt (2048 tokens on the ``small`` model, or the largest that
 fits its ``max_position_embeddings``). First the prefill compute alone (in-process ``LLM``,
@@ -34,7 +36,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from ttft_split import measure_ttft  # a sibling module: benchmarks/ is on sys.path
+from ray_transfer import RAY_GOAL, measure_ray  # sibling modules: benchmarks/ is on sys.path
+from ttft_split import measure_ttft
 
 from engine.kv_cache import KVCache, KVCacheLayout
 from kvtransfer.base import BlockLeases, KVHandle
@@ -66,6 +69,7 @@ def parse_args() -> argparse.Namespace:
         help=f"GrpcKVSender chunk size in MiB (default {DEFAULT_CHUNK_BYTES / MIB:g})",
     )
     p.add_argument("--skip-ttft", action="store_true", help="transport only (no model, cluster)")
+    p.add_argument("--skip-ray", action="store_true", help="no Ray rows (no local Ray)")
     p.add_argument("--size", choices=("tiny", "small"), help="checkpoint size (default small)")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--prompt-len", type=int, help="TTFT prompt tokens (default 2048)")
@@ -267,6 +271,22 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{name:<22} {ms:>10.1f} {gb_s:>7.3f} {gb_s / t['raw_tcp_gb_s']:>6.2f}x")
     verdict = "ok" if t["grpc_over_raw"] >= GRPC_GOAL else "BELOW GOAL"
     print(f"gRPC / raw = {t['grpc_over_raw']:.2f} (goal >= {GRPC_GOAL}): {verdict}")
+    r = report.get("ray")
+    if r is not None:
+        print(f"\nRay, same bytes, between two actors; bytes verified: {r['verified']}")
+        print(header.replace("raw", "put+get"))
+        print("-" * len(header))
+        for name, key, gb_s in (
+            ("Ray backend (pdserve)", "ray_s", r["ray_gb_s"]),
+            ("raw ray.put + ray.get", "raw_ray_s", r["raw_ray_gb_s"]),
+            ("  + copy into dest.", "raw_ray_copy_s", r["raw_ray_copy_gb_s"]),
+        ):
+            ms = 1e3 * statistics.median(r[key])
+            print(f"{name:<22} {ms:>10.1f} {gb_s:>7.3f} {gb_s / r['raw_ray_gb_s']:>6.2f}x")
+        verdict = "ok" if r["ray_over_raw"] >= RAY_GOAL else "BELOW GOAL"
+        print(
+            f"Ray backend / raw put+get = {r['ray_over_raw']:.2f} (goal >= {RAY_GOAL}): {verdict}"
+        )
     s = report.get("ttft")
     if s is None:
         print("\nTTFT split: skipped (--skip-ttft)\n")
@@ -307,10 +327,13 @@ def main() -> None:
     started = time.perf_counter()
     print(f"transport: {args.mib:g} MiB, gRPC stream vs raw TCP ...", flush=True)
     transport = asyncio.run(measure_transport(args))
+    ray_rows = None if args.skip_ray else measure_ray(args, num_blocks_for(args.mib))
     ttft = None if args.skip_ttft else measure_ttft(args)
     report: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "grpc_over_raw": transport["grpc_over_raw"],
+        "ray_over_raw": ray_rows["ray_over_raw"] if ray_rows else None,
+        "ray": ray_rows,
         "transfer_over_ttft": ttft["transfer_over_ttft"] if ttft else None,
         "transport": transport,
         "ttft": ttft,

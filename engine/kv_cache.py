@@ -44,6 +44,11 @@ class KVCache:
         """``[2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
         return self.tensor[layer][:, self._index(block_ids)]
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Every layer of the given blocks:
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
+        return self.tensor.index_select(2, self._index(block_ids))
+
     def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
         """Keys (kv 0) or values (kv 1) of one layer: ``[n, block_size, heads, head_dim]``."""
         return self.tensor[layer, kv].index_select(0, self._index(block_ids))

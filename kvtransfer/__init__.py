@@ -20,7 +20,7 @@ from kvtransfer.base import (
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
 
-BACKENDS = ("grpc", "local")
+BACKENDS = ("grpc", "local", "ray")
 
 
 def make_sender(
@@ -34,6 +34,10 @@ def make_sender(
         from kvtransfer.local import LocalKVSender
 
         return LocalKVSender(cache, leases)
+    if backend == "ray":
+        from kvtransfer.ray_object_store import RayKVSender
+
+        return RayKVSender(cache, leases)
     raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -46,6 +50,10 @@ def make_receiver(backend: str, cache: KVCache, timeout_s: float) -> KVReceiver:
         from kvtransfer.local import LocalKVReceiver
 
         return LocalKVReceiver(cache)
+    if backend == "ray":
+        from kvtransfer.ray_object_store import RayKVReceiver
+
+        return RayKVReceiver(cache, timeout_s)
     raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
 
 

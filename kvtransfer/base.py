@@ -94,6 +94,12 @@ class KVSender(ABC):
     @abstractmethod
     async def stop(self) -> None: ...
 
+    def lease_ended(self, request_id: str) -> None:
+        """Called by the prefill service once the request's lease is over (released, expired
+        or aborted) and its blocks are freed. Backends that staged a copy of the blocks (the
+        Ray object store) drop it here; the others hold nothing."""
+        return None
+
     def handle(self, request_id: str, num_blocks: int, lease_s: float) -> KVHandle:
         return KVHandle(
             self.backend, self.address, request_id, num_blocks, self.cache.layout, lease_s

@@ -52,25 +52,11 @@ def _serve(service: Service, config: ServerConfig, role: str, *, reflect: bool =
     return 0
 
 
-def _cmd_prefill(args: argparse.Namespace) -> int:
-    from prefill_service.service import PrefillService
+def _cmd_service(args: argparse.Namespace) -> int:
+    from pdserve.components import service_spec
 
-    config = settings.prefill_config(args)
-    return _serve(PrefillService(config), config.server, "prefill")
-
-
-def _cmd_decode(args: argparse.Namespace) -> int:
-    from decode_service.service import DecodeService
-
-    config = settings.decode_config(args)
-    return _serve(DecodeService(config), config.server, "decode")
-
-
-def _cmd_router(args: argparse.Namespace) -> int:
-    from router.service import RouterService
-
-    config = settings.router_config(args)
-    return _serve(RouterService(config), config.server, "router", reflect=True)
+    spec = service_spec(args)
+    return _serve(spec.service, spec.server, spec.role, reflect=spec.reflect)
 
 
 def _check_model(model: str) -> None:
@@ -85,15 +71,18 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
     # One KV layout for every component: the router refuses workers whose layout differs.
     layout = ("--dtype", args.dtype, "--block-size", str(args.block_size))
+    transfer: tuple[str, ...] = ("--kv-backend", args.transfer)
+    if args.transfer == "ray":
+        transfer += ("--ray-address", args.ray_address)
     return ClusterConfig(
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
         router_port=args.port,
         redis_url=args.redis_url,
-        prefill_args=(*layout, *shlex.split(args.prefill_args)),
-        decode_args=(*layout, *shlex.split(args.decode_args)),
-        router_args=layout,
+        prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
+        decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
+        router_args=(*layout, *shlex.split(args.router_args)),
         log_level=args.log_level,
     )
 
@@ -102,10 +91,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.embedded_redis import EmbeddedRedis
     from pdserve.local_cluster import LocalCluster
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     _check_model(args.model)  # before anything is started
+    if args.transfer == "ray":
+        args.ray_address = _local_ray(args.ray_address)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
     redis = None if args.redis else EmbeddedRedis().start()
     args.redis_url = args.redis or (redis.url if redis else "")
     cluster = LocalCluster(_cluster_config(args))
@@ -124,6 +115,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
             redis.stop()
     print(f"stopped: {codes}")
     return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _local_ray(address: str) -> str:
+    """The GCS address workers join: the given cluster's, or a local Ray started here (it
+    lives as long as this command)."""
+    import ray
+
+    ray.init(address=address or None, logging_level=logging.WARNING, include_dashboard=False)
+    gcs_address: str = ray.get_runtime_context().gcs_address
+    print(f"ray: {gcs_address}")
+    return gcs_address
 
 
 def _generate_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
@@ -276,9 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     for name, add, func, text in (
-        ("prefill", settings.add_prefill_flags, _cmd_prefill, "run a prefill worker"),
-        ("decode", settings.add_decode_flags, _cmd_decode, "run a decode worker"),
-        ("router", settings.add_router_flags, _cmd_router, "run the router"),
+        ("prefill", settings.add_prefill_flags, _cmd_service, "run a prefill worker"),
+        ("decode", settings.add_decode_flags, _cmd_service, "run a decode worker"),
+        ("router", settings.add_router_flags, _cmd_service, "run the router"),
     ):
         component = sub.add_parser(name, help=text)
         add(component)
@@ -292,8 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
     add_flag(up, "--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     add_flag(up, "--block-size", type=int, default=16, help="KV block size (all components)")
+    add_flag(up, "--transfer", default="grpc", choices=("grpc", "ray"), help="KV transfer backend")
+    add_flag(up, "--ray-address", default="", help="Ray cluster (default: start a local Ray)")
     add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
+    add_flag(up, "--router-args", default="", help="extra flags for the router")
     up.set_defaults(func=_cmd_up)
 
     for name, func, text in (
@@ -306,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "drain":
             admin.add_argument("worker_id")
         admin.set_defaults(func=func)
+
+    from pdserve.ray_deploy.commands import add_ray_commands
+
+    add_ray_commands(sub)
 
     gen = sub.add_parser("generate", help="stream one generation from a router")
     add_flag(gen, "--router", default="127.0.0.1:50051", help="router host:port")

@@ -136,14 +136,17 @@ async def serve(
     *,
     reflect: bool = False,
     on_event: Callable[[str, str], None] = lambda event, detail: None,
+    signals: bool = True,
 ) -> None:
-    """Runs a service until SIGTERM/SIGINT. ``on_event`` hears ("listening", address) once bound
-    and ("ready", address) once healthy; the CLI prints them for supervisors."""
+    """Runs a service until SIGTERM/SIGINT (or ``service.request_stop()``). ``on_event`` hears
+    ("listening", address) once bound and ("ready", address) once healthy; the CLI prints them
+    for supervisors. ``signals=False`` off the main thread (a Ray actor stops it by request)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # ops: `kill -USR1` shows what waits
+    if signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # ops: `kill -USR1` shows waits
     service.request_stop = stop.set
     server = ServiceServer(service, config, reflect=reflect)
     address = await server.start()

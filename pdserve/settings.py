@@ -65,7 +65,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--max-num-batched-tokens", type=int, default=2048)
     add_flag(parser, "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     add_flag(parser, "--attention-backend", default=None, choices=("torch", "triton", "cpu"))
-    add_flag(parser, "--kv-backend", default="grpc", choices=("grpc",), help="KV transfer backend")
+    add_flag(
+        parser, "--kv-backend", default="grpc", choices=("grpc", "ray"), help="KV transfer backend"
+    )
+    add_flag(
+        parser,
+        "--ray-address",
+        default="auto",
+        help="Ray cluster for --kv-backend ray: auto or the GCS HOST:PORT (in a Ray actor: unused)",
+    )
     add_flag(parser, "--worker-id", default=None, help="registry id (default: <role>-<8 hex>)")
 
 

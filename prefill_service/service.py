@@ -151,6 +151,8 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
     async def _free(self, request_id: str) -> None:
         # Shielded: a cancelled caller must not leave the blocks pinned.
         await asyncio.shield(self.engine.call(lambda: self.engine.engine.release(request_id)))
+        if self._sender is not None:
+            self._sender.lease_ended(request_id)
         metrics.LEASED_REQUESTS.set(len(self.leases))
 
     async def _expire_leases(self) -> None:

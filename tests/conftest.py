@@ -6,6 +6,8 @@ import os
 
 # Triton kernels run in the interpreter: there is no GPU on CI.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The sandbox has no route out; Ray would otherwise try to report usage.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,3 +62,25 @@ def redis_url() -> Iterator[str]:
 
     with EmbeddedRedis() as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """One local Ray per test session (ray.init costs ~5 s); yields its GCS address, which
+    other processes (CLI, workers) connect to. After the session no object may be left."""
+    import ray
+
+    from pdserve.ray_deploy.objects import live_objects
+
+    ray.init(
+        num_cpus=8,  # logical: lets actors with a CPU request schedule on the 2-core runner
+        include_dashboard=False,
+        namespace="pdserve-tests",
+        logging_level="WARNING",
+    )
+    try:
+        yield ray.get_runtime_context().gcs_address
+        leftover = live_objects()
+        assert not leftover, f"Ray objects left behind by the suite: {leftover}"
+    finally:
+        ray.shutdown()

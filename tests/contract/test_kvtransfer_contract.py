@@ -2,14 +2,15 @@
 the parametrization when it exists.
 
 The sender side is the real prefill service (its leases and sender) on a loopback gRPC server;
-the receiver writes into a real decode engine's cache.
+the receiver writes into a real decode engine's cache. The Ray backend runs on the session's
+local Ray, and every Ray test ends with no object of its own left in the cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from kvtransfer import KVHandle, KVTransferError, TransferErrorCode, make_receiv
 from pdserve.convert import handle_from_proto, sampling_to_proto
 from pdserve.v1 import prefill_pb2
 from prefill_service.service import PrefillService
+from tests.ray_util import no_new_objects
 from tests.services.harness import (
     all_blocks_free,
     engine_config,
@@ -30,8 +32,18 @@ from tests.services.harness import (
     wait_for,
 )
 
-BACKENDS = ["local", "grpc"]
+BACKENDS = ["local", "grpc", "ray"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param != "ray":
+        yield request.param
+        return
+    request.getfixturevalue("ray_address")
+    with no_new_objects():
+        yield request.param
 
 
 async def _prefill(
@@ -62,7 +74,6 @@ def _finish(engine: LLMEngine, prefilled: PrefilledRequest) -> list[int]:
     return out.token_ids
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_transfer_is_lossless_and_decodes_like_one_engine(
     backend: str, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
@@ -100,7 +111,6 @@ def test_transfer_is_lossless_and_decodes_like_one_engine(
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_layout_mismatch_names_both_layouts(backend: str, llama_dir: Path) -> None:
     decode = LLMEngine(engine_config(llama_dir, block_size=8))
 
@@ -124,7 +134,6 @@ def test_layout_mismatch_names_both_layouts(backend: str, llama_dir: Path) -> No
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_expired_lease_frees_blocks_and_pull_is_not_found(backend: str, llama_dir: Path) -> None:
     decode = LLMEngine(engine_config(llama_dir))
 
@@ -154,7 +163,6 @@ def test_expired_lease_frees_blocks_and_pull_is_not_found(backend: str, llama_di
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_cancelled_pull_stops_writing_and_leaks_nothing(backend: str, llama_dir: Path) -> None:
     decode = LLMEngine(engine_config(llama_dir))
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -46,3 +48,15 @@ async def generate_many(
     async with router_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         return list(await asyncio.gather(*(generate(stub, r, timeout_s=300) for r in requests)))
+
+
+def start_up(*flags: str) -> tuple[subprocess.Popen[str], str]:
+    """Runs ``pdserve up FLAGS`` and returns the process and the router address it announced."""
+    command = [sys.executable, "-m", "pdserve.cli", "up", *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        if "ready" in line and "router" in line:
+            return process, line.split("router ")[1].split(",")[0]
+    process.wait()
+    raise AssertionError(f"pdserve up exited with {process.returncode} before ready")

@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pdserve.client import router_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.integration.cluster_util import start_up
 
 pytestmark = pytest.mark.slow
 
 
 def test_up_serves_and_drains_in_flight_stream_on_sigterm(llama_dir: Path) -> None:
-    command = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir), "--port", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process, address = start_up("--model", str(llama_dir), "--port", "0")
     try:
         assert process.stdout is not None
-        address = ""
-        for line in process.stdout:
-            if "ready" in line and "router" in line:
-                address = line.split("router ")[1].split(",")[0]
-                break
-        assert address, "pdserve up exited before ready"
 
         async def scenario() -> list[int]:
             sampling = common_pb2.SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)

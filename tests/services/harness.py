@@ -76,6 +76,15 @@ async def all_blocks_free(stub: WorkerStub) -> bool:
     )
 
 
+async def both_sides_freed(
+    prefill_server: ServiceServer, decode_server: ServiceServer, timeout_s: float = 5.0
+) -> None:
+    """Waits (bounded) until the prefill and the decode worker hold no block or request."""
+    decode, prefill = decode_stub(decode_server), prefill_stub(prefill_server)
+    await wait_for(lambda: all_blocks_free(decode), timeout_s, "decode blocks freed")
+    await wait_for(lambda: all_blocks_free(prefill), timeout_s, "prefill blocks freed")
+
+
 def prefill_stub(server: ServiceServer) -> prefill_pb2_grpc.PrefillWorkerStub:
     return prefill_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(server.address))
 

@@ -16,13 +16,10 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService
 from tests.services.harness import (
-    all_blocks_free,
-    decode_stub,
-    prefill_stub,
+    both_sides_freed,
     start,
     start_decode,
     start_prefill,
-    wait_for,
 )
 
 
@@ -79,8 +76,7 @@ def test_decode_without_room_rejects_or_queues_never_hangs(
                     assert result.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, result
                     assert "admission_timeout_s" in (result.details() or "")
             assert num_ok >= 2
-            await wait_for(lambda: all_blocks_free(decode_stub(decode_server)), 5.0, "decode")
-            await wait_for(lambda: all_blocks_free(prefill_stub(prefill_server)), 5.0, "prefill")
+            await both_sides_freed(prefill_server, decode_server)
         finally:
             await channel.close()
             await router_server.shutdown()

@@ -15,12 +15,9 @@ from pdserve.convert import layout_to_proto, sampling_to_proto
 from pdserve.server import GRPC_OPTIONS
 from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 from tests.services.harness import (
-    all_blocks_free,
-    decode_stub,
-    prefill_stub,
+    both_sides_freed,
     start_decode,
     start_prefill,
-    wait_for,
 )
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -98,12 +95,7 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
             )
             assert error.code() == grpc.StatusCode.DATA_LOSS
             assert "checksum mismatch" in (error.details() or "")
-            await wait_for(
-                lambda: all_blocks_free(decode_stub(decode_server)), 5.0, "decode blocks freed"
-            )
-            await wait_for(
-                lambda: all_blocks_free(prefill_stub(prefill_server)), 5.0, "prefill blocks freed"
-            )
+            await both_sides_freed(prefill_server, decode_server)
         finally:
             await proxy.stop(None)
             await decode_server.shutdown()
@@ -122,12 +114,7 @@ def test_layout_mismatch_is_failed_precondition_and_frees_both_sides(llama_dir: 
             details = error.details() or ""
             assert "local layout" in details and "remote layout" in details
             assert "block_size=8" in details and "block_size=16" in details
-            await wait_for(
-                lambda: all_blocks_free(decode_stub(decode_server)), 5.0, "decode blocks freed"
-            )
-            await wait_for(
-                lambda: all_blocks_free(prefill_stub(prefill_server)), 5.0, "prefill blocks freed"
-            )
+            await both_sides_freed(prefill_server, decode_server)
         finally:
             await decode_server.shutdown()
             await prefill_server.shutdown()

@@ -1,0 +1,1 @@
+"""pdserve on a Ray cluster: Ray places and restarts the same services as process mode."""

@@ -1,0 +1,120 @@
+"""``pdserve ray up|scale|status|down``: the command line of Ray deployments."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Callable
+
+from pdserve.settings import add_flag
+
+
+def _run(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Ray's errors carry the remote traceback; the command line shows their cause."""
+
+    def run(args: argparse.Namespace) -> int:
+        from ray.exceptions import RayError
+
+        try:
+            return command(args)
+        except RayError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            print(f"pdserve: error: {cause}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+def _deployment_flags(parser: argparse.ArgumentParser) -> None:
+    add_flag(parser, "--address", default="auto", help="Ray cluster: auto or GCS HOST:PORT")
+    add_flag(parser, "--namespace", default="pdserve", help="Ray namespace of the deployment")
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.ray_deploy import deployment
+    from pdserve.ray_deploy.spec import DeploymentSpec
+
+    spec = DeploymentSpec(
+        model=args.model,
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        num_gpus_per_worker=args.num_gpus_per_worker,
+        num_cpus_per_worker=args.num_cpus_per_worker,
+        transfer=args.transfer,
+        redis_url=args.redis,
+        router_port=args.port,
+        max_restarts=args.max_restarts,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        prefill_args=tuple(shlex.split(args.prefill_args)),
+        decode_args=tuple(shlex.split(args.decode_args)),
+        router_args=tuple(shlex.split(args.router_args)),
+    )
+    deployment.connect(args.address, args.namespace)
+    infos = deployment.up(spec, args.namespace)
+    print(deployment.table(infos))
+    print(f"pdserve on ray ready: router {deployment.router_address(infos)}", flush=True)
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from pdserve.ray_deploy import deployment
+
+    deployment.connect(args.address, args.namespace)
+    print(deployment.table(deployment.scale(args.namespace, args.role, args.count)))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.ray_deploy import deployment
+
+    deployment.connect(args.address, args.namespace)
+    print(deployment.table(deployment.status(args.namespace)))
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from pdserve.ray_deploy import deployment
+
+    deployment.connect(args.address, args.namespace)
+    deployment.down(args.namespace)
+    print(f"pdserve deployment in namespace {args.namespace!r} drained and removed")
+    return 0
+
+
+def add_ray_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ray_parser = sub.add_parser("ray", help="deploy on a Ray cluster (up, scale, status, down)")
+    commands = ray_parser.add_subparsers(dest="ray_command", required=True)
+
+    up = commands.add_parser("up", help="start router and worker pools as Ray actors")
+    _deployment_flags(up)
+    add_flag(up, "--model", required=True, help="model directory, readable on every node")
+    add_flag(up, "--prefill", type=int, default=1, help="number of prefill workers")
+    add_flag(up, "--decode", type=int, default=1, help="number of decode workers")
+    add_flag(up, "--num-gpus-per-worker", type=float, default=0.0, help="Ray GPU request")
+    add_flag(up, "--num-cpus-per-worker", type=float, default=1.0, help="Ray CPU request")
+    add_flag(up, "--transfer", default="ray", choices=("ray", "grpc"), help="KV transfer")
+    add_flag(up, "--redis", default="", help="Redis URL (default: embedded; single node only)")
+    add_flag(up, "--port", type=int, default=50051, help="router port (0: ephemeral)")
+    add_flag(up, "--max-restarts", type=int, default=3, help="Ray restarts per crashed actor")
+    add_flag(up, "--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    add_flag(up, "--block-size", type=int, default=16, help="KV block size (all components)")
+    add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
+    add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
+    add_flag(up, "--router-args", default="", help="extra flags for the router")
+    up.set_defaults(func=_run(_cmd_up))
+
+    scale = commands.add_parser("scale", help="resize one pool at runtime (drains on shrink)")
+    _deployment_flags(scale)
+    scale.add_argument("role", choices=("prefill", "decode"))
+    scale.add_argument("count", type=int)
+    scale.set_defaults(func=_run(_cmd_scale))
+
+    for name, func, text in (
+        ("status", _cmd_status, "the deployment's actors and addresses"),
+        ("down", _cmd_down, "drain and remove the deployment"),
+    ):
+        command = commands.add_parser(name, help=text)
+        _deployment_flags(command)
+        command.set_defaults(func=_run(func))

@@ -1,0 +1,119 @@
+"""Ray object store backend, beyond the shared contract: Ray's object accounting sees our
+objects and their end, a damaged payload is caught, and staged objects live exactly as long as
+their lease."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import ray
+
+from kvtransfer.ray_mailbox import LayerRange
+from kvtransfer.ray_object_store import Payload, RayKVSender
+from pdserve.ray_deploy.objects import live_objects
+from pdserve.v1 import prefill_pb2
+from tests.ray_util import no_new_objects
+from tests.services.harness import (
+    both_sides_freed,
+    prefill_stub,
+    start_decode,
+    start_prefill,
+)
+from tests.services.test_transfer_failures import PROMPT, _prefill_and_decode
+
+
+@pytest.fixture(autouse=True)
+def _ray(ray_address: str) -> Iterator[None]:
+    with no_new_objects():
+        yield
+
+
+def test_object_accounting_sees_an_object_until_it_is_freed() -> None:
+    before = {o.object_id for o in live_objects()}
+    ref = ray.put(np.zeros(1 << 20, dtype=np.uint8))
+    new = [o for o in live_objects() if o.object_id not in before]
+    assert [o.object_id for o in new] == [ref.hex()]
+    assert new[0].size_bytes >= 1 << 20
+    del ref  # no_new_objects (autouse) now requires Ray to free it
+
+
+def test_damaged_payload_is_data_loss_and_frees_both_sides(llama_dir: Path) -> None:
+    async def run() -> None:
+        prefill, prefill_server = await start_prefill(llama_dir, kv_backend="ray")
+        _, decode_server = await start_decode(llama_dir, kv_backend="ray")
+        sender = prefill._sender
+        assert isinstance(sender, RayKVSender)
+        stage = sender._stage
+
+        def damaged(block_ids: list[int], layers: LayerRange) -> tuple[Payload, tuple[int, ...]]:
+            # A faulty store: one bit flips after the digests were taken.
+            payload, digests = stage(block_ids, layers)
+            payload = payload.copy()
+            payload[-1, payload.shape[1] // 2] ^= 0x10
+            return payload, digests
+
+        sender._stage = damaged  # type: ignore[method-assign]
+        try:
+            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            assert error.code() == grpc.StatusCode.DATA_LOSS
+            assert "digest mismatch in layer 1" in (error.details() or "")
+            await both_sides_freed(prefill_server, decode_server)
+            assert sender.num_staged == 0  # the release ended the lease and dropped the object
+        finally:
+            await decode_server.shutdown()
+            await prefill_server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_staged_object_lives_until_the_lease_ends(llama_dir: Path) -> None:
+    """The sender owns the object from the first pull to the release; a second pull of the
+    same lease reuses it."""
+    from engine.llm_engine import LLMEngine
+    from kvtransfer import make_receiver
+    from pdserve.convert import handle_from_proto, sampling_to_proto
+    from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
+    from tests.services.harness import engine_config
+
+    decode = LLMEngine(engine_config(llama_dir))
+
+    async def run() -> None:
+        prefill, server = await start_prefill(llama_dir, kv_backend="ray")
+        stub = prefill_stub(server)
+        receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
+        sender = prefill._sender
+        assert isinstance(sender, RayKVSender)
+        try:
+            response = await stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY)
+                )
+            )
+            handle = handle_from_proto(response.handle)
+            block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
+            assert block_ids is not None
+
+            def stored() -> set[str]:  # objects with data (pending call results have none)
+                return {o.object_id for o in live_objects() if o.size_bytes >= 0}
+
+            before = stored()
+            first = await receiver.pull(handle, block_ids)
+            staged = stored() - before
+            assert len(staged) == 1
+            await receiver.pull(handle, block_ids)  # a retry: same object, no second put
+            assert stored() - before == staged
+            assert first.num_bytes == handle.num_blocks * decode.kv_layout.block_bytes
+            assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
+            assert sender.num_staged == 0
+            decode.abort("r")
+            decode.block_manager.check_no_leaks()
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())
