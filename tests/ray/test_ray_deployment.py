@@ -188,3 +188,26 @@ def test_scale_prefill_up_and_decode_down_at_runtime(
     names = [i.name for i in deployment.status(namespace)]
     assert "pdserve-decode-1" not in names and "pdserve-decode-0" in names
     assert "pdserve-prefill-1" in _cli(ray_address, namespace, "status")
+
+
+def test_up_with_a_bad_model_path_says_so_and_leaves_nothing(
+    ray_address: str, tmp_path: Path
+) -> None:
+    name = f"pdserve-{uuid.uuid4().hex[:8]}"
+    command = [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", ray_address]
+    command += ["--namespace", name, "--model", str(tmp_path / "nothing"), "--port", "0"]
+    command += ["--num-cpus-per-worker", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert f"no config.json in {tmp_path / 'nothing'}" in done.stderr
+    with pytest.raises(ValueError, match="no pdserve deployment"):
+        deployment.controller(name)  # no restart loop, nothing left running
+
+    async def actors_gone() -> bool:  # owned by the controller: they die with it
+        try:
+            await asyncio.to_thread(ray.get_actor, "pdserve-router", namespace=name)
+        except ValueError:
+            return True
+        return False
+
+    run(wait_for(actors_gone, 30.0, "the failed deployment's actors removed", poll_s=0.2))
