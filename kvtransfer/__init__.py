@@ -24,12 +24,19 @@ BACKENDS = ("grpc", "local", "ray")
 
 
 def make_sender(
-    backend: str, cache: KVCache, leases: BlockLeases, host: str, port: int
+    backend: str,
+    cache: KVCache,
+    leases: BlockLeases,
+    host: str,
+    port: int,
+    advertise_host: str | None = None,
 ) -> KVSender:
+    """``host``/``port``: where a network backend listens; ``advertise_host``: the host its
+    handles name for peers (default ``host``; set it when binding 0.0.0.0)."""
     if backend == "grpc":
         from kvtransfer.grpc_stream import GrpcKVSender
 
-        return GrpcKVSender(cache, leases, host, port)
+        return GrpcKVSender(cache, leases, host, port, advertise_host=advertise_host)
     if backend == "local":
         from kvtransfer.local import LocalKVSender
 

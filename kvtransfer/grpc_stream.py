@@ -56,10 +56,12 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         host: str = "127.0.0.1",
         port: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        advertise_host: str | None = None,
     ) -> None:
         super().__init__(cache, leases)
         self.host = host
         self.port = port
+        self.advertise_host = advertise_host or host
         self.chunk_bytes = chunk_bytes
         self._server: grpc.aio.Server | None = None
         self._address = ""
@@ -72,7 +74,9 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
         port = self._server.add_insecure_port(f"{self.host}:{self.port}")
-        self._address = f"{self.host}:{port}"
+        if port == 0:
+            raise OSError(f"could not bind the KV sender to {self.host}:{self.port}")
+        self._address = f"{self.advertise_host}:{port}"
         await self._server.start()
 
     async def stop(self) -> None:

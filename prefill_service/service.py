@@ -53,6 +53,7 @@ class PrefillService(WorkerService, BlockLeases, prefill_pb2_grpc.PrefillWorkerS
             self,
             self.config.server.host,
             self.config.kv_port,
+            advertise_host=self.config.server.advertise_host,
         )
         await self._sender.start()
         self._reaper = asyncio.create_task(self._expire_leases(), name="lease-reaper")

@@ -1,0 +1,311 @@
+{{/* Names, labels, and the one pod spec both worker pools are rendered from. */}}
+
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "pdserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Selector labels of one component: call with (dict "root" $ "role" "prefill"). */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .role }}
+pdserve.io/role: {{ .role }}
+{{- end -}}
+
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end -}}
+
+{{/* Every pod of this release (router, workers, tests): what Redis and the workers admit. */}}
+{{- define "pdserve.releasePeers" -}}
+podSelector:
+  matchLabels:
+    app.kubernetes.io/instance: {{ .Release.Name }}
+    app.kubernetes.io/part-of: pdserve
+{{- end -}}
+
+{{/* PDSERVE_REDIS (and the password it is built from) for every component. */}}
+{{- define "pdserve.redisEnv" -}}
+{{- if eq .Values.redis.mode "bundled" }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (printf "%s-redis" (include "pdserve.fullname" .)) .Values.redis.bundled.existingSecret }}
+      key: password
+- name: PDSERVE_REDIS
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "pdserve.fullname" .) | quote }}
+{{- else if .Values.redis.external.existingSecret.name }}
+- name: PDSERVE_REDIS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.external.existingSecret.name }}
+      key: {{ .Values.redis.external.existingSecret.key }}
+{{- else }}
+- name: PDSERVE_REDIS
+  value: {{ required "redis.external.url or redis.external.existingSecret.name is required with redis.mode=external" .Values.redis.external.url | quote }}
+{{- end }}
+- name: PDSERVE_REDIS_NAMESPACE
+  value: {{ .Values.redis.keyPrefix | quote }}
+{{- end -}}
+
+{{/* What every pdserve container needs: the model, the KV layout, a writable /tmp. */}}
+{{- define "pdserve.commonEnv" -}}
+- name: PDSERVE_MODEL
+  value: {{ .Values.model.path | quote }}
+- name: PDSERVE_DTYPE
+  value: {{ .Values.model.dtype | quote }}
+- name: PDSERVE_BLOCK_SIZE
+  value: {{ .Values.blockSize | quote }}
+- name: PDSERVE_HOST
+  value: "0.0.0.0"
+- name: PDSERVE_ADVERTISE_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: PDSERVE_LOG_LEVEL
+  value: INFO
+- name: HOME
+  value: /tmp
+- name: HF_HOME
+  value: /tmp/hf
+- name: TRITON_CACHE_DIR
+  value: /tmp/triton
+{{ include "pdserve.redisEnv" . }}
+{{- end -}}
+
+{{- define "pdserve.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- else if .Values.model.download.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.download.claimName }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.download.sizeLimit }}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- end -}}
+
+{{- define "pdserve.volumeMounts" -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: {{ ne .Values.model.source "download" }}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/* With source: download, fetch the weights before the server starts (idempotent: the Hub
+     client skips files already present, so pods sharing a claim download once). */}}
+{{- define "pdserve.initContainers" -}}
+{{- if eq .Values.model.source "download" }}
+initContainers:
+  - name: download-model
+    image: {{ include "pdserve.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: [hf, download]
+    args:
+      - {{ required "model.download.modelId is required with model.source=download" .Values.model.download.modelId | quote }}
+      - --revision
+      - {{ .Values.model.download.revision | quote }}
+      - --local-dir
+      - {{ .Values.model.path | quote }}
+    env:
+      - name: HOME
+        value: /tmp
+      - name: HF_HOME
+        value: /tmp/hf
+      {{- if .Values.model.download.tokenSecret.name }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ .Values.model.download.tokenSecret.name }}
+            key: {{ .Values.model.download.tokenSecret.key }}
+      {{- end }}
+    securityContext:
+      {{- toYaml .Values.securityContext | nindent 6 }}
+    volumeMounts:
+      {{- include "pdserve.volumeMounts" . | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* One worker pool's Deployment: (dict "root" $ "role" "prefill"|"decode"). Both pools are
+     rendered from here, so they differ only in their values and role-specific flags. */}}
+{{- define "pdserve.workerDeployment" -}}
+{{- $root := .root -}}
+{{- $role := .role -}}
+{{- $pool := index $root.Values $role -}}
+{{- $ctx := dict "root" $root "role" $role -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "pdserve.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "pdserve.labels" $ctx | nindent 4 }}
+spec:
+  {{- if not (or $pool.autoscaling.enabled $pool.keda.enabled) }}
+  replicas: {{ $pool.replicas }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "pdserve.selectorLabels" $ctx | nindent 6 }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0  # a replacement serves before an old worker drains
+  template:
+    metadata:
+      labels:
+        {{- include "pdserve.labels" $ctx | nindent 8 }}
+    spec:
+      serviceAccountName: {{ include "pdserve.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      terminationGracePeriodSeconds: {{ $pool.terminationGracePeriodSeconds }}
+      {{- include "pdserve.initContainers" $root | nindent 6 }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "pdserve.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args:
+            - {{ $role }}
+            {{- range $pool.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          env:
+            {{- include "pdserve.commonEnv" $root | nindent 12 }}
+            - name: PDSERVE_WORKER_ID  # the pod name: `pdserve drain <pod>` finds it
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.name
+            - name: PDSERVE_PORT
+              value: {{ $pool.port | quote }}
+            - name: PDSERVE_METRICS_PORT
+              value: {{ $pool.metricsPort | quote }}
+            - name: PDSERVE_DRAIN_TIMEOUT_S
+              value: {{ $pool.drainTimeoutSeconds | quote }}
+            - name: PDSERVE_KV_BACKEND
+              value: {{ $root.Values.kvTransfer.backend | quote }}
+            - name: PDSERVE_MAX_NUM_SEQS
+              value: {{ $pool.engine.maxNumSeqs | quote }}
+            - name: PDSERVE_MAX_NUM_BATCHED_TOKENS
+              value: {{ $pool.engine.maxNumBatchedTokens | quote }}
+            {{- with $pool.engine.numBlocks }}
+            - name: PDSERVE_NUM_BLOCKS
+              value: {{ . | quote }}
+            {{- end }}
+            {{- with $pool.engine.maxModelLen }}
+            - name: PDSERVE_MAX_MODEL_LEN
+              value: {{ . | quote }}
+            {{- end }}
+            {{- if eq $role "prefill" }}
+            - name: PDSERVE_KV_PORT
+              value: {{ $root.Values.kvTransfer.port | quote }}
+            - name: PDSERVE_LEASE_S
+              value: {{ $root.Values.kvTransfer.leaseSeconds | quote }}
+            {{- else }}
+            - name: PDSERVE_TRANSFER_TIMEOUT_S
+              value: {{ $root.Values.kvTransfer.timeoutSeconds | quote }}
+            {{- end }}
+            {{- with $pool.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $pool.port }}
+            - name: metrics
+              containerPort: {{ $pool.metricsPort }}
+            {{- if eq $role "prefill" }}
+            - name: kv
+              containerPort: {{ $root.Values.kvTransfer.port }}
+            {{- end }}
+          # The server listens at once and reports NOT_SERVING until the model is loaded, and
+          # again while draining: readiness follows health, liveness only needs the socket.
+          startupProbe:
+            tcpSocket:
+              port: grpc
+            periodSeconds: 5
+            failureThreshold: 60
+          readinessProbe:
+            grpc:
+              port: {{ $pool.port }}
+            periodSeconds: 5
+            failureThreshold: 2
+          livenessProbe:
+            tcpSocket:
+              port: grpc
+            periodSeconds: 10
+            failureThreshold: 6
+          lifecycle:
+            preStop:
+              exec:
+                # Mark the worker draining in the registry (the router sends it nothing new),
+                # then wait while it finishes in-flight work (and, on prefill, leased KV) and
+                # exits. If Redis is unreachable, SIGTERM starts the same drain.
+                command:
+                  - /bin/sh
+                  - -c
+                  - pdserve drain "$PDSERVE_WORKER_ID" && while kill -0 1 2>/dev/null; do sleep 1; done; true
+          resources:
+            {{- toYaml $pool.resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            {{- include "pdserve.volumeMounts" $root | nindent 12 }}
+      volumes:
+        {{- include "pdserve.modelVolume" $root | nindent 8 }}
+      {{- with $pool.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $pool.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end -}}

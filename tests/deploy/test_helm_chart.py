@@ -1,0 +1,249 @@
+"""The Helm chart, checked with the real tools: `helm lint`, `helm template`, and every
+rendered manifest validated by `kubernetes-validate --strict` (Kubernetes 1.37); then what
+matters, asserted on the rendered YAML."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve import settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdserve"
+VALUE_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBERNETES_VERSION = "1.37.0"
+Manifest = dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    """The helm binary the repository's own script fetches (make test does it first)."""
+    path = ROOT / ".tools" / "helm"
+    if not path.exists():
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "fetch_helm.py"), str(path)], check=True
+        )
+    return str(path)
+
+
+def render(helm: str, *args: str) -> list[Manifest]:
+    done = subprocess.run(
+        [helm, "template", "rel", str(CHART), *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def find(manifests: list[Manifest], kind: str, name: str) -> Manifest:
+    matches = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name]
+    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
+    return matches[0]
+
+
+def pod_spec(manifests: list[Manifest], role: str) -> dict[str, Any]:
+    spec: dict[str, Any] = find(manifests, "Deployment", f"rel-pdserve-{role}")["spec"]
+    return spec["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def container(manifests: list[Manifest], role: str) -> dict[str, Any]:
+    (only,) = pod_spec(manifests, role)["containers"]
+    return only  # type: ignore[no-any-return]
+
+
+def env(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+@pytest.mark.parametrize("values", [None, *VALUE_FILES], ids=lambda v: v.name if v else "default")
+def test_lints_renders_and_validates_strictly(
+    helm: str, values: Path | None, tmp_path: Path
+) -> None:
+    flags = ["-f", str(values)] if values else []
+    lint = subprocess.run(
+        [helm, "lint", "--strict", str(CHART), *flags], capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    manifests = render(helm, *flags)
+    out = tmp_path / "rendered.yaml"
+    out.write_text(yaml.safe_dump_all(manifests))
+    validate = ROOT / ".venv" / "bin" / "kubernetes-validate"
+    command = [str(validate) if validate.exists() else "kubernetes-validate"]
+    command += ["--strict", "--kubernetes-version", KUBERNETES_VERSION, "--no-warn", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Custom resources (KEDA, ServiceMonitor, KubeRay) have no schema there: only these kinds.
+    core = {"v1", "apps/v1", "policy/v1", "autoscaling/v2", "networking.k8s.io/v1", "batch/v1"}
+    custom = {m["kind"] for m in manifests if m["apiVersion"] not in core}
+    assert custom <= {"ScaledObject", "ServiceMonitor", "RayCluster"}
+
+
+def test_each_pool_follows_its_own_replicas(helm: str) -> None:
+    manifests = render(helm, "--set", "prefill.replicas=3", "--set", "decode.replicas=5")
+    assert find(manifests, "Deployment", "rel-pdserve-prefill")["spec"]["replicas"] == 3
+    assert find(manifests, "Deployment", "rel-pdserve-decode")["spec"]["replicas"] == 5
+    production = render(helm, "-f", str(CHART / "ci" / "gpu-production-values.yaml"))
+    assert find(production, "Deployment", "rel-pdserve-prefill")["spec"]["replicas"] == 4
+    assert find(production, "Deployment", "rel-pdserve-decode")["spec"]["replicas"] == 8
+    # Under an autoscaler the Deployment leaves replicas to it.
+    scaled = render(helm, "-f", str(CHART / "ci" / "cpu-small-values.yaml"))
+    assert "replicas" not in find(scaled, "Deployment", "rel-pdserve-decode")["spec"]
+    hpa = find(scaled, "HorizontalPodAutoscaler", "rel-pdserve-decode")["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "rel-pdserve-decode" and hpa["maxReplicas"] == 4
+    assert [m["type"] for m in hpa["metrics"]] == ["Resource", "Pods"]
+
+
+def test_gpus_land_on_the_worker_pods_only(helm: str) -> None:
+    manifests = render(helm, "--set", "decode.resources.limits.nvidia\\.com/gpu=2")
+    gpus = {
+        role: container(manifests, role)["resources"].get("limits", {}).get("nvidia.com/gpu")
+        for role in ("router", "prefill", "decode")
+    }
+    assert gpus == {"router": None, "prefill": 1, "decode": 2}
+    redis = find(manifests, "StatefulSet", "rel-pdserve-redis")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in str(redis["containers"][0]["resources"])
+    production = render(helm, "-f", str(CHART / "ci" / "gpu-production-values.yaml"))
+    for role in ("prefill", "decode"):
+        spec = pod_spec(production, role)
+        assert spec["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert "nvidia.com/gpu.product" in spec["nodeSelector"]
+
+
+def test_probes_drain_hook_and_security_context(helm: str) -> None:
+    manifests = render(helm)
+    for role in ("router", "prefill", "decode"):
+        spec = pod_spec(manifests, role)
+        c = spec["containers"][0]
+        grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
+        assert c["readinessProbe"]["grpc"]["port"] == grpc_port  # the standard health service
+        assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"  # not health: draining is alive
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the only writable path
+        drain_s = float(env(c)["PDSERVE_DRAIN_TIMEOUT_S"])
+        assert spec["terminationGracePeriodSeconds"] > drain_s
+    for role in ("prefill", "decode"):
+        c = container(manifests, role)
+        hook = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
+        assert 'pdserve drain "$PDSERVE_WORKER_ID"' in hook
+        assert env(c)["PDSERVE_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env(c)["PDSERVE_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def _flags(role: str) -> set[str]:
+    """Env names of every flag `pdserve <role>` accepts (settings.env_name)."""
+    from pdserve.cli import build_parser
+
+    sub = next(
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices[role]
+    return {
+        settings.env_name(s) for a in sub._actions for s in a.option_strings if s.startswith("--")
+    }
+
+
+def test_every_pdserve_variable_is_a_real_flag_and_pools_share_one_shape(helm: str) -> None:
+    manifests = render(helm)
+    names = {}
+    for role in ("router", "prefill", "decode"):
+        c = container(manifests, role)
+        assert c["args"][0] == role
+        names[role] = {n for n in env(c) if n.startswith("PDSERVE_")}
+        unknown = names[role] - _flags(role) - {"PDSERVE_LOG_LEVEL"}  # the top-level flag
+        assert not unknown, f"{role}: the chart sets {unknown}, which pdserve {role} ignores"
+    # One helper renders both pools: they differ only in their role-specific flags.
+    assert names["prefill"] - {"PDSERVE_KV_PORT", "PDSERVE_LEASE_S"} == names["decode"] - {
+        "PDSERVE_TRANSFER_TIMEOUT_S"
+    }
+    prefill, decode = pod_spec(manifests, "prefill"), pod_spec(manifests, "decode")
+    assert prefill.keys() == decode.keys()
+    assert prefill["containers"][0].keys() == decode["containers"][0].keys()
+
+
+def test_redis_bundled_or_external(helm: str) -> None:
+    bundled = render(helm)
+    find(bundled, "StatefulSet", "rel-pdserve-redis")
+    url = env(container(bundled, "prefill"))["PDSERVE_REDIS"]
+    assert url == "redis://:$(REDIS_PASSWORD)@rel-pdserve-redis:6379/0"
+    assert find(bundled, "Secret", "rel-pdserve-redis")["data"]["password"]
+    external = render(helm, "-f", str(CHART / "ci" / "external-redis-values.yaml"))
+    assert not [m for m in external if m["kind"] == "StatefulSet"]
+    for role in ("router", "prefill", "decode"):
+        ref = env(container(external, role))["PDSERVE_REDIS"]
+        assert ref == {"secretKeyRef": {"name": "pdserve-redis-url", "key": "url"}}
+    missing = subprocess.run(
+        [helm, "template", "rel", str(CHART), "--set", "redis.mode=external"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert missing.returncode != 0 and "redis.external.url" in missing.stderr
+
+
+def test_model_comes_from_one_path_for_every_pool(helm: str) -> None:
+    manifests = render(helm, "-f", str(CHART / "ci" / "external-redis-values.yaml"))
+    for role in ("router", "prefill", "decode"):
+        spec = pod_spec(manifests, role)
+        (init,) = spec["initContainers"]
+        assert init["command"] == ["hf", "download"]
+        assert init["args"][0] == "Qwen/Qwen3-8B" and "/models/Qwen3-8B" in init["args"]
+        assert env(spec["containers"][0])["PDSERVE_MODEL"] == "/models/Qwen3-8B"
+        volume = next(v for v in spec["volumes"] if v["name"] == "model")
+        assert volume["persistentVolumeClaim"]["claimName"] == "pdserve-model-cache"
+
+
+def test_network_policies_isolate_workers_and_redis(helm: str) -> None:
+    manifests = render(helm)
+    peers = {"app.kubernetes.io/instance": "rel", "app.kubernetes.io/part-of": "pdserve"}
+    for name in ("rel-pdserve-prefill", "rel-pdserve-decode", "rel-pdserve-redis"):
+        ingress = find(manifests, "NetworkPolicy", name)["spec"]["ingress"]
+        assert ingress[0]["from"] == [{"podSelector": {"matchLabels": peers}}]
+    router = find(manifests, "NetworkPolicy", "rel-pdserve-router")["spec"]["ingress"]
+    assert "from" not in router[0]  # the router's gRPC port is the public one
+
+
+def test_ray_mode_renders_a_raycluster_and_the_ray_up_job(helm: str) -> None:
+    manifests = render(helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"))
+    assert not [m for m in manifests if m["kind"] == "Deployment"]
+    cluster = find(manifests, "RayCluster", "rel-pdserve-ray")["spec"]
+    (group,) = cluster["workerGroupSpecs"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 4
+    job = find(manifests, "Job", "rel-pdserve-ray-up")["spec"]["template"]["spec"]
+    args = job["containers"][0]["args"]
+    assert args[:4] == ["ray", "up", "--address", "rel-pdserve-ray-head-svc:6379"]
+    flags = dict(zip(args[4::2], args[5::2], strict=True))
+    assert flags["--prefill"] == "2" and flags["--decode"] == "4"
+    assert flags["--transfer"] == "ray" and flags["--num-gpus-per-worker"] == "1"
+
+
+def test_helm_test_hook_generates_through_the_router(helm: str) -> None:
+    pod = find(render(helm), "Pod", "rel-pdserve-test-generate")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[:3] == ["generate", "--router", "rel-pdserve-router:50051"]
+
+
+@pytest.fixture
+def bad_values(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "bad-values.yaml"
+    path.write_text("prefill:\n  replicas: four\n  gpus: 2\nmodel:\n  dtype: int4\n")
+    yield path
+
+
+def test_invalid_values_are_rejected_by_the_schema_readably(helm: str, bad_values: Path) -> None:
+    done = subprocess.run(
+        [helm, "template", "rel", str(CHART), "-f", str(bad_values)], capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert "at '/prefill/replicas': got string, want integer" in done.stderr
+    assert "additional properties 'gpus' not allowed" in done.stderr
+    assert "at '/model/dtype'" in done.stderr
