@@ -76,13 +76,14 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         transfer += ("--ray-address", args.ray_address)
     return ClusterConfig(
         model=args.model,
-        num_prefill=args.prefill,
+        num_prefill=0 if args.colocated else args.prefill,
         num_decode=args.decode,
         router_port=args.port,
         redis_url=args.redis_url,
         prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
         decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
         router_args=(*layout, *shlex.split(args.router_args)),
+        colocated=args.colocated,
         log_level=args.log_level,
     )
 
@@ -299,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
     add_flag(up, "--router-args", default="", help="extra flags for the router")
+    add_flag(
+        up,
+        "--colocated",
+        action="store_true",
+        help="baseline: --decode workers prefill and decode in one engine (no prefill pool)",
+    )
     up.set_defaults(func=_cmd_up)
 
     for name, func, text in (
@@ -312,9 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
             admin.add_argument("worker_id")
         admin.set_defaults(func=func)
 
+    from pdserve.bench.commands import add_bench_command
     from pdserve.ray_deploy.commands import add_ray_commands
 
     add_ray_commands(sub)
+    add_bench_command(sub)
 
     gen = sub.add_parser("generate", help="stream one generation from a router")
     add_flag(gen, "--router", default="127.0.0.1:50051", help="router host:port")

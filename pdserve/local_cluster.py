@@ -35,11 +35,15 @@ class ClusterConfig:
     log_dir: Path | None = None  # each component's stderr goes to <log_dir>/<name>.log
     log_level: str = "INFO"
     ready_timeout_s: float = 300.0
+    # The colocated baseline: decode workers prefill and decode (num_prefill may be 0).
+    colocated: bool = False
     stop_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("a cluster needs num_prefill >= 1 and num_decode >= 1")
+        if self.num_decode < 1 or self.num_prefill < (0 if self.colocated else 1):
+            raise ValueError(
+                "a cluster needs num_decode >= 1 and num_prefill >= 1 (0 when colocated)"
+            )
 
 
 @dataclass
@@ -143,10 +147,13 @@ class LocalCluster:
                 "--model", cfg.model,
                 *cfg.router_args,
             ]  # fmt: skip
+            if cfg.colocated:
+                router_args.append("--colocated")
             if cfg.redis_url:
                 router_args += ["--redis", cfg.redis_url]
             else:
-                router_args += ["--prefill", ",".join(w.address for w in self.prefill)]
+                if self.prefill:
+                    router_args += ["--prefill", ",".join(w.address for w in self.prefill)]
                 router_args += ["--decode", ",".join(w.address for w in self.decode)]
             self.router = self._spawn("router", "router", router_args)
             self.router.wait_ready(cfg.ready_timeout_s)

@@ -178,6 +178,12 @@ def add_router_flags(parser: argparse.ArgumentParser) -> None:
         help="prefill on the decode worker when fewer prompt tokens are uncached (0: never)",
     )
     add_flag(parser, "--admission-timeout-s", type=float, default=10.0)
+    add_flag(
+        parser,
+        "--colocated",
+        action="store_true",
+        help="no prefill pool: decode workers prefill every request themselves (baseline)",
+    )
     add_flag(parser, "--ready-timeout-s", type=float, default=120.0)
 
 
@@ -197,4 +203,5 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         local_prefill_tokens=args.local_prefill_tokens,
         admission_timeout_s=args.admission_timeout_s,
         ready_timeout_s=args.ready_timeout_s,
+        colocated=args.colocated,
     )

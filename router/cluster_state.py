@@ -64,13 +64,15 @@ class ClusterState:
         self._set_up(True)
         self.pool.sync(records, self.fingerprint, self.block_size)
 
-    async def wait_ready(self, timeout_s: float, poll_s: float = 0.1) -> None:
-        """Until at least one prefill and one decode worker answer; TimeoutError otherwise."""
+    async def wait_ready(
+        self, timeout_s: float, needs_prefill: bool = True, poll_s: float = 0.1
+    ) -> None:
+        """Until a decode worker (and a prefill worker, if needed) answers; else TimeoutError."""
         async with asyncio.timeout(timeout_s):
             while True:
                 await self.discover()
                 await self.pool.refresh()
-                if self.pool.ready():
+                if self.pool.ready(needs_prefill):
                     return
                 await asyncio.sleep(poll_s)
 

@@ -33,11 +33,20 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
     ready_timeout_s: float = 120.0  # waiting for workers at start-up
+    # Colocated (the vLLM-style baseline): no prefill pool; every request is prefilled and
+    # decoded by one decode worker's engine. Same router, same workers, for fair comparisons.
+    colocated: bool = False
 
     def __post_init__(self) -> None:
-        if self.redis is None and not (self.prefill_addresses and self.decode_addresses):
+        if self.colocated and self.prefill_addresses:
+            raise ValueError("a colocated router takes no prefill_addresses")
+        needs_prefill = not self.colocated
+        if self.redis is None and not (
+            self.decode_addresses and (self.prefill_addresses or not needs_prefill)
+        ):
             raise ValueError(
                 "without redis, prefill_addresses and decode_addresses must each name a worker"
+                " (decode_addresses only, when colocated)"
             )
         if self.decode_policy is RoutingPolicy.CACHE_AWARE:
             raise ValueError("decode_policy must be round_robin or least_loaded")

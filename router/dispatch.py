@@ -110,11 +110,21 @@ class Dispatcher:
         """Conditional disaggregation: the decode worker that should prefill this prompt itself
         (its uncached part is under ``local_prefill_tokens``), or None to disaggregate."""
         threshold = self.config.local_prefill_tokens
-        if threshold <= 0:
+        if threshold <= 0 and not self.config.colocated:
             return None
-        workers = self.pool.ranked_decode(len(prompt_ids), advance=False)
+        workers = self.pool.ranked_decode(len(prompt_ids), advance=not self.config.colocated)
         if not workers:
-            return None
+            if not self.config.colocated:
+                return None
+            if not any(w.healthy for w in self.pool.decode.values()):
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy colocated worker")
+            raise WorkerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no colocated worker can hold {len(prompt_ids)} prompt tokens",
+            )
+        if self.config.colocated:  # every prompt, whatever is cached: load-ranked choice
+            metrics.ROUTING_DECISIONS.labels("decode", "colocated", "colocated").inc()
+            return workers[0]
         cached = await self.cluster.cached_tokens(prompt_ids, workers)
         best = max(workers, key=lambda w: cached.get(w.address, 0))  # ties: ranked order
         if len(prompt_ids) - cached.get(best.address, 0) >= threshold:

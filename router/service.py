@@ -76,7 +76,7 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         )
         self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
         self._dispatch = Dispatcher(config, self._pool, self._cluster)
-        await self._cluster.wait_ready(config.ready_timeout_s)
+        await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)
         self._cluster.start(config.stats_interval_s)
 
     def num_inflight(self) -> int:
@@ -146,6 +146,8 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         if local is not None:
             async for response in self._local(request_id, prompt_ids, sampling, local, out, done):
                 yield response
+        if done.fall_back and self.config.colocated:  # no prefill pool to fall back on
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the colocated worker is draining")
         if local is None or done.fall_back:
             local = None
             stream = self._disaggregated(request_id, prompt_ids, sampling, out, done)

@@ -145,10 +145,9 @@ class WorkerPool:
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.workers))
 
-    def ready(self) -> bool:
-        return any(w.healthy for w in self.prefill.values()) and any(
-            w.healthy for w in self.decode.values()
-        )
+    def ready(self, needs_prefill: bool = True) -> bool:
+        prefill = any(w.healthy for w in self.prefill.values()) or not needs_prefill
+        return prefill and any(w.healthy for w in self.decode.values())
 
     @property
     def max_model_len(self) -> int:

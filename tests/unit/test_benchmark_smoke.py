@@ -6,29 +6,26 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def quick_run(script: str, model_dir: Path, *flags: str) -> dict[str, Any]:
+    """Runs ``benchmarks/<script> --quick`` and returns its final JSON line."""
+    command = [sys.executable, f"benchmarks/{script}", "--quick", "--model", str(model_dir)]
+    result = subprocess.run(
+        [*command, *flags], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+    )
+    report: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return report
+
+
 @pytest.mark.slow
 def test_engine_decode_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/engine_decode.py",
-            "--quick",
-            "--model",
-            str(tmp_path / "bench-model"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = quick_run("engine_decode.py", tmp_path / "bench-model")
     assert [r["batch"] for r in report["decode"]] == [1, 2]
     for row in report["decode"]:
         assert row["engine_tok_s"] > 0 and row["hf_tok_s"] > 0 and row["roofline_tok_s"] > 0
@@ -38,25 +35,7 @@ def test_engine_decode_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_kv_transfer_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/kv_transfer.py",
-            "--quick",
-            "--mib",
-            "8",
-            "--repeats",
-            "1",
-            "--model",
-            str(tmp_path / "bench-model"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = quick_run("kv_transfer.py", tmp_path / "bench-model", "--mib", "8", "--repeats", "1")
     transport = report["transport"]
     assert transport["verified"] is True  # the gRPC path delivered the sender's exact bytes
     assert transport["bytes"] == 8 << 20
@@ -70,15 +49,24 @@ def test_kv_transfer_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_prefix_routing_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
-    command = [sys.executable, "benchmarks/prefix_routing.py", "--quick"]
-    command += ["--model", str(tmp_path / "bench-model")]
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
-    )
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = quick_run("prefix_routing.py", tmp_path / "bench-model")
     by_policy = {run["policy"]: run for run in report["runs"]}
     assert set(by_policy) == {"cache_aware", "round_robin"}
     for run in by_policy.values():
         assert run["requests"] == 12 and run["prefill_tokens"] >= run["ideal_tokens"]
         assert run["ttft_p50_s"] > 0
     assert report["cache_aware_over_ideal"] == by_policy["cache_aware"]["over_ideal"]
+
+
+@pytest.mark.slow
+def test_disagg_vs_colocated_quick_run_writes_table_and_plot(tmp_path: Path) -> None:
+    out = str(tmp_path / "docs")
+    report = quick_run("disagg_vs_colocated.py", tmp_path / "bench-model", "--out", out)
+    assert {(r["mode"], r["rate"]) for r in report["rows"]} == {
+        ("colocated", 4.0),
+        ("disaggregated", 4.0),
+    }
+    assert all(r["completed"] == 4 and r["failed"] == 0 for r in report["rows"])
+    table = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "| colocated | 4 |" in table and "| disaggregated | 4 |" in table
+    assert (tmp_path / "docs" / "benchmarks" / "disagg_vs_colocated.png").stat().st_size > 0

@@ -1,0 +1,102 @@
+"""Drives load at a router and timestamps every streamed chunk at the client.
+
+Open loop (``rate``): arrivals are a Poisson process, exponential gaps from a seeded RNG, sent
+whether or not earlier requests finished. Closed loop (``concurrency``): that many clients, each
+sending its next request when the last one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.bench.stats import RequestRecord
+from pdserve.bench.workload import BenchRequest
+from pdserve.client import router_channel
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    router: str  # host:port
+    rate: float | None = None  # requests per second (open loop)
+    concurrency: int | None = None  # clients (closed loop)
+    seed: int = 0
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.concurrency is None):
+            raise ValueError("pass exactly one of --rate and --concurrency")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"--rate must be > 0, got {self.rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
+
+
+def to_proto(request: BenchRequest) -> router_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(
+        max_tokens=request.output_len, temperature=0.0, ignore_eos=True
+    )
+    if request.prompt is not None:
+        return router_pb2.GenerateRequest(prompt=request.prompt, sampling=sampling)
+    return router_pb2.GenerateRequest(
+        prompt_token_ids=list(request.prompt_token_ids), sampling=sampling
+    )
+
+
+async def run_load(
+    config: LoadConfig,
+    requests: list[BenchRequest],
+    on_done: Callable[[int, int], None] = lambda done, total: None,
+) -> tuple[list[RequestRecord], float]:
+    """Every request's record (send time relative to the start) and the run's duration."""
+    clock = time.perf_counter
+    records = [RequestRecord(i, r.num_prompt_tokens, 0.0) for i, r in enumerate(requests)]
+    finished = 0
+    async with router_channel(config.router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        start = clock()
+
+        async def one(i: int) -> None:
+            nonlocal finished
+            record = records[i]
+            record.send_s = clock() - start
+            try:
+                stream = stub.Generate(to_proto(requests[i]), timeout=config.request_timeout_s)
+                async for response in stream:
+                    if response.HasField("chunk"):
+                        if response.chunk.token_ids:
+                            record.chunk_times_s.append(clock() - start)
+                            record.num_output_tokens += len(response.chunk.token_ids)
+                    else:  # token counts only; every time is the client's own
+                        record.num_prompt_tokens = response.final.usage.prompt_tokens
+            except grpc.aio.AioRpcError as exc:
+                record.error = f"{exc.code().name}: {exc.details()}"
+            finished += 1
+            on_done(finished, len(requests))
+
+        if config.rate is not None:
+            rng = random.Random(config.seed)
+            tasks = []
+            arrival_s = 0.0
+            for i in range(len(requests)):
+                arrival_s += rng.expovariate(config.rate)
+                await asyncio.sleep(max(0.0, arrival_s - (clock() - start)))
+                tasks.append(asyncio.create_task(one(i)))
+            await asyncio.gather(*tasks)
+        else:
+            assert config.concurrency is not None
+            pending = iter(range(len(requests)))
+
+            async def client() -> None:
+                for i in pending:  # one shared iterator: each index is taken once
+                    await one(i)
+
+            await asyncio.gather(*(client() for _ in range(config.concurrency)))
+        duration_s = clock() - start
+    return records, duration_s
