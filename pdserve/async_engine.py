@@ -30,10 +30,14 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, on_stats: Callable[[EngineStats], None] | None = None
+        self,
+        engine: LLMEngine,
+        on_stats: Callable[[EngineStats], None] | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self._on_step = on_stats
+        self._on_dead = on_dead  # told once, when a step fails
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestUpdate | BaseException]] = {}
@@ -142,6 +146,8 @@ class AsyncEngine:
                     self.error = exc
                     for queue in self._queues.values():
                         queue.put_nowait(exc)
+                    if self._on_dead is not None:
+                        self._on_dead(exc)
                     return
                 self._refresh_stats()
                 if self.engine.last_step_idle:

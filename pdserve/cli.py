@@ -56,7 +56,8 @@ def _cmd_service(args: argparse.Namespace) -> int:
     from pdserve.components import service_spec
 
     spec = service_spec(args)
-    return _serve(spec.service, spec.server, spec.role, reflect=spec.reflect)
+    code = _serve(spec.service, spec.server, spec.role, reflect=spec.reflect)
+    return 1 if spec.service.failure is not None else code
 
 
 def _check_model(model: str) -> None:

@@ -54,6 +54,8 @@ class Service(ABC):
     address: str = ""  # host:port peers use to reach this service (set once bound)
     # Set by ``serve``: starts the same graceful shutdown as SIGTERM (e.g. a drain request).
     request_stop: Callable[[], None] | None = None
+    # Why the service stopped itself (a dead engine); the process then exits non-zero.
+    failure: BaseException | None = None
 
     @abstractmethod
     def register(self, server: grpc.aio.Server) -> None: ...

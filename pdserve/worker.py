@@ -51,7 +51,9 @@ class WorkerService(Service):
 
     async def load(self) -> None:
         llm_engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        self._engine = AsyncEngine(llm_engine, on_stats=metrics.observe_engine)
+        self._engine = AsyncEngine(
+            llm_engine, on_stats=metrics.observe_engine, on_dead=self._on_engine_dead
+        )
         self._engine.start()
         metrics.observe_engine(self._engine.stats)
         if self.redis is not None:
@@ -76,6 +78,14 @@ class WorkerService(Service):
             num_free_blocks=stats.num_free_blocks,
             num_cached_blocks=stats.num_cached_blocks,
         )
+
+    def _on_engine_dead(self, exc: BaseException) -> None:
+        # A failed step leaves the engine untrusted: stop taking work (health NOT_SERVING,
+        # deregister) and exit non-zero, so the supervisor (kubelet, Ray, pdserve up) restarts us.
+        logger.error("worker_id=%s engine dead (%r): stopping", self.worker_id, exc)
+        self.failure = exc
+        if self.request_stop is not None:
+            self.request_stop()
 
     def _on_drain_request(self) -> None:
         logger.info("worker_id=%s drain requested through the registry", self.worker_id)

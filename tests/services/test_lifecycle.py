@@ -69,3 +69,47 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
         await asyncio.wait_for(shutdown, 10)
 
     asyncio.run(run())
+
+
+def test_a_dead_engine_turns_the_worker_not_serving_and_stops_it(llama_dir: Path) -> None:
+    """A failed engine step: the request gets UNAVAILABLE, health NOT_SERVING, and the service
+    stops itself with the failure recorded (the CLI then exits 1 so a supervisor restarts it)."""
+    from pdserve.server import serve
+
+    async def run() -> None:
+        service = PrefillService(PrefillConfig(engine=engine_config(llama_dir)))
+        ready: asyncio.Queue[str] = asyncio.Queue()
+
+        def on_event(event: str, address: str) -> None:
+            if event == "ready":
+                ready.put_nowait(address)
+
+        serving = asyncio.create_task(
+            serve(service, ServerConfig(port=0), on_event=on_event, signals=False)
+        )
+        address = await asyncio.wait_for(ready.get(), 60)
+        assert await _health(address) == health_pb2.HealthCheckResponse.SERVING
+
+        def broken_step() -> None:  # a fault in the model code, e.g. a CUDA error
+            raise RuntimeError("device lost")
+
+        service.engine.engine.step = broken_step  # type: ignore[method-assign]
+        async with grpc.aio.insecure_channel(address) as channel:
+            from pdserve.v1 import prefill_pb2_grpc
+
+            stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
+            request = prefill_pb2.PrefillRequest(
+                request_id="r",
+                prompt_token_ids=[1, 2, 3],
+                sampling=sampling_to_proto(SamplingParams(max_tokens=4)),
+            )
+            try:
+                await stub.Prefill(request)
+                raise AssertionError("a dead engine served a request")
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                assert "device lost" in (exc.details() or "")
+        await asyncio.wait_for(serving, 30)  # stopped by itself, gracefully
+        assert isinstance(service.failure, RuntimeError)
+
+    asyncio.run(run())
