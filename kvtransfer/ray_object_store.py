@@ -127,13 +127,30 @@ class RayKVSender(KVSender):
             try:
                 tickets: list[PullTicket] = await self._mailbox.next_tickets.remote()
             except RayError as exc:
-                if not self._stopping:
-                    logger.error("ray kv mailbox %s lost: %s", self.address, exc)
-                return
+                if self._stopping:
+                    return
+                # Lost (e.g. killed for memory): a new one under the same name keeps every
+                # handle already issued valid; pulls waiting on the old one fail UNAVAILABLE.
+                logger.error("ray kv mailbox %s lost (%s): starting a new one", self.address, exc)
+                if not await self._respawn():
+                    return
+                continue
             for ticket in tickets:
                 task = asyncio.create_task(self._answer(ticket))
                 self._answers.add(task)
                 task.add_done_callback(self._answers.discard)
+
+    async def _respawn(self, attempts: int = 5) -> bool:
+        for attempt in range(attempts):
+            try:
+                self._mailbox = spawn_mailbox(self._name, self._namespace)
+                await self._mailbox.__ray_ready__.remote()
+                return True
+            except (RayError, ValueError) as exc:  # ValueError: the old name not yet freed
+                logger.warning("ray kv mailbox %s not restarted yet: %s", self.address, exc)
+                await asyncio.sleep(0.2 * 2**attempt)
+        logger.error("ray kv mailbox %s gone for good: pulls from here fail", self.address)
+        return False
 
     async def _answer(self, ticket: PullTicket) -> None:
         """Stages and answers the ticket's ranges in order; stops after an error."""

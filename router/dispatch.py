@@ -106,17 +106,22 @@ class Dispatcher:
         metrics.ROUTING_DECISIONS.labels("prefill", policy.value, reason).inc()
         return self.pool.ranked_prefill(), 0
 
-    async def choose_local(self, prompt_ids: list[int]) -> Worker | None:
+    async def choose_local(
+        self, prompt_ids: list[int], tried: frozenset[str] = frozenset()
+    ) -> Worker | None:
         """Conditional disaggregation: the decode worker that should prefill this prompt itself
-        (its uncached part is under ``local_prefill_tokens``), or None to disaggregate."""
+        (its uncached part is under ``local_prefill_tokens``), or None to disaggregate. When
+        colocated, always a worker (not one of ``tried``, which turned the request away)."""
         threshold = self.config.local_prefill_tokens
         if threshold <= 0 and not self.config.colocated:
             return None
-        workers = self.pool.ranked_decode(len(prompt_ids), advance=not self.config.colocated)
+        # Colocated, this is the request's one decode choice; otherwise a peek (admit advances).
+        workers = self.pool.ranked_decode(len(prompt_ids), advance=self.config.colocated)
+        workers = [w for w in workers if w.address not in tried]
         if not workers:
             if not self.config.colocated:
                 return None
-            if not any(w.healthy for w in self.pool.decode.values()):
+            if tried or not any(w.healthy for w in self.pool.decode.values()):
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy colocated worker")
             raise WorkerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

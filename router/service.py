@@ -143,11 +143,17 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         sampling = sampling_to_proto(params)
         done = _Outcome()
         local = await self.dispatch.choose_local(prompt_ids)
-        if local is not None:
+        tried: set[str] = set()
+        while local is not None:
+            done.fall_back = False
             async for response in self._local(request_id, prompt_ids, sampling, local, out, done):
                 yield response
-        if done.fall_back and self.config.colocated:  # no prefill pool to fall back on
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the colocated worker is draining")
+            if not (done.fall_back and self.config.colocated):
+                break
+            # Colocated has no prefill pool to fall back on: the next worker takes it (or the
+            # choice raises UNAVAILABLE once every worker has turned it away).
+            tried.add(local.address)
+            local = await self.dispatch.choose_local(prompt_ids, frozenset(tried))
         if local is None or done.fall_back:
             local = None
             stream = self._disaggregated(request_id, prompt_ids, sampling, out, done)

@@ -27,7 +27,12 @@ def _run(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
 
 
 def _deployment_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--address", default="auto", help="Ray cluster: auto or GCS HOST:PORT")
+    add_flag(
+        parser,
+        "--address",
+        default="auto",
+        help="Ray cluster: auto, the GCS HOST:PORT (on a Ray node), or ray://HEAD:10001",
+    )
     add_flag(parser, "--namespace", default="pdserve", help="Ray namespace of the deployment")
 
 

@@ -93,10 +93,29 @@ class Controller:
                 if index not in pool:
                     added.append(self._add(role, index))
                 index += 1
-            removed = [pool.pop(i) for i in sorted(pool)[count:]]
+            # Dead or restarting workers go first, then the highest indices: scaling down and
+            # up again replaces a worker whose restarts are exhausted.
+            removed = []
+            if len(pool) > count:
+                dead = self._unresponsive(pool)
+                order = sorted(pool, key=lambda i: (i not in dead, -i))
+                removed = [pool.pop(i) for i in order[: len(pool) - count]]
         ray.get([a.ready.remote(self.spec.ready_timeout_s) for a in added])
         self._drain_and_kill(removed)
         return self.status()
+
+    @staticmethod
+    def _unresponsive(pool: dict[int, Any]) -> set[int]:
+        refs = {i: actor.info.remote() for i, actor in pool.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=_INFO_TIMEOUT_S)
+        dead = set()
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError):
+                ray.cancel(ref)
+                dead.add(i)
+        return dead
 
     def status(self) -> list[ServiceInfo]:
         """Every actor's info; one that does not answer (restarting) shows no address."""

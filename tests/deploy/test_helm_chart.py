@@ -219,7 +219,7 @@ def test_ray_mode_renders_a_raycluster_and_the_ray_up_job(helm: str) -> None:
     assert limits["nvidia.com/gpu"] == 4
     job = find(manifests, "Job", "rel-pdserve-ray-up")["spec"]["template"]["spec"]
     args = job["containers"][0]["args"]
-    assert args[:4] == ["ray", "up", "--address", "rel-pdserve-ray-head-svc:6379"]
+    assert args[:4] == ["ray", "up", "--address", "ray://rel-pdserve-ray-head-svc:10001"]
     flags = dict(zip(args[4::2], args[5::2], strict=True))
     assert flags["--prefill"] == "2" and flags["--decode"] == "4"
     assert flags["--transfer"] == "ray" and flags["--num-gpus-per-worker"] == "1"
@@ -247,3 +247,15 @@ def test_invalid_values_are_rejected_by_the_schema_readably(helm: str, bad_value
     assert "at '/prefill/replicas': got string, want integer" in done.stderr
     assert "additional properties 'gpus' not allowed" in done.stderr
     assert "at '/model/dtype'" in done.stderr
+
+
+def test_keda_scales_queue_depth_per_replica_and_kv_usage_as_a_ratio(helm: str) -> None:
+    manifests = render(helm, "-f", str(CHART / "ci" / "external-redis-values.yaml"))
+    prefill = find(manifests, "ScaledObject", "rel-pdserve-prefill")["spec"]["triggers"][0]
+    decode = find(manifests, "ScaledObject", "rel-pdserve-decode")["spec"]["triggers"][0]
+    # A queue length divides across replicas; a usage ratio in [0, 1] does not: averaging it
+    # would cap the pool at ceil(1 / threshold) replicas.
+    assert prefill["metricType"] == "AverageValue"
+    assert 'pdserve_queue_depth{job="rel-pdserve-prefill"}' in prefill["metadata"]["query"]
+    assert decode["metricType"] == "Value"
+    assert "pdserve_kv_blocks_free" in decode["metadata"]["query"]

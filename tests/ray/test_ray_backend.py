@@ -23,6 +23,7 @@ from tests.services.harness import (
     prefill_stub,
     start_decode,
     start_prefill,
+    wait_for,
 )
 from tests.services.test_transfer_failures import PROMPT, _prefill_and_decode
 
@@ -110,6 +111,51 @@ def test_staged_object_lives_until_the_lease_ends(llama_dir: Path) -> None:
             assert first.num_bytes == handle.num_blocks * decode.kv_layout.block_bytes
             assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
             assert sender.num_staged == 0
+            decode.abort("r")
+            decode.block_manager.check_no_leaks()
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_lost_mailbox_is_replaced_under_the_same_name(llama_dir: Path) -> None:
+    """Ray kills the mailbox (say, for memory): the sender starts a new one under the same
+    name, so handles already issued keep working."""
+    from engine.llm_engine import LLMEngine
+    from kvtransfer import make_receiver
+    from pdserve.convert import handle_from_proto, sampling_to_proto
+    from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
+    from tests.services.harness import engine_config
+
+    decode = LLMEngine(engine_config(llama_dir))
+
+    async def run() -> None:
+        prefill, server = await start_prefill(llama_dir, kv_backend="ray")
+        stub = prefill_stub(server)
+        receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
+        sender = prefill._sender
+        assert isinstance(sender, RayKVSender)
+        try:
+            response = await stub.Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY)
+                )
+            )
+            handle = handle_from_proto(response.handle)
+            block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
+            assert block_ids is not None
+            old = sender._mailbox
+            ray.kill(old)
+
+            async def replaced() -> bool:
+                return sender._mailbox is not old
+
+            await wait_for(replaced, 30.0, "a new mailbox", poll_s=0.05)
+            stats = await receiver.pull(handle, block_ids)  # the handle issued before the loss
+            assert stats.num_bytes == handle.num_blocks * decode.kv_layout.block_bytes
+            assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
             decode.abort("r")
             decode.block_manager.check_no_leaks()
         finally:
