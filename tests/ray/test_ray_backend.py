@@ -5,7 +5,9 @@ their lease."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -13,13 +15,18 @@ import numpy as np
 import pytest
 import ray
 
+from engine.llm_engine import LLMEngine
+from kvtransfer import KVHandle, KVReceiver, make_receiver
 from kvtransfer.ray_mailbox import LayerRange
 from kvtransfer.ray_object_store import Payload, RayKVSender
+from pdserve.convert import handle_from_proto, sampling_to_proto
 from pdserve.ray_deploy.objects import live_objects
-from pdserve.v1 import prefill_pb2
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
 from tests.ray_util import no_new_objects
 from tests.services.harness import (
     both_sides_freed,
+    engine_config,
     prefill_stub,
     start_decode,
     start_prefill,
@@ -72,50 +79,69 @@ def test_damaged_payload_is_data_loss_and_frees_both_sides(llama_dir: Path) -> N
     asyncio.run(run())
 
 
+@dataclass
+class _Pulled:
+    """A request prefilled on a Ray-backed prefill service, with decode blocks reserved."""
+
+    sender: RayKVSender
+    stub: prefill_pb2_grpc.PrefillWorkerStub
+    receiver: KVReceiver
+    handle: KVHandle
+    block_ids: list[int]
+    decode: LLMEngine
+
+    @property
+    def num_bytes(self) -> int:
+        return self.handle.num_blocks * self.decode.kv_layout.block_bytes
+
+    async def release(self) -> bool:
+        reply = await self.stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+        return bool(reply.released)
+
+
+@asynccontextmanager
+async def _prefilled_on_ray(llama_dir: Path) -> AsyncIterator[_Pulled]:
+    decode = LLMEngine(engine_config(llama_dir))
+    prefill, server = await start_prefill(llama_dir, kv_backend="ray")
+    stub = prefill_stub(server)
+    receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
+    sender = prefill._sender
+    assert isinstance(sender, RayKVSender)
+    try:
+        response = await stub.Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY)
+            )
+        )
+        block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
+        assert block_ids is not None
+        handle = handle_from_proto(response.handle)
+        yield _Pulled(sender, stub, receiver, handle, block_ids, decode)
+        decode.abort("r")
+        decode.block_manager.check_no_leaks()
+    finally:
+        await receiver.close()
+        await server.shutdown()
+
+
 def test_staged_object_lives_until_the_lease_ends(llama_dir: Path) -> None:
     """The sender owns the object from the first pull to the release; a second pull of the
     same lease reuses it."""
-    from engine.llm_engine import LLMEngine
-    from kvtransfer import make_receiver
-    from pdserve.convert import handle_from_proto, sampling_to_proto
-    from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
-    from tests.services.harness import engine_config
 
-    decode = LLMEngine(engine_config(llama_dir))
+    def stored() -> set[str]:  # objects with data (pending call results have none)
+        return {o.object_id for o in live_objects() if o.size_bytes >= 0}
 
     async def run() -> None:
-        prefill, server = await start_prefill(llama_dir, kv_backend="ray")
-        stub = prefill_stub(server)
-        receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
-        sender = prefill._sender
-        assert isinstance(sender, RayKVSender)
-        try:
-            response = await stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY)
-                )
-            )
-            handle = handle_from_proto(response.handle)
-            block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
-            assert block_ids is not None
-
-            def stored() -> set[str]:  # objects with data (pending call results have none)
-                return {o.object_id for o in live_objects() if o.size_bytes >= 0}
-
+        async with _prefilled_on_ray(llama_dir) as p:
             before = stored()
-            first = await receiver.pull(handle, block_ids)
+            first = await p.receiver.pull(p.handle, p.block_ids)
             staged = stored() - before
             assert len(staged) == 1
-            await receiver.pull(handle, block_ids)  # a retry: same object, no second put
+            await p.receiver.pull(p.handle, p.block_ids)  # a retry: same object, no second put
             assert stored() - before == staged
-            assert first.num_bytes == handle.num_blocks * decode.kv_layout.block_bytes
-            assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
-            assert sender.num_staged == 0
-            decode.abort("r")
-            decode.block_manager.check_no_leaks()
-        finally:
-            await receiver.close()
-            await server.shutdown()
+            assert first.num_bytes == p.num_bytes
+            assert await p.release()
+            assert p.sender.num_staged == 0
 
     asyncio.run(run())
 
@@ -123,43 +149,18 @@ def test_staged_object_lives_until_the_lease_ends(llama_dir: Path) -> None:
 def test_a_lost_mailbox_is_replaced_under_the_same_name(llama_dir: Path) -> None:
     """Ray kills the mailbox (say, for memory): the sender starts a new one under the same
     name, so handles already issued keep working."""
-    from engine.llm_engine import LLMEngine
-    from kvtransfer import make_receiver
-    from pdserve.convert import handle_from_proto, sampling_to_proto
-    from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
-    from tests.services.harness import engine_config
-
-    decode = LLMEngine(engine_config(llama_dir))
 
     async def run() -> None:
-        prefill, server = await start_prefill(llama_dir, kv_backend="ray")
-        stub = prefill_stub(server)
-        receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
-        sender = prefill._sender
-        assert isinstance(sender, RayKVSender)
-        try:
-            response = await stub.Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(GREEDY)
-                )
-            )
-            handle = handle_from_proto(response.handle)
-            block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
-            assert block_ids is not None
-            old = sender._mailbox
+        async with _prefilled_on_ray(llama_dir) as p:
+            old = p.sender._mailbox
             ray.kill(old)
 
             async def replaced() -> bool:
-                return sender._mailbox is not old
+                return p.sender._mailbox is not old
 
             await wait_for(replaced, 30.0, "a new mailbox", poll_s=0.05)
-            stats = await receiver.pull(handle, block_ids)  # the handle issued before the loss
-            assert stats.num_bytes == handle.num_blocks * decode.kv_layout.block_bytes
-            assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
-            decode.abort("r")
-            decode.block_manager.check_no_leaks()
-        finally:
-            await receiver.close()
-            await server.shutdown()
+            stats = await p.receiver.pull(p.handle, p.block_ids)  # a handle from before
+            assert stats.num_bytes == p.num_bytes
+            assert await p.release()
 
     asyncio.run(run())

@@ -26,6 +26,14 @@ async def _health(address: str) -> int:
         return int(reply.status)
 
 
+def _request() -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        sampling=sampling_to_proto(SamplingParams(max_tokens=4)),
+    )
+
+
 def test_health_follows_load_and_drain(llama_dir: Path) -> None:
     serving, not_serving = (
         health_pb2.HealthCheckResponse.SERVING,
@@ -38,11 +46,7 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
         await server.start()
         assert await _health(server.address) == not_serving
         stub = prefill_stub(server)
-        request = prefill_pb2.PrefillRequest(
-            request_id="r",
-            prompt_token_ids=[1, 2, 3],
-            sampling=sampling_to_proto(SamplingParams(max_tokens=4)),
-        )
+        request = _request()
         try:
             await stub.Prefill(request)
             raise AssertionError("a loading worker accepted work")
@@ -98,13 +102,8 @@ def test_a_dead_engine_turns_the_worker_not_serving_and_stops_it(llama_dir: Path
             from pdserve.v1 import prefill_pb2_grpc
 
             stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
-            request = prefill_pb2.PrefillRequest(
-                request_id="r",
-                prompt_token_ids=[1, 2, 3],
-                sampling=sampling_to_proto(SamplingParams(max_tokens=4)),
-            )
             try:
-                await stub.Prefill(request)
+                await stub.Prefill(_request())
                 raise AssertionError("a dead engine served a request")
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.UNAVAILABLE
