@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.make_model import make_model
+from pdserve.app.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ One invocation runs the same workload (synthetic prompts, Poisson arrivals, same
 ``--rates`` value against two local clusters served by the same router and worker code:
 (a) colocated: ``pdserve up --colocated`` with 2 workers that each prefill and decode in one
 engine (vLLM-style); (b) disaggregated: 1 prefill + 1 decode worker. Measured at the client
-(``pdserve.bench``): TTFT p90, TPOT p90, goodput (requests/s within both SLOs).
+(``pdserve.app.bench``): TTFT p90, TPOT p90, goodput (requests/s within both SLOs).
 
 Writes the table and a plot to docs/benchmarks.md and docs/benchmarks/disagg_vs_colocated.png
 (``--quick``: a smoke run that writes them to --out instead), and ends with one JSON line.
@@ -24,10 +24,10 @@ from typing import Any
 
 from bench_inputs import REPO, ensure_model  # sibling module
 
-from pdserve.bench import workload
-from pdserve.bench.runner import LoadConfig, run_load
-from pdserve.bench.stats import summarize
-from pdserve.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.bench import workload
+from pdserve.app.bench.runner import LoadConfig, run_load
+from pdserve.app.bench.stats import summarize
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 
 MODES = ("colocated", "disaggregated")
 

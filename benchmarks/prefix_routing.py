@@ -24,9 +24,9 @@ from typing import Any
 
 from bench_inputs import ensure_model  # sibling module
 
-from pdserve.client import GenerateResult, generate, router_channel
-from pdserve.embedded_redis import EmbeddedRedis
-from pdserve.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.client import GenerateResult, generate, router_channel
+from pdserve.app.embedded_redis import EmbeddedRedis
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
 GOAL = 1.1

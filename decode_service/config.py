@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from kvtransfer import BACKENDS
 from pdserve.cluster.config import RedisConfig
-from pdserve.server import ServerConfig
+from pdserve.common.server import ServerConfig
 
 
 @dataclass(frozen=True)
@@ -15,11 +16,14 @@ class DecodeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     redis: RedisConfig | None = None  # registry + prefix index; None: static routing only
     worker_id: str | None = None  # default: <role>-<8 hex>
-    kv_backend: str = "grpc"
+    kv_backend: str = "grpc"  # one of kvtransfer.BACKENDS
+    ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
     transfer_timeout_s: float = 60.0  # one request's whole KV pull
     release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks
 
     def __post_init__(self) -> None:
+        if self.kv_backend not in BACKENDS:
+            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if not self.release_timeout_s > 0:

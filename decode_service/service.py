@@ -2,9 +2,9 @@
 
 Admission: a request is admitted only if its prompt's blocks can be allocated now
 (RESOURCE_EXHAUSTED otherwise; the router retries elsewhere or waits). Once admitted, this worker
-owns ending the prefill lease: it releases it after the pull, whether the pull succeeded or not.
-It then joins the batch without computing any prompt token (the engine counts them; the test
-suite asserts zero).
+owns ending the prefill lease (the contract in ``kvtransfer/base.py``): it releases it after the
+pull, whether the pull succeeded or not. It then joins the batch without computing any prompt
+token (the engine counts them; the test suite asserts zero).
 """
 
 from __future__ import annotations
@@ -18,20 +18,17 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_service.config import DecodeConfig
+from engine.async_engine import EngineDeadError
 from engine.outputs import PrefilledRequest
 from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode, make_receiver
-from pdserve import metrics
-from pdserve.async_engine import EngineDeadError
-from pdserve.channels import ChannelPool
+from kvtransfer.wire import handle_from_proto
 from pdserve.cluster.registry import Role
-from pdserve.convert import (
-    finish_reason_to_proto,
-    handle_from_proto,
-    logprobs_from_proto,
-    logprobs_to_proto,
-)
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from pdserve.worker import WorkerService
+from pdserve.common import metrics
+from pdserve.common.channels import ChannelPool
+from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
+from pdserve.common.lease_release import LeaseReleaser
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.worker.service import WorkerService
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +49,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         self.config = config
         self._receiver: KVReceiver | None = None
         self._channels = ChannelPool()
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releaser = LeaseReleaser(self._channels, config.release_timeout_s)
 
     def register(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -60,12 +57,11 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     async def load(self) -> None:
         await super().load()
         self._receiver = make_receiver(
-            self.config.kv_backend, self.engine.engine.kv_cache, self.config.transfer_timeout_s
+            self.config.kv_backend, self.engine.kv_cache, self.config.transfer_timeout_s
         )
 
     async def close(self) -> None:
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+        await self._releaser.close()
         if self._receiver is not None:
             await self._receiver.close()
         await self._channels.close()
@@ -96,7 +92,6 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             handle = handle_from_proto(request.handle)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        llm_engine = self.engine.engine
         with self.admitted():
             start = time.perf_counter()
             block_ids = await self._reserve(prefilled, context)
@@ -109,9 +104,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                     len(block_ids),
                     transfer_s * 1e3,
                 )
-                stream = self.engine.stream(
-                    prefilled.request_id, lambda: llm_engine.start_prefilled(prefilled)
-                )
+                stream = self.engine.start_prefilled(prefilled)
                 first = True
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
@@ -130,24 +123,17 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 # However this ends (finished, failed pull, client gone at any await), the
                 # request's blocks go back; a no-op when it already finished.
                 with contextlib.suppress(EngineDeadError):
-                    await asyncio.shield(
-                        self.engine.call(lambda: llm_engine.abort(prefilled.request_id))
-                    )
+                    await self.engine.abort(prefilled.request_id)
 
-    async def Generate(
-        self, request: decode_pb2.LocalGenerateRequest, context: grpc.aio.ServicerContext
+    async def PrefillAndDecode(
+        self, request: decode_pb2.PrefillAndDecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         params = await self.accept(context, request.request_id, request.sampling)
-        llm_engine = self.engine.engine
         prompt = list(request.prompt_token_ids)
-
-        def admit() -> None:
-            llm_engine.add_request(prompt, params, request.request_id)
-
         with self.admitted():
             yield decode_pb2.DecodeResponse()  # admitted: the scheduler queues it like any other
             try:
-                stream = self.engine.stream(request.request_id, admit)
+                stream = self.engine.generate(request.request_id, prompt, params)
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
                         yield decode_pb2.DecodeResponse(
@@ -164,17 +150,17 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     async def _reserve(
         self, prefilled: PrefilledRequest, context: grpc.aio.ServicerContext
     ) -> list[int]:
-        llm_engine = self.engine.engine
+        engine = self.engine
         try:
-            block_ids = await self.engine.call(lambda: llm_engine.reserve_prefilled(prefilled))
+            block_ids = await engine.reserve(prefilled)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if block_ids is None:
-            needed = -(-len(prefilled.prompt_token_ids) // llm_engine.block_size)
-            free = llm_engine.block_manager.num_free_blocks
+            needed = engine.blocks_for(len(prefilled.prompt_token_ids))
+            free = engine.stats.num_free_blocks
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker has {free} free KV blocks of {llm_engine.num_blocks}; "
+                f"decode worker has {free} free KV blocks of {engine.num_blocks}; "
                 f"prompt_token_ids needs {needed}",
             )
         assert block_ids is not None  # context.abort raised
@@ -205,30 +191,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         except ValueError as exc:  # a handle that does not fit the request
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
-            self._release_later(prefill_address, handle.request_id)
+            self._releaser.release_later(prefill_address, handle.request_id)
         metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
         metrics.TRANSFER_S.observe(stats.duration_s)
         return stats.duration_s
-
-    def _release_later(self, prefill_address: str, request_id: str) -> None:
-        """Confirms receipt off the token path; the lease is the backstop if this fails."""
-        if not prefill_address:
-            return
-        task = asyncio.create_task(self._release(prefill_address, request_id))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, prefill_address: str, request_id: str) -> None:
-        stub = prefill_pb2_grpc.PrefillWorkerStub(self._channels.get(prefill_address))
-        try:
-            await stub.Release(
-                prefill_pb2.ReleaseRequest(request_id=request_id),
-                timeout=self.config.release_timeout_s,
-            )
-        except grpc.aio.AioRpcError as exc:
-            logger.warning(
-                "request_id=%s release at %s failed (%s); the lease will expire",
-                request_id,
-                prefill_address,
-                exc.code().name,
-            )

@@ -1,14 +1,14 @@
 """The engine loop: admit requests, schedule a step, run it, turn samples into updates.
 
-Disaggregation hooks (block ownership is spelled out because this is where systems leak):
+``LLMEngine`` owns scheduling and request state; the model, its KV cache and the runner belong to
+the ``LoadedModel`` it holds. Disaggregation hooks (who calls them, and who frees which block
+when, is the contract in ``kvtransfer/base.py``; here is only what each hook does):
 - ``add_request(..., prefill_only=True)``: the request stops after its first token; its blocks
-  stay pinned (still referenced) and it is listed in ``pinned``. ``export_prefilled`` and
-  ``read_kv`` read them; ``release`` frees them, exactly once. The prefill side must call
-  ``release`` when the decode side confirms, when a lease expires, or on abort.
-- ``reserve_prefilled`` (decode side): allocates blocks for a prompt computed elsewhere, or
-  returns None if there is no room. The blocks belong to the reserved request from then on;
-  ``write_kv`` fills them; ``start_prefilled`` joins the request to the batch (it computes no
-  prompt token); ``abort`` frees them if the transfer fails.
+  stay pinned (still referenced) and it is listed in ``pinned``. ``export_prefilled`` names them;
+  the KV sender reads them through ``kv_cache``; ``free_pinned`` frees them, exactly once.
+- ``reserve_prefilled``: allocates blocks for a prompt computed elsewhere, or returns None if
+  there is no room; the KV receiver writes them through ``kv_cache``; ``start_prefilled`` joins
+  the request to the batch (it computes no prompt token); ``abort`` frees them at any point.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import logging
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore
+from engine.loaded_model import LoadedModel
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -38,10 +39,19 @@ class _Request:
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-class LLMEngine(EngineCore):
+class LLMEngine:
     """Single-process engine. Not thread-safe: one caller drives ``step``."""
 
-    def _init_state(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = LoadedModel(config)
+        loaded = self.loaded
+        # Fixed once loaded; read by the loop and by the services through AsyncEngine.
+        self.model_config, self.tokenizer = loaded.model_config, loaded.tokenizer
+        self.max_model_len, self.block_size = loaded.max_model_len, loaded.block_size
+        self.num_blocks, self.fingerprint = loaded.num_blocks, loaded.fingerprint
+        self.kv_cache, self.kv_layout = loaded.kv_cache, loaded.kv_layout
+        self.runner = loaded.runner
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, self.config.cache.enable_prefix_caching
         )
@@ -91,7 +101,7 @@ class LLMEngine(EngineCore):
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
         if request_id in self.pinned:
-            self.release(request_id)
+            self.free_pinned(request_id)
             return True
         req = self._requests.pop(request_id, None) or self._reserved.pop(request_id, None)
         if req is None:
@@ -171,7 +181,7 @@ class LLMEngine(EngineCore):
                 # The stop string completed inside the last, held-back characters.
                 status = seq.status = SequenceStatus.FINISHED_STOPPED
         del self._requests[seq.request_id]
-        # Finished at its first token: the caller still owns a release() of the blocks.
+        # Finished at its first token: the caller still owns a free_pinned() of the blocks.
         pinned = seq.prefill_only and seq.num_output_tokens > 0
         if pinned:
             self.pinned[seq.request_id] = seq
@@ -209,7 +219,7 @@ class LLMEngine(EngineCore):
 
     def _hash(self, seq: Sequence) -> None:
         if self.config.cache.enable_prefix_caching:
-            seq.update_block_hashes(self.root_hash, self.block_size)
+            seq.update_block_hashes(self.loaded.root_hash, self.block_size)
 
     # ---- disaggregation: prefill side ------------------------------------------------------
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
@@ -223,8 +233,8 @@ class LLMEngine(EngineCore):
             first_token_logprobs=seq.logprobs[0] if seq.logprobs else None,
         )
 
-    def release(self, request_id: str) -> None:
-        """Free a pinned request's blocks. Raises KeyError if not pinned (double release)."""
+    def free_pinned(self, request_id: str) -> None:
+        """Free a pinned request's blocks. Raises KeyError if not pinned (a second free)."""
         seq = self.pinned.pop(request_id)
         self.block_manager.free(seq)
 
@@ -255,7 +265,16 @@ class LLMEngine(EngineCore):
         self.scheduler.add_running(seq)
         return self._append_token(req, request.first_token_id, request.first_token_logprobs)
 
-    # ---- introspection ---------------------------------------------------------------------
+    # ---- validation and introspection ------------------------------------------------------
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        return self.loaded.validate_prompt(prompt)
+
+    def validate_token_ids(self, token_ids: list[int], name: str) -> None:
+        self.loaded.validate_token_ids(token_ids, name)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self.block_manager.blocks_needed(num_tokens)
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(

@@ -52,7 +52,7 @@ class PrefilledRequest:
     prompt_token_ids: list[int]
     first_token_id: int
     params: SamplingParams
-    block_ids: list[int]  # on the prefill engine; pinned until release()
+    block_ids: list[int]  # on the prefill engine; pinned until free_pinned()
     first_token_logprobs: TokenLogprobs | None = None
 
 

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from engine.kv_cache import KVCache
 
 BACKENDS = ("grpc", "local", "ray")
+# The backends that cross processes: what the command line offers (local is in-process only).
+NETWORK_BACKENDS = tuple(b for b in BACKENDS if b != "local")
 
 
 def make_sender(
@@ -66,6 +68,7 @@ def make_receiver(backend: str, cache: KVCache, timeout_s: float) -> KVReceiver:
 
 __all__ = [
     "BACKENDS",
+    "NETWORK_BACKENDS",
     "BlockLeases",
     "KVHandle",
     "KVReceiver",

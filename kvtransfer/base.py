@@ -1,15 +1,21 @@
 """The KV transfer contract: a sender on each prefill worker, a receiver on each decode worker.
 
-Block ownership (who frees what, and when):
-- Prefill side. The prefill service pins a request's blocks in its engine and leases them
-  (``BlockLeases``). The sender only *reads* them, between ``checkout`` and ``checkin``; while
-  checked out, neither lease expiry nor a release frees them (a release is deferred to the
+Block ownership across the two workers (who frees what, and when). This is the one statement of
+the rule; the engine hooks, the lease manager, the release client and the services link here.
+- Prefill side. The engine pins a request's blocks after its first token; the prefill service's
+  ``LeaseManager`` leases them (``BlockLeases``) and is the only one that frees them (engine
+  ``free_pinned``), exactly once: when the lease ends (RPC ``Release``), when it expires, or
+  when the worker stops. The sender only *reads* them, between ``checkout`` and ``checkin``;
+  while checked out, neither an end nor expiry frees them (the free is deferred to the
   checkin). The sender never frees a block.
+- Until a decode worker admits the request (its first stream message), the router owns ending
+  the lease; from then on the decode worker does. Both end it with ``Release`` through the one
+  client, ``pdserve.common.lease_release``; a lost ``Release`` leaves it to expiry.
 - Decode side. The decode service allocates the destination blocks *before* calling ``pull`` and
   owns them throughout. ``pull`` only writes them. When ``pull`` returns or raises (including on
   cancellation), it has stopped writing: the caller may free or reuse the blocks at once.
-- After a pull, success or failure, the decode service tells the prefill side to release the
-  lease (the "confirm"). If it never does, the lease expires and the prefill side frees them.
+- After a pull, success or failure, the decode service ends the prefill lease (the "confirm").
+  If it never does, the lease expires and the prefill side frees the blocks.
 
 Errors are ``KVTransferError`` with a ``TransferErrorCode``; services map codes to gRPC statuses.
 Nothing is pickled: the wire carries raw tensor bytes described by a ``KVCacheLayout``.

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.kv_cache import KVCache
+from engine.threads import finish_in_thread
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -33,10 +34,8 @@ from kvtransfer.codec import (
     plan_chunks,
     tensor_bytes,
 )
-from pdserve.channels import ChannelPool
-from pdserve.convert import layout_from_proto, layout_to_proto
-from pdserve.server import GRPC_OPTIONS
-from pdserve.threads import finish_in_thread
+from pdserve.common.channels import GRPC_OPTIONS, ChannelPool
+from pdserve.common.convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _CODES = {

@@ -11,6 +11,7 @@ import time
 from typing import ClassVar
 
 from engine.kv_cache import KVCache
+from engine.threads import finish_in_thread
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -20,7 +21,6 @@ from kvtransfer.base import (
     TransferErrorCode,
     TransferStats,
 )
-from pdserve.threads import finish_in_thread
 
 
 class LocalKVSender(KVSender):

@@ -31,6 +31,7 @@ import xxhash
 from ray.exceptions import RayError
 
 from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
+from engine.threads import finish_in_thread
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -41,7 +42,6 @@ from kvtransfer.base import (
     TransferStats,
 )
 from kvtransfer.ray_mailbox import ExportReply, LayerRange, PullTicket, spawn_mailbox
-from pdserve.threads import finish_in_thread
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from kvtransfer import BACKENDS
 from pdserve.cluster.config import RedisConfig
-from pdserve.server import ServerConfig
+from pdserve.common.server import ServerConfig
 
 DEFAULT_LEASE_S = 30.0
 
@@ -18,10 +19,13 @@ class PrefillConfig:
     redis: RedisConfig | None = None  # registry + prefix index; None: static routing only
     worker_id: str | None = None  # default: <role>-<8 hex>
     lease_s: float = DEFAULT_LEASE_S  # how long leased blocks wait for a decode worker's pull
-    kv_backend: str = "grpc"
+    kv_backend: str = "grpc"  # one of kvtransfer.BACKENDS
+    ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
     kv_port: int = 0  # the gRPC KV sender's port (0: ephemeral)
 
     def __post_init__(self) -> None:
+        if self.kv_backend not in BACKENDS:
+            raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if not 0 <= self.kv_port <= 65535:

@@ -1,9 +1,10 @@
 """Leases on prefilled requests' blocks: pure bookkeeping, clock passed in (no torch, no I/O).
 
 A lease ends in exactly one of three ways, and the caller frees the blocks exactly once, when a
-method says so: ``release`` (decode confirmed, or gave up), ``expire`` (nobody came), or abort
-(``release`` again). While a sender has the request checked out, neither a release nor expiry
-frees it; the free is deferred to the last ``checkin``.
+method says so: ``end`` (decode confirmed, or gave up, or the request was aborted), or
+``expire`` (nobody came). While a sender has the request checked out, neither ``end`` nor
+expiry frees it; the free is deferred to the last ``checkin``. The rule this serves is the
+block-ownership contract in ``kvtransfer/base.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ class _Lease:
     block_ids: list[int]
     deadline_s: float
     num_readers: int = 0
-    released: bool = False
+    ended: bool = False
 
 
 class LeaseTable:
@@ -36,7 +37,7 @@ class LeaseTable:
 
     def renew(self, request_id: str, now_s: float) -> bool:
         lease = self._leases.get(request_id)
-        if lease is None or lease.released:
+        if lease is None or lease.ended:
             return False
         lease.deadline_s = max(lease.deadline_s, now_s + self.lease_s)
         return True
@@ -44,23 +45,23 @@ class LeaseTable:
     def checkout(self, request_id: str) -> list[int]:
         """Block ids of a live lease, pinned until ``checkin``. KeyError if none."""
         lease = self._leases.get(request_id)
-        if lease is None or lease.released:
+        if lease is None or lease.ended:
             raise KeyError(request_id)
         lease.num_readers += 1
         return list(lease.block_ids)
 
     def checkin(self, request_id: str) -> bool:
-        """True when the caller must now free the blocks (released while checked out)."""
+        """True when the caller must now free the blocks (ended while checked out)."""
         lease = self._leases[request_id]
         lease.num_readers -= 1
         return self._drop_if_done(request_id, lease)
 
-    def release(self, request_id: str) -> tuple[bool, bool]:
-        """(was leased, free now). A second release of the same lease is (False, False)."""
+    def end(self, request_id: str) -> tuple[bool, bool]:
+        """(was leased, free now). A second end of the same lease is (False, False)."""
         lease = self._leases.get(request_id)
-        if lease is None or lease.released:
+        if lease is None or lease.ended:
             return False, False
-        lease.released = True
+        lease.ended = True
         return True, self._drop_if_done(request_id, lease)
 
     def expire(self, now_s: float) -> list[str]:
@@ -68,7 +69,7 @@ class LeaseTable:
         expired = [
             rid
             for rid, lease in self._leases.items()
-            if not lease.released and lease.num_readers == 0 and lease.deadline_s <= now_s
+            if not lease.ended and lease.num_readers == 0 and lease.deadline_s <= now_s
         ]
         for rid in expired:
             del self._leases[rid]
@@ -78,12 +79,12 @@ class LeaseTable:
         live = [
             lease.deadline_s
             for lease in self._leases.values()
-            if not lease.released and lease.num_readers == 0
+            if not lease.ended and lease.num_readers == 0
         ]
         return min(live, default=None)
 
     def _drop_if_done(self, request_id: str, lease: _Lease) -> bool:
-        if lease.released and lease.num_readers == 0:
+        if lease.ended and lease.num_readers == 0:
             del self._leases[request_id]
             return True
         return False

@@ -13,10 +13,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from engine.block_hash import hash_blocks, root_hash
-from pdserve import metrics
 from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
+from pdserve.common import metrics
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)

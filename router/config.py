@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.cluster.config import RedisConfig
-from pdserve.server import ServerConfig
-from router.policy import RoutingPolicy
+from pdserve.common.server import ServerConfig
+from router.policy import DECODE_POLICIES, RoutingPolicy
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ class RouterConfig:
                 "without redis, prefill_addresses and decode_addresses must each name a worker"
                 " (decode_addresses only, when colocated)"
             )
-        if self.decode_policy is RoutingPolicy.CACHE_AWARE:
-            raise ValueError("decode_policy must be round_robin or least_loaded")
+        if self.decode_policy not in DECODE_POLICIES:
+            names = [p.value for p in DECODE_POLICIES]
+            raise ValueError(f"decode_policy must be one of {names}, got {self.decode_policy}")
         if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:
             raise ValueError("cache_alpha, imbalance_tokens and local_prefill_tokens must be >= 0")
         for name in ("admission_timeout_s", "prefill_timeout_s", "stats_interval_s"):

@@ -1,10 +1,10 @@
 """The router's calls to workers: prefill worker choice (cache-aware or load-only), the
 Prefill call, decode admission with bounded retries, lease renewal and release.
 
-Lease ownership: after a successful prefill the router owns ending the prefill lease until a
-decode worker admits the request (its first stream message); from then on the decode worker
-does. The router releases it itself on every other path (no decode room, errors, client cancel);
-Release is idempotent and the lease's expiry is the backstop.
+Lease ownership (the contract is in ``kvtransfer/base.py``): after a successful prefill the
+router owns ending the prefill lease until a decode worker admits the request (its first stream
+message); from then on the decode worker does. The router releases it itself on every other
+path (no decode room, errors, client cancel), through the shared ``LeaseReleaser``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import logging
 
 import grpc
 
-from pdserve import metrics
+from pdserve.common import metrics
+from pdserve.common.lease_release import LeaseReleaser
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
@@ -48,11 +49,10 @@ class Dispatcher:
         self.config = config
         self.pool = pool
         self.cluster = cluster
-        self._background: set[asyncio.Task[None]] = set()
+        self.releaser = LeaseReleaser(pool.channels)
 
     async def close(self) -> None:
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.releaser.close()
 
     async def prefill(
         self, request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams
@@ -206,15 +206,4 @@ class Dispatcher:
             )
 
     def release_later(self, worker: Worker, request_id: str) -> None:
-        async def release() -> None:
-            try:
-                await worker.prefill.Release(
-                    prefill_pb2.ReleaseRequest(request_id=request_id), timeout=5.0
-                )
-            except grpc.aio.AioRpcError as exc:
-                logger.warning("request_id=%s release failed: %s", request_id, exc.code().name)
-
-        # Not awaited by the (possibly cancelled) request task; the lease is the backstop.
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.releaser.release_later(worker.address, request_id)

@@ -7,7 +7,7 @@ import time
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from pdserve.convert import finish_reason_from_proto
+from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import common_pb2, router_pb2
 
 

@@ -24,6 +24,10 @@ class RoutingPolicy(enum.Enum):
     CACHE_AWARE = "cache_aware"
 
 
+# Decode placement follows free KV blocks; cache_aware is a prefill policy only.
+DECODE_POLICIES = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED)
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
     address: str

@@ -1,9 +1,6 @@
 """The public ``pdserve.v1.Router`` service: validate, prefill, hand over to decode, relay.
 
-Lease ownership: after a successful prefill the router owns ending the prefill lease until a
-decode worker admits the request (its first stream message); from then on the decode worker
-does. The router releases it itself on every other path (no decode room, errors, client cancel);
-Release is idempotent and the lease's expiry is the backstop.
+Lease ownership: see ``router/dispatch.py`` (the contract is in ``kvtransfer/base.py``).
 """
 
 from __future__ import annotations
@@ -22,9 +19,9 @@ from engine.model_config import ModelConfig
 from engine.prompt import validate_prompt, validate_token_ids
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from pdserve import metrics
-from pdserve.convert import sampling_from_proto, sampling_to_proto
-from pdserve.server import Service
+from pdserve.common import metrics
+from pdserve.common.convert import sampling_from_proto, sampling_to_proto
+from pdserve.common.server import Service
 from pdserve.v1 import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
@@ -235,10 +232,10 @@ class RouterService(Service, router_pb2_grpc.RouterServicer):
         done: _Outcome,
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Conditional disaggregation: the decode worker prefills the short uncached part."""
-        request = decode_pb2.LocalGenerateRequest(
+        request = decode_pb2.PrefillAndDecodeRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
         )
-        call = worker.decode.Generate(request)
+        call = worker.decode.PrefillAndDecode(request)
         try:
             await call.read()  # admitted
         except grpc.aio.AioRpcError as exc:

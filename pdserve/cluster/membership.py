@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from pdserve import metrics
-from pdserve.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine
 from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry, WorkerRecord
+from pdserve.common import metrics
 
 logger = logging.getLogger(__name__)
 

@@ -65,7 +65,7 @@ class DecodeRequest(_message.Message):
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
 
 @_typing.final
-class LocalGenerateRequest(_message.Message):
+class PrefillAndDecodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
@@ -89,7 +89,7 @@ class LocalGenerateRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___LocalGenerateRequest: _TypeAlias = LocalGenerateRequest  # noqa: Y015
+Global___PrefillAndDecodeRequest: _TypeAlias = PrefillAndDecodeRequest  # noqa: Y015
 
 @_typing.final
 class DecodeResponse(_message.Message):
@@ -103,7 +103,7 @@ class DecodeResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason.ValueType
     transfer_s: _builtins.float
     num_cached_tokens: _builtins.int
-    """Generate: prompt tokens this worker served from its cache"""
+    """PrefillAndDecode: prompt tokens this worker served from its cache"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The first message carries the admission and transfer time and no tokens."""

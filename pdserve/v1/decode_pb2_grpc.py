@@ -40,9 +40,9 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.Generate = channel.unary_stream(
-                '/pdserve.v1.DecodeWorker/Generate',
-                request_serializer=pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.SerializeToString,
+        self.PrefillAndDecode = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/PrefillAndDecode',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.PrefillAndDecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
@@ -63,10 +63,11 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Generate(self, request, context):
-        """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
-        short straight to a decode worker (a transfer would cost more than the prefill). Same
-        response stream as Decode, but every token, the first included, comes from this worker.
+    def PrefillAndDecode(self, request, context):
+        """Both phases on this worker: conditional disaggregation sends a prompt whose uncached part
+        is short straight to a decode worker (a transfer would cost more than the prefill), and
+        the colocated mode sends every prompt. Same response stream as Decode, but every token, the
+        first included, comes from this worker. (Not the public Router.Generate.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -86,9 +87,9 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.FromString,
+            'PrefillAndDecode': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillAndDecode,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.PrefillAndDecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -135,7 +136,7 @@ class DecodeWorker:
             _registered_method=True)
 
     @staticmethod
-    def Generate(request,
+    def PrefillAndDecode(request,
             target,
             options=(),
             channel_credentials=None,
@@ -148,8 +149,8 @@ class DecodeWorker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.v1.DecodeWorker/Generate',
-            pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.SerializeToString,
+            '/pdserve.v1.DecodeWorker/PrefillAndDecode',
+            pdserve_dot_v1_dot_decode__pb2.PrefillAndDecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,

@@ -38,10 +38,11 @@ class DecodeWorkerStub:
     """RESOURCE_EXHAUSTED when the worker cannot allocate the prompt's blocks now;
     FAILED_PRECONDITION on a KV layout mismatch; DATA_LOSS on a corrupted transfer.
     """
-    Generate: _grpc.UnaryStreamMultiCallable[_decode_pb2.LocalGenerateRequest, _decode_pb2.DecodeResponse]
-    """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
-    short straight to a decode worker (a transfer would cost more than the prefill). Same
-    response stream as Decode, but every token, the first included, comes from this worker.
+    PrefillAndDecode: _grpc.UnaryStreamMultiCallable[_decode_pb2.PrefillAndDecodeRequest, _decode_pb2.DecodeResponse]
+    """Both phases on this worker: conditional disaggregation sends a prompt whose uncached part
+    is short straight to a decode worker (a transfer would cost more than the prefill), and
+    the colocated mode sends every prompt. Same response stream as Decode, but every token, the
+    first included, comes from this worker. (Not the public Router.Generate.)
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]
 
@@ -52,10 +53,11 @@ class DecodeWorkerAsyncStub(DecodeWorkerStub):
     """RESOURCE_EXHAUSTED when the worker cannot allocate the prompt's blocks now;
     FAILED_PRECONDITION on a KV layout mismatch; DATA_LOSS on a corrupted transfer.
     """
-    Generate: _aio.UnaryStreamMultiCallable[_decode_pb2.LocalGenerateRequest, _decode_pb2.DecodeResponse]  # type: ignore[assignment]
-    """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
-    short straight to a decode worker (a transfer would cost more than the prefill). Same
-    response stream as Decode, but every token, the first included, comes from this worker.
+    PrefillAndDecode: _aio.UnaryStreamMultiCallable[_decode_pb2.PrefillAndDecodeRequest, _decode_pb2.DecodeResponse]  # type: ignore[assignment]
+    """Both phases on this worker: conditional disaggregation sends a prompt whose uncached part
+    is short straight to a decode worker (a transfer would cost more than the prefill), and
+    the colocated mode sends every prompt. Same response stream as Decode, but every token, the
+    first included, comes from this worker. (Not the public Router.Generate.)
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]  # type: ignore[assignment]
 
@@ -71,14 +73,15 @@ class DecodeWorkerServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
-    def Generate(
+    def PrefillAndDecode(
         self,
-        request: _decode_pb2.LocalGenerateRequest,
+        request: _decode_pb2.PrefillAndDecodeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_decode_pb2.DecodeResponse], _abc.AsyncIterator[_decode_pb2.DecodeResponse]]:
-        """Prefill and decode here: conditional disaggregation sends a prompt whose uncached part is
-        short straight to a decode worker (a transfer would cost more than the prefill). Same
-        response stream as Decode, but every token, the first included, comes from this worker.
+        """Both phases on this worker: conditional disaggregation sends a prompt whose uncached part
+        is short straight to a decode worker (a transfer would cost more than the prefill), and
+        the colocated mode sends every prompt. Same response stream as Decode, but every token, the
+        first included, comes from this worker. (Not the public Router.Generate.)
         """
 
     @_abc_1.abstractmethod

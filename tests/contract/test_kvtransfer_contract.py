@@ -20,7 +20,8 @@ from engine import LLM, PrefilledRequest, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import KVHandle, KVTransferError, TransferErrorCode, make_receiver
-from pdserve.convert import handle_from_proto, sampling_to_proto
+from kvtransfer.wire import handle_from_proto
+from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2
 from prefill_service.service import PrefillService
 from tests.ray_util import no_new_objects
@@ -60,7 +61,7 @@ def _prefilled(response: prefill_pb2.PrefillResponse, prompt: list[int]) -> Pref
 
 
 def _source_blocks(service: PrefillService, request_id: str) -> list[int]:
-    return list(service.engine.engine.pinned[request_id].block_table)
+    return service.engine.export_prefilled(request_id).block_ids
 
 
 def _finish(engine: LLMEngine, prefilled: PrefilledRequest) -> list[int]:
@@ -97,7 +98,7 @@ def test_transfer_is_lossless_and_decodes_like_one_engine(
                 stats = await receiver.pull(handle, block_ids)
                 source = _source_blocks(service, f"r{i}")
                 for layer in range(decode.kv_layout.num_layers):
-                    sent = service.engine.engine.kv_cache.read_layer(layer, source)
+                    sent = service.engine.kv_cache.read_layer(layer, source)
                     assert torch.equal(decode.kv_cache.read_layer(layer, block_ids), sent)
                 assert stats.num_bytes == len(block_ids) * decode.kv_layout.block_bytes
                 assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id=f"r{i}"))).released

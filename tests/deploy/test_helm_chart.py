@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve import settings
+from pdserve.app import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
@@ -142,7 +142,7 @@ def test_probes_drain_hook_and_security_context(helm: str) -> None:
 
 def _flags(role: str) -> set[str]:
     """Env names of every flag `pdserve <role>` accepts (settings.env_name)."""
-    from pdserve.cli import build_parser
+    from pdserve.app.cli import build_parser
 
     sub = next(
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)

@@ -31,7 +31,7 @@ def _decode(engine: LLMEngine, prefilled: PrefilledRequest, kv_source: LLMEngine
         engine.kv_cache.write_layer(
             layer, block_ids, kv_source.kv_cache.read_layer(layer, prefilled.block_ids)
         )
-    kv_source.release(prefilled.request_id)
+    kv_source.free_pinned(prefilled.request_id)
     out = RequestOutput(prefilled.request_id, prefilled.prompt_token_ids)
     first = engine.start_prefilled(prefilled)
     assert first is not None
@@ -90,7 +90,7 @@ def test_layout_and_block_ownership(llama_dir: Path, make_llm: Callable[..., LLM
     assert a.abort(prefilled.request_id)
     assert a.stats().num_free_blocks == a.stats().num_blocks
     with pytest.raises(KeyError):
-        a.release(prefilled.request_id)
+        a.free_pinned(prefilled.request_id)
 
 
 def test_abort_after_reserve_frees_decode_blocks(
@@ -104,7 +104,7 @@ def test_abort_after_reserve_frees_decode_blocks(
     assert b.stats().num_free_blocks == b.stats().num_blocks - 3
     assert b.abort(prefilled.request_id)  # e.g. the transfer failed its checksum
     assert b.stats().num_free_blocks == b.stats().num_blocks
-    a.release(prefilled.request_id)
+    a.free_pinned(prefilled.request_id)
 
 
 def test_seeded_sampling_is_identical_in_another_process(

@@ -33,7 +33,7 @@ def test_half_precision_logits_close_to_hf(
     llm = make_llm(llama_dir, dtype=dtype)
     engine = llm.engine
     assert engine.kv_cache.tensor.dtype == torch_dtype
-    assert engine.model.embed_tokens.dtype == torch_dtype
+    assert engine.loaded.model.embed_tokens.dtype == torch_dtype
     rng = random.Random(6)
     prompt = [rng.randrange(3, 1000) for _ in range(37)]
     seq = Sequence("probe", prompt, SamplingParams())

@@ -21,7 +21,7 @@ def test_step_is_idle_while_pinned_blocks_fill_the_cache(
     second = engine.add_request(list(range(1, 20)), params)
     assert engine.step() == []
     assert engine.last_step_idle
-    engine.release(first)
+    engine.free_pinned(first)
     engine.step()
     assert not engine.last_step_idle
     while engine.has_unfinished_requests():

@@ -111,7 +111,7 @@ def test_kernel_backends_in_the_engine_match_the_torch_path(
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     fast = make_llm(llama_dir, attention_backend=backend, block_size=8)
     torch_path = make_llm(llama_dir, attention_backend="torch", block_size=8)
-    assert fast.engine.attention_backend.value == backend
+    assert fast.engine.loaded.attention_backend.value == backend
     got = fast.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in torch_path.generate(prompts, params)]
     token_ids = prompts[1] + got[1].token_ids

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.client import GenerateResult, generate, router_channel
-from pdserve.local_cluster import LocalCluster
+from pdserve.app.client import GenerateResult, generate, router_channel
+from pdserve.app.local_cluster import LocalCluster
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from engine import LLM, SamplingParams
-from pdserve.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2
 from tests.integration.cluster_util import generate_many, run
 
@@ -35,7 +35,16 @@ def colocated(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def _bench(router: str, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pdserve.cli", "bench", "--router", router, "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "bench",
+        "--router",
+        router,
+        "--out",
+        str(out),
+    ]
     return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300)
 
 

@@ -20,8 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine import LLM, SamplingParams
-from pdserve.client import generate, router_channel
-from pdserve.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.client import generate, router_channel
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.integration.cluster_util import generate_many, nothing_held, run, worker_stats

@@ -14,13 +14,13 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve.client import router_channel
+from pdserve.app.client import router_channel
+from pdserve.app.embedded_redis import EmbeddedRedis
+from pdserve.app.local_cluster import ClusterConfig as LocalClusterConfig
+from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
-from pdserve.embedded_redis import EmbeddedRedis
-from pdserve.local_cluster import ClusterConfig as LocalClusterConfig
-from pdserve.local_cluster import Component, LocalCluster
 from pdserve.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import generate_many, run
 from tests.services.harness import wait_for

@@ -19,8 +19,9 @@ from engine.llm_engine import LLMEngine
 from kvtransfer import KVHandle, KVReceiver, make_receiver
 from kvtransfer.ray_mailbox import LayerRange
 from kvtransfer.ray_object_store import Payload, RayKVSender
-from pdserve.convert import handle_from_proto, sampling_to_proto
-from pdserve.ray_deploy.objects import live_objects
+from kvtransfer.wire import handle_from_proto
+from pdserve.app.ray_deploy.objects import live_objects
+from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
 from tests.ray_util import no_new_objects
@@ -102,7 +103,9 @@ class _Pulled:
 @asynccontextmanager
 async def _prefilled_on_ray(llama_dir: Path) -> AsyncIterator[_Pulled]:
     decode = LLMEngine(engine_config(llama_dir))
-    prefill, server = await start_prefill(llama_dir, kv_backend="ray")
+    # A lease that cannot expire within the test, however loaded the machine: these tests end
+    # it themselves (Release), and expiry has its own contract test.
+    prefill, server = await start_prefill(llama_dir, kv_backend="ray", lease_s=3600.0)
     stub = prefill_stub(server)
     receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
     sender = prefill._sender

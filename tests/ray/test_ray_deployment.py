@@ -15,9 +15,9 @@ import pytest
 import ray
 
 from engine import LLM, SamplingParams
-from pdserve.client import GenerateResult, generate, router_channel
-from pdserve.ray_deploy import deployment
-from pdserve.ray_deploy.service_actor import ServiceInfo
+from pdserve.app.client import GenerateResult, generate, router_channel
+from pdserve.app.ray_deploy import deployment
+from pdserve.app.ray_deploy.service_actor import ServiceInfo
 from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import generate_many, run
 from tests.integration.test_cluster import _prompts, _request
@@ -147,11 +147,18 @@ def test_killed_decode_actor_fails_cleanly_and_is_restarted(
     run(wait_for(restarted, 120.0, "Ray restarted the killed decode actor", poll_s=0.5))
     back = _worker(namespace, victim.name)
     assert back.worker_id != victim.worker_id  # a new process registers under a new id
-    status = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "status", "--redis", deployment.redis_url(namespace)],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
-    assert back.worker_id in status and victim.worker_id not in status
+
+    command = [sys.executable, "-m", "pdserve.cli", "status"]
+    command += ["--redis", deployment.redis_url(namespace)]
+
+    async def status_shows_only_the_new_id() -> bool:
+        # The dead process's record leaves the registry when its TTL (3 s) runs out.
+        status = await asyncio.to_thread(
+            subprocess.run, command, capture_output=True, text=True, timeout=60, check=True
+        )
+        return back.worker_id in status.stdout and victim.worker_id not in status.stdout
+
+    run(wait_for(status_shows_only_the_new_id, 30.0, "status lists the new id only", poll_s=0.5))
 
 
 def test_scale_prefill_up_and_decode_down_at_runtime(

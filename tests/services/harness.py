@@ -12,7 +12,7 @@ import grpc
 from decode_service.config import DecodeConfig
 from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.server import ServerConfig, Service, ServiceServer
+from pdserve.common.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.service import PrefillService

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from pdserve.server import ServerConfig
+from pdserve.common.server import ServerConfig
 from tests.services.harness import both_sides_freed, start_decode, start_prefill
 from tests.services.test_transfer_failures import PARAMS, PROMPT
 
 
 def test_kv_handle_names_the_advertised_host(llama_dir: Path) -> None:
-    from pdserve.convert import sampling_to_proto
+    from pdserve.common.convert import sampling_to_proto
     from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     async def run() -> None:

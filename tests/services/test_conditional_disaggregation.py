@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from engine import LLM, SamplingParams
-from pdserve.client import generate
+from pdserve.app.client import generate
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService
@@ -87,7 +87,7 @@ def test_colocated_router_takes_a_request_turned_away_to_the_next_worker(
 ) -> None:
     """Colocated: no prefill pool. A worker that answers UNAVAILABLE (draining) does not fail
     the request; the next worker serves it."""
-    from pdserve import metrics
+    from pdserve.common import metrics
     from router.policy import RoutingPolicy
 
     prompts = [[9 + i] * (10 + i) for i in range(2)]

@@ -10,8 +10,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import SamplingParams
-from pdserve.convert import sampling_to_proto
-from pdserve.server import ServerConfig, ServiceServer
+from pdserve.common.convert import sampling_to_proto
+from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.v1 import prefill_pb2
 from prefill_service.config import PrefillConfig
 from prefill_service.service import PrefillService
@@ -78,7 +78,7 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
 def test_a_dead_engine_turns_the_worker_not_serving_and_stops_it(llama_dir: Path) -> None:
     """A failed engine step: the request gets UNAVAILABLE, health NOT_SERVING, and the service
     stops itself with the failure recorded (the CLI then exits 1 so a supervisor restarts it)."""
-    from pdserve.server import serve
+    from pdserve.common.server import serve
 
     async def run() -> None:
         service = PrefillService(PrefillConfig(engine=engine_config(llama_dir)))
@@ -97,7 +97,7 @@ def test_a_dead_engine_turns_the_worker_not_serving_and_stops_it(llama_dir: Path
         def broken_step() -> None:  # a fault in the model code, e.g. a CUDA error
             raise RuntimeError("device lost")
 
-        service.engine.engine.step = broken_step  # type: ignore[method-assign]
+        service.engine._engine.step = broken_step  # type: ignore[method-assign]
         async with grpc.aio.insecure_channel(address) as channel:
             from pdserve.v1 import prefill_pb2_grpc
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve.client import GenerateResult, generate
+from pdserve.app.client import GenerateResult, generate
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService

@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from engine import SamplingParams
-from pdserve.convert import layout_to_proto, sampling_to_proto
-from pdserve.server import GRPC_OPTIONS
+from pdserve.common.channels import GRPC_OPTIONS
+from pdserve.common.convert import layout_to_proto, sampling_to_proto
 from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 from tests.services.harness import (
     both_sides_freed,
@@ -126,7 +126,7 @@ def test_sender_refuses_a_mismatched_receiver_layout(llama_dir: Path) -> None:
     async def run() -> None:
         prefill, prefill_server = await start_prefill(llama_dir)
         try:
-            layout = prefill.engine.engine.kv_layout
+            layout = prefill.engine.kv_layout
             wrong = layout_to_proto(layout)
             wrong.head_dim = layout.head_dim * 2
             sender = prefill._sender.address  # type: ignore[union-attr]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.cli import main
+from pdserve.app.cli import main
 
 
 def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
@@ -40,7 +40,7 @@ def test_errors_are_reported_without_traceback(tmp_path: Path, capsys) -> None:
 
 
 def test_every_serving_flag_reads_its_environment_variable(monkeypatch) -> None:
-    from pdserve.cli import build_parser
+    from pdserve.app.cli import build_parser
 
     monkeypatch.setenv("PDSERVE_LEASE_S", "7.5")
     monkeypatch.setenv("PDSERVE_MODEL", "/models/x")

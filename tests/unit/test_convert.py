@@ -6,7 +6,7 @@ import pytest
 
 from engine.kv_layout import KVCacheLayout
 from engine.sampling_params import SamplingParams
-from pdserve.convert import (
+from pdserve.common.convert import (
     layout_from_proto,
     layout_to_proto,
     sampling_from_proto,

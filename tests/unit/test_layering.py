@@ -1,13 +1,74 @@
-"""Architecture rules that code review alone would let slip."""
+"""Architecture rules that code review alone would let slip.
+
+Packages are nodes (each top-level package, and each subpackage of ``pdserve``; modules right
+under ``pdserve/`` form the ``pdserve`` node, the ``python -m pdserve.cli`` entry point).
+``LAYERS`` is the one table of allowed imports; docs/architecture.md shows the same table and a
+test below keeps the two equal. Every import counts, inside functions too; only ``if
+TYPE_CHECKING:`` blocks are exempt (they never run).
+"""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+_WORKER_SERVICE = frozenset(
+    {"engine", "pdserve.common", "pdserve.v1", "kvtransfer", "pdserve.cluster", "pdserve.worker"}
+)
+# node -> the nodes it may import. Read bottom-up: each layer stands only on those before it.
+LAYERS: dict[str, frozenset[str]] = {
+    "engine": frozenset(),
+    "pdserve.v1": frozenset(),
+    "pdserve.common": frozenset({"engine", "pdserve.v1"}),
+    "kvtransfer": frozenset({"engine", "pdserve.common", "pdserve.v1"}),
+    "pdserve.cluster": frozenset({"engine", "pdserve.common"}),
+    "pdserve.worker": frozenset({"engine", "pdserve.common", "pdserve.cluster", "pdserve.v1"}),
+    "prefill_service": frozenset(
+        {
+            "engine",
+            "pdserve.common",
+            "pdserve.v1",
+            "kvtransfer",
+            "pdserve.cluster",
+            "pdserve.worker",
+        }
+    ),
+    "decode_service": frozenset(
+        {
+            "engine",
+            "pdserve.common",
+            "pdserve.v1",
+            "kvtransfer",
+            "pdserve.cluster",
+            "pdserve.worker",
+        }
+    ),
+    "router": frozenset({"engine", "pdserve.common", "pdserve.v1", "pdserve.cluster"}),
+    "pdserve.app": frozenset(
+        {
+            "engine",
+            "pdserve.common",
+            "pdserve.v1",
+            "kvtransfer",
+            "pdserve.cluster",
+            "pdserve.worker",
+            "prefill_service",
+            "decode_service",
+            "router",
+        }
+    ),
+    "pdserve": frozenset({"pdserve.app"}),
+}
+SERVICES = ("prefill_service", "decode_service", "router")
+
 PURE_CORE = [
     "engine.block_hash",
     "engine.block_manager",
@@ -25,6 +86,160 @@ PURE_CORE = [
     # The router process tokenizes and relays; it must not pay for torch.
     "router.service",
 ]
+
+
+def _packages() -> list[str]:
+    return sorted(
+        p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"
+    )
+
+
+def _pdserve_subpackages() -> set[str]:
+    return {p.name for p in (ROOT / "pdserve").iterdir() if (p / "__init__.py").is_file()}
+
+
+def node_of(module: str) -> str | None:
+    """The node a module belongs to; None for anything not ours."""
+    parts = module.split(".")
+    if parts[0] not in _packages():
+        return None
+    if parts[0] == "pdserve" and len(parts) > 1 and parts[1] in _pdserve_subpackages():
+        return f"pdserve.{parts[1]}"
+    return parts[0]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, package: str) -> Iterator[tuple[str, int]]:
+    """Every imported module (and ``from M import name`` as ``M.name`` when that is a
+    module of ours), with its line, outside TYPE_CHECKING blocks."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importing package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                path = ROOT / candidate.replace(".", "/")
+                is_module = path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+                yield (candidate if is_module else base), node.lineno
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _edges() -> dict[tuple[str, str], list[str]]:
+    """(importer node, imported node) -> where, for every import between two of our nodes."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for top in _packages():
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            module = ".".join(rel.with_suffix("").parts)
+            package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+            source = node_of(module)
+            assert source is not None
+            for imported, line in _imports(ast.parse(path.read_text()), package):
+                target = node_of(imported)
+                if target is not None and target != source:
+                    edges.setdefault((source, target), []).append(f"{rel}:{line}")
+    return edges
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_every_node_is_in_the_table() -> None:
+    nodes = {*_packages(), *(f"pdserve.{s}" for s in _pdserve_subpackages())}
+    assert nodes == set(LAYERS), "a package was added or removed: give it a row in LAYERS"
+
+
+def test_the_table_itself_has_no_cycle() -> None:
+    assert _cycle({n: set(deps) for n, deps in LAYERS.items()}) is None
+
+
+def test_imports_follow_the_table() -> None:
+    edges = _edges()
+    wrong = {f"{a} -> {b}": where[:3] for (a, b), where in edges.items() if b not in LAYERS[a]}
+    assert not wrong, f"imports outside LAYERS (see docs/architecture.md): {wrong}"
+    assert _cycle(_graph(edges)) is None
+
+
+def _graph(edges: dict[tuple[str, str], list[str]]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    return graph
+
+
+@pytest.mark.parametrize(
+    ("importer", "forbidden"),
+    [
+        ("pdserve.common", {"kvtransfer", "pdserve.app", *SERVICES}),
+        ("engine", set(LAYERS) - {"engine"}),
+        *((service, {"pdserve.app"}) for service in SERVICES),
+    ],
+)
+def test_named_rules(importer: str, forbidden: set[str]) -> None:
+    """The rules the issue names, spelled out (LAYERS already implies them)."""
+    assert not LAYERS[importer] & forbidden
+    assert not {b for (a, b) in _edges() if a == importer} & forbidden
+
+
+def test_the_checker_sees_what_it_must() -> None:
+    """A function-level import counts; a TYPE_CHECKING one does not; relative ones resolve."""
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import router.service\n"
+        "def f():\n    from pdserve.app import settings\n"
+        "from . import convert\n"
+    )
+    found = {m for m, _ in _imports(tree, "pdserve.common")}
+    assert "pdserve.app.settings" in found and "pdserve.common.convert" in found
+    assert "router.service" not in found
+    assert node_of("pdserve.app.ray_deploy.spec") == "pdserve.app"
+    assert node_of("pdserve.cli") == "pdserve" and node_of("grpc") is None
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def test_docs_show_the_same_table() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    shown = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        shown[cells[0].strip("`")] = frozenset(re.findall(r"`([\w.]+)`", cells[-1]))
+    assert shown == LAYERS
 
 
 def test_pure_core_imports_no_torch() -> None:

@@ -1,4 +1,4 @@
-"""LeaseTable: each lease is freed exactly once — by release, expiry, or the last checkin."""
+"""LeaseTable: each lease is freed exactly once — by end, expiry, or the last checkin."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 from prefill_service.lease_table import LeaseTable
 
 
-def test_release_frees_once() -> None:
+def test_end_frees_once() -> None:
     table = LeaseTable(lease_s=30.0)
     table.grant("a", [3, 4], now_s=100.0)
-    assert table.release("a") == (True, True)
-    assert table.release("a") == (False, False)
+    assert table.end("a") == (True, True)
+    assert table.end("a") == (False, False)
     assert len(table) == 0
 
 
@@ -23,7 +23,7 @@ def test_expiry_after_deadline_only() -> None:
     assert table.expire(now_s=129.9) == []
     assert table.expire(now_s=130.0) == ["a"]
     assert table.next_deadline_s() == 140.0
-    assert table.release("a") == (False, False)  # already freed by expiry
+    assert table.end("a") == (False, False)  # already freed by expiry
 
 
 def test_renew_extends_deadline() -> None:
@@ -35,20 +35,20 @@ def test_renew_extends_deadline() -> None:
     assert not table.renew("missing", now_s=8.0)
 
 
-def test_checkout_defers_release_and_expiry() -> None:
+def test_checkout_defers_end_and_expiry() -> None:
     table = LeaseTable(lease_s=10.0)
     table.grant("a", [5, 6, 7], now_s=0.0)
     assert table.checkout("a") == [5, 6, 7]
     assert table.expire(now_s=100.0) == []  # being read: not expired
     assert table.next_deadline_s() is None
-    assert table.release("a") == (True, False)  # deferred to checkin
+    assert table.end("a") == (True, False)  # deferred to checkin
     with pytest.raises(KeyError):
-        table.checkout("a")  # released: no new readers
+        table.checkout("a")  # ended: no new readers
     assert table.checkin("a") is True  # the caller frees now
     assert len(table) == 0
 
 
-def test_checkin_without_release_keeps_lease() -> None:
+def test_checkin_without_end_keeps_lease() -> None:
     table = LeaseTable(lease_s=10.0)
     table.grant("a", [1], now_s=0.0)
     table.checkout("a")

@@ -1,13 +1,14 @@
-"""The Ray deployment spec: validation, and the component flags it hands each actor (the same
-flags as process mode)."""
+"""The Ray deployment spec: validation, and the typed configs it hands each actor (parsed once,
+by the driver, from the same flags as process mode; its environment does not leak in)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import build_parser
+from decode_service.config import DecodeConfig
+from pdserve.app.ray_deploy.spec import EMBEDDED_REDIS_URL, deployment_spec
 from pdserve.cluster.registry import Role
-from pdserve.ray_deploy.spec import DeploymentSpec
+from prefill_service.config import PrefillConfig
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -18,39 +19,58 @@ REDIS = "redis://127.0.0.1:6379/0"
         ({"num_prefill": 0}, "num_prefill >= 1"),
         ({"num_decode": 0}, "num_decode >= 1"),
         ({"num_gpus_per_worker": -1.0}, "num_gpus_per_worker"),
-        ({"transfer": "nccl"}, "transfer must be ray or grpc"),
-        ({"router_port": 70000}, "router_port"),
+        ({"transfer": "nccl"}, "--kv-backend: invalid choice"),
+        ({"transfer": "local"}, "--kv-backend: invalid choice"),
+        ({"router_port": 70000}, "port must be in"),
         ({"max_restarts": -1}, "max_restarts"),
         ({"drain_timeout_s": 0.0}, "drain_timeout_s"),
+        ({"prefill_args": ["--lease-s", "x"]}, "prefill flags"),
     ],
 )
 def test_bad_spec_is_rejected_naming_the_field(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        DeploymentSpec(model="/m", **fields)  # type: ignore[arg-type]
+        deployment_spec(model="/m", **fields)  # type: ignore[arg-type]
 
 
-def test_worker_flags_parse_as_the_process_mode_command() -> None:
-    spec = DeploymentSpec(
-        model="/m", num_gpus_per_worker=1, block_size=32, prefill_args=("--lease-s", "5")
+def test_worker_configs_are_the_process_mode_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A Helm Job's own environment (its pod address) must not become the workers'.
+    monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.9.9.9")
+    monkeypatch.setenv("PDSERVE_HOST", "0.0.0.0")
+    spec = deployment_spec(
+        model="/m", num_gpus_per_worker=1, block_size=32, prefill_args=["--lease-s", "5"]
     )
-    args = build_parser().parse_args(spec.worker_argv(Role.PREFILL, REDIS))
-    assert (args.command, args.model, args.redis, args.block_size) == ("prefill", "/m", REDIS, 32)
-    assert (args.kv_backend, args.device, args.port, args.kv_port) == ("ray", "cuda", 0, 0)
-    assert args.lease_s == 5.0  # extra flags come last, so they win
-    decode = build_parser().parse_args(spec.worker_argv(Role.DECODE, REDIS))
-    assert (decode.command, decode.kv_backend, decode.metrics_port) == ("decode", "ray", 0)
+    prefill = spec.worker_config(Role.PREFILL, REDIS)
+    assert isinstance(prefill, PrefillConfig)
+    assert (prefill.engine.model, prefill.engine.cache.block_size) == ("/m", 32)
+    assert prefill.redis is not None and prefill.redis.url == REDIS
+    assert (prefill.kv_backend, prefill.engine.device, prefill.kv_port) == ("ray", "cuda", 0)
+    assert (prefill.server.port, prefill.server.host, prefill.server.advertise_host) == (
+        0,
+        "127.0.0.1",
+        None,
+    )
+    assert prefill.lease_s == 5.0  # extra flags come last, so they win
+    assert prefill.worker_id is None  # each worker draws its own
+    decode = spec.worker_config(Role.DECODE, REDIS)
+    assert isinstance(decode, DecodeConfig)
+    assert (decode.kv_backend, decode.server.metrics_port) == ("ray", 0)
 
 
 def test_cpu_workers_pick_their_own_device_and_router_gets_its_port() -> None:
-    spec = DeploymentSpec(
-        model="/m", transfer="grpc", router_port=0, router_args=("--cache-alpha", "2")
+    spec = deployment_spec(
+        model="/m", transfer="grpc", router_port=0, router_args=["--cache-alpha", "2"]
     )
-    decode = build_parser().parse_args(spec.worker_argv(Role.DECODE, REDIS))
-    assert decode.device is None and decode.kv_backend == "grpc"
-    router = build_parser().parse_args(spec.router_argv(REDIS))
-    assert (router.command, router.port, router.redis, router.cache_alpha) == (
-        "router",
-        0,
-        REDIS,
-        2.0,
-    )
+    decode = spec.worker_config(Role.DECODE, REDIS)
+    assert decode.engine.device is None and decode.kv_backend == "grpc"
+    router = spec.router_config(REDIS)
+    assert (router.server.port, router.cache_alpha) == (0, 2.0)
+    assert router.redis is not None and router.redis.url == REDIS
+
+
+def test_an_embedded_redis_is_filled_in_by_the_controller() -> None:
+    spec = deployment_spec(model="/m", router_args=["--redis-namespace", "blue"])
+    assert spec.redis_url == "" and spec.router.redis is not None
+    assert spec.router.redis.url == EMBEDDED_REDIS_URL  # a name that never resolves
+    router = spec.router_config(REDIS)
+    assert router.redis is not None
+    assert (router.redis.url, router.redis.namespace) == (REDIS, "blue")

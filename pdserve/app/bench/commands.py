@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from pdserve.settings import add_flag
+from pdserve.app.settings import add_flag
 
 
 def _progress(done: int, total: int) -> None:
@@ -19,9 +19,9 @@ def _progress(done: int, total: int) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from pdserve.bench import report, workload
-    from pdserve.bench.runner import LoadConfig, run_load
-    from pdserve.bench.stats import summarize
+    from pdserve.app.bench import report, workload
+    from pdserve.app.bench.runner import LoadConfig, run_load
+    from pdserve.app.bench.stats import summarize
 
     load = LoadConfig(
         router=args.router, rate=args.rate, concurrency=args.concurrency, seed=args.seed

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.stats import Distribution, RequestRecord, Summary
+from pdserve.app.bench.stats import Distribution, RequestRecord, Summary
 
 PLOTS = ("latency_cdf.png", "latency_over_time.png")
 

@@ -15,10 +15,11 @@ from typing import Any
 
 import ray
 
+from pdserve.app.embedded_redis import EmbeddedRedis
+from pdserve.app.ray_deploy.service_actor import ServiceActor, ServiceInfo
+from pdserve.app.ray_deploy.spec import DeploymentSpec
+from pdserve.app.settings import ServiceConfig
 from pdserve.cluster.registry import Role
-from pdserve.embedded_redis import EmbeddedRedis
-from pdserve.ray_deploy.service_actor import ServiceActor, ServiceInfo
-from pdserve.ray_deploy.spec import DeploymentSpec
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,13 @@ class Controller:
                 )
             self._redis = EmbeddedRedis().start()
             self.redis_url = self._redis.url
-        self._router = self._spawn(_ROUTER, spec.router_argv(self.redis_url), 0.0, 0.0)
+        self._router = self._spawn(_ROUTER, spec.router_config(self.redis_url), 0.0, 0.0)
         self._pools: dict[Role, dict[int, Any]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, count in ((Role.PREFILL, spec.num_prefill), (Role.DECODE, spec.num_decode)):
             for index in range(count):
                 self._add(role, index)
 
-    def _spawn(self, name: str, argv: list[str], num_cpus: float, num_gpus: float) -> Any:
+    def _spawn(self, name: str, config: ServiceConfig, num_cpus: float, num_gpus: float) -> Any:
         actor = ray.remote(ServiceActor).options(
             name=f"pdserve-{name}",
             namespace=self.namespace,
@@ -56,13 +57,13 @@ class Controller:
             max_restarts=self.spec.max_restarts,
             max_concurrency=4,  # ready/info/drain answer while another call waits
         )
-        return actor.remote(f"pdserve-{name}", argv)
+        return actor.remote(f"pdserve-{name}", config)
 
     def _add(self, role: Role, index: int) -> Any:
         spec = self.spec
         actor = self._spawn(
             f"{role.value}-{index}",
-            spec.worker_argv(role, self.redis_url),
+            spec.worker_config(role, self.redis_url),
             spec.num_cpus_per_worker,
             spec.num_gpus_per_worker,
         )

@@ -1,4 +1,4 @@
-"""One pdserve service inside a Ray actor: the same flags, gRPC server, health service,
+"""One pdserve service inside a Ray actor: the same typed config, gRPC server, health service,
 registry and metrics as ``pdserve prefill|decode|router``. Ray only places the process (with
 its GPUs) and restarts it; it is not a second implementation.
 
@@ -15,11 +15,15 @@ import asyncio
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
-from pdserve.server import Service
+from pdserve.app.settings import ServiceConfig
+from pdserve.common.server import Service
+
+# A loopback bind inside an actor would be unreachable from peers on other nodes.
+_LOOPBACK = ("127.0.0.1", "localhost")
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +42,14 @@ class ServiceInfo:
 
 
 class ServiceActor:
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, config: ServiceConfig) -> None:
         self.name = name
         self.node_ip = ray.util.get_node_ip_address()
-        # Bound to the node's cluster address, so peers on other nodes can dial it.
-        self.argv = argv if "--host" in argv else [*argv, "--host", self.node_ip]
+        # Bound to the node's cluster address, so peers on other nodes can dial it; any other
+        # bind address (0.0.0.0, say) was asked for and is kept.
+        if config.server.host in _LOOPBACK:
+            config = replace(config, server=replace(config.server, host=self.node_ip))
+        self.config = config
         self._ready = threading.Event()
         self._ended = threading.Event()
         self._settled = threading.Event()  # ready, or ended before it
@@ -70,12 +77,11 @@ class ServiceActor:
             os._exit(1)
 
     async def _serve(self) -> None:
-        from pdserve.cli import build_parser
-        from pdserve.components import service_spec
-        from pdserve.metrics import start_metrics_server
-        from pdserve.server import serve
+        from pdserve.app.components import build_service
+        from pdserve.common.metrics import start_metrics_server
+        from pdserve.common.server import serve
 
-        spec = service_spec(build_parser().parse_args(self.argv))
+        spec = build_service(self.config)
         self._service = spec.service
         self._loop = asyncio.get_running_loop()
         if spec.server.metrics_port is not None:
@@ -101,7 +107,9 @@ class ServiceActor:
         return self.info()
 
     def info(self) -> ServiceInfo:
-        role = self.argv[0]
+        from pdserve.app.components import role_of
+
+        role = role_of(self.config)
         worker_id = str(getattr(self._service, "worker_id", ""))
         return ServiceInfo(
             self.name,

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.bench.stats import RequestRecord
-from pdserve.bench.workload import BenchRequest
-from pdserve.client import router_channel
+from pdserve.app.bench.stats import RequestRecord
+from pdserve.app.bench.workload import BenchRequest
+from pdserve.app.client import router_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

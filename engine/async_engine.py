@@ -1,9 +1,10 @@
-"""Drives one ``LLMEngine`` from asyncio for the gRPC services.
+"""Drives one ``LLMEngine`` from asyncio, for the services: what they need of an engine, and
+nothing that lets them reach past it.
 
 The engine is not thread-safe. Steps run in a worker thread so the event loop keeps serving RPCs;
 every other engine call runs on the event loop while no step is in flight (one lock, FIFO).
 KV reads and writes for transfers touch only pinned or reserved blocks, which no step reads or
-writes, so transfers run in their own threads without the lock.
+writes, so transfers use ``kv_cache`` from their own threads without the lock.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 from engine.block_hash import BlockHash
+from engine.kv_cache import KVCache
 from engine.kv_events import KVEvents
+from engine.kv_layout import KVCacheLayout
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineStats, RequestUpdate
-from pdserve.threads import finish_in_thread
+from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.sampling_params import SamplingParams
+from engine.threads import finish_in_thread
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ class AsyncEngine:
         on_stats: Callable[[EngineStats], None] | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.engine = engine
+        self._engine = engine
         self._on_step = on_stats
         self._on_dead = on_dead  # told once, when a step fails
         self._lock = asyncio.Lock()
@@ -49,6 +53,35 @@ class AsyncEngine:
         # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
         self.stats: EngineStats = engine.stats()
 
+    # ---- what the model is (fixed once loaded) ---------------------------------------------
+    @property
+    def kv_cache(self) -> KVCache:
+        return self._engine.kv_cache
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return self._engine.kv_layout
+
+    @property
+    def fingerprint(self) -> str:
+        return self._engine.fingerprint
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._engine.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return self._engine.blocks_for(num_tokens)
+
+    # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
@@ -56,6 +89,44 @@ class AsyncEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+    ) -> AsyncGenerator[RequestUpdate, None]:
+        """Admits a request and yields its updates. ``prefill_only``: the last update is the
+        prefilled one (blocks pinned: the caller then owns a ``free_pinned``)."""
+
+        def admit() -> None:
+            self._engine.add_request(prompt_ids, params, request_id, prefill_only=prefill_only)
+
+        return self._stream(request_id, admit)
+
+    async def reserve(self, request: PrefilledRequest) -> list[int] | None:
+        """Blocks for a request prefilled elsewhere, or None when the cache has no room now."""
+        return await self.call(lambda: self._engine.reserve_prefilled(request))
+
+    def start_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
+        """Joins a reserved request whose KV is written; yields from its first token on."""
+        return self._stream(request.request_id, lambda: self._engine.start_prefilled(request))
+
+    def export_prefilled(self, request_id: str) -> PrefilledRequest:
+        """A pinned request, as the decode side resumes it (no step touches a pinned request,
+        so no lock is needed)."""
+        return self._engine.export_prefilled(request_id)
+
+    async def free_pinned(self, request_id: str) -> None:
+        # Shielded: a cancelled caller must not leave the blocks pinned.
+        await asyncio.shield(self.call(lambda: self._engine.free_pinned(request_id)))
+
+    async def abort(self, request_id: str) -> None:
+        """Stops a request wherever it is and frees its blocks; a no-op when it is gone."""
+        await asyncio.shield(self.call(lambda: self._engine.abort(request_id)))
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs a (fast) engine call between steps."""
@@ -70,20 +141,20 @@ class AsyncEngine:
                 self._wakeup.set()
 
     def _refresh_stats(self) -> None:
-        self.stats = self.engine.stats()
+        self.stats = self._engine.stats()
         # Drained under the lock, after every step and call, so the log never grows unbounded.
-        events = self.engine.block_manager.kv_events.drain()
+        events = self._engine.block_manager.kv_events.drain()
         if self.collect_kv_events and not events.empty:
             self._kv_events.append(events)
         if self._on_step is not None:
             self._on_step(self.stats)
 
-    async def stream(
+    async def _stream(
         self, request_id: str, admit: Callable[[], RequestUpdate | None]
     ) -> AsyncGenerator[RequestUpdate, None]:
         """Runs ``admit`` (an engine call that adds ``request_id``) between steps, then yields
-        the request's updates until it finishes or is prefilled (pinned: the caller then owns a
-        ``release``). Leaving early, by cancellation or ``aclose``, aborts the request."""
+        the request's updates until it finishes or is prefilled. Leaving early, by
+        cancellation or ``aclose``, aborts the request."""
         self._check_alive()
         queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
         async with self._lock:
@@ -108,9 +179,10 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if not done and self.error is None:
-                # Shielded: a second cancellation must not skip freeing the blocks.
-                await asyncio.shield(self.call(lambda: self.engine.abort(request_id)))
+                # Shielded inside abort: a second cancellation must not skip freeing the blocks.
+                await self.abort(request_id)
 
+    # ---- the prefix index's view ------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvents]:
         """KV events since the last take, oldest first (event-loop thread only)."""
         events, self._kv_events = self._kv_events, []
@@ -121,8 +193,8 @@ class AsyncEngine:
         snapshot already contains them."""
 
         def snapshot() -> list[BlockHash]:
-            hashes = self.engine.block_manager.cached_hashes()
-            self.engine.block_manager.kv_events.drain()
+            hashes = self._engine.block_manager.cached_hashes()
+            self._engine.block_manager.kv_events.drain()
             self._kv_events = []
             return hashes
 
@@ -133,14 +205,15 @@ class AsyncEngine:
             raise EngineDeadError(f"engine step failed: {self.error!r}")
 
     async def _run(self) -> None:
+        engine = self._engine
         while True:
             await self._wakeup.wait()
             async with self._lock:
-                if not self.engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests():
                     self._wakeup.clear()
                     continue
                 try:
-                    updates = await finish_in_thread(self.engine.step)
+                    updates = await finish_in_thread(engine.step)
                 except Exception as exc:
                     logger.exception("engine step failed; failing every request")
                     self.error = exc
@@ -150,7 +223,7 @@ class AsyncEngine:
                         self._on_dead(exc)
                     return
                 self._refresh_stats()
-                if self.engine.last_step_idle:
+                if engine.last_step_idle:
                     # Nothing could be scheduled (no free blocks): wait for a call to change that
                     # instead of spinning.
                     self._wakeup.clear()

@@ -1,4 +1,5 @@
-"""What the prefill and decode services share: engine start-up, stats, request accounting."""
+"""What the prefill and decode services share: engine start-up, stats, request accounting, and
+the worker's ``Membership`` in the cluster (registry heartbeats, prefix-index events, drain)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,16 @@ from collections.abc import Iterator
 
 import grpc
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from pdserve import metrics
-from pdserve.async_engine import AsyncEngine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
-from pdserve.convert import sampling_from_proto, stats_to_proto
-from pdserve.server import Service
+from pdserve.common import metrics
+from pdserve.common.convert import sampling_from_proto, stats_to_proto
+from pdserve.common.server import Service
 from pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ class WorkerService(Service):
 
     def record(self) -> WorkerRecord:
         """This worker as the registry shows it."""
-        stats, engine = self.engine.stats, self.engine.engine
+        engine = self.engine
+        stats = engine.stats
         return WorkerRecord(
             worker_id=self.worker_id,
             role=self.role,
@@ -138,9 +140,9 @@ class WorkerService(Service):
             raise  # not reached: context.abort raises
 
     def stats(self) -> common_pb2.WorkerStats:
-        engine = self.engine.engine
+        engine = self.engine
         return stats_to_proto(
-            self.engine.stats,
+            engine.stats,
             engine.kv_layout,
             block_size=engine.block_size,
             max_model_len=engine.max_model_len,

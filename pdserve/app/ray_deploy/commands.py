@@ -7,7 +7,7 @@ import shlex
 import sys
 from collections.abc import Callable
 
-from pdserve.settings import add_flag
+from pdserve.app.settings import add_cluster_flags, add_flag
 
 
 def _run(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -37,10 +37,10 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.ray_deploy import deployment
-    from pdserve.ray_deploy.spec import DeploymentSpec
+    from pdserve.app.ray_deploy import deployment
+    from pdserve.app.ray_deploy.spec import deployment_spec
 
-    spec = DeploymentSpec(
+    spec = deployment_spec(
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -52,9 +52,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         dtype=args.dtype,
         block_size=args.block_size,
-        prefill_args=tuple(shlex.split(args.prefill_args)),
-        decode_args=tuple(shlex.split(args.decode_args)),
-        router_args=tuple(shlex.split(args.router_args)),
+        prefill_args=shlex.split(args.prefill_args),
+        decode_args=shlex.split(args.decode_args),
+        router_args=shlex.split(args.router_args),
     )
     deployment.connect(args.address, args.namespace)
     infos = deployment.up(spec, args.namespace)
@@ -64,7 +64,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
-    from pdserve.ray_deploy import deployment
+    from pdserve.app.ray_deploy import deployment
 
     deployment.connect(args.address, args.namespace)
     print(deployment.table(deployment.scale(args.namespace, args.role, args.count)))
@@ -72,7 +72,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from pdserve.ray_deploy import deployment
+    from pdserve.app.ray_deploy import deployment
 
     deployment.connect(args.address, args.namespace)
     print(deployment.table(deployment.status(args.namespace)))
@@ -80,7 +80,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from pdserve.ray_deploy import deployment
+    from pdserve.app.ray_deploy import deployment
 
     deployment.connect(args.address, args.namespace)
     deployment.down(args.namespace)
@@ -94,20 +94,11 @@ def add_ray_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     up = commands.add_parser("up", help="start router and worker pools as Ray actors")
     _deployment_flags(up)
-    add_flag(up, "--model", required=True, help="model directory, readable on every node")
-    add_flag(up, "--prefill", type=int, default=1, help="number of prefill workers")
-    add_flag(up, "--decode", type=int, default=1, help="number of decode workers")
+    # The embedded Redis (no --redis) is for single-node clusters only.
+    add_cluster_flags(up, default_transfer="ray")
     add_flag(up, "--num-gpus-per-worker", type=float, default=0.0, help="Ray GPU request")
     add_flag(up, "--num-cpus-per-worker", type=float, default=1.0, help="Ray CPU request")
-    add_flag(up, "--transfer", default="ray", choices=("ray", "grpc"), help="KV transfer")
-    add_flag(up, "--redis", default="", help="Redis URL (default: embedded; single node only)")
-    add_flag(up, "--port", type=int, default=50051, help="router port (0: ephemeral)")
     add_flag(up, "--max-restarts", type=int, default=3, help="Ray restarts per crashed actor")
-    add_flag(up, "--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    add_flag(up, "--block-size", type=int, default=16, help="KV block size (all components)")
-    add_flag(up, "--prefill-args", default="", help="extra flags for every prefill worker")
-    add_flag(up, "--decode-args", default="", help="extra flags for every decode worker")
-    add_flag(up, "--router-args", default="", help="extra flags for the router")
     up.set_defaults(func=_run(_cmd_up))
 
     scale = commands.add_parser("scale", help="resize one pool at runtime (drains on shrink)")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.convert import finish_reason_from_proto
-from pdserve.server import GRPC_OPTIONS
+from pdserve.common.channels import insecure_channel
+from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
 
@@ -70,4 +70,4 @@ async def generate(
 
 
 def router_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    return insecure_channel(address)

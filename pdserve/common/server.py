@@ -19,14 +19,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-logger = logging.getLogger(__name__)
+from pdserve.common.channels import GRPC_OPTIONS
 
-# KV chunks and long prompts exceed gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 256 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

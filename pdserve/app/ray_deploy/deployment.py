@@ -13,9 +13,9 @@ from typing import Any
 
 import ray
 
-from pdserve.ray_deploy.controller import Controller
-from pdserve.ray_deploy.service_actor import ServiceInfo
-from pdserve.ray_deploy.spec import CONTROLLER_NAME, DeploymentSpec
+from pdserve.app.ray_deploy.controller import Controller
+from pdserve.app.ray_deploy.service_actor import ServiceInfo
+from pdserve.app.ray_deploy.spec import CONTROLLER_NAME, DeploymentSpec
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Protobuf <-> engine dataclasses. The one place the wire vocabulary meets the engine's.
+"""Protobuf <-> engine dataclasses: where the wire vocabulary meets the engine's (the KV
+handle's conversion belongs to ``kvtransfer.wire``).
 
 Validation errors raise ``ValueError`` whose message names the field; servicers turn them into
 ``INVALID_ARGUMENT``.
@@ -10,8 +11,7 @@ from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
-from kvtransfer.base import KVHandle
-from pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.v1 import common_pb2
 
 _FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -128,28 +128,4 @@ def stats_to_proto(
         num_inflight=num_inflight,
         draining=draining,
         layout=layout_to_proto(layout),
-    )
-
-
-def handle_to_proto(handle: KVHandle) -> prefill_pb2.KVHandle:
-    return prefill_pb2.KVHandle(
-        backend=handle.backend,
-        address=handle.address,
-        request_id=handle.request_id,
-        num_blocks=handle.num_blocks,
-        layout=layout_to_proto(handle.layout),
-        lease_s=handle.lease_s,
-    )
-
-
-def handle_from_proto(msg: prefill_pb2.KVHandle) -> KVHandle:
-    if not msg.backend or not msg.address or not msg.request_id or msg.num_blocks < 1:
-        raise ValueError("handle must carry backend, address, request_id and num_blocks >= 1")
-    return KVHandle(
-        backend=msg.backend,
-        address=msg.address,
-        request_id=msg.request_id,
-        num_blocks=msg.num_blocks,
-        layout=layout_from_proto(msg.layout),
-        lease_s=msg.lease_s,
     )

@@ -102,7 +102,15 @@ class LocalCluster:
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = (cfg.log_dir / f"{name}.log").open("w")
-        command = [sys.executable, "-m", "pdserve.cli", "--log-level", cfg.log_level, role, *args]
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "--log-level",
+            cfg.log_level,
+            role,
+            *args,
+        ]
         process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,

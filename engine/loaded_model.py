@@ -1,4 +1,8 @@
-"""Loads a checkpoint, sizes and allocates the KV cache, and validates what requests carry."""
+"""A checkpoint loaded for serving: weights on the device, the paged KV cache sized and allocated,
+the runner that steps them, and the checks a request must pass against this model.
+
+``LLMEngine`` holds one; it owns scheduling and request state, this owns the model and memory.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ _CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_MEMORY_FRACTION = 0.85
 
 
-class EngineCore:
+class LoadedModel:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         model_dir = Path(config.model)
@@ -67,10 +71,6 @@ class EngineCore:
             self.max_model_len,
             self.attention_backend.value,
         )
-        self._init_state()
-
-    def _init_state(self) -> None:
-        """Subclasses set up scheduling state here."""
 
     def _attention_backend(self) -> AttentionBackend:
         requested = self.config.attention_backend

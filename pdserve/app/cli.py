@@ -1,0 +1,348 @@
+"""The ``pdserve`` command line. Flags become typed configs in ``pdserve.app.settings``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+from engine.model_config import DTYPE_NAMES
+from pdserve.app import settings
+from pdserve.app.settings import add_flag
+
+if TYPE_CHECKING:
+    from pdserve.app.local_cluster import ClusterConfig
+    from pdserve.common.server import ServerConfig, Service
+    from pdserve.v1 import router_pb2
+
+DEMO_PROMPTS = (
+    "The weather today is",
+    "To cook rice, first",
+    "Computers store numbers as",
+)
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from pdserve.app.make_model import make_model
+
+    path = make_model(args.dir, args.arch, args.size, args.seed, dtype=args.dtype)
+    print(f"wrote {args.arch}/{args.size} checkpoint to {path}")
+    return 0
+
+
+def _serve(service: Service, config: ServerConfig, role: str, *, reflect: bool = False) -> int:
+    from pdserve.common.metrics import start_metrics_server
+    from pdserve.common.server import serve
+
+    def announce(event: str, address: str) -> None:
+        # Supervisors (pdserve up, tests) wait for the "ready" line.
+        print(f"pdserve {role} {event} {address}", flush=True)
+
+    if config.metrics_port is not None:
+        port = start_metrics_server(config.host, config.metrics_port)
+        announce("metrics", f"{config.host}:{port}")
+    asyncio.run(serve(service, config, reflect=reflect, on_event=announce))
+    return 0
+
+
+def _cmd_service(args: argparse.Namespace) -> int:
+    from pdserve.app.components import build_service
+
+    spec = build_service(settings.service_config(args.command, args))
+    code = _serve(spec.service, spec.server, spec.role, reflect=spec.reflect)
+    return 1 if spec.service.failure is not None else code
+
+
+def _check_model(model: str) -> None:
+    """Fail here, with the file named, rather than in every child process."""
+    from engine.model_config import ModelConfig
+
+    ModelConfig.from_dir(model)
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    from pdserve.app.local_cluster import ClusterConfig
+
+    # One KV layout for every component: the router refuses workers whose layout differs.
+    layout = ("--dtype", args.dtype, "--block-size", str(args.block_size))
+    transfer: tuple[str, ...] = ("--kv-backend", args.transfer)
+    if args.transfer == "ray":
+        transfer += ("--ray-address", args.ray_address)
+    return ClusterConfig(
+        model=args.model,
+        num_prefill=0 if args.colocated else args.prefill,
+        num_decode=args.decode,
+        router_port=args.port,
+        redis_url=args.redis_url,
+        prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
+        decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
+        router_args=(*layout, *shlex.split(args.router_args)),
+        colocated=args.colocated,
+        log_level=args.log_level,
+    )
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.app.embedded_redis import EmbeddedRedis
+    from pdserve.app.local_cluster import LocalCluster
+
+    _check_model(args.model)  # before anything is started
+    if args.transfer == "ray":
+        args.ray_address = _local_ray(args.ray_address)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
+    redis = None if args.redis else EmbeddedRedis().start()
+    args.redis_url = args.redis or (redis.url if redis else "")
+    cluster = LocalCluster(_cluster_config(args))
+    try:
+        cluster.start()
+        for c in cluster.components:
+            print(f"  {c.name:<10} {c.address}  metrics http://{c.metrics_address}/metrics")
+        print(
+            f"pdserve cluster ready: router {cluster.address}, redis {args.redis_url}", flush=True
+        )
+        stop.wait()
+        print("draining ...", flush=True)
+    finally:
+        codes = cluster.stop()
+        if redis is not None:
+            redis.stop()
+    print(f"stopped: {codes}")
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _local_ray(address: str) -> str:
+    """The GCS address workers join: the given cluster's, or a local Ray started here (it
+    lives as long as this command)."""
+    import ray
+
+    ray.init(address=address or None, logging_level=logging.WARNING, include_dashboard=False)
+    gcs_address: str = ray.get_runtime_context().gcs_address
+    print(f"ray: {gcs_address}")
+    return gcs_address
+
+
+def _generate_request(args: argparse.Namespace) -> router_pb2.GenerateRequest:
+    from pdserve.v1 import common_pb2, router_pb2
+
+    sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    if args.temperature is not None:
+        sampling.temperature = args.temperature
+    if args.seed is not None:
+        sampling.seed = args.seed
+    request = router_pb2.GenerateRequest(sampling=sampling)
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("pass exactly one of --prompt and --prompt-token-ids")
+    if args.prompt is not None:
+        request.prompt = args.prompt
+    else:
+        request.prompt_token_ids.extend(int(t) for t in args.prompt_token_ids.split(","))
+    return request
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.app.client import generate, router_channel
+    from pdserve.v1 import router_pb2_grpc
+
+    request = _generate_request(args)
+
+    def show(text: str) -> None:
+        if not args.json:
+            print(text, end="", flush=True)
+
+    async def run() -> int:
+        async with router_channel(args.router) as channel:
+            try:
+                result = await generate(router_pb2_grpc.RouterStub(channel), request, show)
+            except grpc.aio.AioRpcError as exc:
+                print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        if args.json:
+            print(json.dumps(result.to_json_dict()))
+        else:
+            print(
+                f"\n[{result.completion_tokens} tokens, {result.finish_reason}, "
+                f"TTFT {result.ttft_s * 1e3:.1f} ms, TPOT {result.mean_tpot_s * 1e3:.2f} ms]"
+            )
+        return 0
+
+    return asyncio.run(run())
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.cluster.status import status_table
+
+    print(asyncio.run(status_table(settings.redis_config(args) or _no_redis())))
+    return 0
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    from pdserve.cluster.status import request_drain
+
+    config = settings.redis_config(args) or _no_redis()
+    if not asyncio.run(request_drain(config, args.worker_id)):
+        print(f"pdserve: error: no registered worker {args.worker_id!r}", file=sys.stderr)
+        return 1
+    print(f"drain requested: {args.worker_id} finishes its work, deregisters and exits")
+    return 0
+
+
+def _no_redis() -> NoReturn:
+    raise ValueError("--redis (or PDSERVE_REDIS) is required")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """A local cluster (1 prefill + 1 decode), three streamed generations, a clean stop."""
+    from pdserve.app.client import generate, router_channel
+    from pdserve.app.local_cluster import LocalCluster
+    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    _check_model(args.model)
+    print(
+        "starting embedded Redis, router, 1 prefill + 1 decode worker "
+        "(the first run compiles a CPU kernel) ..."
+    )
+    from pdserve.app.embedded_redis import EmbeddedRedis
+    from pdserve.app.local_cluster import ClusterConfig
+
+    redis = EmbeddedRedis().start()
+    # Short demo prompts would be prefilled on the decode worker (conditional disaggregation);
+    # the demo shows the disaggregated path.
+    config = ClusterConfig(
+        model=args.model,
+        log_level="WARNING",
+        redis_url=redis.url,
+        router_args=("--local-prefill-tokens", "0"),
+    )
+    try:
+        cluster = LocalCluster(config).start()
+    except BaseException:
+        redis.stop()
+        raise
+
+    async def run() -> None:
+        async with router_channel(cluster.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for prompt in DEMO_PROMPTS:
+                sampling = common_pb2.SamplingParams(
+                    max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0
+                )
+                request = router_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+                print(f"\n>>> {prompt}", end="", flush=True)
+                result = await generate(stub, request, lambda t: print(t, end="", flush=True))
+                print(
+                    f"\n    [{result.completion_tokens} tokens, TTFT {result.ttft_s * 1e3:.1f} ms"
+                    f" (prefill {result.prefill_s * 1e3:.1f} ms, KV transfer "
+                    f"{result.transfer_s * 1e3:.1f} ms), TPOT {result.mean_tpot_s * 1e3:.2f} ms]"
+                )
+
+    try:
+        print(f"cluster ready: router {cluster.address}")
+        asyncio.run(run())
+    finally:
+        codes = cluster.stop()
+        redis.stop()
+    print(f"\nshut down cleanly: {codes}")
+    print("(random-weight demo model: the text is gibberish by design)")
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
+        help="logging level (env PDSERVE_LOG_LEVEL)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    make = sub.add_parser("make-model", help="write a random-init HF checkpoint + tokenizer")
+    make.add_argument("dir")
+    make.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
+    make.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
+    make.set_defaults(func=_cmd_make_model)
+
+    demo = sub.add_parser("demo", help="local cluster + three streamed generations")
+    add_flag(demo, "--model", required=True, help="model directory")
+    add_flag(demo, "--max-tokens", type=int, default=32)
+    demo.set_defaults(func=_cmd_demo)
+
+    for role, text in (
+        ("prefill", "run a prefill worker"),
+        ("decode", "run a decode worker"),
+        ("router", "run the router"),
+    ):
+        component = sub.add_parser(role, help=text)
+        settings.add_service_flags(component, role)
+        component.set_defaults(func=_cmd_service)
+
+    up = sub.add_parser("up", help="start a local cluster; Ctrl-C drains and stops it")
+    settings.add_cluster_flags(up, default_transfer="grpc")
+    add_flag(up, "--ray-address", default="", help="Ray cluster (default: start a local Ray)")
+    add_flag(
+        up,
+        "--colocated",
+        action="store_true",
+        help="baseline: --decode workers prefill and decode in one engine (no prefill pool)",
+    )
+    up.set_defaults(func=_cmd_up)
+
+    for name, func, text in (
+        ("status", _cmd_status, "pools and workers from the registry"),
+        ("drain", _cmd_drain, "ask a worker to drain, deregister and exit"),
+    ):
+        admin = sub.add_parser(name, help=text)
+        add_flag(admin, "--redis", default="", help="Redis URL")
+        add_flag(admin, "--redis-namespace", default="pdserve", help="key prefix in Redis")
+        if name == "drain":
+            admin.add_argument("worker_id")
+        admin.set_defaults(func=func)
+
+    from pdserve.app.bench.commands import add_bench_command
+    from pdserve.app.ray_deploy.commands import add_ray_commands
+
+    add_ray_commands(sub)
+    add_bench_command(sub)
+
+    gen = sub.add_parser("generate", help="stream one generation from a router")
+    add_flag(gen, "--router", default="127.0.0.1:50051", help="router host:port")
+    gen.add_argument("--prompt", default=None)
+    gen.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        result: int = args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""A serving component built from its typed config: what ``pdserve prefill|decode|router``
+serves, and what a Ray actor serves from the very same config."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from decode_service.config import DecodeConfig
+from pdserve.app.settings import ServiceConfig
+from pdserve.common.server import ServerConfig, Service
+from prefill_service.config import PrefillConfig
+from router.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    role: str
+    service: Service
+    server: ServerConfig
+    reflect: bool = False
+
+
+def role_of(config: ServiceConfig) -> str:
+    if isinstance(config, RouterConfig):
+        return "router"
+    return "prefill" if isinstance(config, PrefillConfig) else "decode"
+
+
+def build_service(config: ServiceConfig) -> ServiceSpec:
+    """Dispatches on the config's type; a worker on the Ray backend joins Ray first."""
+    if isinstance(config, RouterConfig):
+        from router.service import RouterService
+
+        return ServiceSpec("router", RouterService(config), config.server, reflect=True)
+    if config.kv_backend == "ray":
+        connect_ray(config.ray_address)
+    if isinstance(config, PrefillConfig):
+        from prefill_service.service import PrefillService
+
+        return ServiceSpec("prefill", PrefillService(config), config.server)
+    assert isinstance(config, DecodeConfig)
+    from decode_service.service import DecodeService
+
+    return ServiceSpec("decode", DecodeService(config), config.server)
+
+
+def connect_ray(address: str) -> None:
+    """Joins a Ray cluster as a driver, unless this process already is in one (a Ray actor)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace="pdserve", logging_level=logging.WARNING)

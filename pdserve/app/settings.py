@@ -1,0 +1,294 @@
+"""Flags, and the typed configs they become: the only reader of argv and the environment.
+
+Every flag can also be set by an environment variable named ``PDSERVE_<FLAG>`` (``--lease-s`` ->
+``PDSERVE_LEASE_S``): what containers and Helm use. ``service_config`` turns a component's flags
+into one frozen ``RouterConfig | PrefillConfig | DecodeConfig``; from there on every process is
+handed typed configs (``dataclasses.replace`` per worker), never argv, except where a real OS
+process starts (``pdserve up`` children, Helm's environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from decode_service.config import DecodeConfig
+from engine.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
+from engine.model_config import DTYPE_NAMES
+from kvtransfer import NETWORK_BACKENDS
+from pdserve.cluster.config import RedisConfig
+from pdserve.common.server import ServerConfig
+from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
+from router.config import RouterConfig
+from router.policy import DECODE_POLICIES, RoutingPolicy
+
+ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig
+ROLES = ("prefill", "decode", "router")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def env_name(flag: str) -> str:
+    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """``parser.add_argument`` whose default comes from ``PDSERVE_<FLAG>`` in ``env`` (the
+    process environment unless given) when set."""
+    value = (os.environ if env is None else env).get(env_name(flag))
+    help_text = kwargs.pop("help", "")
+    kwargs["help"] = f"{help_text} (env {env_name(flag)})".strip()
+    if kwargs.get("action") == "store_true":
+        if value is not None:
+            kwargs["default"] = value.strip().lower() in _TRUE
+    elif value is not None:
+        kwargs["default"] = value  # argparse applies `type` to string defaults
+        kwargs.pop("required", None)
+    parser.add_argument(flag, **kwargs)
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+# ---- the three components --------------------------------------------------------------------
+def add_service_flags(
+    parser: argparse.ArgumentParser, role: str, env: Mapping[str, str] | None = None
+) -> None:
+    """The flags of ``pdserve prefill|decode|router``."""
+    adders = {"prefill": _add_prefill_flags, "decode": _add_decode_flags, "router": _add_router}
+    adders[role](parser, env)
+
+
+def service_config(role: str, args: argparse.Namespace) -> ServiceConfig:
+    """One component's flags as its frozen config (validated on construction)."""
+    if role == "router":
+        return router_config(args)
+    if role == "prefill":
+        return PrefillConfig(
+            engine=engine_config(args),
+            server=server_config(args),
+            lease_s=args.lease_s,
+            kv_backend=args.kv_backend,
+            kv_port=args.kv_port,
+            ray_address=args.ray_address,
+            redis=redis_config(args),
+            worker_id=args.worker_id,
+        )
+    if role == "decode":
+        return DecodeConfig(
+            engine=engine_config(args),
+            server=server_config(args),
+            kv_backend=args.kv_backend,
+            ray_address=args.ray_address,
+            transfer_timeout_s=args.transfer_timeout_s,
+            redis=redis_config(args),
+            worker_id=args.worker_id,
+        )
+    raise ValueError(f"not a service role: {role!r}")
+
+
+def parse_service_flags(role: str, argv: list[str]) -> ServiceConfig:
+    """A component's config from flags alone, ignoring the environment: for configs built on
+    behalf of other processes (a Ray deployment's workers), whose environment is not ours."""
+    parser = argparse.ArgumentParser(prog=f"pdserve {role}", exit_on_error=False)
+    add_service_flags(parser, role, env={})
+    try:
+        return service_config(role, parser.parse_args(argv))
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"{role} flags: {exc}") from None
+
+
+def add_server_flags(
+    parser: argparse.ArgumentParser, default_port: int, env: Mapping[str, str] | None = None
+) -> None:
+    add_flag(parser, "--host", env, default="127.0.0.1", help="address to bind")
+    add_flag(
+        parser, "--advertise-host", env, default=None, help="host peers dial (default: --host)"
+    )
+    add_flag(
+        parser, "--redis", env, default="", help="Redis URL: registry + prefix index (optional)"
+    )
+    add_flag(parser, "--redis-namespace", env, default="pdserve", help="key prefix in Redis")
+    add_flag(parser, "--port", env, type=int, default=default_port, help="gRPC port (0: ephemeral)")
+    add_flag(parser, "--metrics-port", env, type=int, default=None, help="Prometheus /metrics port")
+    add_flag(
+        parser, "--drain-timeout-s", env, type=float, default=30.0, help="graceful drain bound"
+    )
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
+    add_flag(parser, "--dtype", env, default="float32", choices=DTYPE_NAMES)
+    add_flag(parser, "--max-model-len", env, type=int, default=None)
+    add_flag(parser, "--block-size", env, type=int, default=16)
+    add_flag(
+        parser, "--num-blocks", env, type=int, default=None, help="KV blocks (default: memory)"
+    )
+    add_flag(parser, "--kv-cache-bytes", env, type=int, default=None)
+    add_flag(parser, "--no-prefix-caching", env, action="store_true")
+    add_flag(parser, "--max-num-seqs", env, type=int, default=128)
+    add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
+    add_flag(parser, "--device", env, default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
+    add_flag(
+        parser,
+        "--attention-backend",
+        env,
+        default=None,
+        choices=[b.value for b in AttentionBackend],
+    )
+    add_flag(
+        parser, "--kv-backend", env, default="grpc", choices=NETWORK_BACKENDS, help="KV transfer"
+    )
+    add_flag(
+        parser,
+        "--ray-address",
+        env,
+        default="auto",
+        help="Ray cluster for --kv-backend ray: auto or the GCS HOST:PORT (in a Ray actor: unused)",
+    )
+    add_flag(parser, "--worker-id", env, default=None, help="registry id (default: <role>-<8 hex>)")
+
+
+def redis_config(args: argparse.Namespace) -> RedisConfig | None:
+    return RedisConfig(url=args.redis, namespace=args.redis_namespace) if args.redis else None
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        advertise_host=args.advertise_host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    backend = args.attention_backend
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        attention_backend=AttentionBackend(backend) if backend else None,
+    )
+
+
+def _add_prefill_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_server_flags(parser, 50061, env)
+    _add_engine_flags(parser, env)
+    add_flag(parser, "--lease-s", env, type=float, default=DEFAULT_LEASE_S, help="KV lease length")
+    add_flag(
+        parser, "--kv-port", env, type=int, default=50071, help="KV sender port (0: ephemeral)"
+    )
+
+
+def _add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_server_flags(parser, 50062, env)
+    _add_engine_flags(parser, env)
+    add_flag(parser, "--transfer-timeout-s", env, type=float, default=60.0)
+
+
+def _add_router(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_server_flags(parser, 50051, env)
+    add_flag(parser, "--model", env, required=True, help="model directory (tokenizer, config)")
+    add_flag(parser, "--prefill", env, type=_csv, default=(), help="static prefill workers h:p,...")
+    add_flag(parser, "--decode", env, type=_csv, default=(), help="static decode workers h:p,...")
+    add_flag(
+        parser, "--dtype", env, default="float32", choices=DTYPE_NAMES, help="the workers' dtype"
+    )
+    add_flag(parser, "--block-size", env, type=int, default=16, help="the workers' block size")
+    add_flag(
+        parser,
+        "--prefill-policy",
+        env,
+        default=RoutingPolicy.CACHE_AWARE.value,
+        choices=[p.value for p in RoutingPolicy],
+        help="prefill worker choice",
+    )
+    add_flag(
+        parser,
+        "--decode-policy",
+        env,
+        default=RoutingPolicy.LEAST_LOADED.value,
+        choices=[p.value for p in DECODE_POLICIES],
+        help="decode worker choice",
+    )
+    add_flag(parser, "--cache-alpha", env, type=float, default=1.0, help="cache_aware load weight")
+    add_flag(parser, "--imbalance-tokens", env, type=int, default=8192, help="cache_aware guard")
+    add_flag(
+        parser,
+        "--local-prefill-tokens",
+        env,
+        type=int,
+        default=32,
+        help="prefill on the decode worker when fewer prompt tokens are uncached (0: never)",
+    )
+    add_flag(parser, "--admission-timeout-s", env, type=float, default=10.0)
+    add_flag(
+        parser,
+        "--colocated",
+        env,
+        action="store_true",
+        help="no prefill pool: decode workers prefill every request themselves (baseline)",
+    )
+    add_flag(parser, "--ready-timeout-s", env, type=float, default=120.0)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model=args.model,
+        prefill_addresses=args.prefill,
+        decode_addresses=args.decode,
+        server=server_config(args),
+        redis=redis_config(args),
+        dtype=args.dtype,
+        block_size=args.block_size,
+        prefill_policy=RoutingPolicy(args.prefill_policy),
+        decode_policy=RoutingPolicy(args.decode_policy),
+        cache_alpha=args.cache_alpha,
+        imbalance_tokens=args.imbalance_tokens,
+        local_prefill_tokens=args.local_prefill_tokens,
+        admission_timeout_s=args.admission_timeout_s,
+        ready_timeout_s=args.ready_timeout_s,
+        colocated=args.colocated,
+    )
+
+
+# ---- whole clusters: `pdserve up` and `pdserve ray up` -------------------------------------
+def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) -> None:
+    """What ``pdserve up`` and ``pdserve ray up`` share: the pools, one KV layout for every
+    component (the router refuses workers whose layout differs), and per-role extra flags."""
+    add_flag(parser, "--model", required=True, help="model directory (readable by every worker)")
+    add_flag(parser, "--prefill", type=int, default=1, help="number of prefill workers")
+    add_flag(parser, "--decode", type=int, default=1, help="number of decode workers")
+    add_flag(parser, "--port", type=int, default=50051, help="router port (0: ephemeral)")
+    add_flag(parser, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
+    add_flag(parser, "--dtype", default="float32", choices=DTYPE_NAMES)
+    add_flag(parser, "--block-size", type=int, default=16, help="KV block size (all components)")
+    add_flag(
+        parser,
+        "--transfer",
+        default=default_transfer,
+        choices=NETWORK_BACKENDS,
+        help="KV transfer backend",
+    )
+    add_flag(parser, "--prefill-args", default="", help="extra flags for every prefill worker")
+    add_flag(parser, "--decode-args", default="", help="extra flags for every decode worker")
+    add_flag(parser, "--router-args", default="", help="extra flags for the router")

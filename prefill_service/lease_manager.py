@@ -1,0 +1,101 @@
+"""Every lease of one prefill worker: the table, the reaper, and the one path that frees.
+
+The rule it enforces is the block-ownership contract in ``kvtransfer/base.py``; the bookkeeping
+(pure, clock passed in) is ``LeaseTable``. The prefill service grants a lease when the engine
+pins a request's first token; the RPC ``Release`` (decode confirmed, or the router gave up)
+calls ``end``; the KV sender reads between ``checkout`` and ``checkin`` (``BlockLeases``); the
+reaper expires leases nobody came for. Whichever comes last frees the blocks, once, through
+``_free``: the engine's ``free_pinned``, then the sender's ``lease_ended``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from engine.async_engine import AsyncEngine
+from kvtransfer.base import BlockLeases, KVSender
+from pdserve.common import metrics
+from prefill_service.lease_table import LeaseTable
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseManager(BlockLeases):
+    def __init__(self, lease_s: float, engine: AsyncEngine) -> None:
+        self.lease_s = lease_s
+        self.engine = engine
+        self.sender: KVSender | None = None  # told when a lease ends (set once it exists)
+        self._table = LeaseTable(lease_s)
+        self._changed = asyncio.Event()
+        self._reaper: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._expire_forever(), name="lease-reaper")
+
+    async def close(self) -> None:
+        """Stops the reaper and frees every lease still held (the worker is going away)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+        for request_id in self._table.expire(float("inf")):
+            await self._free(request_id)
+
+    # ---- the lease's life -------------------------------------------------------------------
+    def grant(self, request_id: str, block_ids: list[int]) -> None:
+        """Called right after the engine pinned the blocks, before any await, so that no
+        cancellation can strand them."""
+        self._table.grant(request_id, block_ids, self._now())
+        self._changed.set()
+
+    def renew(self, request_id: str) -> bool:
+        return self._table.renew(request_id, self._now())
+
+    async def end(self, request_id: str) -> bool:
+        """The lease is over (decode has the blocks, or nobody will pull them). Idempotent:
+        False when there was no live lease."""
+        leased, free_now = self._table.end(request_id)
+        if free_now:
+            await self._free(request_id)
+        return leased
+
+    # ---- BlockLeases: the KV sender's reads -------------------------------------------------
+    def checkout(self, request_id: str) -> list[int]:
+        return self._table.checkout(request_id)
+
+    async def checkin(self, request_id: str) -> None:
+        if self._table.checkin(request_id):
+            await self._free(request_id)
+        self._changed.set()
+
+    # ---- the one free path ------------------------------------------------------------------
+    async def _free(self, request_id: str) -> None:
+        await self.engine.free_pinned(request_id)
+        if self.sender is not None:
+            self.sender.lease_ended(request_id)
+        metrics.LEASED_REQUESTS.set(len(self._table))
+
+    async def _expire_forever(self) -> None:
+        while True:
+            metrics.LEASED_REQUESTS.set(len(self._table))
+            deadline = self._table.next_deadline_s()
+            timeout = None if deadline is None else max(deadline - self._now(), 0.0)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
+            for request_id in self._table.expire(self._now()):
+                logger.warning("request_id=%s lease expired; freeing its blocks", request_id)
+                metrics.LEASES_EXPIRED.inc()
+                try:
+                    await self._free(request_id)
+                except Exception:  # the reaper must outlive one bad free
+                    logger.exception("request_id=%s freeing an expired lease failed", request_id)
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
