@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
 from kvtransfer import BACKENDS
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -20,11 +20,21 @@ class DecodeConfig:
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
     transfer_timeout_s: float = 60.0  # one request's whole KV pull
     release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks
+    # Output tokens a request may have waiting for its reader before it is paused (it keeps
+    # its blocks but takes no decode seat until the reader catches up).
+    max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
+    # A stream with nothing new for this long sends an empty message, so the router can tell a
+    # quiet request from a stalled worker (its --stall-timeout-s must be well above this).
+    heartbeat_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if self.max_buffered_tokens < 2:
+            raise ValueError(f"max_buffered_tokens must be >= 2, got {self.max_buffered_tokens}")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
         if not self.release_timeout_s > 0:
             raise ValueError(f"release_timeout_s must be > 0, got {self.release_timeout_s}")

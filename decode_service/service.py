@@ -1,10 +1,9 @@
 """The decode worker's gRPC service.
 
 Admission: a request is admitted only if its prompt's blocks can be allocated now
-(RESOURCE_EXHAUSTED otherwise; the router retries elsewhere or waits). Once admitted, this worker
-owns ending the prefill lease (the contract in ``kvtransfer/base.py``): it releases it after the
-pull, whether the pull succeeded or not. It then joins the batch without computing any prompt
-token (the engine counts them; the test suite asserts zero).
+(RESOURCE_EXHAUSTED otherwise; the router retries elsewhere or waits). Who ends the prefill lease
+after that is the contract in ``kvtransfer/base.py``. The request then joins the batch without
+computing any prompt token (the engine counts them; the test suite asserts zero).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pdserve.cluster.registry import Role
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
-from pdserve.common.lease_release import LeaseReleaser
+from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.worker.service import WorkerService
 
@@ -45,7 +44,13 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     name = "pdserve.v1.DecodeWorker"
 
     def __init__(self, config: DecodeConfig) -> None:
-        super().__init__(config.engine, config.redis, config.worker_id)
+        super().__init__(
+            config.engine,
+            config.redis,
+            config.worker_id,
+            max_buffered_tokens=config.max_buffered_tokens,
+            heartbeat_s=config.heartbeat_s,
+        )
         self.config = config
         self._receiver: KVReceiver | None = None
         self._channels = ChannelPool()
@@ -87,6 +92,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 if request.HasField("first_token_logprobs")
                 else None
             ),
+            num_generated_tokens=request.num_generated_tokens,
         )
         try:
             handle = handle_from_proto(request.handle)
@@ -130,10 +136,16 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         params = await self.accept(context, request.request_id, request.sampling)
         prompt = list(request.prompt_token_ids)
+        await self.check_fits(context, len(prompt))
         with self.admitted():
             yield decode_pb2.DecodeResponse()  # admitted: the scheduler queues it like any other
             try:
-                stream = self.engine.generate(request.request_id, prompt, params)
+                stream = self.engine.generate(
+                    request.request_id,
+                    prompt,
+                    params,
+                    num_generated_tokens=request.num_generated_tokens,
+                )
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
                         yield decode_pb2.DecodeResponse(
@@ -187,6 +199,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         except KVTransferError as exc:
             metrics.TRANSFER_FAILURES.labels(exc.code.value).inc()
             logger.warning("request_id=%s KV pull failed: %s", handle.request_id, exc)
+            context.set_trailing_metadata((LEASE_ENDED,))  # ended in the finally below
             await context.abort(_TRANSFER_CODES[exc.code], f"KV transfer failed: {exc}")
         except ValueError as exc:  # a handle that does not fit the request
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

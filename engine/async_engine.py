@@ -5,6 +5,12 @@ The engine is not thread-safe. Steps run in a worker thread so the event loop ke
 every other engine call runs on the event loop while no step is in flight (one lock, FIFO).
 KV reads and writes for transfers touch only pinned or reserved blocks, which no step reads or
 writes, so transfers use ``kv_cache`` from their own threads without the lock.
+
+Output is bounded per request: a request whose consumer stops reading is paused in the engine
+(blocks kept, no seat, not scheduled) once ``max_buffered_tokens`` wait in its queue, and
+resumed when half of them are taken. With ``heartbeat_s``, a request that produced nothing for
+that long yields an empty update, so that a reader can tell a quiet request (queued for a seat,
+a long chunked prefill) from a stalled process.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.block_hash import BlockHash
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS
 from engine.kv_cache import KVCache
 from engine.kv_events import KVEvents
 from engine.kv_layout import KVCacheLayout
@@ -32,19 +40,37 @@ class EngineDeadError(RuntimeError):
     """A step raised: the engine state can no longer be trusted; the worker must restart."""
 
 
+@dataclass
+class _Stream:
+    """One request's updates on their way to its consumer."""
+
+    queue: asyncio.Queue[RequestUpdate | BaseException] = field(default_factory=asyncio.Queue)
+    num_buffered_tokens: int = 0  # in the queue, not yet taken
+    paused: bool = False
+
+
 class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
         on_stats: Callable[[EngineStats], None] | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
+        *,
+        max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
+        heartbeat_s: float | None = None,
     ) -> None:
+        if max_buffered_tokens < 2:
+            raise ValueError(f"max_buffered_tokens must be >= 2, got {max_buffered_tokens}")
+        if heartbeat_s is not None and not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self._engine = engine
         self._on_step = on_stats
         self._on_dead = on_dead  # told once, when a step fails
+        self.max_buffered_tokens = max_buffered_tokens
+        self.heartbeat_s = heartbeat_s
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
-        self._queues: dict[str, asyncio.Queue[RequestUpdate | BaseException]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
         self.collect_kv_events = False  # set by a worker that publishes to a prefix index
@@ -81,6 +107,11 @@ class AsyncEngine:
     def blocks_for(self, num_tokens: int) -> int:
         return self._engine.blocks_for(num_tokens)
 
+    @property
+    def num_buffered_tokens(self) -> int:
+        """Output tokens produced but not yet taken by their consumers, over all requests."""
+        return sum(s.num_buffered_tokens for s in self._streams.values())
+
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -98,12 +129,20 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         prefill_only: bool = False,
+        num_generated_tokens: int = 0,
     ) -> AsyncGenerator[RequestUpdate, None]:
         """Admits a request and yields its updates. ``prefill_only``: the last update is the
-        prefilled one (blocks pinned: the caller then owns a ``free_pinned``)."""
+        prefilled one (blocks pinned: the caller then owns a ``free_pinned``).
+        ``num_generated_tokens``: a continued request (see ``LLMEngine.add_request``)."""
 
         def admit() -> None:
-            self._engine.add_request(prompt_ids, params, request_id, prefill_only=prefill_only)
+            self._engine.add_request(
+                prompt_ids,
+                params,
+                request_id,
+                prefill_only=prefill_only,
+                num_generated_tokens=num_generated_tokens,
+            )
 
         return self._stream(request_id, admit)
 
@@ -156,14 +195,14 @@ class AsyncEngine:
         the request's updates until it finishes or is prefilled. Leaving early, by
         cancellation or ``aclose``, aborts the request."""
         self._check_alive()
-        queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
+        stream = _Stream()
         async with self._lock:
             self._check_alive()
             try:
                 first = admit()
             finally:
                 self._refresh_stats()
-            self._queues[request_id] = queue
+            self._streams[request_id] = stream
         self._wakeup.set()
         done = False
         try:
@@ -171,16 +210,28 @@ class AsyncEngine:
                 done = first.finished or first.prefilled
                 yield first
             while not done:
-                update = await queue.get()
-                if isinstance(update, BaseException):
-                    raise EngineDeadError(f"engine step failed: {update!r}") from update
+                update = await self._next(request_id, stream)
                 done = update.finished or update.prefilled
                 yield update
         finally:
-            self._queues.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not done and self.error is None:
                 # Shielded inside abort: a second cancellation must not skip freeing the blocks.
                 await self.abort(request_id)
+
+    async def _next(self, request_id: str, stream: _Stream) -> RequestUpdate:
+        try:
+            async with asyncio.timeout(self.heartbeat_s):
+                item = await stream.queue.get()
+        except TimeoutError:  # nothing new: an empty update tells the reader we are alive
+            return RequestUpdate(request_id, [], "", [], None)
+        if isinstance(item, BaseException):
+            raise EngineDeadError(f"engine step failed: {item!r}") from item
+        stream.num_buffered_tokens -= len(item.new_token_ids)
+        if stream.paused and stream.num_buffered_tokens <= self.max_buffered_tokens // 2:
+            stream.paused = False
+            await self.call(lambda: self._engine.resume(request_id))
+        return item
 
     # ---- the prefix index's view ------------------------------------------------------------
     def take_kv_events(self) -> list[KVEvents]:
@@ -217,17 +268,28 @@ class AsyncEngine:
                 except Exception as exc:
                     logger.exception("engine step failed; failing every request")
                     self.error = exc
-                    for queue in self._queues.values():
-                        queue.put_nowait(exc)
+                    for stream in self._streams.values():
+                        stream.queue.put_nowait(exc)
                     if self._on_dead is not None:
                         self._on_dead(exc)
                     return
+                self._deliver(updates)
                 self._refresh_stats()
                 if engine.last_step_idle:
-                    # Nothing could be scheduled (no free blocks): wait for a call to change that
-                    # instead of spinning.
+                    # Nothing could be scheduled (no free blocks, everything paused): wait for
+                    # a call to change that instead of spinning.
                     self._wakeup.clear()
-            for update in updates:
-                target = self._queues.get(update.request_id)
-                if target is not None:
-                    target.put_nowait(update)
+
+    def _deliver(self, updates: list[RequestUpdate]) -> None:
+        """Queues each update for its consumer (under the lock, right after the step), and
+        pauses a request whose consumer has let ``max_buffered_tokens`` pile up: one step adds
+        at most one token per request, so its queue never holds more than the bound."""
+        for update in updates:
+            stream = self._streams.get(update.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(update)
+            stream.num_buffered_tokens += len(update.new_token_ids)
+            full = stream.num_buffered_tokens >= self.max_buffered_tokens
+            if full and not stream.paused and not update.finished:
+                stream.paused = self._engine.pause(update.request_id)

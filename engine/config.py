@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from engine.model_config import DTYPE_NAMES
 
+# Output tokens one request may have waiting for its reader before the engine pauses it.
+DEFAULT_MAX_BUFFERED_TOKENS = 256
+
 
 class AttentionBackend(enum.Enum):
     """How decode attention and KV stores run (prefill always uses torch SDPA)."""

@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loaded_model import LoadedModel
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_continuation
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 
@@ -74,15 +74,33 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         prefill_only: bool = False,
+        num_generated_tokens: int = 0,
     ) -> str:
+        """``num_generated_tokens``: the last that many tokens of ``prompt`` are output a
+        previous engine already produced (a migrated request): they count toward
+        ``max_tokens``, the seeded sampler's output index and stop strings, exactly as if this
+        engine had generated them; the client's prompt is the rest."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._check_new_request(request_id, params)
         token_ids = self.validate_prompt(prompt)
-        seq = Sequence(request_id, token_ids, params, prefill_only=prefill_only)
+        seq = self._sequence(request_id, token_ids, params, num_generated_tokens, prefill_only)
         self._hash(seq)
         self._requests[request_id] = _Request(seq, self._detokenizer(seq))
         self.scheduler.add(seq)
         return request_id
+
+    def _sequence(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_generated: int,
+        prefill_only: bool = False,
+    ) -> Sequence:
+        if num_generated:
+            check_continuation(len(token_ids), num_generated, params, self.max_model_len)
+        prompt = token_ids[: len(token_ids) - num_generated]
+        return Sequence(request_id, prompt, params, list(token_ids), prefill_only=prefill_only)
 
     def _check_new_request(self, request_id: str, params: SamplingParams) -> None:
         """One namespace for ids at every stage, and params checked against this model."""
@@ -113,6 +131,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def pause(self, request_id: str) -> bool:
+        """Its consumer stopped reading: the request keeps its blocks but stops being scheduled
+        and gives up its seat. False when it holds no seat (waiting) or is gone."""
+        req = self._requests.get(request_id)
+        return req is not None and self.scheduler.pause(req.seq)
+
+    def resume(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None:
+            self.scheduler.resume(req.seq)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
@@ -215,7 +244,16 @@ class LLMEngine:
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.stop_strings)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_token_ids, seq.params.stop_strings
+        )
+        # A continued request: replay its earlier output, so that a stop string spanning the
+        # handover is found exactly where one engine would have found it.
+        eos = self.model_config.eos_token_ids
+        for token_id in seq.output_token_ids:
+            if not seq.params.is_stop_token(token_id, eos):
+                detokenizer.add_token(token_id)
+        return detokenizer
 
     def _hash(self, seq: Sequence) -> None:
         if self.config.cache.enable_prefix_caching:
@@ -223,14 +261,17 @@ class LLMEngine:
 
     # ---- disaggregation: prefill side ------------------------------------------------------
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
+        """The pinned request as a decode engine resumes it: every token but the one sampled
+        here is in the blocks (prompt, and the earlier output of a continued request)."""
         seq = self.pinned[request_id]
         return PrefilledRequest(
             request_id=request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
-            first_token_id=seq.token_ids[seq.num_prompt_tokens],
+            prompt_token_ids=seq.token_ids[:-1],
+            first_token_id=seq.token_ids[-1],
             params=seq.params,
             block_ids=list(seq.block_table),
-            first_token_logprobs=seq.logprobs[0] if seq.logprobs else None,
+            first_token_logprobs=seq.logprobs[-1] if seq.logprobs else None,
+            num_generated_tokens=seq.num_output_tokens - 1,
         )
 
     def free_pinned(self, request_id: str) -> None:
@@ -244,7 +285,9 @@ class LLMEngine:
         self._check_new_request(request.request_id, request.params)
         prompt = self.validate_prompt(request.prompt_token_ids)
         self.validate_token_ids([request.first_token_id], "first_token_id")
-        seq = Sequence(request.request_id, prompt, request.params)
+        seq = self._sequence(
+            request.request_id, prompt, request.params, request.num_generated_tokens
+        )
         if not self.block_manager.allocate_slots(seq, len(prompt)):
             return None
         seq.num_cached_tokens = 0
@@ -258,11 +301,11 @@ class LLMEngine:
         """
         req = self._reserved.pop(request.request_id)
         seq = req.seq
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = seq.num_tokens
         self._hash(seq)
         self.block_manager.register_computed_blocks(seq)
         self._requests[seq.request_id] = req
-        self.scheduler.add_running(seq)
+        self.scheduler.add_ready(seq)  # it takes a decode seat when one is free
         return self._append_token(req, request.first_token_id, request.first_token_logprobs)
 
     # ---- validation and introspection ------------------------------------------------------
@@ -278,8 +321,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
             num_running=len(self.scheduler.running),
+            num_paused=len(self.scheduler.paused),
             num_pinned=len(self.pinned),
             num_blocks=bm.num_blocks,
             num_free_blocks=bm.num_free_blocks,

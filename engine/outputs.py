@@ -54,11 +54,13 @@ class PrefilledRequest:
     params: SamplingParams
     block_ids: list[int]  # on the prefill engine; pinned until free_pinned()
     first_token_logprobs: TokenLogprobs | None = None
+    # A continued (migrated) request: the last that many of prompt_token_ids are earlier output.
+    num_generated_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    num_waiting: int
+    num_waiting: int  # waiting to be admitted, or (KV already here) for a seat
     num_running: int
     num_pinned: int
     num_blocks: int
@@ -68,3 +70,5 @@ class EngineStats:
     # Prompt tokens this engine ran through the model (prefix hits and imported KV excluded).
     num_prompt_tokens_computed: int
     num_prefix_hit_tokens: int
+    # Requests whose consumer stopped reading: blocks kept, no seat, not scheduled.
+    num_paused: int = 0

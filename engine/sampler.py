@@ -56,28 +56,13 @@ class Sampler:
         return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, requests))
 
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        vocab = logits.shape[-1]
         greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
-        temps = torch.tensor(
-            [r.params.temperature if not r.params.greedy else 1.0 for r in requests],
-            device=logits.device,
-        )
-        scaled = logits / temps[:, None]
-        # vLLM v1's order: temperature, min-p, then top-k and top-p.
-        if any(r.params.min_p > 0.0 for r in requests):
-            scaled = _apply_min_p(scaled, [r.params.min_p for r in requests])
-        if any(0 < r.params.top_k < vocab for r in requests):
-            scaled = _apply_top_k(scaled, [r.params.top_k for r in requests])
-        if any(r.params.top_p < 1.0 for r in requests):
-            scaled = _apply_top_p(scaled, [r.params.top_p for r in requests])
-        probs = torch.softmax(scaled, dim=-1)
+        probs = filtered_probs(logits, requests)
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self._generator)
         for row, r in enumerate(requests):
             if r.params.seed is not None and not r.params.greedy:
-                gen = torch.Generator(device=logits.device)
-                gen.manual_seed(step_seed(r.params.seed, r.output_index))
-                noise[row].exponential_(generator=gen)
+                noise[row] = seeded_noise(probs.shape[-1], logits.device, r)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -110,6 +95,33 @@ class Sampler:
                 )
             )
         return out
+
+
+def filtered_probs(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """Each row's sampling distribution: ``[rows, vocab]`` logits through the request's
+    temperature, then (vLLM v1's order) min-p, top-k and top-p, then softmax."""
+    vocab = logits.shape[-1]
+    temps = torch.tensor(
+        [r.params.temperature if not r.params.greedy else 1.0 for r in requests],
+        device=logits.device,
+    )
+    scaled = logits / temps[:, None]
+    if any(r.params.min_p > 0.0 for r in requests):
+        scaled = _apply_min_p(scaled, [r.params.min_p for r in requests])
+    if any(0 < r.params.top_k < vocab for r in requests):
+        scaled = _apply_top_k(scaled, [r.params.top_k for r in requests])
+    if any(r.params.top_p < 1.0 for r in requests):
+        scaled = _apply_top_p(scaled, [r.params.top_p for r in requests])
+    return torch.softmax(scaled, dim=-1)
+
+
+def seeded_noise(vocab: int, device: torch.device, request: SampleRequest) -> torch.Tensor:
+    """A seeded request's Exp(1) noise at its output index: ``[vocab]`` fp32, the same in
+    every process and batch."""
+    assert request.params.seed is not None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(step_seed(request.params.seed, request.output_index))
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:

@@ -70,6 +70,29 @@ class SamplingParams:
         return token_id in self.stop_ids or (not self.ignore_eos and token_id in eos_token_ids)
 
 
+def check_continuation(
+    num_tokens: int, num_generated_tokens: int, params: SamplingParams, max_model_len: int
+) -> None:
+    """A request continued elsewhere (migration) carries its earlier output at the end of its
+    prompt; it must be one that could still have produced a token. Errors name the field."""
+    _check_int("num_generated_tokens", num_generated_tokens, minimum=0)
+    if num_generated_tokens >= num_tokens:
+        raise ValueError(
+            f"num_generated_tokens ({num_generated_tokens}) must be < the {num_tokens} "
+            "prompt_token_ids it is part of"
+        )
+    if num_generated_tokens >= params.max_tokens:
+        raise ValueError(
+            f"num_generated_tokens ({num_generated_tokens}) must be < max_tokens "
+            f"({params.max_tokens}): that request is already finished"
+        )
+    if num_generated_tokens and num_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt_token_ids has {num_tokens} tokens with num_generated_tokens > 0: at "
+            f"max_model_len {max_model_len} that request is already finished"
+        )
+
+
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 

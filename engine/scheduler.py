@@ -6,6 +6,11 @@ token each, or the next chunk of a prompt), then waiting sequences in arrival or
 recently admitted running sequence is preempted by recompute: its blocks are freed and it goes
 back to the front of the waiting queue (prompt + outputs so far are recomputed later, mostly
 from the prefix cache).
+
+Sequences whose KV is already in the cache but that hold no decode seat wait in ``ready``
+(imported from a prefill worker, or resumed after a pause) and take free seats first. A paused
+sequence (its consumer stopped reading) keeps its blocks but is neither scheduled nor counted
+against ``max_num_seqs`` until it is resumed.
 """
 
 from __future__ import annotations
@@ -54,24 +59,47 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.ready: deque[Sequence] = deque()  # KV in the cache, waiting for a seat
+        self.paused: list[Sequence] = []  # blocks kept, no seat, not scheduled
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.ready)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Join a sequence whose blocks are already allocated and filled (imported KV)."""
+    def add_ready(self, seq: Sequence) -> None:
+        """A sequence whose blocks are allocated and filled (imported KV): it joins the running
+        batch when a seat is free, ahead of waiting sequences (it already holds its blocks)."""
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.ready.append(seq)
+
+    def pause(self, seq: Sequence) -> bool:
+        """Takes a running (or ready) sequence out of scheduling, keeping its blocks. False when
+        it holds no seat to give up (waiting: it produces nothing until admitted anyway)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.ready:
+            self.ready.remove(seq)
+        else:
+            return seq in self.paused
+        self.paused.append(seq)
+        return True
+
+    def resume(self, seq: Sequence) -> None:
+        if seq in self.paused:
+            self.paused.remove(seq)
+            self.ready.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Ready sequences take free seats first: each costs one token, and they hold blocks.
+        while self.ready and len(self.running) < self.config.max_num_seqs:
+            self.running.append(self.ready.popleft())
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -138,7 +166,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Stop scheduling a sequence; the caller owns freeing (or pinning) its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.ready, self.paused):
+            if seq in queue:
+                queue.remove(seq)
+                return

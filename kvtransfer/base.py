@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 class TransferErrorCode(enum.Enum):
-    NOT_FOUND = "not_found"  # the sender holds no lease for the request (expired, released)
+    NOT_FOUND = "not_found"  # the sender holds no lease for the request (expired or ended)
     LAYOUT_MISMATCH = "layout_mismatch"  # sender and receiver caches are not interchangeable
     CORRUPTED = "corrupted"  # checksum, offset or size check failed
     UNAVAILABLE = "unavailable"  # the sender cannot be reached or the stream broke
@@ -77,7 +77,7 @@ class BlockLeases(ABC):
 
     @abstractmethod
     async def checkin(self, request_id: str) -> None:
-        """Ends one checkout; frees the blocks if the lease was released or expired meanwhile."""
+        """Ends one checkout; frees the blocks if the lease ended or expired meanwhile."""
 
 
 class KVSender(ABC):
@@ -101,7 +101,7 @@ class KVSender(ABC):
     async def stop(self) -> None: ...
 
     def lease_ended(self, request_id: str) -> None:
-        """Called by the prefill service once the request's lease is over (released, expired
+        """Called by the prefill service once the request's lease is over (ended, expired
         or aborted) and its blocks are freed. Backends that staged a copy of the blocks (the
         Ray object store) drop it here; the others hold nothing."""
         return None

@@ -34,7 +34,7 @@ from kvtransfer.codec import (
     plan_chunks,
     tensor_bytes,
 )
-from pdserve.common.channels import GRPC_OPTIONS, ChannelPool
+from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
 from pdserve.common.convert import layout_from_proto, layout_to_proto
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -70,7 +70,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         return self._address
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
         port = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if port == 0:
@@ -130,7 +130,7 @@ class GrpcKVReceiver(KVReceiver):
     def __init__(self, cache: KVCache, timeout_s: float = 60.0) -> None:
         super().__init__(cache)
         self.timeout_s = timeout_s
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(TRANSFER_OPTIONS)
 
     async def close(self) -> None:
         await self._channels.close()

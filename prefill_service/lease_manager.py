@@ -1,11 +1,11 @@
 """Every lease of one prefill worker: the table, the reaper, and the one path that frees.
 
 The rule it enforces is the block-ownership contract in ``kvtransfer/base.py``; the bookkeeping
-(pure, clock passed in) is ``LeaseTable``. The prefill service grants a lease when the engine
-pins a request's first token; the RPC ``Release`` (decode confirmed, or the router gave up)
-calls ``end``; the KV sender reads between ``checkout`` and ``checkin`` (``BlockLeases``); the
-reaper expires leases nobody came for. Whichever comes last frees the blocks, once, through
-``_free``: the engine's ``free_pinned``, then the sender's ``lease_ended``.
+(pure, clock passed in) is ``LeaseTable``. Callers: the prefill service grants a lease when the
+engine pins a request's first token and calls ``end`` for the RPC ``Release``; the KV sender
+reads between ``checkout`` and ``checkin`` (``BlockLeases``); the reaper expires leases nobody
+came for. The blocks are freed once, through ``_free``: the engine's ``free_pinned``, then the
+sender's ``lease_ended``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 class LeaseManager(BlockLeases):
-    def __init__(self, lease_s: float, engine: AsyncEngine) -> None:
+    """Exists from the service's construction (``Release`` before the engine loaded answers
+    "no such lease"); ``start`` attaches the engine and sender once they exist."""
+
+    def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
-        self.engine = engine
-        self.sender: KVSender | None = None  # told when a lease ends (set once it exists)
+        self._engine: AsyncEngine | None = None
+        self._sender: KVSender | None = None  # told when a lease ends
         self._table = LeaseTable(lease_s)
         self._changed = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
@@ -34,14 +37,19 @@ class LeaseManager(BlockLeases):
     def __len__(self) -> int:
         return len(self._table)
 
-    def start(self) -> None:
+    def start(self, engine: AsyncEngine, sender: KVSender) -> None:
+        self._engine, self._sender = engine, sender
         self._reaper = asyncio.create_task(self._expire_forever(), name="lease-reaper")
 
-    async def close(self) -> None:
-        """Stops the reaper and frees every lease still held (the worker is going away)."""
+    async def stop_reaper(self) -> None:
+        """First step of a shutdown: no lease expires while the sender stops."""
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+
+    async def free_all(self) -> None:
+        """Last step of a shutdown, once the sender stopped (no read is in flight): frees every
+        lease still held."""
         for request_id in self._table.expire(float("inf")):
             await self._free(request_id)
 
@@ -74,9 +82,10 @@ class LeaseManager(BlockLeases):
 
     # ---- the one free path ------------------------------------------------------------------
     async def _free(self, request_id: str) -> None:
-        await self.engine.free_pinned(request_id)
-        if self.sender is not None:
-            self.sender.lease_ended(request_id)
+        assert self._engine is not None, "a lease exists only once the engine does"
+        await self._engine.free_pinned(request_id)
+        if self._sender is not None:
+            self._sender.lease_ended(request_id)
         metrics.LEASED_REQUESTS.set(len(self._table))
 
     async def _expire_forever(self) -> None:

@@ -33,42 +33,34 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, config: PrefillConfig) -> None:
         super().__init__(config.engine, config.redis, config.worker_id)
         self.config = config
-        self._leases: LeaseManager | None = None
+        self.leases = LeaseManager(config.lease_s)
         self._sender: KVSender | None = None
-
-    @property
-    def leases(self) -> LeaseManager:
-        if self._leases is None:
-            raise RuntimeError("the prefill worker is not loaded yet")
-        return self._leases
 
     def register(self, server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
     async def load(self) -> None:
         await super().load()
-        leases = self._leases = LeaseManager(self.config.lease_s, self.engine)
         self._sender = make_sender(
             self.config.kv_backend,
             self.engine.kv_cache,
-            leases,
+            self.leases,
             self.config.server.host,
             self.config.kv_port,
             advertise_host=self.config.server.advertise_host,
         )
         await self._sender.start()
-        leases.sender = self._sender
-        leases.start()
+        self.leases.start(self.engine, self._sender)
         logger.info("kv sender (%s) at %s", self._sender.backend, self._sender.address)
 
     def num_inflight(self) -> int:
-        return super().num_inflight() + (len(self._leases) if self._leases is not None else 0)
+        return super().num_inflight() + len(self.leases)
 
     async def close(self) -> None:
+        await self.leases.stop_reaper()
         if self._sender is not None:
             await self._sender.stop()  # no read is in flight past this
-        if self._leases is not None:
-            await self._leases.close()
+        await self.leases.free_all()
         await super().close()
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -78,9 +70,16 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         request_id = request.request_id
         params = await self.accept(context, request_id, request.sampling)
         prompt = list(request.prompt_token_ids)
+        await self.check_fits(context, len(prompt))
         with self.admitted():
             last: RequestUpdate | None = None
-            stream = self.engine.generate(request_id, prompt, params, prefill_only=True)
+            stream = self.engine.generate(
+                request_id,
+                prompt,
+                params,
+                prefill_only=True,
+                num_generated_tokens=request.num_generated_tokens,
+            )
             try:
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:

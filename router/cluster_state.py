@@ -63,6 +63,7 @@ class ClusterState:
             return
         self._set_up(True)
         self.pool.sync(records, self.fingerprint, self.block_size)
+        await self.pool.close_unused_channels()
 
     async def wait_ready(
         self, timeout_s: float, needs_prefill: bool = True, poll_s: float = 0.1

@@ -31,6 +31,15 @@ class RouterConfig:
     # How long a prefilled request may wait for a decode worker with free blocks.
     admission_timeout_s: float = 10.0
     prefill_timeout_s: float = 600.0
+    # Faults. A stream whose worker fails mid-flight is re-issued elsewhere (prompt + the
+    # tokens already delivered) up to this many times; 0 disables migration.
+    migration_limit: int = 3
+    # The longest a worker's stream may stay silent (no token, no heartbeat: workers send one
+    # every second while a request is quiet) before the worker counts as stalled and the
+    # request migrates. Also bounds a decode admission (reserve + KV pull).
+    stall_timeout_s: float = 30.0
+    # A client that reads nothing for this long is cancelled and everything it held freed.
+    client_idle_timeout_s: float = 60.0
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
     ready_timeout_s: float = 120.0  # waiting for workers at start-up
     # Colocated (the vLLM-style baseline): no prefill pool; every request is prefilled and
@@ -53,6 +62,14 @@ class RouterConfig:
             raise ValueError(f"decode_policy must be one of {names}, got {self.decode_policy}")
         if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:
             raise ValueError("cache_alpha, imbalance_tokens and local_prefill_tokens must be >= 0")
-        for name in ("admission_timeout_s", "prefill_timeout_s", "stats_interval_s"):
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
+        for name in (
+            "admission_timeout_s",
+            "prefill_timeout_s",
+            "stats_interval_s",
+            "stall_timeout_s",
+            "client_idle_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

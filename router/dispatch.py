@@ -1,24 +1,28 @@
 """The router's calls to workers: prefill worker choice (cache-aware or load-only), the
-Prefill call, decode admission with bounded retries, lease renewal and release.
+Prefill call (retried on another prefill worker when one fails), decode admission with bounded
+retries, the relay of a worker's token stream, lease renewal and release.
 
-Lease ownership (the contract is in ``kvtransfer/base.py``): after a successful prefill the
-router owns ending the prefill lease until a decode worker admits the request (its first stream
-message); from then on the decode worker does. The router releases it itself on every other
-path (no decode room, errors, client cancel), through the shared ``LeaseReleaser``.
+Lease ownership follows the contract in ``kvtransfer/base.py``; the router's part (ending a
+lease no decode worker admitted) goes through the shared ``LeaseReleaser``. A worker that fails
+mid-flight raises ``WorkerLost``, which the router answers with a migration
+(``router/migration.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import grpc
 
 from pdserve.common import metrics
-from pdserve.common.lease_release import LeaseReleaser
+from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
+from router.migration import migration_reason
 from router.policy import RoutingPolicy, rank_cache_aware
 from router.worker_pool import Role, Worker, WorkerPool
 
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _RETRY_FIRST_S = 0.01
 _RETRY_MAX_S = 0.25
+T = TypeVar("T")
 
 
 class WorkerError(Exception):
@@ -37,11 +42,34 @@ class WorkerError(Exception):
         self.message = message
 
 
+class WorkerLost(WorkerError):
+    """A worker failed mid-flight (gone, stalled, or its KV lost): another worker can take the
+    request over. ``reason`` labels ``pdserve_migrations_total``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str, address: str) -> None:
+        super().__init__(code, message)
+        self.reason = reason
+        self.address = address
+
+
 def worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
     code = exc.code()
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return WorkerError(code, exc.details() or code.name)
     return WorkerError(code, f"{what}: {exc.details() or code.name}")
+
+
+def lost_or_error(exc: grpc.aio.AioRpcError, worker: Worker, what: str) -> WorkerError:
+    """``WorkerLost`` when another worker could take over, else the client's error."""
+    reason = migration_reason(exc.code())
+    error = worker_error(exc, what)
+    if reason is None:
+        return error
+    return WorkerLost(error.code, error.message, reason, worker.address)
+
+
+def _lease_ended(exc: grpc.aio.AioRpcError) -> bool:
+    return LEASE_ENDED in tuple(exc.trailing_metadata() or ())
 
 
 class Dispatcher:
@@ -55,42 +83,78 @@ class Dispatcher:
         await self.releaser.close()
 
     async def prefill(
-        self, request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams
+        self, request: prefill_pb2.PrefillRequest, avoid: frozenset[str] = frozenset()
     ) -> tuple[Worker, prefill_pb2.PrefillResponse]:
-        request = prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling
-        )
+        """A healthy prefill worker's answer; one that fails, times out or stalls (its stats
+        calls stop answering) hands the request to the next (``avoid``: tried last)."""
+        prompt_ids = list(request.prompt_token_ids)
         workers, predicted = await self.choose_prefill(prompt_ids)
+        workers.sort(key=lambda w: w.address in avoid)  # stable: the ranking otherwise
         if not workers:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         error: WorkerError | None = None
-        for worker in workers:
+        for tries, worker in enumerate(workers):
+            if tries:
+                assert isinstance(error, WorkerLost)
+                metrics.MIGRATIONS.labels("prefill").inc()
+                logger.warning(
+                    "request_id=%s prefill retried on %s: %s",
+                    request.request_id,
+                    worker.address,
+                    error.message,
+                )
             with self.pool.dispatched(worker, len(prompt_ids) - predicted):
                 call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
                 try:
-                    response = await call
+                    response = await self._unless_lost(call, worker)
                     self.count_prefix(len(prompt_ids), predicted, response.num_cached_tokens)
                     return worker, response
                 except grpc.aio.AioRpcError as exc:
-                    error = worker_error(exc, f"prefill worker {worker.address}")
-                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        self.release_later(worker, request_id)  # it may have leased blocks
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    error = lost_or_error(exc, worker, f"prefill worker {worker.address}")
+                    if not isinstance(error, WorkerLost):
                         raise error from None
+                    self.release_later(worker, request.request_id)  # it may have leased blocks
+                except WorkerLost as exc:
+                    error = exc
+                    self.release_later(worker, request.request_id)
                 except asyncio.CancelledError:
                     # The worker aborts the request, or, if it had just finished, holds a lease.
-                    self.release_later(worker, request_id)
+                    self.release_later(worker, request.request_id)
                     raise
                 finally:
-                    call.cancel()  # no-op when done; aborts the prefill if we are cancelled
+                    call.cancel()  # no-op when done; aborts the prefill if we gave up on it
         assert error is not None
         raise error
+
+    @staticmethod
+    async def _unless_lost(call: Awaitable[T], worker: Worker) -> T:
+        """Awaits a unary call, giving up (``WorkerLost``) if its worker turns unhealthy
+        meanwhile: a frozen process answers no stats calls, and would otherwise hold the call
+        until its deadline."""
+        answer = asyncio.ensure_future(call)
+        lost = asyncio.ensure_future(worker.lost.wait())
+        try:
+            await asyncio.wait({answer, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not answer.done():
+                answer.cancel()
+        if answer.done() and not answer.cancelled():
+            return answer.result()
+        raise WorkerLost(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{worker.role.value} worker {worker.address} stopped answering",
+            "stall",
+            worker.address,
+        )
 
     async def choose_prefill(self, prompt_ids: list[int]) -> tuple[list[Worker], int]:
         """Prefill workers best first, and the cached tokens predicted for the first."""
         policy = self.config.prefill_policy
         if policy is RoutingPolicy.CACHE_AWARE and self.cluster.index is not None:
             healthy = [w for w in self.pool.prefill.values() if w.load().healthy]
+            # Looked up in this snapshot: a worker may leave the pool while Redis answers.
+            by_address = {w.address: w for w in healthy}
             cached = await self.cluster.cached_tokens(prompt_ids, healthy)
             if cached:
                 choice = rank_cache_aware(
@@ -101,7 +165,7 @@ class Dispatcher:
                     self.pool.next_turn(Role.PREFILL),
                 )
                 metrics.ROUTING_DECISIONS.labels("prefill", policy.value, choice.reason).inc()
-                return [self.pool.prefill[a] for a in choice.order], choice.cached_tokens
+                return [by_address[a] for a in choice.order], choice.cached_tokens
         reason = "load" if policy is not RoutingPolicy.CACHE_AWARE else "no_index"
         metrics.ROUTING_DECISIONS.labels("prefill", policy.value, reason).inc()
         return self.pool.ranked_prefill(), 0
@@ -146,15 +210,21 @@ class Dispatcher:
         metrics.PREFILL_TOKENS.inc(num_prompt_tokens - actual)
 
     async def admit(
-        self, request: decode_pb2.DecodeRequest, prefill_worker: Worker, num_prompt_tokens: int
+        self,
+        request: decode_pb2.DecodeRequest,
+        prefill_worker: Worker,
+        avoid: frozenset[str] = frozenset(),
     ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float]:
         """A decode worker that admitted the request and pulled its KV (its first message).
-        Retries while every worker is full, renewing the lease, up to admission_timeout_s."""
+        Retries while every worker is full, renewing the lease, up to admission_timeout_s.
+        ``WorkerLost`` when the handle is spent (a pull failed, or a worker stalled in it)."""
+        num_prompt_tokens = len(request.prompt_token_ids)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.admission_timeout_s
         delay_s = _RETRY_FIRST_S
         while True:
             workers = self.pool.ranked_decode(num_prompt_tokens)
+            workers.sort(key=lambda w: w.address in avoid)
             if not workers:
                 if not any(w.healthy for w in self.pool.decode.values()):
                     raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
@@ -165,8 +235,25 @@ class Dispatcher:
             for worker in workers:
                 call = worker.decode.Decode(request)
                 try:
-                    first = await call.read()
+                    async with asyncio.timeout(self.config.stall_timeout_s):
+                        first = await call.read()
+                except TimeoutError:
+                    call.cancel()
+                    raise WorkerLost(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"decode worker {worker.address}: no admission within "
+                        f"stall_timeout_s={self.config.stall_timeout_s}",
+                        "stall",
+                        worker.address,
+                    ) from None
                 except grpc.aio.AioRpcError as exc:
+                    if _lease_ended(exc):  # the pull failed: the handle is spent
+                        raise WorkerLost(
+                            exc.code(),
+                            f"decode worker {worker.address}: {exc.details()}",
+                            "transfer",
+                            worker.address,
+                        ) from None
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         metrics.DECODE_RETRIES.inc()
                         continue
@@ -191,6 +278,33 @@ class Dispatcher:
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _RETRY_MAX_S)
 
+    async def relay(
+        self, call: grpc.aio.UnaryStreamCall, worker: Worker
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        """A worker's stream, message by message (heartbeats included), until its finish.
+        ``WorkerLost`` when the worker fails or stays silent for ``stall_timeout_s``."""
+        with self.pool.dispatched(worker):
+            try:
+                while True:
+                    async with asyncio.timeout(self.config.stall_timeout_s):
+                        message = await call.read()
+                    if message == grpc.aio.EOF:
+                        return
+                    assert isinstance(message, decode_pb2.DecodeResponse)
+                    yield message
+            except TimeoutError:
+                raise WorkerLost(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"decode worker {worker.address} silent for "
+                    f"stall_timeout_s={self.config.stall_timeout_s}",
+                    "stall",
+                    worker.address,
+                ) from None
+            except grpc.aio.AioRpcError as exc:
+                raise lost_or_error(exc, worker, f"decode worker {worker.address}") from None
+            finally:
+                call.cancel()  # client gone or worker given up on: stop its request too
+
     async def renew(self, worker: Worker, request_id: str) -> None:
         """Keeps the prefilled blocks while waiting for decode room; fails if they are gone."""
         try:
@@ -198,12 +312,25 @@ class Dispatcher:
                 prefill_pb2.RenewLeaseRequest(request_id=request_id), timeout=5.0
             )
         except grpc.aio.AioRpcError as exc:
-            raise worker_error(exc, f"prefill worker {worker.address} (lease renewal)") from None
+            raise lost_or_error(exc, worker, f"prefill worker {worker.address} (renewal)") from None
         if not reply.renewed:
-            raise WorkerError(
+            raise WorkerLost(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the prefilled KV on {worker.address} expired while waiting for a decode worker",
+                "transfer",
+                worker.address,
             )
 
     def release_later(self, worker: Worker, request_id: str) -> None:
         self.releaser.release_later(worker.address, request_id)
+
+
+def prefill_request(
+    request_id: str, prompt_ids: list[int], num_generated: int, sampling: common_pb2.SamplingParams
+) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        num_generated_tokens=num_generated,
+    )

@@ -1,4 +1,9 @@
-"""Turns a request's token ids into client chunks: incremental text, usage, timings."""
+"""Turns a request's token ids into client chunks: incremental text, usage, timings.
+
+It is also the router's record of what the client has: ``output_token_ids`` are the tokens
+relayed so far, the ones a migrated request continues from. The detokenizer and its stop-string
+state live here too, so they carry over a migration unchanged.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import time
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from pdserve.common import metrics
 from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import common_pb2, router_pb2
 
@@ -28,10 +34,11 @@ class OutputStream:
             else None
         )
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
+        self.output_token_ids: list[int] = []
         self.start_s = start_s
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
+        self._migrated_at_s: float | None = None  # last token before a migration
 
     def chunk(
         self, token_ids: list[int], logprobs: list[common_pb2.TokenLogprobs]
@@ -48,10 +55,26 @@ class OutputStream:
         if token_ids:
             self.first_token_s = self.first_token_s or now
             self.last_token_s = now
-        self.num_output_tokens += len(token_ids)
+            if self._migrated_at_s is not None:
+                metrics.MIGRATION_ADDED_S.observe(now - self._migrated_at_s)
+                self._migrated_at_s = None
+        self.output_token_ids.extend(token_ids)
         return router_pb2.GenerateResponse(
             chunk=router_pb2.TokenChunk(token_ids=token_ids, text=text, logprobs=logprobs)
         )
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string completed in the text relayed so far."""
+        return self._detokenizer is not None and self._detokenizer.stopped
+
+    def migrating(self) -> None:
+        """The stream broke; the next token's gap is what the migration added."""
+        self._migrated_at_s = self.last_token_s or self.start_s
 
     def tail(self) -> str:
         """Text held back for stop-string matching, released at the end."""
@@ -74,6 +97,7 @@ class OutputStream:
         num_cached_tokens: int,
         prefill_s: float,
         transfer_s: float,
+        num_migrations: int = 0,
     ) -> router_pb2.GenerateResponse:
         if (
             self._detokenizer is not None
@@ -97,5 +121,6 @@ class OutputStream:
                     prefill_s=prefill_s,
                     transfer_s=transfer_s,
                 ),
+                num_migrations=num_migrations,
             )
         )

@@ -26,6 +26,17 @@ class RoutingPolicy(enum.Enum):
 
 # Decode placement follows free KV blocks; cache_aware is a prefill policy only.
 DECODE_POLICIES = (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.LEAST_LOADED)
+# Consecutive timed-out stats calls after which a worker counts as stalled.
+STALLED_AFTER_TIMEOUTS = 3
+
+
+def is_stalled(
+    num_stats_timeouts: int, record_expired: bool, limit: int = STALLED_AFTER_TIMEOUTS
+) -> bool:
+    """Whether a worker whose stats calls time out leaves routing. One slow answer is a busy
+    worker (a long step), not a dead one; ``limit`` in a row is a stalled one, and so is one
+    timeout once the worker's registry record has expired too (it stopped heartbeating)."""
+    return num_stats_timeouts >= limit or (record_expired and num_stats_timeouts > 0)
 
 
 @dataclass(frozen=True)

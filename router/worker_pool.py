@@ -12,9 +12,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
+from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from router.policy import RoutingPolicy, WorkerLoad, rank_decode, rank_prefill, rank_round_robin
+from router.policy import (
+    RoutingPolicy,
+    WorkerLoad,
+    is_stalled,
+    rank_decode,
+    rank_prefill,
+    rank_round_robin,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +42,10 @@ class Worker:
     stats: common_pb2.WorkerStats | None = None
     healthy: bool = False
     draining: bool = False  # from the registry: no new work
+    record_expired: bool = False  # from the registry: it stopped heartbeating
+    num_stats_timeouts: int = 0  # in a row
+    # Set while the worker is unhealthy: calls in flight to it give up (and are retried).
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
     prefill: prefill_pb2_grpc.PrefillWorkerStub = field(init=False)
     decode: decode_pb2_grpc.DecodeWorkerStub = field(init=False)
 
@@ -41,6 +53,7 @@ class Worker:
         self.worker_id = self.worker_id or self.address
         self.prefill = prefill_pb2_grpc.PrefillWorkerStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeWorkerStub(self.channel)
+        self.set_healthy(self.healthy)
 
     def load(self) -> WorkerLoad:
         stats = self.stats
@@ -54,20 +67,33 @@ class Worker:
             queued_prefill_tokens=self.queued_prefill_tokens,
         )
 
+    def set_healthy(self, healthy: bool, why: str = "") -> None:
+        if self.healthy and not healthy:
+            logger.warning("%s worker %s unhealthy: %s", self.role.value, self.address, why)
+        elif healthy and not self.healthy and self.stats is not None:
+            logger.info("%s worker %s healthy again", self.role.value, self.address)
+        self.healthy = healthy
+        if healthy:
+            self.lost.clear()
+        else:
+            self.lost.set()
+
     async def refresh(self) -> None:
         stub = self.prefill if self.role is Role.PREFILL else self.decode
         try:
             self.stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
-            self.healthy = True
         except grpc.aio.AioRpcError as exc:
-            # A slow answer is a busy worker, not a dead one; keep its last state.
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.stats is not None:
+            timed_out = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            self.num_stats_timeouts = self.num_stats_timeouts + 1 if timed_out else 0
+            if timed_out and self.stats is not None:
+                if not is_stalled(self.num_stats_timeouts, self.record_expired):
+                    return  # a busy worker, for now: keep its last state
+                self.set_healthy(False, f"{self.num_stats_timeouts} stats calls timed out")
                 return
-            if self.healthy:
-                logger.warning(
-                    "%s worker %s unhealthy: %s", self.role.value, self.address, exc.code().name
-                )
-            self.healthy = False
+            self.set_healthy(False, exc.code().name)
+            return
+        self.num_stats_timeouts = 0
+        self.set_healthy(True)
 
 
 class WorkerPool:
@@ -107,43 +133,84 @@ class WorkerPool:
         """Follow the registry: add new workers (if their KV layout matches), mark draining
         ones, and drop those whose record is gone once they are also draining or unhealthy.
         (A record can vanish while its worker is fine, e.g. just after a Redis restart and
-        before the next heartbeat; dropping a healthy worker then would drop traffic.)
-        Static workers stay."""
+        before the next heartbeat; dropping a healthy worker then would drop traffic. Its
+        next stats timeout, though, marks it stalled at once.) Static workers stay."""
         seen: set[str] = set()
         for record in records:
             pool = self.pools[record.role]
             if record.model_fingerprint != fingerprint or record.block_size != block_size:
-                if record.worker_id not in self._refused:
-                    self._refused.add(record.worker_id)
-                    logger.error(
-                        "refusing worker_id=%s at %s: fingerprint %s block_size %d, router has "
-                        "%s block_size %d",
-                        record.worker_id, record.address, record.model_fingerprint,
-                        record.block_size, fingerprint, block_size,
-                    )  # fmt: skip
+                self._refuse(record, fingerprint, block_size)
                 continue
             seen.add(record.address)
             worker = pool.get(record.address)
             if worker is None:
                 channel = self.channels.get(record.address)
-                worker = Worker(record.address, record.role, channel, record.worker_id)
-                worker.healthy = True  # it heartbeats; stats follow at the next refresh
+                # It heartbeats; stats follow at the next refresh.
+                worker = Worker(
+                    record.address, record.role, channel, record.worker_id, healthy=True
+                )
                 pool[record.address] = worker
                 logger.info("%s worker %s joined", record.role.value, record.address)
             worker.worker_id = record.worker_id  # a restart on the same address gets a new id
             worker.draining = record.state is WorkerState.DRAINING
+            worker.record_expired = False
         for pool in self.pools.values():
-            gone = [
-                a
-                for a, w in pool.items()
-                if a not in seen and a not in self._static and (w.draining or not w.healthy)
-            ]
-            for address in gone:
-                logger.info("%s worker %s left", pool[address].role.value, address)
-                del pool[address]
+            for address, worker in list(pool.items()):
+                if address in seen or address in self._static:
+                    continue
+                worker.record_expired = True
+                if worker.draining or not worker.healthy:
+                    logger.info("%s worker %s left", worker.role.value, address)
+                    del pool[address]
+        # Forget refusals of workers that are gone, so the set does not grow forever.
+        self._refused &= {r.worker_id for r in records}
+
+    def _refuse(self, record: WorkerRecord, fingerprint: str, block_size: int) -> None:
+        if record.worker_id not in self._refused:
+            self._refused.add(record.worker_id)
+            logger.error(
+                "refusing worker_id=%s at %s: fingerprint %s block_size %d, router has "
+                "%s block_size %d",
+                record.worker_id, record.address, record.model_fingerprint,
+                record.block_size, fingerprint, block_size,
+            )  # fmt: skip
+        # An incompatible worker now answers at this address: the old entry is not it.
+        stale = self.pools[record.role].get(record.address)
+        if stale is not None and record.address not in self._static:
+            logger.info("%s worker %s replaced by a refused one", record.role.value, stale.address)
+            stale.set_healthy(False, "replaced by an incompatible worker")
+            del self.pools[record.role][record.address]
+
+    async def close_unused_channels(self) -> None:
+        """Closes channels to peers that left and have nothing in flight (call after sync)."""
+        in_use = {w.address for w in self.workers}
+        await self.channels.retain(in_use | self._static)
 
     async def refresh(self) -> None:
         await asyncio.gather(*(w.refresh() for w in self.workers))
+        for role, pool in self.pools.items():
+            metrics.HEALTHY_WORKERS.labels(role.value).set(sum(w.healthy for w in pool.values()))
+
+    def suspect(self, address: str, why: str) -> None:
+        """A call to this worker just failed or stalled: no new work for it until its next
+        stats call answers (within ``stats_interval_s`` if it is fine after all)."""
+        for pool in self.pools.values():
+            worker = pool.get(address)
+            if worker is not None:
+                worker.set_healthy(False, why)
+
+    async def wait_healthy(
+        self, needs_prefill: bool, timeout_s: float, poll_s: float = 0.05
+    ) -> bool:
+        """Until each needed pool has a healthy worker (a restarted one rejoins), at most
+        ``timeout_s``; False if it did not happen."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.ready(needs_prefill):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
 
     def ready(self, needs_prefill: bool = True) -> bool:
         prefill = any(w.healthy for w in self.prefill.values()) or not needs_prefill

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -84,9 +83,14 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         redis_url=args.redis_url,
         prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
         decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
-        router_args=(*layout, *shlex.split(args.router_args)),
+        router_args=(
+            *layout,
+            *settings.router_passthrough(args),
+            *shlex.split(args.router_args),
+        ),
         colocated=args.colocated,
         log_level=args.log_level,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -121,11 +125,19 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _local_ray(address: str) -> str:
-    """The GCS address workers join: the given cluster's, or a local Ray started here (it
-    lives as long as this command)."""
+    """The GCS address workers join: the given cluster's (refused within seconds, naming it,
+    when nothing answers there), or without one a Ray of its own started here (``local``:
+    never whatever ``/tmp/ray`` last named), which lives as long as this command."""
     import ray
 
-    ray.init(address=address or None, logging_level=logging.WARNING, include_dashboard=False)
+    if address:
+        from pdserve.app.ray_deploy.deployment import check_reachable, resolve_address
+
+        target = resolve_address(address)
+        if target is None:
+            raise ConnectionError(f"no Ray cluster found for --ray-address {address}")
+        check_reachable(target)
+    ray.init(address=address or "local", logging_level=logging.WARNING, include_dashboard=False)
     gcs_address: str = ray.get_runtime_context().gcs_address
     print(f"ray: {gcs_address}")
     return gcs_address
@@ -260,11 +272,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
-        help="logging level (env PDSERVE_LOG_LEVEL)",
-    )
+    add_flag(parser, "--log-level", default="WARNING", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     make = sub.add_parser("make-model", help="write a random-init HF checkpoint + tokenizer")
@@ -292,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local cluster; Ctrl-C drains and stops it")
     settings.add_cluster_flags(up, default_transfer="grpc")
     add_flag(up, "--ray-address", default="", help="Ray cluster (default: start a local Ray)")
+    add_flag(
+        up,
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of a component that exits non-zero (delay 1 s, doubling to 30 s)",
+    )
     add_flag(
         up,
         "--colocated",
@@ -338,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         result: int = args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return result

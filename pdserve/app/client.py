@@ -25,6 +25,7 @@ class GenerateResult:
     mean_tpot_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    num_migrations: int = 0
 
     def to_json_dict(self) -> dict[str, object]:
         return {
@@ -66,6 +67,7 @@ async def generate(
             result.mean_tpot_s = final.timings.mean_tpot_s
             result.prefill_s = final.timings.prefill_s
             result.transfer_s = final.timings.transfer_s
+            result.num_migrations = final.num_migrations
     return result
 
 

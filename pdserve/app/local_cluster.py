@@ -1,4 +1,5 @@
-"""A local pdserve cluster: router, prefill and decode workers as separate processes.
+"""A local pdserve cluster: router, prefill and decode workers as separate processes, each one
+restarted when it exits unexpectedly (as Ray and kubelet do).
 
 Used by ``pdserve up`` and by the integration tests. Each component prints
 ``pdserve <role> ready <host:port>`` once its health service turns SERVING; the cluster waits for
@@ -32,28 +33,47 @@ class ClusterConfig:
     # With Redis, workers register and the router discovers them (and routes cache-aware);
     # without, the router gets static address lists.
     redis_url: str | None = None
+    redis_namespace: str = "pdserve"  # key prefix: clusters sharing one Redis stay apart
     log_dir: Path | None = None  # each component's stderr goes to <log_dir>/<name>.log
     log_level: str = "INFO"
     ready_timeout_s: float = 300.0
     # The colocated baseline: decode workers prefill and decode (num_prefill may be 0).
     colocated: bool = False
     stop_timeout_s: float = 30.0
+    # Supervision: a component that exits non-zero (killed, crashed, a dead engine) is started
+    # again after a delay that doubles from restart_delay_s up to restart_delay_max_s, at most
+    # max_restarts times each. Exit 0 means it was asked to stop (a drain) and is left down.
+    max_restarts: int = 5
+    restart_delay_s: float = 1.0
+    restart_delay_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < (0 if self.colocated else 1):
             raise ValueError(
                 "a cluster needs num_decode >= 1 and num_prefill >= 1 (0 when colocated)"
             )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not 0 < self.restart_delay_s <= self.restart_delay_max_s:
+            raise ValueError("need 0 < restart_delay_s <= restart_delay_max_s")
+
+
+def restart_delay_s(num_restarts: int, first_s: float, max_s: float) -> float:
+    """The wait before restart number ``num_restarts + 1``: doubling, capped."""
+    return float(min(first_s * 2**num_restarts, max_s))
 
 
 @dataclass
 class Component:
     name: str
+    role: str
     process: subprocess.Popen[str]
+    args: list[str]  # the role's flags, without the per-incarnation worker id
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
     address: str = ""
     metrics_address: str = ""
     worker_id: str = ""
+    num_restarts: int = 0
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
@@ -86,6 +106,9 @@ class LocalCluster:
         self.prefill: list[Component] = []
         self.decode: list[Component] = []
         self.router: Component | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # the component lists, against the supervisors
+        self.num_restarts = 0  # over all components
 
     @property
     def address(self) -> str:
@@ -94,49 +117,44 @@ class LocalCluster:
 
     @property
     def components(self) -> list[Component]:
-        return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
+        with self._lock:
+            return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> Component:
+    def _spawn(self, name: str, role: str, args: list[str], restarts: int = 0) -> Component:
         cfg = self.config
         stderr = None
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = (cfg.log_dir / f"{name}.log").open("w")
-        command = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "--log-level",
-            cfg.log_level,
-            role,
-            *args,
-        ]
+            stderr = (cfg.log_dir / f"{name}.log").open("a" if restarts else "w")
+        worker_id = f"{name}-{uuid.uuid4().hex[:6]}" if role != "router" else ""
+        # A readable registry id per incarnation, for `pdserve status` and `pdserve drain`.
+        id_args = ["--worker-id", worker_id] if worker_id else []
+        command = [sys.executable, "-m", "pdserve.cli", "--log-level", cfg.log_level, role]
         process = subprocess.Popen(
-            command,
+            [*command, *args, *id_args],
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        return Component(name, process)
+        component = Component(name, role, process, args, worker_id=worker_id)
+        component.num_restarts = restarts
+        return component
 
     def spawn_worker(self, role: str, extra_args: tuple[str, ...] = ()) -> Component:
         """Starts one more prefill or decode worker (not waited for)."""
         cfg = self.config
         args = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
         if cfg.redis_url:
-            args += ["--redis", cfg.redis_url]
+            args += ["--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace]
         if role == "prefill":
             args += ["--kv-port", "0", *cfg.prefill_args]
         else:
             args += list(cfg.decode_args)
-        group = self.prefill if role == "prefill" else self.decode
-        name = f"{role}-{len(group)}"
-        worker_id = f"{name}-{uuid.uuid4().hex[:6]}"
-        # A readable registry id, for `pdserve status` and `pdserve drain`.
-        component = self._spawn(name, role, [*args, "--worker-id", worker_id, *extra_args])
-        component.worker_id = worker_id
-        group.append(component)
+        with self._lock:
+            group = self.prefill if role == "prefill" else self.decode
+            component = self._spawn(f"{role}-{len(group)}", role, [*args, *extra_args])
+            group.append(component)
         return component
 
     def start(self) -> LocalCluster:
@@ -158,7 +176,7 @@ class LocalCluster:
             if cfg.colocated:
                 router_args.append("--colocated")
             if cfg.redis_url:
-                router_args += ["--redis", cfg.redis_url]
+                router_args += ["--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace]
             else:
                 if self.prefill:
                     router_args += ["--prefill", ",".join(w.address for w in self.prefill)]
@@ -168,12 +186,75 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        for component in self.components:
+            self._supervise(component)
         return self
+
+    # ---- supervision ------------------------------------------------------------------------
+    def _supervise(self, component: Component) -> None:
+        if self.config.max_restarts > 0:
+            threading.Thread(target=self._watch, args=(component,), daemon=True).start()
+
+    def _watch(self, component: Component) -> None:
+        """Waits for the process to end; unless the cluster is stopping or the process exited
+        0 (it was asked to: ``pdserve drain``), starts it again."""
+        cfg = self.config
+        code = component.process.wait()
+        if code == 0:
+            return
+        while not self._stopping.is_set() and component.num_restarts < cfg.max_restarts:
+            delay = restart_delay_s(
+                component.num_restarts, cfg.restart_delay_s, cfg.restart_delay_max_s
+            )
+            print(
+                f"pdserve up: {component.name} exited with {code}; restarting in {delay:g} s "
+                f"(restart {component.num_restarts + 1} of {cfg.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
+            if self._stopping.wait(delay):
+                return
+            replacement = self._restart(component)
+            if replacement is None:
+                return
+            try:
+                replacement.wait_ready(cfg.ready_timeout_s)
+            except (TimeoutError, RuntimeError):
+                replacement.process.kill()
+                code = replacement.process.wait()
+                component = replacement
+                continue
+            self._supervise(replacement)
+            return
+        if not self._stopping.is_set():
+            print(f"pdserve up: {component.name} stays down", file=sys.stderr, flush=True)
+
+    def _restart(self, old: Component) -> Component | None:
+        args = list(old.args)
+        if not self.config.redis_url or old.role == "router":
+            # Peers know it by its address (static lists, the router's port): keep the port.
+            port = old.address.rpartition(":")[2]
+            if port:
+                args[args.index("--port") + 1] = port
+        with self._lock:
+            if self._stopping.is_set():
+                return None
+            new = self._spawn(old.name, old.role, args, old.num_restarts + 1)
+            for group in (self.prefill, self.decode):
+                if old in group:
+                    group[group.index(old)] = new
+            if self.router is old:
+                self.router = new
+            self.num_restarts += 1
+        return new
 
     def stop(self) -> dict[str, int]:
         """SIGTERM (graceful drain), router first; SIGKILL past stop_timeout_s. Exit codes."""
+        self._stopping.set()
         codes: dict[str, int] = {}
-        for group in ([self.router] if self.router else [], [*self.prefill, *self.decode]):
+        with self._lock:
+            groups = ([self.router] if self.router else [], [*self.prefill, *self.decode])
+        for group in groups:
             for c in group:
                 if c.process.poll() is None:
                     c.process.send_signal(signal.SIGTERM)

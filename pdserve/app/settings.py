@@ -12,10 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from decode_service.config import DecodeConfig
-from engine.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    DEFAULT_MAX_BUFFERED_TOKENS,
+    AttentionBackend,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.cluster.config import RedisConfig
@@ -88,16 +94,26 @@ def service_config(role: str, args: argparse.Namespace) -> ServiceConfig:
             kv_backend=args.kv_backend,
             ray_address=args.ray_address,
             transfer_timeout_s=args.transfer_timeout_s,
+            max_buffered_tokens=args.max_buffered_tokens,
+            heartbeat_s=args.heartbeat_s,
             redis=redis_config(args),
             worker_id=args.worker_id,
         )
     raise ValueError(f"not a service role: {role!r}")
 
 
+class _RaisingParser(argparse.ArgumentParser):
+    """Reports bad flags as ValueError instead of exiting the process."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.prog} flags: {message}")
+
+
 def parse_service_flags(role: str, argv: list[str]) -> ServiceConfig:
     """A component's config from flags alone, ignoring the environment: for configs built on
-    behalf of other processes (a Ray deployment's workers), whose environment is not ours."""
-    parser = argparse.ArgumentParser(prog=f"pdserve {role}", exit_on_error=False)
+    behalf of other processes (a Ray deployment's workers), whose environment is not ours.
+    Bad flags raise ValueError naming them."""
+    parser = _RaisingParser(prog=role, exit_on_error=False)
     add_service_flags(parser, role, env={})
     try:
         return service_config(role, parser.parse_args(argv))
@@ -203,6 +219,22 @@ def _add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | 
     add_server_flags(parser, 50062, env)
     _add_engine_flags(parser, env)
     add_flag(parser, "--transfer-timeout-s", env, type=float, default=60.0)
+    add_flag(
+        parser,
+        "--max-buffered-tokens",
+        env,
+        type=int,
+        default=DEFAULT_MAX_BUFFERED_TOKENS,
+        help="output tokens a request may have unread before it is paused",
+    )
+    add_flag(
+        parser,
+        "--heartbeat-s",
+        env,
+        type=float,
+        default=1.0,
+        help="a quiet stream sends an empty message this often (router stall detection)",
+    )
 
 
 def _add_router(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
@@ -249,6 +281,30 @@ def _add_router(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) 
         help="no prefill pool: decode workers prefill every request themselves (baseline)",
     )
     add_flag(parser, "--ready-timeout-s", env, type=float, default=120.0)
+    add_flag(
+        parser,
+        "--migration-limit",
+        env,
+        type=int,
+        default=3,
+        help="times a broken stream is re-issued to another worker (0: never)",
+    )
+    add_flag(
+        parser,
+        "--stall-timeout-s",
+        env,
+        type=float,
+        default=30.0,
+        help="a worker stream silent this long (workers send heartbeats) counts as stalled",
+    )
+    add_flag(
+        parser,
+        "--client-idle-timeout-s",
+        env,
+        type=float,
+        default=60.0,
+        help="a client that reads nothing this long is cancelled",
+    )
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -268,6 +324,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         admission_timeout_s=args.admission_timeout_s,
         ready_timeout_s=args.ready_timeout_s,
         colocated=args.colocated,
+        migration_limit=args.migration_limit,
+        stall_timeout_s=args.stall_timeout_s,
+        client_idle_timeout_s=args.client_idle_timeout_s,
     )
 
 
@@ -292,3 +351,19 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
     add_flag(parser, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(parser, "--decode-args", default="", help="extra flags for every decode worker")
     add_flag(parser, "--router-args", default="", help="extra flags for the router")
+    for flag in ROUTER_FAULT_FLAGS:  # the router's, passed through (it has the defaults)
+        add_flag(parser, flag, default=None, help=f"the router's {flag}")
+
+
+# Router flags `pdserve up` and `pdserve ray up` take themselves and pass through.
+ROUTER_FAULT_FLAGS = ("--migration-limit", "--stall-timeout-s", "--client-idle-timeout-s")
+
+
+def router_passthrough(args: argparse.Namespace) -> list[str]:
+    """The pass-through router flags that were given, as router argv."""
+    out: list[str] = []
+    for flag in ROUTER_FAULT_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out

@@ -1,4 +1,4 @@
-"""gRPC channel settings, and one cached ``grpc.aio`` channel per peer address."""
+"""gRPC channel and server settings, and one cached ``grpc.aio`` channel per peer address."""
 
 from __future__ import annotations
 
@@ -10,24 +10,61 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# HTTP/2 keepalive pings while calls are open: a peer that stops answering (frozen, or a
+# partition without a TCP reset) fails its calls with UNAVAILABLE instead of hanging them. A
+# backstop: the router's stall timeout and stats checks usually notice first.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Servers accept those pings (gRPC's default answers frequent pings with GOAWAY).
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+# Between services. Token streams get a small fixed HTTP/2 window (16 KiB, no bandwidth probing,
+# which grows it to megabytes): a reader that stops reading then stops its writer within a
+# few hundred tokens, and the worker's bounded output buffer pauses the request.
+CONTROL_OPTIONS = [
+    *GRPC_OPTIONS,
+    *KEEPALIVE_OPTIONS,
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", 16 << 10),
+]
+# KV transfer streams want the large windows bandwidth probing gives them.
+TRANSFER_OPTIONS = [*GRPC_OPTIONS, *KEEPALIVE_OPTIONS]
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def insecure_channel(
+    address: str, options: list[tuple[str, int]] = GRPC_OPTIONS
+) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 class ChannelPool:
-    """Channels to peers, created on first use and closed together at shutdown."""
+    """Channels to peers, created on first use and closed together at shutdown (or once
+    their peer has left: ``retain``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: list[tuple[str, int]] = CONTROL_OPTIONS) -> None:
+        self.options = options
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = insecure_channel(address)
+            channel = insecure_channel(address, self.options)
             self._channels[address] = channel
         return channel
+
+    async def retain(self, addresses: set[str]) -> None:
+        """Closes the channels to every other address (peers that left)."""
+        gone = [a for a in self._channels if a not in addresses]
+        for address in gone:
+            await self._channels.pop(address).close()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

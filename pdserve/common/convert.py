@@ -117,6 +117,7 @@ def stats_to_proto(
     return common_pb2.WorkerStats(
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
+        num_paused=stats.num_paused,
         num_pinned=stats.num_pinned,
         num_blocks=stats.num_blocks,
         num_free_blocks=stats.num_free_blocks,

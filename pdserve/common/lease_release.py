@@ -18,6 +18,10 @@ from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 logger = logging.getLogger(__name__)
 
 DEFAULT_RELEASE_TIMEOUT_S = 5.0
+# Trailing metadata of a Decode call that failed after the worker admitted it and ended the
+# lease (a failed pull): the handle is spent, so the router prefills again rather than offering
+# it to another decode worker, which could only answer NOT_FOUND.
+LEASE_ENDED = ("pdserve-lease", "ended")
 
 
 class LeaseReleaser:

@@ -34,10 +34,36 @@ KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV blocks referenced by reques
 KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "KV blocks free (cached or empty)")
 LEASED_REQUESTS = Gauge("pdserve_leased_requests", "Prefilled requests awaiting a KV pull")
 LEASES_EXPIRED = Counter("pdserve_leases_expired_total", "Leases freed by expiry, not by decode")
+PAUSED = Gauge(
+    "pdserve_paused_requests", "Requests whose reader stopped reading: blocks kept, no seat"
+)
+OUTPUT_BUFFERED = Gauge(
+    "pdserve_output_buffered_tokens",
+    "Output tokens produced but not yet taken by their stream (bounded per request by "
+    "--max-buffered-tokens)",
+)
 PROMPT_TOKENS_COMPUTED = Gauge(
     "pdserve_prompt_tokens_computed",
     "Prompt tokens this worker ran through the model (on decode: should stay 0)",
 )
+
+# Faults (router): streams moved to another worker, and what it cost the client.
+MIGRATIONS = Counter(
+    "pdserve_migrations_total",
+    "Requests re-issued to another worker mid-flight (reason: unavailable, stall, transfer, "
+    "prefill, draining)",
+    ["reason"],
+)
+MIGRATION_ADDED_S = Histogram(
+    "pdserve_migration_added_seconds",
+    "Gap a migration added to a stream: from the failure to the next token",
+    buckets=_LATENCY_BUCKETS_S,
+)
+CLIENT_IDLE_CANCELS = Counter(
+    "pdserve_client_idle_cancels_total",
+    "Streams cancelled because the client read nothing for --client-idle-timeout-s",
+)
+HEALTHY_WORKERS = Gauge("pdserve_router_healthy_workers", "Workers this router routes to", ["pool"])
 
 # Cluster state (Redis): 1 when this process reaches Redis; routing degrades to load-only at 0.
 REDIS_UP = Gauge("pdserve_redis_up", "Whether Redis (registry, prefix index) is reachable")
@@ -59,9 +85,11 @@ TRANSFER_S = Histogram(
 TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV pulls", ["reason"])
 
 
-def observe_engine(stats: EngineStats) -> None:
+def observe_engine(stats: EngineStats, num_buffered_tokens: int = 0) -> None:
     QUEUE_DEPTH.set(stats.num_waiting)
     RUNNING.set(stats.num_running)
+    PAUSED.set(stats.num_paused)
+    OUTPUT_BUFFERED.set(num_buffered_tokens)
     KV_BLOCKS_USED.set(stats.num_blocks - stats.num_free_blocks)
     KV_BLOCKS_FREE.set(stats.num_free_blocks)
     PROMPT_TOKENS_COMPUTED.set(stats.num_prompt_tokens_computed)

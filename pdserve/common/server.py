@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.common.channels import GRPC_OPTIONS
+from pdserve.common.channels import SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class ServiceServer:
     def __init__(self, service: Service, config: ServerConfig, *, reflect: bool = False) -> None:
         self.service = service
         self.config = config
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         service.register(self.server)

@@ -33,10 +33,13 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     HANDLE_FIELD_NUMBER: _builtins.int
     PREFILL_ADDRESS_FIELD_NUMBER: _builtins.int
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     prefill_address: _builtins.str
     """The prefill worker's control address, to confirm receipt (Release) of the lease."""
+    num_generated_tokens: _builtins.int
+    """A migrated request: as in PrefillRequest (the prefill worker's count, passed on)."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -55,10 +58,11 @@ class DecodeRequest(_message.Message):
         first_token_logprobs: _common_pb2.TokenLogprobs | None = ...,
         handle: _prefill_pb2.KVHandle | None = ...,
         prefill_address: _builtins.str = ...,
+        num_generated_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "prefill_address", b"prefill_address", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_generated_tokens", b"num_generated_tokens", "prefill_address", b"prefill_address", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -71,7 +75,10 @@ class PrefillAndDecodeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    num_generated_tokens: _builtins.int
+    """A migrated request: as in PrefillRequest."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -82,10 +89,11 @@ class PrefillAndDecodeRequest(_message.Message):
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        num_generated_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_generated_tokens", b"num_generated_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -106,7 +114,10 @@ class DecodeResponse(_message.Message):
     """PrefillAndDecode: prompt tokens this worker served from its cache"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The first message carries the admission and transfer time and no tokens."""
+        """The first message carries the admission and transfer time and no tokens. A later message
+        with no tokens and no finish reason is a heartbeat: the request is alive but produced
+        nothing for a while (queued for a seat, a long chunked prefill).
+        """
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]: ...

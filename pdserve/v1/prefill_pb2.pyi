@@ -26,7 +26,13 @@ class PrefillRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    num_generated_tokens: _builtins.int
+    """A migrated request: the last num_generated_tokens of prompt_token_ids are output the client
+    already has. They count toward max_tokens, the seeded sampler's output index and stop
+    strings, exactly as if this worker had generated them.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -37,10 +43,11 @@ class PrefillRequest(_message.Message):
         request_id: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        num_generated_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_generated_tokens", b"num_generated_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -147,8 +147,13 @@ class GenerateFinal(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    NUM_MIGRATIONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     finish_reason: _common_pb2.FinishReason.ValueType
+    num_migrations: _builtins.int
+    """Times the router moved this stream to another worker after one failed (the tokens are
+    those of one uninterrupted run; only their timing shows it).
+    """
     @_builtins.property
     def usage(self) -> Global___Usage: ...
     @_builtins.property
@@ -160,10 +165,11 @@ class GenerateFinal(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         timings: Global___Timings | None = ...,
+        num_migrations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "request_id", b"request_id", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "num_migrations", b"num_migrations", "request_id", b"request_id", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

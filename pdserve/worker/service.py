@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.membership import Membership
@@ -36,8 +37,13 @@ class WorkerService(Service):
         engine_config: EngineConfig,
         redis: RedisConfig | None = None,
         worker_id: str | None = None,
+        *,
+        max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
+        heartbeat_s: float | None = None,
     ) -> None:
         self.engine_config = engine_config
+        self.max_buffered_tokens = max_buffered_tokens
+        self.heartbeat_s = heartbeat_s
         self.redis = redis
         self.worker_id = worker_id or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
         self._engine: AsyncEngine | None = None
@@ -53,7 +59,11 @@ class WorkerService(Service):
     async def load(self) -> None:
         llm_engine = await asyncio.to_thread(LLMEngine, self.engine_config)
         self._engine = AsyncEngine(
-            llm_engine, on_stats=metrics.observe_engine, on_dead=self._on_engine_dead
+            llm_engine,
+            on_stats=self._observe,
+            on_dead=self._on_engine_dead,
+            max_buffered_tokens=self.max_buffered_tokens,
+            heartbeat_s=self.heartbeat_s,
         )
         self._engine.start()
         metrics.observe_engine(self._engine.stats)
@@ -62,6 +72,9 @@ class WorkerService(Service):
                 self.redis, self._engine, self.record, self._on_drain_request
             )
             self._membership.start()
+
+    def _observe(self, stats: EngineStats) -> None:
+        metrics.observe_engine(stats, self.engine.num_buffered_tokens)
 
     def record(self) -> WorkerRecord:
         """This worker as the registry shows it."""
@@ -138,6 +151,16 @@ class WorkerService(Service):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # not reached: context.abort raises
+
+    async def check_fits(self, context: grpc.aio.ServicerContext, num_prompt_tokens: int) -> None:
+        """A prompt this worker's whole cache could never hold is refused before any work."""
+        needed, held = self.engine.blocks_for(num_prompt_tokens), self.engine.num_blocks
+        if needed > held:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prompt_token_ids needs {needed} KV blocks of {self.engine.block_size} tokens; "
+                f"this {self.role.value} worker holds {held} in all",
+            )
 
     def stats(self) -> common_pb2.WorkerStats:
         engine = self.engine

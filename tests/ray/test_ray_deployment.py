@@ -117,7 +117,7 @@ def test_outputs_match_one_engine_for_16_mixed_prompts(
         assert result.transfer_s > 0  # the KV came through the object store
 
 
-def test_killed_decode_actor_fails_cleanly_and_is_restarted(
+def test_killed_decode_actor_streams_migrate_and_it_is_restarted(
     namespace: str, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
     deployment.scale(namespace, "decode", 2)
@@ -129,13 +129,10 @@ def test_killed_decode_actor_fails_cleanly_and_is_restarted(
         ray.kill(ray.get_actor(victim.name, namespace=namespace), no_restart=False)
 
     outcomes = run(_streams_with_action(_router(namespace), prompts, kill))
-    assert any(isinstance(o, grpc.aio.AioRpcError) for o in outcomes)  # the kill hit streams
+    # The streams on the killed worker migrated: every one completes with one engine's tokens.
     for outcome, tokens in zip(outcomes, expected, strict=True):
-        if isinstance(outcome, grpc.aio.AioRpcError):  # it was on the killed worker
-            assert outcome.code() == grpc.StatusCode.UNAVAILABLE, outcome.details()
-        else:
-            assert isinstance(outcome, GenerateResult), outcome
-            assert outcome.token_ids == tokens
+        assert isinstance(outcome, GenerateResult), outcome
+        assert outcome.token_ids == tokens
     # New requests succeed meanwhile: the router routes around the dead worker.
     again = run(generate_many(_router(namespace), [_request(p, LONG) for p in prompts]))
     assert [r.token_ids for r in again] == expected

@@ -38,9 +38,11 @@ async def start(service: Service) -> ServiceServer:
 
 
 async def start_prefill(
-    model: Path, max_num_batched_tokens: int = 2048, **kwargs: object
+    model: Path, max_num_batched_tokens: int = 2048, num_blocks: int = 256, **kwargs: object
 ) -> tuple[PrefillService, ServiceServer]:
-    engine = engine_config(model, max_num_batched_tokens=max_num_batched_tokens)
+    engine = engine_config(
+        model, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens
+    )
     service = PrefillService(PrefillConfig(engine=engine, **kwargs))  # type: ignore[arg-type]
     return service, await start(service)
 

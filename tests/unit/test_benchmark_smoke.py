@@ -70,3 +70,17 @@ def test_disagg_vs_colocated_quick_run_writes_table_and_plot(tmp_path: Path) -> 
     table = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert "| colocated | 4 |" in table and "| disaggregated | 4 |" in table
     assert (tmp_path / "docs" / "benchmarks" / "disagg_vs_colocated.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_chaos_smoke_run_loses_nothing_under_faults(tmp_path: Path) -> None:
+    command = [sys.executable, "benchmarks/chaos.py", "--smoke", "--model", str(tmp_path / "m")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "chaos" and len(report["faults"]) == 2
+    for run in (report, report["baseline"]):
+        assert run["failed"] == run["hung"] == run["leaked_blocks"] == 0
+        assert run["completed_identical"] + run["completed_near_tie"] == run["requests"] == 24
+    # Whether a fault hits a stream depends on timing; the baseline has none to hit.
+    assert report["baseline"]["migrations"] == 0

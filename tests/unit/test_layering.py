@@ -83,8 +83,10 @@ PURE_CORE = [
     "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",
-    # The router process tokenizes and relays; it must not pay for torch.
+    # The router process tokenizes and relays; it must not pay for torch (nor its CLI path).
     "router.service",
+    "pdserve.app.settings",
+    "pdserve.app.cli",
 ]
 
 

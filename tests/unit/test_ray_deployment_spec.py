@@ -25,6 +25,7 @@ REDIS = "redis://127.0.0.1:6379/0"
         ({"max_restarts": -1}, "max_restarts"),
         ({"drain_timeout_s": 0.0}, "drain_timeout_s"),
         ({"prefill_args": ["--lease-s", "x"]}, "prefill flags"),
+        ({"decode_args": ["--bogus"]}, "decode flags: unrecognized arguments: --bogus"),
     ],
 )
 def test_bad_spec_is_rejected_naming_the_field(fields: dict[str, object], message: str) -> None:

@@ -443,19 +443,69 @@ def test_remove_running_and_waiting() -> None:
     sched.block_manager.check_no_leaks()
 
 
-def test_add_running_joins_the_decode_batch() -> None:
+def _imported(sched: Scheduler, request_id: str, base: int) -> Sequence:
+    """A sequence whose 6-token prompt KV arrived from elsewhere, with its first token."""
+    seq = make_seq(request_id, prompt(base, 6))
+    assert sched.block_manager.allocate_slots(seq, 6)
+    seq.num_computed_tokens = 6
+    seq.token_ids.append(77)
+    sched.add_ready(seq)
+    return seq
+
+
+def test_add_ready_joins_the_decode_batch() -> None:
     sched = make_scheduler(16)
-    bm = sched.block_manager
-    a = make_seq("a", prompt(0, 6))
-    assert bm.allocate_slots(a, 6)
-    a.num_computed_tokens = 6
-    a.token_ids.append(77)
-    sched.add_running(a)
+    a = _imported(sched, "a", 0)
     assert a.status is SequenceStatus.RUNNING
     out = step(sched)
     assert batch(out) == [("a", 1)]
     assert out.scheduled[0].completes_sequence
     assert a.block_table == [0, 1]
+
+
+def test_imported_sequences_wait_for_a_seat() -> None:
+    """max_num_seqs holds for KV that arrived from a prefill worker too."""
+    sched = make_scheduler(64, max_num_seqs=2)
+    seqs = [_imported(sched, r, 10 * i) for i, r in enumerate("abcd")]
+    assert batch(step(sched)) == [("a", 1), ("b", 1)]
+    assert [s.request_id for s in sched.ready] == ["c", "d"]
+    sched.remove(seqs[0])  # a finished: c takes its seat, d still waits
+    sched.block_manager.free(seqs[0])
+    assert batch(step(sched)) == [("b", 1), ("c", 1)]
+    assert [s.request_id for s in sched.ready] == ["d"]
+
+
+def test_ready_sequences_take_seats_before_waiting_ones() -> None:
+    sched = make_scheduler(64, max_num_seqs=2)
+    sched.add(make_seq("w", prompt(100, 5)))
+    _imported(sched, "a", 0)
+    _imported(sched, "b", 10)
+    assert batch(step(sched)) == [("a", 1), ("b", 1)]
+    assert [s.request_id for s in sched.waiting] == ["w"]
+
+
+def test_a_paused_sequence_keeps_its_blocks_and_gives_up_its_seat() -> None:
+    sched = make_scheduler(64, max_num_seqs=1)
+    a = _imported(sched, "a", 0)
+    b = _imported(sched, "b", 10)
+    assert batch(step(sched)) == [("a", 1)]
+    blocks = list(a.block_table)
+    assert sched.pause(a)
+    assert sched.pause(a)  # already paused
+    assert batch(step(sched)) == [("b", 1)]  # b takes the seat a gave up
+    assert a.block_table == blocks and a not in sched.running
+    sched.resume(a)
+    assert [s.request_id for s in sched.ready] == ["a"]
+    sched.remove(b)
+    sched.block_manager.free(b)
+    assert batch(step(sched)) == [("a", 1)]
+    waiting = make_seq("w", prompt(50, 3))
+    sched.add(waiting)
+    assert not sched.pause(waiting)  # no seat to give up
+    sched.remove(a)
+    sched.remove(waiting)
+    sched.block_manager.free(a)
+    sched.block_manager.check_no_leaks()
 
 
 def test_empty_queue_schedules_nothing() -> None:

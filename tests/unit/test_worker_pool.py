@@ -73,3 +73,35 @@ def test_round_robin_alternates_per_pool() -> None:
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_an_incompatible_worker_taking_over_an_address_replaces_the_old_entry() -> None:
+    async def run() -> None:
+        pool = WorkerPool()
+        pool.sync([_record("d1", Role.DECODE, 3)], FP, 16)
+        old = pool.decode["127.0.0.1:3"]
+        assert old.healthy
+        # The process at that address restarted with another model: it is not that worker.
+        pool.sync([_record("d2", Role.DECODE, 3, model_fingerprint="other:fp")], FP, 16)
+        assert pool.decode == {} and not old.healthy and old.lost.is_set()
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_refusals_and_channels_of_departed_workers_are_forgotten() -> None:
+    async def run() -> None:
+        pool = WorkerPool()
+        bad = _record("bad", Role.DECODE, 5, model_fingerprint="other:fp")
+        pool.sync([_record("d1", Role.DECODE, 3), bad], FP, 16)
+        assert pool._refused == {"bad"}
+        pool.channels.get("127.0.0.1:9")  # e.g. a release to a prefill worker that left
+        await pool.close_unused_channels()
+        assert set(pool.channels._channels) == {"127.0.0.1:3"}
+        pool.decode["127.0.0.1:3"].set_healthy(False, "test")
+        pool.sync([], FP, 16)
+        await pool.close_unused_channels()
+        assert pool._refused == set() and pool.channels._channels == {}
+        await pool.close()
+
+    asyncio.run(run())

@@ -7,7 +7,7 @@ import shlex
 import sys
 from collections.abc import Callable
 
-from pdserve.app.settings import add_cluster_flags, add_flag
+from pdserve.app.settings import add_cluster_flags, add_flag, router_passthrough
 
 
 def _run(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -21,6 +21,9 @@ def _run(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
         except RayError as exc:
             cause = getattr(exc, "cause", None) or exc
             print(f"pdserve: error: {cause}", file=sys.stderr)
+            return 1
+        except ConnectionError as exc:
+            print(f"pdserve: error: {exc}", file=sys.stderr)
             return 1
 
     return run
@@ -54,9 +57,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         prefill_args=shlex.split(args.prefill_args),
         decode_args=shlex.split(args.decode_args),
-        router_args=shlex.split(args.router_args),
+        router_args=[*router_passthrough(args), *shlex.split(args.router_args)],
     )
-    deployment.connect(args.address, args.namespace)
+    deployment.connect(args.address, args.namespace, start_head=True)
     infos = deployment.up(spec, args.namespace)
     print(deployment.table(infos))
     print(f"pdserve on ray ready: router {deployment.router_address(infos)}", flush=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,21 +22,53 @@ from pdserve.app.ray_deploy.spec import CONTROLLER_NAME, DeploymentSpec
 logger = logging.getLogger(__name__)
 
 
-def connect(address: str, namespace: str) -> None:
-    """Joins the cluster at ``address`` ("auto": the one on this machine). With "auto" and no
-    cluster running, starts a local Ray head first; it outlives this process
-    (``ray stop`` ends it)."""
+REACH_TIMEOUT_S = 10.0
+# A deployment's control calls (status, scale's bookkeeping, down's kill) on a cluster that
+# answers connections but not calls must not wait forever.
+CALL_TIMEOUT_S = 60.0
+
+
+def resolve_address(address: str) -> str | None:
+    """The host:port a Ray address names: itself, or for "auto" the cluster this machine last
+    started (``/tmp/ray/ray_current_cluster``) or ``RAY_ADDRESS``; None when "auto" names none."""
+    if address != "auto":
+        return address.removeprefix("ray://")
+    from ray._private.services import find_bootstrap_address
+
+    found = os.environ.get("RAY_ADDRESS") or find_bootstrap_address(None)
+    return found.removeprefix("ray://") if found else None
+
+
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Raises ConnectionError naming ``address`` unless something accepts TCP connections
+    there within ``timeout_s``: ``ray.init`` against a dead address retries for minutes."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"the Ray cluster at {address} is unreachable: {exc}") from None
+
+
+def connect(address: str, namespace: str, start_head: bool = False) -> None:
+    """Joins the cluster at ``address`` ("auto": the one on this machine), failing within
+    ``REACH_TIMEOUT_S`` naming it when nothing answers there. ``start_head``: with "auto" and
+    no live cluster, start a local Ray head first; it outlives this process (``ray stop``
+    ends it)."""
     if ray.is_initialized():
         return
+    target = resolve_address(address)
     try:
-        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+        if target is None:
+            raise ConnectionError("no Ray cluster is running on this machine (--address auto)")
+        check_reachable(target)
     except ConnectionError:
-        if address != "auto":
+        if not (start_head and address == "auto"):
             raise
         ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
         command = [ray_cli, "start", "--head", "--disable-usage-stats", "--include-dashboard=false"]
         subprocess.run(command, check=True, capture_output=True, timeout=120)
-        ray.init(address="auto", namespace=namespace, logging_level=logging.WARNING)
+    ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
 
 
 def controller(namespace: str) -> Any:
@@ -75,18 +109,21 @@ def scale(namespace: str, role: str, count: int) -> list[ServiceInfo]:
 
 
 def status(namespace: str) -> list[ServiceInfo]:
-    return list(ray.get(controller(namespace).status.remote()))
+    return list(ray.get(controller(namespace).status.remote(), timeout=CALL_TIMEOUT_S))
 
 
 def redis_url(namespace: str) -> str:
-    return str(ray.get(controller(namespace).redis.remote()))
+    return str(ray.get(controller(namespace).redis.remote(), timeout=CALL_TIMEOUT_S))
 
 
-def down(namespace: str) -> None:
-    """Drains and removes the deployment."""
+def down(namespace: str, drain_timeout_s: float = 30.0) -> None:
+    """Drains and removes the deployment; a controller that does not finish within the drain
+    bound (plus ``CALL_TIMEOUT_S``) is killed with what it owns."""
     handle = controller(namespace)
     try:
-        ray.get(handle.down.remote())
+        ray.get(handle.down.remote(), timeout=drain_timeout_s + CALL_TIMEOUT_S)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+        logger.warning("the controller did not finish its drain (%s); killing it", exc)
     finally:
         ray.kill(handle, no_restart=True)
 

@@ -23,7 +23,7 @@ from pdserve.app.settings import ServiceConfig
 from pdserve.common.server import Service
 
 # A loopback bind inside an actor would be unreachable from peers on other nodes.
-_LOOPBACK = ("127.0.0.1", "localhost")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 logger = logging.getLogger(__name__)
 

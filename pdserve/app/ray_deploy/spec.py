@@ -91,7 +91,9 @@ def deployment_spec(
     """Parses each role's flags (the common ones, then the extra ones, which win) into its
     config, as ``pdserve prefill|decode|router`` would, ignoring this process's environment:
     the components run elsewhere, and this driver's PDSERVE_* (say, a Helm Job's host) are
-    not theirs."""
+    not theirs. Two settings belong to the deployment, not to the extra flags: the Redis URL
+    (the deployment's own) and the worker id (each worker draws its own); a loopback
+    ``--host`` becomes the node's address (peers on other nodes must reach it)."""
     common = ["--model", model, "--redis", redis_url or EMBEDDED_REDIS_URL, "--dtype", dtype]
     common += ["--block-size", str(block_size), "--drain-timeout-s", str(drain_timeout_s)]
     workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", transfer]

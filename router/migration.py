@@ -1,0 +1,73 @@
+"""Request migration: when a worker fails mid-stream, the router re-issues the request elsewhere
+as the client's prompt plus every token the client already has, marked ``num_generated_tokens``.
+
+The one owner of the rule (pure, no I/O; unit-tested with exact values). The engine treats the
+marked tokens as its own output: the seeded sampler's output index, ``max_tokens``, stop
+strings spanning the handover and logprobs all continue exactly, so the continuation is the
+token stream one engine would have produced (only a logit near-tie between the two forward
+paths could flip a token). Tokens count as delivered only once relayed to the client, never
+from a message that did not arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+
+# How a worker's failure reads, and whether another worker can take over: every code that
+# means "this worker, not this request" migrates; the others (bad input, a layout mismatch, a
+# corrupted transfer) would fail the same way anywhere and go back to the client.
+_REASONS = {
+    grpc.StatusCode.UNAVAILABLE: "unavailable",  # killed, draining, connection reset
+    grpc.StatusCode.CANCELLED: "unavailable",  # its server stopped (drain past the grace)
+    grpc.StatusCode.ABORTED: "unavailable",
+    grpc.StatusCode.INTERNAL: "unavailable",  # a broken HTTP/2 stream
+    grpc.StatusCode.UNKNOWN: "unavailable",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "stall",
+    grpc.StatusCode.NOT_FOUND: "transfer",  # the prefilled KV was gone: prefill again
+}
+
+
+def migration_reason(code: grpc.StatusCode) -> str | None:
+    """The metric reason a failure with this code migrates under, or None (no migration)."""
+    return _REASONS.get(code)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What the next worker is asked for."""
+
+    prompt_token_ids: list[int]  # the client's prompt, then what the client already has
+    num_generated_tokens: int
+
+
+def continue_request(
+    prompt_token_ids: list[int],
+    delivered_token_ids: list[int],
+    params: SamplingParams,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+    stopped: bool,
+) -> Continuation | str:
+    """The continuation of a request after its stream broke, or the finish reason ("stop",
+    "length") when the tokens delivered already end it (nothing is left to generate)."""
+    last = delivered_token_ids[-1] if delivered_token_ids else None
+    if stopped or (last is not None and params.is_stop_token(last, eos_token_ids)):
+        return "stop"
+    num_tokens = len(prompt_token_ids) + len(delivered_token_ids)
+    if len(delivered_token_ids) >= params.max_tokens or (
+        delivered_token_ids and num_tokens >= max_model_len
+    ):
+        return "length"
+    return Continuation(
+        [*prompt_token_ids, *delivered_token_ids], num_generated_tokens=len(delivered_token_ids)
+    )
+
+
+def attempt_id(request_id: str, attempt: int) -> str:
+    """Each attempt has its own id on the workers: a stalled worker that wakes up must not
+    collide with the attempt that replaced it on another (or the same) worker."""
+    return request_id if attempt == 0 else f"{request_id}-m{attempt}"

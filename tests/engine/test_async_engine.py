@@ -1,0 +1,85 @@
+"""AsyncEngine: a reader that stops reading pauses its request at the buffer bound (blocks kept,
+no seat) and resumes it when it reads again, with the same tokens as one run; a quiet request
+yields heartbeats; services reach the engine only through its methods."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from engine import LLM, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from tests.services.harness import wait_for
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, max_num_seqs: int = 8) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model),
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        )
+    )
+
+
+def test_an_unread_request_pauses_at_the_bound_and_resumes_exactly(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    prompt = list(range(30, 50))
+    reference = make_llm(llama_dir).generate([prompt], PARAMS)[0].token_ids
+
+    async def run() -> None:
+        engine = AsyncEngine(_engine(llama_dir), max_buffered_tokens=4)
+        engine.start()
+        try:
+            stream = engine.generate("r", prompt, PARAMS)
+            tokens = (await anext(stream)).new_token_ids  # admitted; then nobody reads
+
+            async def paused() -> bool:
+                return engine.stats.num_paused == 1 and engine.stats.num_running == 0
+
+            await wait_for(paused, 30.0, "the unread request is paused")
+            assert engine.num_buffered_tokens == 4  # the bound, not more
+            assert engine.stats.num_free_blocks < engine.stats.num_blocks  # blocks kept
+            async for update in stream:
+                tokens.extend(update.new_token_ids)
+            assert tokens == reference
+            assert engine.num_buffered_tokens == 0
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_waiting_for_a_seat_sends_heartbeats(llama_dir: Path) -> None:
+    async def run() -> None:
+        engine = AsyncEngine(_engine(llama_dir, max_num_seqs=1), heartbeat_s=0.05)
+        engine.start()
+        try:
+            # The first request holds the only seat for a few hundred steps.
+            long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            hog = engine.generate("hog", list(range(10, 20)), long)
+            await anext(hog)
+            await wait_for(
+                lambda: _true(engine.stats.num_running == 1), 30.0, "the first request runs"
+            )
+            quiet = engine.generate("quiet", list(range(60, 70)), PARAMS)
+            first = await anext(quiet)
+            assert first.new_token_ids == [] and first.finish_reason is None  # a heartbeat
+            await hog.aclose()  # its reader leaves: it is aborted, the seat frees
+            tokens = [t async for u in quiet for t in u.new_token_ids]
+            assert len(tokens) == PARAMS.max_tokens
+            assert engine.stats.num_free_blocks == engine.stats.num_blocks
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+async def _true(value: bool) -> bool:
+    return value

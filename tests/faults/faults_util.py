@@ -1,0 +1,147 @@
+"""Helpers for fault tests: streams whose progress the test can watch, reference outputs, the
+near-tie check for migrated streams, metric scrapes, and leak checks on the survivors."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine import LLM, SamplingParams
+from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
+from engine.outputs import RequestOutput
+from pdserve.app.client import router_channel
+from pdserve.app.local_cluster import Component, LocalCluster
+from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+
+
+@dataclass
+class Stream:
+    """One client stream, as it arrives."""
+
+    request: router_pb2.GenerateRequest
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: grpc.aio.AioRpcError | None = None
+
+
+async def run_streams(
+    address: str, requests: list[router_pb2.GenerateRequest], timeout_s: float = 300.0
+) -> tuple[list[Stream], list[asyncio.Task[None]]]:
+    """Starts every stream; returns their live records and tasks (await them to finish)."""
+    streams = [Stream(r) for r in requests]
+    channel = router_channel(address)
+    stub = router_pb2_grpc.RouterStub(channel)
+
+    async def one(stream: Stream) -> None:
+        try:
+            async for response in stub.Generate(stream.request, timeout=timeout_s):
+                if response.HasField("chunk"):
+                    stream.token_ids.extend(response.chunk.token_ids)
+                    stream.text += response.chunk.text
+                else:
+                    stream.finish_reason = finish_reason_from_proto(response.final.finish_reason)
+        except grpc.aio.AioRpcError as exc:
+            stream.error = exc
+
+    tasks = [asyncio.create_task(one(s)) for s in streams]
+
+    async def close_channel() -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await channel.close()
+
+    asyncio.get_running_loop().create_task(close_channel())
+    return streams, tasks
+
+
+def requests_for(
+    prompts: list[list[int]], params: list[SamplingParams]
+) -> list[router_pb2.GenerateRequest]:
+    return [
+        router_pb2.GenerateRequest(prompt_token_ids=p, sampling=sampling_to_proto(s))
+        for p, s in zip(prompts, params, strict=True)
+    ]
+
+
+def mixed_params(n: int, max_tokens: int) -> list[SamplingParams]:
+    """Half greedy, half seeded top-p/top-k sampling."""
+    return [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50, seed=100 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def compare(
+    llm: LLM,
+    streams: list[Stream],
+    references: list[RequestOutput],
+    params: list[SamplingParams],
+) -> list[str]:
+    """Every stream must equal its reference; a first difference where the reference's own
+    choice was a near-tie (margin <= NEAR_TIE) is reported, not failed. Returns the reports."""
+    reports = []
+    for i, (stream, ref, p) in enumerate(zip(streams, references, params, strict=True)):
+        assert stream.error is None, f"stream {i}: {stream.error}"
+        if stream.token_ids == ref.token_ids:
+            assert stream.text == ref.text, f"stream {i}: same tokens, different text"
+            continue
+        at = first_difference(stream.token_ids, ref.token_ids)
+        prompt = list(stream.request.prompt_token_ids)
+        margin = sampler_choice(llm.engine, prompt, ref.token_ids, at, p).margin
+        assert margin <= NEAR_TIE, (
+            f"stream {i} differs from one engine at output {at} (margin {margin:.3g}): "
+            f"{stream.token_ids[at : at + 5]} vs {ref.token_ids[at : at + 5]}"
+        )
+        reports.append(f"stream {i}: near-tie at output {at} (margin {margin:.2g}), not a bug")
+    return reports
+
+
+def metric(component: Component | None, name: str, label: str = "") -> float:
+    """The sum of a Prometheus sample family on a component (0 when absent)."""
+    assert component is not None and component.metrics_address
+    with urllib.request.urlopen(f"http://{component.metrics_address}/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    values = [
+        float(line.split()[-1])
+        for line in lines
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and label in line
+    ]
+    return sum(values)
+
+
+async def restarted(cluster: LocalCluster, victim: Component) -> bool:
+    """The supervisor's replacement for ``victim`` serves."""
+    replacement = next(c for c in cluster.components if c.name == victim.name)
+    return replacement is not victim and bool(replacement.address)
+
+
+async def stats(component: Component) -> common_pb2.WorkerStats:
+    async with grpc.aio.insecure_channel(component.address) as channel:
+        stub = (
+            prefill_pb2_grpc.PrefillWorkerStub(channel)
+            if component.role == "prefill"
+            else decode_pb2_grpc.DecodeWorkerStub(channel)
+        )
+        return await stub.GetStats(common_pb2.GetStatsRequest(), timeout=10)  # type: ignore[no-any-return]
+
+
+async def survivors_hold_nothing(cluster: LocalCluster) -> bool:
+    """Every live, ready worker: no block referenced, no request, no lease."""
+    for component in [*cluster.prefill, *cluster.decode]:
+        if component.process.poll() is not None or not component.address:
+            continue
+        s = await stats(component)
+        if (s.num_free_blocks, s.num_pinned, s.num_running, s.num_waiting, s.num_inflight) != (
+            s.num_blocks, 0, 0, 0, 0
+        ):  # fmt: skip
+            return False
+    return True
