@@ -17,6 +17,8 @@ class DecodeConfig:
     redis: RedisConfig | None = None  # registry + prefix index; None: static routing only
     worker_id: str | None = None  # default: <role>-<8 hex>
     kv_backend: str = "grpc"  # one of kvtransfer.BACKENDS
+    # Prefill workers to pull from besides the registry's (control addresses, host:port).
+    prefill_peers: tuple[str, ...] = ()
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
     transfer_timeout_s: float = 60.0  # one request's whole KV pull
     release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks

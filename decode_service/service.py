@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_service.config import DecodeConfig
+from decode_service.peers import PeerDirectory
 from engine.async_engine import EngineDeadError
 from engine.outputs import PrefilledRequest
 from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode, make_receiver
+from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
 from pdserve.cluster.registry import Role
 from pdserve.common import metrics
@@ -53,8 +55,9 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         )
         self.config = config
         self._receiver: KVReceiver | None = None
-        self._channels = ChannelPool()
+        self._channels = ChannelPool(tls=config.server.tls)
         self._releaser = LeaseReleaser(self._channels, config.release_timeout_s)
+        self._peers: PeerDirectory | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -62,10 +65,18 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     async def load(self) -> None:
         await super().load()
         self._receiver = make_receiver(
-            self.config.kv_backend, self.engine.kv_cache, self.config.transfer_timeout_s
+            self.config.kv_backend,
+            self.engine.kv_cache,
+            self.config.transfer_timeout_s,
+            tls=self.config.server.tls,
         )
+        registry = self.membership.registry if self.membership is not None else None
+        self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels)
+        self._peers.start()
 
     async def close(self) -> None:
+        if self._peers is not None:
+            await self._peers.stop()
         await self._releaser.close()
         if self._receiver is not None:
             await self._receiver.close()
@@ -98,12 +109,27 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             handle = handle_from_proto(request.handle)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await self._check_source(handle, request, context)
         with self.admitted():
             start = time.perf_counter()
             block_ids = await self._reserve(prefilled, context)
             try:
-                transfer_s = await self._pull(handle, block_ids, request.prefill_address, context)
-                yield decode_pb2.DecodeResponse(transfer_s=time.perf_counter() - start)
+                pull = asyncio.ensure_future(
+                    self._pull(handle, block_ids, request.prefill_address, context)
+                )
+                try:
+                    # Heartbeats while the KV arrives: the router's stall timeout bounds
+                    # silence, not the length of a legitimate pull.
+                    while not (await asyncio.wait({pull}, timeout=self.config.heartbeat_s))[0]:
+                        yield decode_pb2.DecodeResponse()
+                except BaseException:
+                    pull.cancel()  # _pull stops the transfer and waits until it stopped writing
+                    await asyncio.gather(pull, return_exceptions=True)
+                    raise
+                transfer_s = pull.result()
+                yield decode_pb2.DecodeResponse(
+                    admitted=True, transfer_s=time.perf_counter() - start
+                )
                 logger.info(
                     "request_id=%s admitted: %d blocks pulled in %.1f ms",
                     request.request_id,
@@ -138,7 +164,8 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
         with self.admitted():
-            yield decode_pb2.DecodeResponse()  # admitted: the scheduler queues it like any other
+            # Admitted: the scheduler queues it like any other.
+            yield decode_pb2.DecodeResponse(admitted=True)
             try:
                 stream = self.engine.generate(
                     request.request_id,
@@ -158,6 +185,22 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def _check_source(
+        self,
+        handle: KVHandle,
+        request: decode_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """KV only from a known prefill worker's own sender, and only for the prompt it was
+        computed for; refused before anything is reserved (see ``decode_service/peers.py``)."""
+        assert self._peers is not None
+        why = await self._peers.refusal(request.prefill_address, handle.address)
+        if why is None and handle.prompt_digest != prompt_digest(list(request.prompt_token_ids)):
+            why = "handle.prompt_digest does not match prompt_token_ids"
+        if why is not None:
+            logger.warning("request_id=%s refused: %s", request.request_id[:64], why)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     async def _reserve(
         self, prefilled: PrefilledRequest, context: grpc.aio.ServicerContext
@@ -202,9 +245,10 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             context.set_trailing_metadata((LEASE_ENDED,))  # ended in the finally below
             await context.abort(_TRANSFER_CODES[exc.code], f"KV transfer failed: {exc}")
         except ValueError as exc:  # a handle that does not fit the request
+            context.set_trailing_metadata((LEASE_ENDED,))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
-            self._releaser.release_later(prefill_address, handle.request_id)
+            self._releaser.release_later(prefill_address, handle.request_id, handle.lease_token)
         metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
         metrics.TRANSFER_S.observe(stats.duration_s)
         return stats.duration_s

@@ -12,9 +12,14 @@ def validate_token_ids(token_ids: list[int], vocab_size: int, name: str) -> None
 
 
 def validate_prompt(
-    prompt: str | list[int], tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int
+    prompt: str | list[int],
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    max_model_len: int,
+    name: str | None = None,
 ) -> list[int]:
-    """Token ids of a text or token-id prompt that fits ``max_model_len``."""
+    """Token ids of a text or token-id prompt that fits ``max_model_len``. ``name``: the field
+    errors name (default: ``prompt`` for text, ``prompt_token_ids`` for ids)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
@@ -24,10 +29,10 @@ def validate_prompt(
             # Checked before encoding: a tokenizer that adds BOS would make it non-empty.
             raise ValueError("prompt is empty")
         token_ids = tokenizer.encode(prompt)
-        name = "prompt"
+        name = name or "prompt"
     else:
         token_ids = list(prompt)
-        name = "prompt_token_ids"
+        name = name or "prompt_token_ids"
     # Added tokens of a tokenizer can lie past the model's vocabulary, so text is checked too.
     validate_token_ids(token_ids, vocab_size, name)
     if not token_ids:

@@ -19,6 +19,7 @@ from kvtransfer.base import (
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
+    from pdserve.common.tls import TlsConfig
 
 BACKENDS = ("grpc", "local", "ray")
 # The backends that cross processes: what the command line offers (local is in-process only).
@@ -32,13 +33,24 @@ def make_sender(
     host: str,
     port: int,
     advertise_host: str | None = None,
+    tls: TlsConfig | None = None,
+    max_pull_s: float = 60.0,
 ) -> KVSender:
     """``host``/``port``: where a network backend listens; ``advertise_host``: the host its
-    handles name for peers (default ``host``; set it when binding 0.0.0.0)."""
+    handles name for peers (default ``host``; set it when binding 0.0.0.0); ``tls``: mutual
+    TLS for a gRPC port; ``max_pull_s``: the longest one pull may hold its checkout."""
     if backend == "grpc":
         from kvtransfer.grpc_stream import GrpcKVSender
 
-        return GrpcKVSender(cache, leases, host, port, advertise_host=advertise_host)
+        return GrpcKVSender(
+            cache,
+            leases,
+            host,
+            port,
+            advertise_host=advertise_host,
+            tls=tls,
+            max_pull_s=max_pull_s,
+        )
     if backend == "local":
         from kvtransfer.local import LocalKVSender
 
@@ -50,11 +62,13 @@ def make_sender(
     raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def make_receiver(backend: str, cache: KVCache, timeout_s: float) -> KVReceiver:
+def make_receiver(
+    backend: str, cache: KVCache, timeout_s: float, tls: TlsConfig | None = None
+) -> KVReceiver:
     if backend == "grpc":
         from kvtransfer.grpc_stream import GrpcKVReceiver
 
-        return GrpcKVReceiver(cache, timeout_s)
+        return GrpcKVReceiver(cache, timeout_s, tls=tls)
     if backend == "local":
         from kvtransfer.local import LocalKVReceiver
 

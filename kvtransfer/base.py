@@ -24,6 +24,10 @@ Nothing is pickled: the wire carries raw tensor bytes described by a ``KVCacheLa
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
+import secrets
+import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,6 +63,26 @@ class KVHandle:
     num_blocks: int
     layout: KVCacheLayout
     lease_s: float
+    # Proof of the lease: pulls, Release and RenewLease must present it.
+    lease_token: str = ""
+    # prompt_digest() of the token ids whose KV the blocks hold.
+    prompt_digest: bytes = b""
+
+
+def new_lease_token() -> str:
+    """Unguessable: 128 random bits."""
+    return secrets.token_hex(16)
+
+
+def prompt_digest(token_ids: list[int]) -> bytes:
+    """BLAKE2b-128 of token ids (little-endian uint32): which prompt a handle's KV is of."""
+    payload = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.blake2b(payload, digest_size=16, person=b"pdserve-prompt").digest()
+
+
+def same_token(a: str, b: str) -> bool:
+    """Constant-time comparison of lease tokens."""
+    return hmac.compare_digest(a.encode(), b.encode())
 
 
 @dataclass(frozen=True)
@@ -71,9 +95,10 @@ class BlockLeases(ABC):
     """Prefill-side view of leased requests; implemented by the prefill service."""
 
     @abstractmethod
-    def checkout(self, request_id: str) -> list[int]:
+    def checkout(self, request_id: str, lease_token: str) -> list[int]:
         """The leased request's block ids. They stay allocated until ``checkin``.
-        Raises ``KeyError`` when the request holds no lease."""
+        Raises ``KeyError`` when the request holds no lease, or ``lease_token`` is not its
+        token (the two look alike to the caller: a token must not be probed)."""
 
     @abstractmethod
     async def checkin(self, request_id: str) -> None:
@@ -106,9 +131,23 @@ class KVSender(ABC):
         Ray object store) drop it here; the others hold nothing."""
         return None
 
-    def handle(self, request_id: str, num_blocks: int, lease_s: float) -> KVHandle:
+    def handle(
+        self,
+        request_id: str,
+        num_blocks: int,
+        lease_s: float,
+        lease_token: str,
+        digest: bytes,
+    ) -> KVHandle:
         return KVHandle(
-            self.backend, self.address, request_id, num_blocks, self.cache.layout, lease_s
+            self.backend,
+            self.address,
+            request_id,
+            num_blocks,
+            self.cache.layout,
+            lease_s,
+            lease_token,
+            digest,
         )
 
 

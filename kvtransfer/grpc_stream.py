@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -36,6 +35,7 @@ from kvtransfer.codec import (
 )
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
 from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.tls import TlsConfig
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _CODES = {
@@ -56,12 +56,18 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         port: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         advertise_host: str | None = None,
+        tls: TlsConfig | None = None,
+        max_pull_s: float = 60.0,
     ) -> None:
         super().__init__(cache, leases)
         self.host = host
         self.port = port
         self.advertise_host = advertise_host or host
         self.chunk_bytes = chunk_bytes
+        self.tls = tls
+        # A puller that stops reading must not pin the blocks past their lease: past this,
+        # its checkout ends and the lease rules apply again.
+        self.max_pull_s = max_pull_s
         self._server: grpc.aio.Server | None = None
         self._address = ""
 
@@ -72,7 +78,12 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
     async def start(self) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        bind = f"{self.host}:{self.port}"
+        if self.tls is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            creds = self.tls.server_credentials(require_client_auth=True)
+            port = self._server.add_secure_port(bind, creds)
         if port == 0:
             raise OSError(f"could not bind the KV sender to {self.host}:{self.port}")
         self._address = f"{self.advertise_host}:{port}"
@@ -82,33 +93,39 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         if self._server is not None:
             await self._server.stop(grace=1.0)
 
-    async def Pull(
+    async def Pull(  # type: ignore[override]  # writes with context.write, bounded in time
         self, request: kv_transfer_pb2.PullRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_transfer_pb2.KVMessage]:
+    ) -> None:
         mismatch = self.cache.layout.mismatch(layout_from_proto(request.receiver_layout))
         if mismatch is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
-            block_ids = self.leases.checkout(request.request_id)
+            block_ids = self.leases.checkout(request.request_id, request.lease_token)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"
             )
+        deadline = asyncio.get_running_loop().time() + self.max_pull_s
         try:
             layout = self.cache.layout
             per_chunk = blocks_per_chunk(layout, self.chunk_bytes)
             plan = plan_chunks(layout, len(block_ids), per_chunk)
-            yield kv_transfer_pb2.KVMessage(
-                header=kv_transfer_pb2.KVHeader(
-                    layout=layout_to_proto(layout),
-                    num_blocks=len(block_ids),
-                    blocks_per_chunk=per_chunk,
-                    total_bytes=len(block_ids) * layout.block_bytes,
-                )
+            header = kv_transfer_pb2.KVHeader(
+                layout=layout_to_proto(layout),
+                num_blocks=len(block_ids),
+                blocks_per_chunk=per_chunk,
+                total_bytes=len(block_ids) * layout.block_bytes,
             )
-            for spec in plan:
-                ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
-                yield await asyncio.to_thread(self._encode, spec, ids)
+            async with asyncio.timeout_at(deadline):
+                await context.write(kv_transfer_pb2.KVMessage(header=header))
+                for spec in plan:
+                    ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
+                    await context.write(await finish_in_thread(self._encode, spec, ids))
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"pull of {request.request_id!r} exceeded max_pull_s={self.max_pull_s}",
+            )
         finally:
             await self.leases.checkin(request.request_id)
 
@@ -127,10 +144,12 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
 class GrpcKVReceiver(KVReceiver):
     backend = "grpc"
 
-    def __init__(self, cache: KVCache, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, cache: KVCache, timeout_s: float = 60.0, tls: TlsConfig | None = None
+    ) -> None:
         super().__init__(cache)
         self.timeout_s = timeout_s
-        self._channels = ChannelPool(TRANSFER_OPTIONS)
+        self._channels = ChannelPool(TRANSFER_OPTIONS, tls=tls)
 
     async def close(self) -> None:
         await self._channels.close()
@@ -139,7 +158,9 @@ class GrpcKVReceiver(KVReceiver):
         self.check_handle(handle, block_ids)
         start = time.perf_counter()
         request = kv_transfer_pb2.PullRequest(
-            request_id=handle.request_id, receiver_layout=layout_to_proto(self.cache.layout)
+            request_id=handle.request_id,
+            receiver_layout=layout_to_proto(self.cache.layout),
+            lease_token=handle.lease_token,
         )
         call = kv_transfer_pb2_grpc.KVTransferStub(self._channels.get(handle.address)).Pull(
             request, timeout=self.timeout_s

@@ -60,7 +60,7 @@ class LocalKVReceiver(KVReceiver):
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         try:
-            source_ids = sender.leases.checkout(handle.request_id)
+            source_ids = sender.leases.checkout(handle.request_id, handle.lease_token)
         except KeyError:
             raise KVTransferError(
                 TransferErrorCode.NOT_FOUND, f"no lease for request {handle.request_id!r}"

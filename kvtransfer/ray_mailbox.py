@@ -40,6 +40,7 @@ class PullTicket:
     ticket: int  # unique per pull: the same request may be pulled twice at once
     request_id: str
     ranges: tuple[LayerRange, ...]  # answered in this order, one reply each
+    lease_token: str = ""  # from the handle: the sender checks it
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,9 @@ class KVMailbox:
         self._ids = itertools.count()
 
     async def request(
-        self, request_id: str, ranges: tuple[LayerRange, ...]
+        self, request_id: str, ranges: tuple[LayerRange, ...], lease_token: str = ""
     ) -> AsyncIterator[ExportReply]:
-        ticket = PullTicket(next(self._ids), request_id, ranges)
+        ticket = PullTicket(next(self._ids), request_id, ranges, lease_token)
         replies: asyncio.Queue[ExportReply] = asyncio.Queue()
         self._replies[ticket.ticket] = replies
         self._tickets.put_nowait(ticket)

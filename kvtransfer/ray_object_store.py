@@ -156,7 +156,7 @@ class RayKVSender(KVSender):
         """Stages and answers the ticket's ranges in order; stops after an error."""
         for layers in ticket.ranges:
             try:
-                reply = await self._export(ticket.request_id, layers)
+                reply = await self._export(ticket.request_id, ticket.lease_token, layers)
             except Exception as exc:  # the puller must hear something, not time out
                 logger.exception("request_id=%s ray kv export failed", ticket.request_id)
                 reply = ExportReply(TransferErrorCode.UNAVAILABLE, f"export failed: {exc}")
@@ -167,13 +167,13 @@ class RayKVSender(KVSender):
             if reply.error is not None:
                 return
 
-    async def _export(self, request_id: str, layers: LayerRange) -> ExportReply:
+    async def _export(self, request_id: str, lease_token: str, layers: LayerRange) -> ExportReply:
         num_layers = self.cache.layout.num_layers
         if layers.first < 0 or not 0 < layers.count <= num_layers - layers.first:
             message = f"layers {layers} outside [0, {num_layers})"
             return ExportReply(TransferErrorCode.CORRUPTED, message)
         try:
-            block_ids = self.leases.checkout(request_id)
+            block_ids = self.leases.checkout(request_id, lease_token)
         except KeyError:
             message = f"no lease for request_id {request_id!r}"
             return ExportReply(TransferErrorCode.NOT_FOUND, message)
@@ -237,7 +237,7 @@ class RayKVReceiver(KVReceiver):
                 mailbox = await self._mailbox(handle.address)
                 # One ask for every range; the replies stream back as the sender stages them.
                 replies = mailbox.request.options(num_returns="streaming").remote(
-                    handle.request_id, tuple(ranges)
+                    handle.request_id, tuple(ranges), handle.lease_token
                 )
                 for layers in ranges:
                     ask = await replies.__anext__()

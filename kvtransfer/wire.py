@@ -15,6 +15,8 @@ def handle_to_proto(handle: KVHandle) -> prefill_pb2.KVHandle:
         num_blocks=handle.num_blocks,
         layout=layout_to_proto(handle.layout),
         lease_s=handle.lease_s,
+        lease_token=handle.lease_token,
+        prompt_digest=handle.prompt_digest,
     )
 
 
@@ -29,4 +31,6 @@ def handle_from_proto(msg: prefill_pb2.KVHandle) -> KVHandle:
         num_blocks=msg.num_blocks,
         layout=layout_from_proto(msg.layout),
         lease_s=msg.lease_s,
+        lease_token=msg.lease_token,
+        prompt_digest=msg.prompt_digest,
     )

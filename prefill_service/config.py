@@ -22,11 +22,15 @@ class PrefillConfig:
     kv_backend: str = "grpc"  # one of kvtransfer.BACKENDS
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
     kv_port: int = 0  # the gRPC KV sender's port (0: ephemeral)
+    # The longest one KV pull may keep the blocks checked out; then its lease rules apply.
+    max_pull_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if not self.max_pull_s > 0:
+            raise ValueError(f"max_pull_s must be > 0, got {self.max_pull_s}")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")

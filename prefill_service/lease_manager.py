@@ -15,7 +15,7 @@ import contextlib
 import logging
 
 from engine.async_engine import AsyncEngine
-from kvtransfer.base import BlockLeases, KVSender
+from kvtransfer.base import BlockLeases, KVSender, new_lease_token
 from pdserve.common import metrics
 from prefill_service.lease_table import LeaseTable
 
@@ -54,26 +54,29 @@ class LeaseManager(BlockLeases):
             await self._free(request_id)
 
     # ---- the lease's life -------------------------------------------------------------------
-    def grant(self, request_id: str, block_ids: list[int]) -> None:
+    def grant(self, request_id: str, block_ids: list[int]) -> str:
         """Called right after the engine pinned the blocks, before any await, so that no
-        cancellation can strand them."""
-        self._table.grant(request_id, block_ids, self._now())
+        cancellation can strand them. Returns the lease's token (it goes into the handle)."""
+        token = new_lease_token()
+        self._table.grant(request_id, block_ids, self._now(), token)
         self._changed.set()
+        return token
 
-    def renew(self, request_id: str) -> bool:
-        return self._table.renew(request_id, self._now())
+    def renew(self, request_id: str, token: str) -> bool:
+        return self._table.renew(request_id, self._now(), token)
 
-    async def end(self, request_id: str) -> bool:
+    async def end(self, request_id: str, token: str | None) -> bool:
         """The lease is over (decode has the blocks, or nobody will pull them). Idempotent:
-        False when there was no live lease."""
-        leased, free_now = self._table.end(request_id)
+        False when there was no live lease. ``token``: the lease's, from a peer's ``Release``;
+        None when the prefill service itself ends it."""
+        leased, free_now = self._table.end(request_id, token)
         if free_now:
             await self._free(request_id)
         return leased
 
     # ---- BlockLeases: the KV sender's reads -------------------------------------------------
-    def checkout(self, request_id: str) -> list[int]:
-        return self._table.checkout(request_id)
+    def checkout(self, request_id: str, lease_token: str) -> list[int]:
+        return self._table.checkout(request_id, lease_token)
 
     async def checkin(self, request_id: str) -> None:
         if self._table.checkin(request_id):

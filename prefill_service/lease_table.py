@@ -9,6 +9,7 @@ block-ownership contract in ``kvtransfer/base.py``.
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 class _Lease:
     block_ids: list[int]
     deadline_s: float
+    token: str
     num_readers: int = 0
     ended: bool = False
 
@@ -30,22 +32,32 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, request_id: str, block_ids: list[int], now_s: float) -> None:
+    def grant(self, request_id: str, block_ids: list[int], now_s: float, token: str) -> None:
         if request_id in self._leases:
             raise KeyError(f"request_id {request_id!r} already holds a lease")
-        self._leases[request_id] = _Lease(list(block_ids), now_s + self.lease_s)
+        self._leases[request_id] = _Lease(list(block_ids), now_s + self.lease_s, token)
 
-    def renew(self, request_id: str, now_s: float) -> bool:
+    def _live(self, request_id: str, token: str | None) -> _Lease | None:
+        """The live lease, if ``token`` is its token (None: the owner asks, no token needed)."""
         lease = self._leases.get(request_id)
         if lease is None or lease.ended:
+            return None
+        if token is not None and not hmac.compare_digest(token.encode(), lease.token.encode()):
+            return None
+        return lease
+
+    def renew(self, request_id: str, now_s: float, token: str | None = None) -> bool:
+        lease = self._live(request_id, token)
+        if lease is None:
             return False
         lease.deadline_s = max(lease.deadline_s, now_s + self.lease_s)
         return True
 
-    def checkout(self, request_id: str) -> list[int]:
-        """Block ids of a live lease, pinned until ``checkin``. KeyError if none."""
-        lease = self._leases.get(request_id)
-        if lease is None or lease.ended:
+    def checkout(self, request_id: str, token: str | None = None) -> list[int]:
+        """Block ids of a live lease, pinned until ``checkin``. KeyError if none (or the
+        token is wrong)."""
+        lease = self._live(request_id, token)
+        if lease is None:
             raise KeyError(request_id)
         lease.num_readers += 1
         return list(lease.block_ids)
@@ -56,10 +68,11 @@ class LeaseTable:
         lease.num_readers -= 1
         return self._drop_if_done(request_id, lease)
 
-    def end(self, request_id: str) -> tuple[bool, bool]:
-        """(was leased, free now). A second end of the same lease is (False, False)."""
-        lease = self._leases.get(request_id)
-        if lease is None or lease.ended:
+    def end(self, request_id: str, token: str | None = None) -> tuple[bool, bool]:
+        """(was leased, free now). A second end of the same lease, or a wrong token, is
+        (False, False)."""
+        lease = self._live(request_id, token)
+        if lease is None:
             return False, False
         lease.ended = True
         return True, self._drop_if_done(request_id, lease)

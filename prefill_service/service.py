@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 import grpc
 
 from engine.async_engine import EngineDeadError
 from engine.outputs import RequestUpdate
 from kvtransfer import KVSender, make_sender
+from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_to_proto
-from pdserve.cluster.registry import Role
+from pdserve.cluster.registry import Role, WorkerRecord
 from pdserve.common.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.service import WorkerService
@@ -48,6 +50,8 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             self.config.server.host,
             self.config.kv_port,
             advertise_host=self.config.server.advertise_host,
+            tls=self.config.server.tls,
+            max_pull_s=self.config.max_pull_s,
         )
         await self._sender.start()
         self.leases.start(self.engine, self._sender)
@@ -55,6 +59,18 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
 
     def num_inflight(self) -> int:
         return super().num_inflight() + len(self.leases)
+
+    @property
+    def kv_address(self) -> str:
+        return self._sender.address if self._sender is not None else ""
+
+    def record(self) -> WorkerRecord:
+        return replace(super().record(), kv_address=self.kv_address)
+
+    def stats(self) -> common_pb2.WorkerStats:
+        stats = super().stats()
+        stats.kv_address = self.kv_address
+        return stats
 
     async def close(self) -> None:
         await self.leases.stop_reaper()
@@ -92,7 +108,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             # Pinned now: lease the blocks before the next await, so that no cancellation can
             # strand them. (A pinned request is never touched by a step: no lock needed.)
             exported = self.engine.export_prefilled(request_id)
-            self.leases.grant(request_id, exported.block_ids)
+            token = self.leases.grant(request_id, exported.block_ids)
             response = prefill_pb2.PrefillResponse(
                 request_id=request_id,
                 first_token_id=exported.first_token_id,
@@ -105,22 +121,29 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 )
             if last.finished:
                 # The first token ended the request: nothing to decode, nothing to lease.
-                await self.leases.end(request_id)
+                await self.leases.end(request_id, None)
                 return response
             assert self._sender is not None
-            handle = self._sender.handle(request_id, len(exported.block_ids), self.config.lease_s)
+            handle = self._sender.handle(
+                request_id,
+                len(exported.block_ids),
+                self.config.lease_s,
+                token,
+                prompt_digest(exported.prompt_token_ids),
+            )
             response.handle.CopyFrom(handle_to_proto(handle))
             return response
 
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.ReleaseResponse:
-        return prefill_pb2.ReleaseResponse(released=await self.leases.end(request.request_id))
+        released = await self.leases.end(request.request_id, request.lease_token)
+        return prefill_pb2.ReleaseResponse(released=released)
 
     async def RenewLease(
         self, request: prefill_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.RenewLeaseResponse:
-        renewed = self.leases.renew(request.request_id)
+        renewed = self.leases.renew(request.request_id, request.lease_token)
         return prefill_pb2.RenewLeaseResponse(renewed=renewed, lease_s=self.config.lease_s)
 
     async def GetStats(

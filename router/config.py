@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
+from router.limits import RequestLimits
 from router.policy import DECODE_POLICIES, RoutingPolicy
 
 
@@ -40,6 +41,10 @@ class RouterConfig:
     stall_timeout_s: float = 30.0
     # A client that reads nothing for this long is cancelled and everything it held freed.
     client_idle_timeout_s: float = 60.0
+    # Public API: what one request may carry (router/limits.py), and the API keys it needs
+    # (a file, one key per line, re-read when it changes; None: no key needed).
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    api_key_file: str | None = None
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
     ready_timeout_s: float = 120.0  # waiting for workers at start-up
     # Colocated (the vLLM-style baseline): no prefill pool; every request is prefilled and

@@ -44,12 +44,25 @@ class WorkerError(Exception):
 
 class WorkerLost(WorkerError):
     """A worker failed mid-flight (gone, stalled, or its KV lost): another worker can take the
-    request over. ``reason`` labels ``pdserve_migrations_total``."""
+    request over. ``reason`` labels ``pdserve_migrations_total``; the next attempt avoids
+    ``avoid`` (the worker, and the prefill worker whose KV failed); ``suspect``: the worker
+    itself looks broken (gone, silent), so new work keeps off it until it answers stats."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str, address: str) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str,
+        address: str,
+        *,
+        also_avoid: tuple[str, ...] = (),
+        suspect: bool = False,
+    ) -> None:
         super().__init__(code, message)
         self.reason = reason
         self.address = address
+        self.avoid = (address, *also_avoid)
+        self.suspect = suspect
 
 
 def worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
@@ -60,12 +73,24 @@ def worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
 
 
 def lost_or_error(exc: grpc.aio.AioRpcError, worker: Worker, what: str) -> WorkerError:
-    """``WorkerLost`` when another worker could take over, else the client's error."""
+    """``WorkerLost`` when another worker could take over, else the client's error. Only an
+    UNAVAILABLE worker (gone, unreachable) is suspected: other codes may be this request's."""
     reason = migration_reason(exc.code())
     error = worker_error(exc, what)
     if reason is None:
         return error
-    return WorkerLost(error.code, error.message, reason, worker.address)
+    suspect = exc.code() == grpc.StatusCode.UNAVAILABLE
+    return WorkerLost(error.code, error.message, reason, worker.address, suspect=suspect)
+
+
+def _stalled(worker: Worker, what: str) -> WorkerLost:
+    return WorkerLost(
+        grpc.StatusCode.UNAVAILABLE,
+        f"{worker.role.value} worker {worker.address}: {what}",
+        "stall",
+        worker.address,
+        suspect=True,
+    )
 
 
 def _lease_ended(exc: grpc.aio.AioRpcError) -> bool:
@@ -103,26 +128,26 @@ class Dispatcher:
                     worker.address,
                     error.message,
                 )
+            if worker.departed:  # left the pool (its channel may be closed) since the choice
+                error = _stalled(worker, "left the pool")
+                continue
             with self.pool.dispatched(worker, len(prompt_ids) - predicted):
                 call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
                 try:
                     response = await self._unless_lost(call, worker)
                     self.count_prefix(len(prompt_ids), predicted, response.num_cached_tokens)
                     return worker, response
+                # Given up on (an error, a stall, the client gone), the call is cancelled: the
+                # worker aborts the request. Had it just finished, its lease, whose token never
+                # reached us, ends by expiry.
                 except grpc.aio.AioRpcError as exc:
                     error = lost_or_error(exc, worker, f"prefill worker {worker.address}")
                     if not isinstance(error, WorkerLost):
                         raise error from None
-                    self.release_later(worker, request.request_id)  # it may have leased blocks
                 except WorkerLost as exc:
                     error = exc
-                    self.release_later(worker, request.request_id)
-                except asyncio.CancelledError:
-                    # The worker aborts the request, or, if it had just finished, holds a lease.
-                    self.release_later(worker, request.request_id)
-                    raise
                 finally:
-                    call.cancel()  # no-op when done; aborts the prefill if we gave up on it
+                    call.cancel()  # no-op when done
         assert error is not None
         raise error
 
@@ -141,12 +166,7 @@ class Dispatcher:
                 answer.cancel()
         if answer.done() and not answer.cancelled():
             return answer.result()
-        raise WorkerLost(
-            grpc.StatusCode.UNAVAILABLE,
-            f"{worker.role.value} worker {worker.address} stopped answering",
-            "stall",
-            worker.address,
-        )
+        raise _stalled(worker, "stopped answering")
 
     async def choose_prefill(self, prompt_ids: list[int]) -> tuple[list[Worker], int]:
         """Prefill workers best first, and the cached tokens predicted for the first."""
@@ -171,17 +191,22 @@ class Dispatcher:
         return self.pool.ranked_prefill(), 0
 
     async def choose_local(
-        self, prompt_ids: list[int], tried: frozenset[str] = frozenset()
+        self,
+        prompt_ids: list[int],
+        tried: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(),
     ) -> Worker | None:
         """Conditional disaggregation: the decode worker that should prefill this prompt itself
         (its uncached part is under ``local_prefill_tokens``), or None to disaggregate. When
-        colocated, always a worker (not one of ``tried``, which turned the request away)."""
+        colocated, always a worker (not one of ``tried``, which turned the request away); those
+        in ``avoid`` (it failed there before) come last."""
         threshold = self.config.local_prefill_tokens
         if threshold <= 0 and not self.config.colocated:
             return None
         # Colocated, this is the request's one decode choice; otherwise a peek (admit advances).
         workers = self.pool.ranked_decode(len(prompt_ids), advance=self.config.colocated)
         workers = [w for w in workers if w.address not in tried]
+        workers.sort(key=lambda w: w.address in avoid)
         if not workers:
             if not self.config.colocated:
                 return None
@@ -233,50 +258,67 @@ class Dispatcher:
                     f"no decode worker can hold {num_prompt_tokens} prompt tokens",
                 )
             for worker in workers:
-                call = worker.decode.Decode(request)
-                try:
-                    async with asyncio.timeout(self.config.stall_timeout_s):
-                        first = await call.read()
-                except TimeoutError:
-                    call.cancel()
-                    raise WorkerLost(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"decode worker {worker.address}: no admission within "
-                        f"stall_timeout_s={self.config.stall_timeout_s}",
-                        "stall",
-                        worker.address,
-                    ) from None
-                except grpc.aio.AioRpcError as exc:
-                    if _lease_ended(exc):  # the pull failed: the handle is spent
-                        raise WorkerLost(
-                            exc.code(),
-                            f"decode worker {worker.address}: {exc.details()}",
-                            "transfer",
-                            worker.address,
-                        ) from None
-                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        metrics.DECODE_RETRIES.inc()
-                        continue
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                        continue  # draining or gone: another worker takes it
-                    raise worker_error(exc, f"decode worker {worker.address}") from None
-                except BaseException:
-                    call.cancel()
-                    raise
-                if first == grpc.aio.EOF:
-                    raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
-                assert isinstance(first, decode_pb2.DecodeResponse)
-                return call, worker, first.transfer_s
+                if worker.departed:
+                    continue
+                with self.pool.dispatched(worker):
+                    admitted = await self._admission(request, worker, prefill_worker)
+                if admitted is not None:
+                    return admitted
             if loop.time() + delay_s > deadline:
                 raise WorkerError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no decode worker had room for {num_prompt_tokens} prompt tokens within "
                     f"admission_timeout_s={self.config.admission_timeout_s}",
                 )
-            await self.renew(prefill_worker, request.request_id)
+            await self.renew(prefill_worker, request.request_id, request.handle.lease_token)
             # Backoff: blocks free as other requests finish; the stats refresh sees it too.
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _RETRY_MAX_S)
+
+    async def _admission(
+        self, request: decode_pb2.DecodeRequest, worker: Worker, prefill_worker: Worker
+    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float] | None:
+        """One decode worker's answer: admitted (its call, after the KV pull), None when it is
+        full or turned the request away (try another), ``WorkerLost`` when the handle may be
+        spent (re-prefill), else the client's error. Heartbeats come during the pull; each
+        silence is bounded by ``stall_timeout_s``."""
+        call = worker.decode.Decode(request)
+        try:
+            while True:
+                async with asyncio.timeout(self.config.stall_timeout_s):
+                    message = await call.read()
+                if message == grpc.aio.EOF:
+                    raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
+                assert isinstance(message, decode_pb2.DecodeResponse)
+                if message.admitted:
+                    return call, worker, message.transfer_s
+        except TimeoutError:
+            call.cancel()
+            raise _stalled(worker, "admission silent for stall_timeout_s") from None
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if _lease_ended(exc):  # the pull failed: the handle is spent, and so is its sender
+                raise WorkerLost(
+                    code,
+                    f"decode worker {worker.address}: {exc.details()}",
+                    "transfer",
+                    worker.address,
+                    also_avoid=(prefill_worker.address,),
+                ) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                metrics.DECODE_RETRIES.inc()
+                return None
+            if code == grpc.StatusCode.UNAVAILABLE:
+                return None  # draining or gone before the pull: another worker takes it
+            if migration_reason(code) is not None:  # mid-pull, maybe: prefill again
+                raise WorkerLost(
+                    code, f"decode worker {worker.address}: {exc.details()}", "transfer",
+                    worker.address,
+                ) from None  # fmt: skip
+            raise worker_error(exc, f"decode worker {worker.address}") from None
+        except BaseException:
+            call.cancel()
+            raise
 
     async def relay(
         self, call: grpc.aio.UnaryStreamCall, worker: Worker
@@ -292,25 +334,20 @@ class Dispatcher:
                         return
                     assert isinstance(message, decode_pb2.DecodeResponse)
                     yield message
+                    if message.finish_reason:
+                        return  # finished: a break before EOF changes nothing
             except TimeoutError:
-                raise WorkerLost(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"decode worker {worker.address} silent for "
-                    f"stall_timeout_s={self.config.stall_timeout_s}",
-                    "stall",
-                    worker.address,
-                ) from None
+                raise _stalled(worker, "silent for stall_timeout_s") from None
             except grpc.aio.AioRpcError as exc:
                 raise lost_or_error(exc, worker, f"decode worker {worker.address}") from None
             finally:
                 call.cancel()  # client gone or worker given up on: stop its request too
 
-    async def renew(self, worker: Worker, request_id: str) -> None:
+    async def renew(self, worker: Worker, request_id: str, lease_token: str) -> None:
         """Keeps the prefilled blocks while waiting for decode room; fails if they are gone."""
+        request = prefill_pb2.RenewLeaseRequest(request_id=request_id, lease_token=lease_token)
         try:
-            reply = await worker.prefill.RenewLease(
-                prefill_pb2.RenewLeaseRequest(request_id=request_id), timeout=5.0
-            )
+            reply = await worker.prefill.RenewLease(request, timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             raise lost_or_error(exc, worker, f"prefill worker {worker.address} (renewal)") from None
         if not reply.renewed:
@@ -321,8 +358,8 @@ class Dispatcher:
                 worker.address,
             )
 
-    def release_later(self, worker: Worker, request_id: str) -> None:
-        self.releaser.release_later(worker.address, request_id)
+    def release_later(self, worker: Worker, request_id: str, lease_token: str) -> None:
+        self.releaser.release_later(worker.address, request_id, lease_token)
 
 
 def prefill_request(

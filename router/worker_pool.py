@@ -14,6 +14,7 @@ import grpc
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
+from pdserve.common.tls import TlsConfig
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.policy import (
     RoutingPolicy,
@@ -44,6 +45,9 @@ class Worker:
     draining: bool = False  # from the registry: no new work
     record_expired: bool = False  # from the registry: it stopped heartbeating
     num_stats_timeouts: int = 0  # in a row
+    # A call to it just failed or stalled: no new work until its next stats call answers.
+    suspected: bool = False
+    departed: bool = False  # gone from the pool (its channel closes once nothing is in flight)
     # Set while the worker is unhealthy: calls in flight to it give up (and are retried).
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     prefill: prefill_pb2_grpc.PrefillWorkerStub = field(init=False)
@@ -63,9 +67,14 @@ class Worker:
             num_free_blocks=stats.num_free_blocks if stats else 0,
             num_blocks=stats.num_blocks if stats else 0,
             block_size=stats.block_size if stats and stats.block_size else 1,
-            healthy=self.healthy and not self.draining and not (stats and stats.draining),
+            healthy=self.routable,
             queued_prefill_tokens=self.queued_prefill_tokens,
         )
+
+    @property
+    def routable(self) -> bool:
+        stats_draining = self.stats is not None and self.stats.draining
+        return self.healthy and not self.suspected and not self.draining and not stats_draining
 
     def set_healthy(self, healthy: bool, why: str = "") -> None:
         if self.healthy and not healthy:
@@ -93,6 +102,7 @@ class Worker:
             self.set_healthy(False, exc.code().name)
             return
         self.num_stats_timeouts = 0
+        self.suspected = False
         self.set_healthy(True)
 
 
@@ -103,8 +113,9 @@ class WorkerPool:
         decode: tuple[str, ...] = (),
         prefill_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
         decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
+        tls: TlsConfig | None = None,
     ) -> None:
-        self.channels = ChannelPool()
+        self.channels = ChannelPool(tls=tls)
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
@@ -113,6 +124,7 @@ class WorkerPool:
                 self.pools[role][address] = Worker(address, role, self.channels.get(address))
         self._static = {*prefill, *decode}
         self._refused: set[str] = set()
+        self._departed: list[Worker] = []  # their channels close once nothing is in flight
         # One rotation per pool: a shared counter would advance by two per request and pin
         # round-robin to every other worker.
         self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
@@ -161,7 +173,7 @@ class WorkerPool:
                 worker.record_expired = True
                 if worker.draining or not worker.healthy:
                     logger.info("%s worker %s left", worker.role.value, address)
-                    del pool[address]
+                    self._depart(pool, address)
         # Forget refusals of workers that are gone, so the set does not grow forever.
         self._refused &= {r.worker_id for r in records}
 
@@ -179,11 +191,18 @@ class WorkerPool:
         if stale is not None and record.address not in self._static:
             logger.info("%s worker %s replaced by a refused one", record.role.value, stale.address)
             stale.set_healthy(False, "replaced by an incompatible worker")
-            del self.pools[record.role][record.address]
+            self._depart(self.pools[record.role], record.address)
+
+    def _depart(self, pool: dict[str, Worker], address: str) -> None:
+        worker = pool.pop(address)
+        worker.departed = True
+        self._departed.append(worker)
 
     async def close_unused_channels(self) -> None:
-        """Closes channels to peers that left and have nothing in flight (call after sync)."""
-        in_use = {w.address for w in self.workers}
+        """Closes channels to peers that left once nothing is in flight to them (a draining
+        worker's last streams finish first). Call after ``sync``."""
+        self._departed = [w for w in self._departed if w.num_inflight > 0]
+        in_use = {w.address for w in [*self.workers, *self._departed]}
         await self.channels.retain(in_use | self._static)
 
     async def refresh(self) -> None:
@@ -193,11 +212,13 @@ class WorkerPool:
 
     def suspect(self, address: str, why: str) -> None:
         """A call to this worker just failed or stalled: no new work for it until its next
-        stats call answers (within ``stats_interval_s`` if it is fine after all)."""
+        stats call answers (within ``stats_interval_s`` if it is fine after all). Calls in
+        flight to it go on: only stats timeouts (``lost``) stop those."""
         for pool in self.pools.values():
             worker = pool.get(address)
-            if worker is not None:
-                worker.set_healthy(False, why)
+            if worker is not None and not worker.suspected:
+                logger.warning("%s worker %s suspected: %s", worker.role.value, address, why)
+                worker.suspected = True
 
     async def wait_healthy(
         self, needs_prefill: bool, timeout_s: float, poll_s: float = 0.05
@@ -213,8 +234,8 @@ class WorkerPool:
         return True
 
     def ready(self, needs_prefill: bool = True) -> bool:
-        prefill = any(w.healthy for w in self.prefill.values()) or not needs_prefill
-        return prefill and any(w.healthy for w in self.decode.values())
+        prefill = any(w.routable for w in self.prefill.values()) or not needs_prefill
+        return prefill and any(w.routable for w in self.decode.values())
 
     @property
     def max_model_len(self) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from engine.model_config import DTYPE_NAMES
 from pdserve.app import settings
-from pdserve.app.settings import add_flag
+from pdserve.app.settings import add_client_flags, add_flag
 
 if TYPE_CHECKING:
     from pdserve.app.local_cluster import ClusterConfig
@@ -46,7 +46,7 @@ def _serve(service: Service, config: ServerConfig, role: str, *, reflect: bool =
         print(f"pdserve {role} {event} {address}", flush=True)
 
     if config.metrics_port is not None:
-        port = start_metrics_server(config.host, config.metrics_port)
+        port = start_metrics_server(config.host, config.metrics_port, lambda: service.serving)
         announce("metrics", f"{config.host}:{port}")
     asyncio.run(serve(service, config, reflect=reflect, on_event=announce))
     return 0
@@ -71,7 +71,14 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from pdserve.app.local_cluster import ClusterConfig
 
     # One KV layout for every component: the router refuses workers whose layout differs.
-    layout = ("--dtype", args.dtype, "--block-size", str(args.block_size))
+    layout: tuple[str, ...] = ("--dtype", args.dtype, "--block-size", str(args.block_size))
+    tls: tuple[str, ...] = ()
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value:
+            tls += (flag, value)
+    layout += tls  # the same certificates for every component
+    keys = ("--api-key-file", args.api_key_file) if args.api_key_file else ()
     transfer: tuple[str, ...] = ("--kv-backend", args.transfer)
     if args.transfer == "ray":
         transfer += ("--ray-address", args.ray_address)
@@ -85,6 +92,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
         router_args=(
             *layout,
+            *keys,
             *settings.router_passthrough(args),
             *shlex.split(args.router_args),
         ),
@@ -174,9 +182,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(text, end="", flush=True)
 
     async def run() -> int:
-        async with router_channel(args.router) as channel:
+        async with router_channel(args.router, args.tls_ca) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
             try:
-                result = await generate(router_pb2_grpc.RouterStub(channel), request, show)
+                result = await generate(stub, request, show, api_key=args.api_key)
             except grpc.aio.AioRpcError as exc:
                 print(f"pdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1
@@ -307,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="restarts of a component that exits non-zero (delay 1 s, doubling to 30 s)",
     )
+    add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        add_flag(up, flag, default=None, help="mutual TLS for every component (all three)")
     add_flag(
         up,
         "--colocated",
@@ -341,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_client_flags(gen)
     gen.set_defaults(func=_cmd_generate)
     return parser
 

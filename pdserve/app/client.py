@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
-from pdserve.common.channels import insecure_channel
+from pdserve.common.channels import GRPC_OPTIONS, insecure_channel
 from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
@@ -47,10 +48,12 @@ async def generate(
     request: router_pb2.GenerateRequest,
     on_text: Callable[[str], None] = lambda text: None,
     timeout_s: float | None = None,
+    api_key: str | None = None,
 ) -> GenerateResult:
     """Streams one request; ``on_text`` hears each text delta. Raises grpc.aio.AioRpcError."""
     result = GenerateResult()
-    async for response in stub.Generate(request, timeout=timeout_s):
+    stream = stub.Generate(request, timeout=timeout_s, metadata=api_key_metadata(api_key))
+    async for response in stream:
         if response.HasField("chunk"):
             result.token_ids.extend(response.chunk.token_ids)
             result.text += response.chunk.text
@@ -71,5 +74,14 @@ async def generate(
     return result
 
 
-def router_channel(address: str) -> grpc.aio.Channel:
-    return insecure_channel(address)
+def api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+def router_channel(address: str, tls_ca: str | None = None) -> grpc.aio.Channel:
+    """A channel to a router's public port; TLS (verifying the router against ``tls_ca``)
+    when given."""
+    if tls_ca is None:
+        return insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+    return grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS)

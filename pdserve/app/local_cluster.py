@@ -130,13 +130,17 @@ class LocalCluster:
         # A readable registry id per incarnation, for `pdserve status` and `pdserve drain`.
         id_args = ["--worker-id", worker_id] if worker_id else []
         command = [sys.executable, "-m", "pdserve.cli", "--log-level", cfg.log_level, role]
-        process = subprocess.Popen(
-            [*command, *args, *id_args],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        try:
+            process = subprocess.Popen(
+                [*command, *args, *id_args],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        finally:
+            if stderr is not None:
+                stderr.close()  # the child has its own copy
         component = Component(name, role, process, args, worker_id=worker_id)
         component.num_restarts = restarts
         return component
@@ -150,6 +154,9 @@ class LocalCluster:
         if role == "prefill":
             args += ["--kv-port", "0", *cfg.prefill_args]
         else:
+            if not cfg.redis_url and self.prefill:
+                # No registry to learn them from: the prefill workers it may pull KV from.
+                args += ["--prefill-peers", ",".join(w.address for w in self.prefill)]
             args += list(cfg.decode_args)
         with self._lock:
             group = self.prefill if role == "prefill" else self.decode
@@ -162,10 +169,14 @@ class LocalCluster:
         try:
             for _ in range(cfg.num_prefill):
                 self.spawn_worker("prefill")
+            if not cfg.redis_url:  # decode workers are told their prefill peers' addresses
+                for worker in self.prefill:
+                    worker.wait_ready(cfg.ready_timeout_s)
             for _ in range(cfg.num_decode):
                 self.spawn_worker("decode")
             for worker in [*self.prefill, *self.decode]:
-                worker.wait_ready(cfg.ready_timeout_s)
+                if not worker.address:
+                    worker.wait_ready(cfg.ready_timeout_s)
             router_args = [
                 "--host", cfg.host,
                 "--port", str(cfg.router_port),

@@ -26,8 +26,10 @@ from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
+from pdserve.common.tls import DEFAULT_SERVER_NAME, TlsConfig
 from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
 from router.config import RouterConfig
+from router.limits import RequestLimits
 from router.policy import DECODE_POLICIES, RoutingPolicy
 
 ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig
@@ -83,6 +85,7 @@ def service_config(role: str, args: argparse.Namespace) -> ServiceConfig:
             lease_s=args.lease_s,
             kv_backend=args.kv_backend,
             kv_port=args.kv_port,
+            max_pull_s=args.max_pull_s,
             ray_address=args.ray_address,
             redis=redis_config(args),
             worker_id=args.worker_id,
@@ -93,6 +96,7 @@ def service_config(role: str, args: argparse.Namespace) -> ServiceConfig:
             server=server_config(args),
             kv_backend=args.kv_backend,
             ray_address=args.ray_address,
+            prefill_peers=args.prefill_peers,
             transfer_timeout_s=args.transfer_timeout_s,
             max_buffered_tokens=args.max_buffered_tokens,
             heartbeat_s=args.heartbeat_s,
@@ -137,6 +141,23 @@ def add_server_flags(
     add_flag(
         parser, "--drain-timeout-s", env, type=float, default=30.0, help="graceful drain bound"
     )
+    add_flag(parser, "--tls-cert", env, default=None, help="TLS certificate chain (PEM)")
+    add_flag(parser, "--tls-key", env, default=None, help="TLS private key (PEM)")
+    add_flag(parser, "--tls-ca", env, default=None, help="CA internal peers must chain to")
+    add_flag(
+        parser,
+        "--tls-server-name",
+        env,
+        default=DEFAULT_SERVER_NAME,
+        help="the name internal certificates carry (checked instead of addresses)",
+    )
+    add_flag(
+        parser,
+        "--insecure",
+        env,
+        action="store_true",
+        help="allow plaintext on a non-loopback address (trusted networks only)",
+    )
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
@@ -176,6 +197,15 @@ def redis_config(args: argparse.Namespace) -> RedisConfig | None:
     return RedisConfig(url=args.redis, namespace=args.redis_namespace) if args.redis else None
 
 
+def tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
@@ -183,6 +213,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
+        tls=tls_config(args),
+        insecure=args.insecure,
     )
 
 
@@ -213,12 +245,23 @@ def _add_prefill_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     add_flag(
         parser, "--kv-port", env, type=int, default=50071, help="KV sender port (0: ephemeral)"
     )
+    add_flag(
+        parser, "--max-pull-s", env, type=float, default=60.0, help="longest one KV pull may take"
+    )
 
 
 def _add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_server_flags(parser, 50062, env)
     _add_engine_flags(parser, env)
     add_flag(parser, "--transfer-timeout-s", env, type=float, default=60.0)
+    add_flag(
+        parser,
+        "--prefill-peers",
+        env,
+        type=_csv,
+        default=(),
+        help="prefill workers (h:p,...) to pull KV from, besides the registry's",
+    )
     add_flag(
         parser,
         "--max-buffered-tokens",
@@ -281,6 +324,16 @@ def _add_router(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) 
         help="no prefill pool: decode workers prefill every request themselves (baseline)",
     )
     add_flag(parser, "--ready-timeout-s", env, type=float, default=120.0)
+    add_flag(parser, "--api-key-file", env, default=None, help="API keys, one per line (re-read)")
+    for name in RequestLimits.__dataclass_fields__:
+        add_flag(
+            parser,
+            "--" + name.replace("_", "-"),
+            env,
+            type=int,
+            default=getattr(RequestLimits, name),
+            help=f"public request limit (default {getattr(RequestLimits, name)})",
+        )
     add_flag(
         parser,
         "--migration-limit",
@@ -327,7 +380,15 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         migration_limit=args.migration_limit,
         stall_timeout_s=args.stall_timeout_s,
         client_idle_timeout_s=args.client_idle_timeout_s,
+        api_key_file=args.api_key_file,
+        limits=RequestLimits(**{n: getattr(args, n) for n in RequestLimits.__dataclass_fields__}),
     )
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """What a client of the router's public API needs (``pdserve generate``, ``bench``)."""
+    add_flag(parser, "--api-key", default=None, help="sent as authorization: Bearer <key>")
+    add_flag(parser, "--tls-ca", default=None, help="CA that signed the router's certificate")
 
 
 # ---- whole clusters: `pdserve up` and `pdserve ray up` -------------------------------------

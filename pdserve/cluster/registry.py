@@ -42,6 +42,7 @@ class WorkerRecord:
     num_waiting: int = 0
     num_free_blocks: int = 0
     num_cached_blocks: int = 0
+    kv_address: str = ""  # a prefill worker's KV sender: decode workers pull only from these
     heartbeat_unix_s: float = 0.0
 
     def to_redis(self) -> dict[str, str]:

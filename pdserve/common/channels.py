@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.common.tls import TlsConfig
+
 # KV chunks and long prompts exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20
-GRPC_OPTIONS = [
+GRPC_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
@@ -39,24 +41,35 @@ CONTROL_OPTIONS = [
 TRANSFER_OPTIONS = [*GRPC_OPTIONS, *KEEPALIVE_OPTIONS]
 
 
-def insecure_channel(
-    address: str, options: list[tuple[str, int]] = GRPC_OPTIONS
-) -> grpc.aio.Channel:
+Options = list[tuple[str, int | str]]
+
+
+def insecure_channel(address: str, options: Options = GRPC_OPTIONS) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=options)
+
+
+def peer_channel(address: str, tls: TlsConfig | None, options: Options) -> grpc.aio.Channel:
+    """A channel to another pdserve service: mutual TLS when ``tls`` is set."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[*options, *tls.channel_options()]
+    )
 
 
 class ChannelPool:
     """Channels to peers, created on first use and closed together at shutdown (or once
     their peer has left: ``retain``)."""
 
-    def __init__(self, options: list[tuple[str, int]] = CONTROL_OPTIONS) -> None:
+    def __init__(self, options: Options = CONTROL_OPTIONS, tls: TlsConfig | None = None) -> None:
         self.options = options
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = insecure_channel(address, self.options)
+            channel = peer_channel(address, self.tls, self.options)
             self._channels[address] = channel
         return channel
 

@@ -30,21 +30,22 @@ class LeaseReleaser:
         self.timeout_s = timeout_s
         self._pending: set[asyncio.Task[None]] = set()
 
-    def release_later(self, prefill_address: str, request_id: str) -> None:
-        """Sends ``Release`` in a task the caller does not await: a cancelled request must
-        still end its lease, and the token stream must not wait for the answer."""
+    def release_later(self, prefill_address: str, request_id: str, lease_token: str) -> None:
+        """Sends ``Release`` (with the lease's token, from its handle) in a task the caller
+        does not await: a cancelled request must still end its lease, and the token stream
+        must not wait for the answer."""
         if not prefill_address:
             return
-        task = asyncio.get_running_loop().create_task(self._release(prefill_address, request_id))
+        release = self._release(prefill_address, request_id, lease_token)
+        task = asyncio.get_running_loop().create_task(release)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _release(self, prefill_address: str, request_id: str) -> None:
+    async def _release(self, prefill_address: str, request_id: str, lease_token: str) -> None:
         stub = prefill_pb2_grpc.PrefillWorkerStub(self.channels.get(prefill_address))
+        request = prefill_pb2.ReleaseRequest(request_id=request_id, lease_token=lease_token)
         try:
-            await stub.Release(
-                prefill_pb2.ReleaseRequest(request_id=request_id), timeout=self.timeout_s
-            )
+            await stub.Release(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "request_id=%s release at %s failed (%s); the lease will expire",

@@ -3,7 +3,11 @@ exposes ``/metrics`` on its ``--metrics-port``."""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 from engine.outputs import EngineStats
 
@@ -17,6 +21,12 @@ TPOT_S = Histogram(
 REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason"])
 REQUEST_ERRORS = Counter("pdserve_request_errors_total", "Requests ended by an error", ["code"])
 ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the router")
+TOKENIZATIONS_IN_FLIGHT = Gauge(
+    "pdserve_tokenizations_in_flight", "Prompts being tokenized, off the event loop"
+)
+AUTH_FAILURES = Counter(
+    "pdserve_auth_failures_total", "Requests refused for a missing or wrong API key"
+)
 DECODE_RETRIES = Counter(
     "pdserve_decode_admission_retries_total", "Decode admissions refused for lack of KV blocks"
 )
@@ -95,7 +105,30 @@ def observe_engine(stats: EngineStats, num_buffered_tokens: int = 0) -> None:
     PROMPT_TOKENS_COMPUTED.set(stats.num_prompt_tokens_computed)
 
 
-def start_metrics_server(host: str, port: int) -> int:
-    """Serves /metrics; returns the bound port (``port`` 0 picks one)."""
-    server, _thread = start_http_server(port, addr=host)
+def start_metrics_server(host: str, port: int, serving: Callable[[], bool] | None = None) -> int:
+    """Serves ``/metrics`` (Prometheus) and ``/healthz`` (200 while ``serving()``, else 503:
+    a plain-HTTP readiness probe, for ports whose gRPC health needs a client certificate).
+    Returns the bound port (``port`` 0 picks one)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                status, body, kind = 200, generate_latest(), CONTENT_TYPE_LATEST
+            elif self.path == "/healthz":
+                ok = serving is None or serving()
+                status, body, kind = (200 if ok else 503), (b"ok" if ok else b"not serving"), ""
+            else:
+                status, body, kind = 404, b"not found", ""
+            self.send_response(status)
+            self.send_header("Content-Type", kind or "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            return None  # scrapes every few seconds are not log lines
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_port)

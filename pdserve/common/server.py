@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.common.channels import SERVER_OPTIONS
+from pdserve.common.tls import TlsConfig, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,17 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: ephemeral
     advertise_host: str | None = None  # the host peers dial (default: host)
     drain_timeout_s: float = 30.0
+    # TLS for this component's ports and its calls to peers (pdserve/common/tls.py). Without
+    # it, traffic is plaintext, which is allowed on a loopback address only, unless insecure.
+    tls: TlsConfig | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
+        if self.tls is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host} is not a loopback address: serving it in plaintext needs "
+                "--insecure (or --tls-cert, --tls-key and --tls-ca)"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -45,7 +55,14 @@ class Service(ABC):
     """One pdserve component. ``serve`` calls, in order: register, load, (serve), drain, close."""
 
     name: str  # fully qualified gRPC service name, for health and reflection
+    # A public port (the router's) serves TLS without asking clients for a certificate (API
+    # keys authenticate them); internal ports require one signed by the cluster's CA.
+    public: bool = False
+    # The largest request message this service accepts (gRPC refuses larger ones with
+    # RESOURCE_EXHAUSTED before anything is parsed); None: the internal default.
+    max_request_bytes: int | None = None
     draining: bool = False
+    serving: bool = False  # health SERVING (loaded, not draining)
     address: str = ""  # host:port peers use to reach this service (set once bound)
     # Set by ``serve``: starts the same graceful shutdown as SIGTERM (e.g. a drain request).
     request_stop: Callable[[], None] | None = None
@@ -81,7 +98,11 @@ class ServiceServer:
     def __init__(self, service: Service, config: ServerConfig, *, reflect: bool = False) -> None:
         self.service = service
         self.config = config
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        options = SERVER_OPTIONS
+        if service.max_request_bytes is not None:
+            limit = ("grpc.max_receive_message_length", service.max_request_bytes)
+            options = [o for o in options if o[0] != limit[0]] + [limit]
+        self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         service.register(self.server)
@@ -91,7 +112,12 @@ class ServiceServer:
         self.address = ""
 
     async def start(self) -> str:
-        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        bind, tls = f"{self.config.host}:{self.config.port}", self.config.tls
+        if tls is None:
+            port = self.server.add_insecure_port(bind)
+        else:
+            credentials = tls.server_credentials(require_client_auth=not self.service.public)
+            port = self.server.add_secure_port(bind, credentials)
         if port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         self.address = f"{self.config.host}:{port}"
@@ -112,8 +138,10 @@ class ServiceServer:
     async def ready(self) -> None:
         await self.service.load()
         await self._set_health(serving=True)
+        self.service.serving = True
 
     async def shutdown(self) -> None:
+        self.service.serving = False
         await self.health.enter_graceful_shutdown()
         await self.service.drain(self.config.drain_timeout_s)
         await self.server.stop(grace=1.0)

@@ -223,6 +223,7 @@ class WorkerStats(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     NUM_PAUSED_FIELD_NUMBER: _builtins.int
+    KV_ADDRESS_FIELD_NUMBER: _builtins.int
     num_waiting: _builtins.int
     num_running: _builtins.int
     num_pinned: _builtins.int
@@ -238,6 +239,8 @@ class WorkerStats(_message.Message):
     draining: _builtins.bool
     num_paused: _builtins.int
     """requests whose reader stopped reading: blocks kept, no seat"""
+    kv_address: _builtins.str
+    """a prefill worker's KV sender (what its handles name)"""
     @_builtins.property
     def layout(self) -> Global___KVCacheLayout: ...
     def __init__(
@@ -257,10 +260,11 @@ class WorkerStats(_message.Message):
         draining: _builtins.bool = ...,
         layout: Global___KVCacheLayout | None = ...,
         num_paused: _builtins.int = ...,
+        kv_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "layout", b"layout", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_inflight", b"num_inflight", "num_paused", b"num_paused", "num_pinned", b"num_pinned", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens_computed", b"num_prompt_tokens_computed", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "kv_address", b"kv_address", "layout", b"layout", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_inflight", b"num_inflight", "num_paused", b"num_paused", "num_pinned", b"num_pinned", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens_computed", b"num_prompt_tokens_computed", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

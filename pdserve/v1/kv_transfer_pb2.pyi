@@ -23,7 +23,10 @@ class PullRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RECEIVER_LAYOUT_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    lease_token: _builtins.str
+    """from the KVHandle: NOT_FOUND without the right one"""
     @_builtins.property
     def receiver_layout(self) -> _common_pb2.KVCacheLayout: ...
     def __init__(
@@ -31,10 +34,11 @@ class PullRequest(_message.Message):
         *,
         request_id: _builtins.str = ...,
         receiver_layout: _common_pb2.KVCacheLayout | None = ...,
+        lease_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_layout", b"receiver_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["receiver_layout", b"receiver_layout", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "receiver_layout", b"receiver_layout", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

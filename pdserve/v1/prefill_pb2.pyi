@@ -65,6 +65,8 @@ class KVHandle(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """kvtransfer backend name, e.g. "grpc" """
     address: _builtins.str
@@ -73,6 +75,15 @@ class KVHandle(_message.Message):
     num_blocks: _builtins.int
     lease_s: _builtins.float
     """the lease granted, from when the response was sent"""
+    lease_token: _builtins.str
+    """Proof of the lease: a pull, Release and RenewLease must present it (compared in constant
+    time), so knowing a request id is not enough to read or end its lease.
+    """
+    prompt_digest: _builtins.bytes
+    """BLAKE2b-128 of the token ids whose KV the blocks hold (kvtransfer.base.prompt_digest): a
+    decode worker refuses a handle used with other prompt ids, which would otherwise enter its
+    prefix cache under the wrong hashes.
+    """
     @_builtins.property
     def layout(self) -> _common_pb2.KVCacheLayout: ...
     def __init__(
@@ -84,10 +95,12 @@ class KVHandle(_message.Message):
         num_blocks: _builtins.int = ...,
         layout: _common_pb2.KVCacheLayout | None = ...,
         lease_s: _builtins.float = ...,
+        lease_token: _builtins.str = ...,
+        prompt_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "backend", b"backend", "layout", b"layout", "lease_s", b"lease_s", "num_blocks", b"num_blocks", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "backend", b"backend", "layout", b"layout", "lease_s", b"lease_s", "lease_token", b"lease_token", "num_blocks", b"num_blocks", "prompt_digest", b"prompt_digest", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -139,15 +152,19 @@ class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    lease_token: _builtins.str
+    """from the KVHandle"""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        lease_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -178,15 +195,19 @@ class RenewLeaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    lease_token: _builtins.str
+    """from the KVHandle"""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        lease_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

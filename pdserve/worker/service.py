@@ -51,6 +51,10 @@ class WorkerService(Service):
         self._membership: Membership | None = None
 
     @property
+    def membership(self) -> Membership | None:
+        return self._membership
+
+    @property
     def engine(self) -> AsyncEngine:
         if self._engine is None:
             raise RuntimeError("the engine is not loaded yet")

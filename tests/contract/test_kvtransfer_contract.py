@@ -12,6 +12,7 @@ import asyncio
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,14 @@ async def _prefill(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
     )
     return await stub.Prefill(request)  # type: ignore[attr-defined, no-any-return]
+
+
+async def _release(stub: Any, response: prefill_pb2.PrefillResponse) -> bool:
+    """Ends the lease as its owner does: with the token its handle carries."""
+    request = prefill_pb2.ReleaseRequest(
+        request_id=response.request_id, lease_token=response.handle.lease_token
+    )
+    return bool((await stub.Release(request)).released)
 
 
 def _prefilled(response: prefill_pb2.PrefillResponse, prompt: list[int]) -> PrefilledRequest:
@@ -101,7 +110,7 @@ def test_transfer_is_lossless_and_decodes_like_one_engine(
                     sent = service.engine.kv_cache.read_layer(layer, source)
                     assert torch.equal(decode.kv_cache.read_layer(layer, block_ids), sent)
                 assert stats.num_bytes == len(block_ids) * decode.kv_layout.block_bytes
-                assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id=f"r{i}"))).released
+                assert await _release(stub, response)
                 assert _finish(decode, prefilled) == expected.token_ids
             assert await all_blocks_free(stub)
             decode.block_manager.check_no_leaks()
@@ -126,7 +135,7 @@ def test_layout_mismatch_names_both_layouts(backend: str, llama_dir: Path) -> No
                 await receiver.pull(handle, list(range(handle.num_blocks)))
             assert err.value.code is TransferErrorCode.LAYOUT_MISMATCH
             assert "bs16" in str(err.value) and "bs8" in str(err.value)
-            await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+            assert await _release(stub, response)
             assert await all_blocks_free(stub)
         finally:
             await receiver.close()
@@ -184,7 +193,7 @@ def test_cancelled_pull_stops_writing_and_leaks_nothing(backend: str, llama_dir:
                 await pull
             decode.abort("r")
             # The lease survives a cancelled pull until the decode side (here: we) releases it.
-            assert (await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))).released
+            assert await _release(stub, response)
             await wait_for(lambda: all_blocks_free(stub), 5.0, "prefill blocks freed")
             decode.block_manager.check_no_leaks()
         finally:

@@ -82,7 +82,7 @@ def test_lints_renders_and_validates_strictly(
     # Custom resources (KEDA, ServiceMonitor, KubeRay) have no schema there: only these kinds.
     core = {"v1", "apps/v1", "policy/v1", "autoscaling/v2", "networking.k8s.io/v1", "batch/v1"}
     custom = {m["kind"] for m in manifests if m["apiVersion"] not in core}
-    assert custom <= {"ScaledObject", "ServiceMonitor", "RayCluster"}
+    assert custom <= {"ScaledObject", "ServiceMonitor", "RayCluster", "Certificate"}
 
 
 def test_each_pool_follows_its_own_replicas(helm: str) -> None:
@@ -228,8 +228,8 @@ def test_ray_mode_renders_a_raycluster_and_the_ray_up_job(helm: str) -> None:
 def test_helm_test_hook_generates_through_the_router(helm: str) -> None:
     pod = find(render(helm), "Pod", "rel-pdserve-test-generate")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    args = pod["spec"]["containers"][0]["args"]
-    assert args[:3] == ["generate", "--router", "rel-pdserve-router:50051"]
+    (command,) = pod["spec"]["containers"][0]["args"]
+    assert command.startswith("pdserve generate --router rel-pdserve-router:50051 --prompt")
 
 
 @pytest.fixture
@@ -259,3 +259,79 @@ def test_keda_scales_queue_depth_per_replica_and_kv_usage_as_a_ratio(helm: str) 
     assert 'pdserve_queue_depth{job="rel-pdserve-prefill"}' in prefill["metadata"]["query"]
     assert decode["metricType"] == "Value"
     assert "pdserve_kv_blocks_free" in decode["metadata"]["query"]
+
+
+def test_tls_mounts_the_certificate_and_passes_its_flags_to_every_component(helm: str) -> None:
+    manifests = render(helm, "-f", str(CHART / "ci" / "tls-values.yaml"))
+    certificate = find(manifests, "Certificate", "rel-pdserve-tls")["spec"]
+    assert certificate["secretName"] == "rel-pdserve-tls"
+    assert "pdserve" in certificate["dnsNames"] and "rel-pdserve-router" in certificate["dnsNames"]
+    assert {"server auth", "client auth"} <= set(certificate["usages"])
+    assert certificate["issuerRef"] == {
+        "name": "pdserve-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"
+    }  # fmt: skip
+    for role in ("router", "prefill", "decode"):
+        c, spec = container(manifests, role), pod_spec(manifests, role)
+        assert env(c)["PDSERVE_TLS_CERT"] == "/etc/pdserve/tls/tls.crt"
+        assert env(c)["PDSERVE_TLS_KEY"] == "/etc/pdserve/tls/tls.key"
+        assert env(c)["PDSERVE_TLS_CA"] == "/etc/pdserve/tls/ca.crt"
+        assert "PDSERVE_INSECURE" not in env(c)
+        assert {"name": "tls", "mountPath": "/etc/pdserve/tls", "readOnly": True} in c[
+            "volumeMounts"
+        ]
+        tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+        assert tls_volume["secret"]["secretName"] == "rel-pdserve-tls"
+        # kubelet's gRPC probe speaks no TLS: readiness is the metrics port's /healthz.
+        assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    router = container(manifests, "router")
+    assert env(router)["PDSERVE_API_KEY_FILE"] == "/etc/pdserve/api-keys/keys"
+    keys = next(v for v in pod_spec(manifests, "router")["volumes"] if v["name"] == "api-keys")
+    assert keys["secret"]["secretName"] == "pdserve-api-keys"
+    test_pod = find(manifests, "Pod", "rel-pdserve-test-generate")["spec"]["containers"][0]
+    assert env(test_pod)["PDSERVE_TLS_CA"] == "/etc/pdserve/tls/ca.crt"
+    assert "PDSERVE_API_KEY" in test_pod["args"][0]
+    # An existing Secret instead of cert-manager: no Certificate, that Secret mounted.
+    own = render(helm, "--set", "tls.enabled=true", "--set", "tls.existingSecret=my-certs")
+    assert not [m for m in own if m["kind"] == "Certificate"]
+    volume = next(v for v in pod_spec(own, "decode")["volumes"] if v["name"] == "tls")
+    assert volume["secret"]["secretName"] == "my-certs"
+
+
+def test_without_tls_every_component_runs_insecure_with_grpc_probes(helm: str) -> None:
+    manifests = render(helm)
+    for role in ("router", "prefill", "decode"):
+        c = container(manifests, role)
+        assert env(c)["PDSERVE_INSECURE"] == "true" and "PDSERVE_TLS_CERT" not in env(c)
+        assert "grpc" in c["readinessProbe"]
+
+
+TLS_ON = ["--set", "tls.enabled=true"]
+BOTH = [*TLS_ON, "--set", "tls.existingSecret=s", "--set", "tls.certManager.issuerRef.name=i"]
+RAY = [*TLS_ON, "--set", "tls.existingSecret=s", "--set", "ray.enabled=true"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (TLS_ON, "minLength: got 0, want 1"),
+        (BOTH, "maxLength: got 1, want 0"),
+        (RAY, "in Ray mode the actors run with --insecure"),
+    ],
+    ids=["neither", "both", "ray-mode"],
+)
+def test_half_configured_tls_is_refused(helm: str, flags: list[str], message: str) -> None:
+    done = subprocess.run(
+        [helm, "template", "rel", str(CHART), *flags], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def test_ray_mode_renders_network_policies_for_its_pods(helm: str) -> None:
+    manifests = render(helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"))
+    ray = find(manifests, "NetworkPolicy", "rel-pdserve-ray")["spec"]
+    assert ray["podSelector"]["matchLabels"]["pdserve.io/role"] == "ray"
+    peers, router, dashboard = ray["ingress"]
+    assert peers["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "rel"
+    assert router["ports"] == [{"port": 50051}]
+    assert dashboard["ports"] == [{"port": 8265}]
+    assert find(manifests, "NetworkPolicy", "rel-pdserve-redis")

@@ -93,6 +93,7 @@ def compare(
         assert stream.error is None, f"stream {i}: {stream.error}"
         if stream.token_ids == ref.token_ids:
             assert stream.text == ref.text, f"stream {i}: same tokens, different text"
+            assert stream.finish_reason == ref.finish_reason, f"stream {i}: finish reason"
             continue
         at = first_difference(stream.token_ids, ref.token_ids)
         prompt = list(stream.request.prompt_token_ids)

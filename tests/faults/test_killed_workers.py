@@ -37,7 +37,7 @@ def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCl
         redis_url=redis_url,
         log_dir=tmp_path,
         # Every stream is disaggregated, and chunked prefills are long.
-        prefill_args=("--max-num-batched-tokens", "16"),
+        prefill_args=("--max-num-batched-tokens", "8"),
         redis_namespace=tmp_path.name,
         router_args=("--local-prefill-tokens", "0"),
     )
@@ -91,8 +91,9 @@ def _kill_a_decode_worker_mid_stream(
             return all(len(s.token_ids) >= 8 for s in streams)
 
         await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
-        victim = cluster.decode[0]
-        assert (await stats(victim)).num_running > 0  # streams were on it
+        running = [(await stats(c)).num_running for c in cluster.decode]
+        victim = cluster.decode[running.index(max(running))]
+        assert max(running) > 0  # streams were on it
         _kill(victim)
         await asyncio.gather(*tasks)
         reports = compare(llm, streams, references, params)
@@ -114,6 +115,7 @@ def test_prefill_killed_in_a_long_chunked_prefill_is_retried(
     references = llm.generate(prompts, params)
 
     async def run() -> None:
+        before = metric(cluster.router, "pdserve_migrations_total", 'reason="prefill"')
         streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
         busy: list[Component] = []
 
@@ -125,9 +127,8 @@ def test_prefill_killed_in_a_long_chunked_prefill_is_retried(
             return bool(streams[0].token_ids)  # too late: it already prefilled
 
         await wait_for(prefilling, 60.0, "a prefill worker runs the prompt", poll_s=0.002)
-        assert busy and not streams[0].token_ids, "the prefill finished before the kill"
-        before = metric(cluster.router, "pdserve_migrations_total", 'reason="prefill"')
-        _kill(busy[0])
+        assert busy, "the prefill finished before it could be killed"
+        _kill(busy[0])  # at once: some 60 chunk steps are still to go
         await asyncio.gather(*tasks)
         compare(llm, streams, references, params)
         after = metric(cluster.router, "pdserve_migrations_total", 'reason="prefill"')

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def _up_without_an_address(llama_dir: Path, ray_tmp: Path) -> None:
     command = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir)]
     command += ["--port", "0", "--transfer", "ray", "--router-args", "--local-prefill-tokens 0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    watchdog = threading.Timer(180.0, process.kill)  # a hang fails the test, it does not stay
+    watchdog.start()
     try:
         assert process.stdout is not None
         address = ""
@@ -85,5 +88,6 @@ def _up_without_an_address(llama_dir: Path, ray_tmp: Path) -> None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:
+        watchdog.cancel()
         if process.poll() is None:
             process.kill()

@@ -54,7 +54,7 @@ def test_object_accounting_sees_an_object_until_it_is_freed() -> None:
 def test_damaged_payload_is_data_loss_and_frees_both_sides(llama_dir: Path) -> None:
     async def run() -> None:
         prefill, prefill_server = await start_prefill(llama_dir, kv_backend="ray")
-        _, decode_server = await start_decode(llama_dir, kv_backend="ray")
+        _, decode_server = await start_decode(llama_dir, kv_backend="ray", peers=[prefill_server])
         sender = prefill._sender
         assert isinstance(sender, RayKVSender)
         stage = sender._stage
@@ -96,7 +96,10 @@ class _Pulled:
         return self.handle.num_blocks * self.decode.kv_layout.block_bytes
 
     async def release(self) -> bool:
-        reply = await self.stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+        token = self.handle.lease_token
+        reply = await self.stub.Release(
+            prefill_pb2.ReleaseRequest(request_id="r", lease_token=token)
+        )
         return bool(reply.released)
 
 

@@ -4,7 +4,7 @@ configurations cheaply. The multi-process path is covered by tests/integration."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -48,9 +48,19 @@ async def start_prefill(
 
 
 async def start_decode(
-    model: Path, block_size: int = 16, num_blocks: int = 256, **kwargs: object
+    model: Path,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    peers: Sequence[ServiceServer] = (),
+    **kwargs: object,
 ) -> tuple[DecodeService, ServiceServer]:
-    config = DecodeConfig(engine=engine_config(model, block_size, num_blocks), **kwargs)  # type: ignore[arg-type]
+    """``peers``: the prefill servers it may pull from (without a registry to learn them)."""
+    prefill_peers = tuple(server.service.address for server in peers)
+    config = DecodeConfig(
+        engine=engine_config(model, block_size, num_blocks),
+        prefill_peers=prefill_peers,
+        **kwargs,  # type: ignore[arg-type]
+    )
     service = DecodeService(config)
     return service, await start(service)
 

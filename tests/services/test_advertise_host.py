@@ -16,9 +16,9 @@ def test_kv_handle_names_the_advertised_host(llama_dir: Path) -> None:
     from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     async def run() -> None:
-        server = ServerConfig(host="0.0.0.0", advertise_host="127.0.0.1")
+        server = ServerConfig(host="0.0.0.0", advertise_host="127.0.0.1", insecure=True)
         _, prefill_server = await start_prefill(llama_dir, server=server)
-        _, decode_server = await start_decode(llama_dir)
+        _, decode_server = await start_decode(llama_dir, peers=[prefill_server])
         sampling = sampling_to_proto(PARAMS)
         try:
             import grpc
@@ -33,7 +33,7 @@ def test_kv_handle_names_the_advertised_host(llama_dir: Path) -> None:
             request = decode_pb2.DecodeRequest(
                 request_id="r", prompt_token_ids=PROMPT, sampling=sampling,
                 first_token_id=prefilled.first_token_id, handle=prefilled.handle,
-                prefill_address=prefill_server.address,
+                prefill_address=prefill_server.service.address,
             )  # fmt: skip
             async with grpc.aio.insecure_channel(decode_server.address) as channel:
                 stream = decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request)

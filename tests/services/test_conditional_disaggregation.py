@@ -38,7 +38,7 @@ def test_short_prompts_prefill_on_decode_long_ones_disaggregate(
 
     async def run() -> None:
         _, prefill_server = await start_prefill(llama_dir)
-        _, decode_server = await start_decode(llama_dir)
+        _, decode_server = await start_decode(llama_dir, peers=[prefill_server])
         router_server = await start(
             RouterService(
                 RouterConfig(

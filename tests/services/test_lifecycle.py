@@ -55,7 +55,7 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
             assert "loading" in (exc.details() or "")
         await server.ready()
         assert await _health(server.address) == serving
-        await stub.Prefill(request)  # leaves a lease: in flight until released
+        prefilled = await stub.Prefill(request)  # leaves a lease: in flight until released
 
         shutdown = asyncio.create_task(server.shutdown())
         while not service.draining:
@@ -68,7 +68,11 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE
             assert "draining" in (exc.details() or "")
         assert not shutdown.done()  # waits for the lease
-        released = await stub.Release(prefill_pb2.ReleaseRequest(request_id="r"))
+        # Its token is needed: a caller that knows only the request id ends nothing.
+        wrong = prefill_pb2.ReleaseRequest(request_id="r", lease_token="guess")
+        assert not (await stub.Release(wrong)).released
+        token = prefilled.handle.lease_token
+        released = await stub.Release(prefill_pb2.ReleaseRequest(request_id="r", lease_token=token))
         assert released.released
         await asyncio.wait_for(shutdown, 10)
 

@@ -34,7 +34,7 @@ def test_decode_without_room_rejects_or_queues_never_hangs(
     async def run() -> None:
         _, prefill_server = await start_prefill(llama_dir)
         # 8 blocks of 16 tokens: one 60-token prompt takes 4, so at most two fit at once.
-        _, decode_server = await start_decode(llama_dir, num_blocks=8)
+        _, decode_server = await start_decode(llama_dir, num_blocks=8, peers=[prefill_server])
         router = RouterService(
             RouterConfig(
                 model=str(llama_dir),

@@ -26,7 +26,7 @@ def test_cancel_during_prefill_aborts_it_on_the_worker(llama_dir: Path) -> None:
     async def run() -> None:
         # 4-token chunks: a 500-token prompt takes 125 steps, long enough to cancel mid-way.
         _, prefill_server = await start_prefill(llama_dir, max_num_batched_tokens=4)
-        _, decode_server = await start_decode(llama_dir)
+        _, decode_server = await start_decode(llama_dir, peers=[prefill_server])
         router_server = await start(
             RouterService(
                 RouterConfig(

@@ -50,7 +50,8 @@ def test_a_failed_pull_prefills_again_on_another_worker(
     async def run() -> None:
         broken, broken_server = await start_prefill(llama_dir)
         _, good_server = await start_prefill(llama_dir)
-        decodes = [await start_decode(llama_dir) for _ in range(2)]
+        peers = [broken_server, good_server]
+        decodes = [await start_decode(llama_dir, peers=peers) for _ in range(2)]
         assert broken._sender is not None
         await broken._sender.stop()  # its KV port is gone: every pull from it fails
         router = await start(
@@ -99,7 +100,7 @@ def test_a_failed_pull_prefills_again_on_another_worker(
 def test_a_prompt_no_prefill_worker_can_hold_is_refused_before_any_work(llama_dir: Path) -> None:
     async def run() -> None:
         _, prefill_server = await start_prefill(llama_dir, num_blocks=4)  # 64 tokens
-        _, decode_server = await start_decode(llama_dir)
+        _, decode_server = await start_decode(llama_dir, peers=[prefill_server])
         router = await start(
             RouterService(
                 RouterConfig(

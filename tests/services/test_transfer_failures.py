@@ -4,14 +4,14 @@ both sides end with every block free."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from engine import SamplingParams
-from pdserve.common.channels import GRPC_OPTIONS
+from kvtransfer.codec import ChunkSpec
+from kvtransfer.grpc_stream import GrpcKVSender
 from pdserve.common.convert import layout_to_proto, sampling_to_proto
 from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
 from tests.services.harness import (
@@ -22,27 +22,6 @@ from tests.services.harness import (
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(3, 300))
-
-
-class CorruptingProxy(kv_transfer_pb2_grpc.KVTransferServicer):
-    """A faulty network: relays a real sender's stream, flipping one bit in the second chunk."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-
-    async def Pull(
-        self, request: kv_transfer_pb2.PullRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_transfer_pb2.KVMessage]:
-        async with grpc.aio.insecure_channel(self.upstream, options=GRPC_OPTIONS) as channel:
-            n = 0
-            async for message in kv_transfer_pb2_grpc.KVTransferStub(channel).Pull(request):
-                if message.HasField("chunk"):
-                    n += 1
-                    if n == 2:
-                        data = bytearray(message.chunk.data)
-                        data[len(data) // 2] ^= 0x10
-                        message.chunk.data = bytes(data)
-                yield message
 
 
 async def _prefill_and_decode(
@@ -79,25 +58,29 @@ async def _prefill_and_decode(
 def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> None:
     async def run() -> None:
         prefill, prefill_server = await start_prefill(llama_dir)
-        _, decode_server = await start_decode(llama_dir)
-        proxy = grpc.aio.server()
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(
-            CorruptingProxy(prefill._sender.address),
-            proxy,  # type: ignore[union-attr]
-        )
-        proxy_port = proxy.add_insecure_port("127.0.0.1:0")
-        await proxy.start()
-        # Small chunks, so that the stream has a second chunk to damage.
-        prefill._sender.chunk_bytes = 4096  # type: ignore[union-attr]
+        _, decode_server = await start_decode(llama_dir, peers=[prefill_server])
+        sender = prefill._sender
+        assert isinstance(sender, GrpcKVSender)
+        sender.chunk_bytes = 4096  # small chunks, so that the stream has a second one to damage
+        encode, sent = sender._encode, [0]
+
+        def damaged(spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
+            # A faulty NIC or memory: one bit flips after the checksum was taken.
+            message = encode(spec, block_ids)
+            sent[0] += 1
+            if sent[0] == 2:
+                data = bytearray(message.chunk.data)
+                data[len(data) // 2] ^= 0x10
+                message.chunk.data = bytes(data)
+            return message
+
+        sender._encode = damaged  # type: ignore[method-assign]
         try:
-            error = await _prefill_and_decode(
-                prefill_server.address, decode_server.address, f"127.0.0.1:{proxy_port}"
-            )
+            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
             assert error.code() == grpc.StatusCode.DATA_LOSS
             assert "checksum mismatch" in (error.details() or "")
             await both_sides_freed(prefill_server, decode_server)
         finally:
-            await proxy.stop(None)
             await decode_server.shutdown()
             await prefill_server.shutdown()
 
@@ -107,7 +90,7 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
 def test_layout_mismatch_is_failed_precondition_and_frees_both_sides(llama_dir: Path) -> None:
     async def run() -> None:
         _, prefill_server = await start_prefill(llama_dir)
-        _, decode_server = await start_decode(llama_dir, block_size=8)
+        _, decode_server = await start_decode(llama_dir, block_size=8, peers=[prefill_server])
         try:
             error = await _prefill_and_decode(prefill_server.address, decode_server.address)
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -99,7 +99,40 @@ podSelector:
   value: /tmp/hf
 - name: TRITON_CACHE_DIR
   value: /tmp/triton
+{{- if and .Values.tls.enabled (not .Values.ray.enabled) }}
+- name: PDSERVE_TLS_CERT
+  value: {{ printf "%s/tls.crt" .Values.tls.mountPath | quote }}
+- name: PDSERVE_TLS_KEY
+  value: {{ printf "%s/tls.key" .Values.tls.mountPath | quote }}
+- name: PDSERVE_TLS_CA
+  value: {{ printf "%s/ca.crt" .Values.tls.mountPath | quote }}
+- name: PDSERVE_TLS_SERVER_NAME
+  value: {{ .Values.tls.serverName | quote }}
+{{- else }}
+- name: PDSERVE_INSECURE  # plaintext between pods: tls.enabled=false (see NOTES)
+  value: "true"
+{{- end }}
 {{ include "pdserve.redisEnv" . }}
+{{- end -}}
+
+{{- define "pdserve.tlsSecretName" -}}
+{{- .Values.tls.existingSecret | default (printf "%s-tls" (include "pdserve.fullname" .)) -}}
+{{- end -}}
+
+{{/* Readiness: gRPC health; with TLS (kubelet's gRPC probe speaks no TLS) the same health on
+     the metrics port's /healthz. (dict "root" $ "port" <grpc port>) */}}
+{{- define "pdserve.readinessProbe" -}}
+readinessProbe:
+{{- if .root.Values.tls.enabled }}
+  httpGet:
+    path: /healthz
+    port: metrics
+{{- else }}
+  grpc:
+    port: {{ .port }}
+{{- end }}
+  periodSeconds: 5
+  failureThreshold: 2
 {{- end -}}
 
 {{- define "pdserve.modelVolume" -}}
@@ -121,6 +154,11 @@ podSelector:
 {{- end }}
 - name: tmp
   emptyDir: {}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "pdserve.tlsSecretName" . }}
+{{- end }}
 {{- end -}}
 
 {{- define "pdserve.volumeMounts" -}}
@@ -129,6 +167,11 @@ podSelector:
   readOnly: {{ ne .Values.model.source "download" }}
 - name: tmp
   mountPath: /tmp
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/* With source: download, fetch the weights before the server starts (idempotent: the Hub
@@ -268,11 +311,7 @@ spec:
               port: grpc
             periodSeconds: 5
             failureThreshold: 60
-          readinessProbe:
-            grpc:
-              port: {{ $pool.port }}
-            periodSeconds: 5
-            failureThreshold: 2
+          {{- include "pdserve.readinessProbe" (dict "root" $root "port" $pool.port) | nindent 10 }}
           livenessProbe:
             tcpSocket:
               port: grpc

@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from pdserve.app.settings import add_flag
+from pdserve.app.settings import add_client_flags, add_flag
 
 
 def _progress(done: int, total: int) -> None:
@@ -24,7 +24,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.app.bench.stats import summarize
 
     load = LoadConfig(
-        router=args.router, rate=args.rate, concurrency=args.concurrency, seed=args.seed
+        router=args.router,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        api_key=args.api_key,
+        tls_ca=args.tls_ca,
     )
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-requests, --input-len and --output-len must be >= 1")
@@ -39,7 +44,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     summary = summarize(records, duration_s, slo_ttft_s, slo_tpot_s)
     print(report.table(summary))
     if args.out is not None:
-        config = {k: v for k, v in vars(args).items() if k != "func"}
+        # Never the API key: results.json is shared.
+        config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
         config["out"] = str(args.out)
         path = report.write_results(args.out, config, summary, records)
         plots = report.plot(args.out, records, f"{args.workload}, {mode}")
@@ -66,4 +72,5 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     add_flag(bench, "--slo-tpot-ms", type=float, default=None, help="TPOT target for goodput")
     add_flag(bench, "--seed", type=int, default=0, help="prompts and arrival times")
     add_flag(bench, "--out", type=Path, default=None, help="write results.json and PNG plots")
+    add_client_flags(bench)
     bench.set_defaults(func=_cmd_bench)

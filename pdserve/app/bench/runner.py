@@ -17,7 +17,7 @@ import grpc
 
 from pdserve.app.bench.stats import RequestRecord
 from pdserve.app.bench.workload import BenchRequest
-from pdserve.app.client import router_channel
+from pdserve.app.client import api_key_metadata, router_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -28,6 +28,8 @@ class LoadConfig:
     concurrency: int | None = None  # clients (closed loop)
     seed: int = 0
     request_timeout_s: float = 600.0
+    api_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -58,7 +60,7 @@ async def run_load(
     clock = time.perf_counter
     records = [RequestRecord(i, r.num_prompt_tokens, 0.0) for i, r in enumerate(requests)]
     finished = 0
-    async with router_channel(config.router) as channel:
+    async with router_channel(config.router, config.tls_ca) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         start = clock()
 
@@ -67,7 +69,11 @@ async def run_load(
             record = records[i]
             record.send_s = clock() - start
             try:
-                stream = stub.Generate(to_proto(requests[i]), timeout=config.request_timeout_s)
+                stream = stub.Generate(
+                    to_proto(requests[i]),
+                    timeout=config.request_timeout_s,
+                    metadata=api_key_metadata(config.api_key),
+                )
                 async for response in stream:
                     if response.HasField("chunk"):
                         if response.chunk.token_ids:

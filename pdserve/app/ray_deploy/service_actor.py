@@ -85,7 +85,9 @@ class ServiceActor:
         self._service = spec.service
         self._loop = asyncio.get_running_loop()
         if spec.server.metrics_port is not None:
-            port = start_metrics_server(spec.server.host, spec.server.metrics_port)
+            port = start_metrics_server(
+                spec.server.host, spec.server.metrics_port, lambda: spec.service.serving
+            )
             self._metrics_address = f"{spec.server.host}:{port}"
 
         def on_event(event: str, address: str) -> None:

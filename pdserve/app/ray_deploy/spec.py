@@ -96,6 +96,10 @@ def deployment_spec(
     ``--host`` becomes the node's address (peers on other nodes must reach it)."""
     common = ["--model", model, "--redis", redis_url or EMBEDDED_REDIS_URL, "--dtype", dtype]
     common += ["--block-size", str(block_size), "--drain-timeout-s", str(drain_timeout_s)]
+    # Actors bind their node's address in plaintext: a Ray cluster's own traffic is not
+    # encrypted either, and its token auth and network isolation are what protect both
+    # (docs/security.md).
+    common += ["--insecure"]
     workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", transfer]
     if num_gpus_per_worker > 0:
         workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs

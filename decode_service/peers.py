@@ -1,0 +1,117 @@
+"""The prefill workers a decode worker pulls KV from: never an address a caller names.
+
+A ``Decode`` request names its prefill worker (``prefill_address``, for ``Release``) and the KV
+sender (``handle.address``). Both must be a known prefill worker's: one in the registry (with
+Redis) or in ``--prefill-peers``, and that worker's own KV sender. Otherwise the request is
+refused (PERMISSION_DENIED) before anything is reserved, so nobody can make a decode worker
+dial an address of their choosing, or fill its prefix cache with KV from a sender of theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+
+import grpc
+from redis.exceptions import RedisError
+
+from pdserve.cluster.registry import Registry, Role
+from pdserve.common.channels import ChannelPool
+from pdserve.v1 import common_pb2, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_MIN_REFRESH_S = 0.1  # bogus requests must not turn into a Redis or RPC storm
+# Kept current in the background too, so that the peers are known before Redis (if ever) goes
+# away: every second, and every _MIN_REFRESH_S while none is known yet (a fresh cluster).
+_REFRESH_S = 1.0
+_STATS_TIMEOUT_S = 2.0
+
+
+def peer_refusal(peers: Mapping[str, str], prefill_address: str, kv_address: str) -> str | None:
+    """Why a request naming this prefill worker and KV sender is refused, or None.
+    ``peers``: control address -> its KV sender's address."""
+    known = peers.get(prefill_address)
+    if known is None:
+        return f"prefill_address {prefill_address!r} is not a known prefill worker"
+    if known != kv_address:
+        return (
+            f"handle.address {kv_address!r} is not the KV sender of prefill worker "
+            f"{prefill_address!r}"
+        )
+    return None
+
+
+class PeerDirectory:
+    def __init__(
+        self, static: tuple[str, ...], registry: Registry | None, channels: ChannelPool
+    ) -> None:
+        self.static = static
+        self.registry = registry
+        self.channels = channels
+        self._peers: dict[str, str] = {}
+        self._refreshed_s = -_MIN_REFRESH_S
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._refresh_forever(), name="prefill-peers")
+
+    async def stop(self) -> None:
+        self._stopping.set()  # by flag, not cancel (a cancel can be lost inside redis-py)
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _refresh_forever(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self.refresh()
+            except Exception:  # the loop must outlive one bad round
+                logger.exception("prefill peers refresh failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_REFRESH_S if self._peers else _MIN_REFRESH_S):
+                    await self._stopping.wait()
+
+    async def refusal(self, prefill_address: str, kv_address: str) -> str | None:
+        why = peer_refusal(self._peers, prefill_address, kv_address)
+        if why is not None:
+            await self.refresh()
+            why = peer_refusal(self._peers, prefill_address, kv_address)
+        return why
+
+    async def refresh(self) -> None:
+        """Re-reads the registry and asks static peers for their KV address, at most every
+        ``_MIN_REFRESH_S``; a Redis or peer failure keeps what was known."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            if loop.time() - self._refreshed_s < _MIN_REFRESH_S:
+                return
+            self._refreshed_s = loop.time()
+            peers: dict[str, str] = {}
+            if self.registry is not None:
+                try:
+                    for record in await self.registry.workers():
+                        if record.role is Role.PREFILL and record.kv_address:
+                            peers[record.address] = record.kv_address
+                except (RedisError, OSError) as exc:
+                    logger.warning("prefill peers: registry unavailable (%s)", exc)
+                    peers.update(self._peers)
+            # Static peers, and known ones whose record is gone (Redis restarted empty): kept
+            # while they answer, at the address we learned, with the same KV sender.
+            for address in {*self.static, *(a for a in self._peers if a not in peers)}:
+                kv_address = await self._kv_address(address)
+                if kv_address:
+                    peers[address] = kv_address
+            self._peers = peers
+
+    async def _kv_address(self, address: str) -> str:
+        stub = prefill_pb2_grpc.PrefillWorkerStub(self.channels.get(address))
+        try:
+            stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("prefill peer %s: %s", address, exc.code().name)
+            return ""
+        return str(stats.kv_address)

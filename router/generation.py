@@ -1,0 +1,277 @@
+"""One request's path through the workers, as the client sees it: conditional disaggregation
+or disaggregated (prefill, first token, decode), the relay of tokens, and migration to another
+worker when one fails mid-flight (the rule: ``router/migration.py``).
+
+Shared by every public frontend (gRPC ``Router.Generate``, the OpenAI HTTP API): they validate,
+then iterate ``Generation.generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from pdserve.common import metrics
+from pdserve.common.convert import finish_reason_to_proto, sampling_to_proto
+from pdserve.v1 import common_pb2, decode_pb2, router_pb2
+from router.config import RouterConfig
+from router.dispatch import Dispatcher, WorkerError, WorkerLost, lost_or_error, prefill_request
+from router.migration import Continuation, attempt_id, continue_request
+from router.output_stream import OutputStream
+from router.worker_pool import Worker, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class Generation:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        dispatch: Dispatcher,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.dispatch = dispatch
+        self.eos_token_ids = eos_token_ids
+
+    async def generate(
+        self,
+        request_id: str,
+        client_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        out: OutputStream,
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """One request, validated, as the client sees it: token chunks, then the final message.
+        A worker that fails mid-flight is replaced (``router/migration.py``) up to
+        ``migration_limit`` times, invisibly to the client. Raises ``WorkerError``."""
+        sampling = sampling_to_proto(params)
+        done = _Outcome()
+        avoid: set[str] = set()  # workers this request failed on
+        migrations = 0
+        local: Worker | None = None
+        while True:
+            step = continue_request(
+                prompt_ids,
+                out.output_token_ids,
+                params,
+                self.eos_token_ids,
+                self.pool.max_model_len or len(prompt_ids) + params.max_tokens,
+                out.stopped,
+            )
+            if isinstance(step, str):  # what the client has already ends the request
+                done.finish_reason = finish_reason_to_proto(step)
+                break
+            attempt = _Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
+            try:
+                async for response in self._attempt(attempt, out, done):
+                    yield response
+                local = done.local
+                break
+            except WorkerLost as exc:
+                if migrations >= self.config.migration_limit:
+                    raise WorkerError(
+                        exc.code,
+                        f"{exc.message} (after {migrations} migrations: migration_limit)",
+                    ) from None
+                migrations += 1
+                avoid.update(exc.avoid)
+                if exc.suspect:
+                    self.pool.suspect(exc.address, f"{exc.reason}: {exc.message}")
+                out.migrating()
+                metrics.MIGRATIONS.labels(exc.reason).inc()
+                logger.warning(
+                    "request_id=%s migrating after %d tokens (%s): %s",
+                    request_id,
+                    out.num_output_tokens,
+                    exc.reason,
+                    exc.message,
+                )
+                await self.pool.wait_healthy(
+                    needs_prefill=not self.config.colocated, timeout_s=self.config.stall_timeout_s
+                )
+        if done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+            raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
+        tail = out.tail()
+        if tail:
+            yield router_pb2.GenerateResponse(chunk=router_pb2.TokenChunk(text=tail))
+        final = out.final(
+            client_id,
+            done.finish_reason,
+            done.cached_tokens,
+            done.prefill_s,
+            done.transfer_s,
+            migrations,
+        )
+        metrics.TTFT_S.observe(out.ttft_s)
+        metrics.TPOT_S.observe(out.mean_tpot_s)
+        metrics.PREFIX_HIT_TOKENS.inc(done.cached_tokens)
+        metrics.REQUESTS.labels(final.final.finish_reason).inc()
+        logger.info(
+            "request_id=%s finished (%s%s): %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
+            request_id,
+            "local prefill" if local is not None else "disaggregated",
+            f", {migrations} migrations" if migrations else "",
+            out.num_prompt_tokens,
+            out.num_output_tokens,
+            out.ttft_s * 1e3,
+            out.mean_tpot_s * 1e3,
+        )
+        yield final
+
+    async def _attempt(
+        self, attempt: _Attempt, out: OutputStream, done: _Outcome
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """One try at the rest of the request: on a decode worker alone (conditional
+        disaggregation, colocated) or disaggregated. Raises ``WorkerLost`` to migrate."""
+        prompt_ids = attempt.continuation.prompt_token_ids
+        needs_prefill = not self.config.colocated
+        if not self.pool.ready(needs_prefill):  # a worker may be back (or cleared) shortly
+            await self.pool.wait_healthy(needs_prefill, timeout_s=self.config.stall_timeout_s)
+        tried: set[str] = set()
+        local = await self.dispatch.choose_local(prompt_ids, frozenset(tried), attempt.avoid)
+        while local is not None:
+            done.fall_back = False
+            async for response in self._local(attempt, local, out, done):
+                yield response
+            if not (done.fall_back and self.config.colocated):
+                break
+            # Colocated has no prefill pool to fall back on: the next worker takes it (or the
+            # choice raises UNAVAILABLE once every worker has turned it away).
+            tried.add(local.address)
+            local = await self.dispatch.choose_local(prompt_ids, frozenset(tried), attempt.avoid)
+        if local is None or done.fall_back:
+            done.local = None
+            async for response in self._disaggregated(attempt, out, done):
+                yield response
+        else:
+            done.local = local
+
+    async def _disaggregated(
+        self, attempt: _Attempt, out: OutputStream, done: _Outcome
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Prefill on a prefill worker, stream its first token, then decode elsewhere."""
+        start = time.perf_counter()
+        prompt_ids = attempt.continuation.prompt_token_ids
+        num_generated = attempt.continuation.num_generated_tokens
+        request = prefill_request(attempt.request_id, prompt_ids, num_generated, attempt.sampling)
+        prefill_worker, prefilled = await self.dispatch.prefill(request, attempt.avoid)
+        done.prefill_s += time.perf_counter() - start
+        if not num_generated:  # cache hits of the client's prompt, not of a continuation
+            done.cached_tokens = prefilled.num_cached_tokens
+        done.finish_reason = prefilled.finish_reason
+        first_logprobs = (
+            [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
+        )
+        leased = done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        admitted = False
+        try:
+            yield out.chunk([prefilled.first_token_id], first_logprobs)
+            if not leased:
+                return
+            decode_request = decode_pb2.DecodeRequest(
+                request_id=attempt.request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=attempt.sampling,
+                first_token_id=prefilled.first_token_id,
+                handle=prefilled.handle,
+                prefill_address=prefill_worker.address,
+                num_generated_tokens=num_generated,
+            )
+            if prefilled.HasField("first_token_logprobs"):
+                decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
+            call, decode_worker, transfer_s = await self.dispatch.admit(
+                decode_request, prefill_worker, attempt.avoid
+            )
+            done.transfer_s += transfer_s
+            admitted = True  # the decode worker now owns ending the lease
+            async for response in self._relay(call, decode_worker, out, done, False):
+                yield response
+        finally:
+            if leased and not admitted:
+                token = prefilled.handle.lease_token
+                self.dispatch.release_later(prefill_worker, attempt.request_id, token)
+
+    async def _local(
+        self, attempt: _Attempt, worker: Worker, out: OutputStream, done: _Outcome
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Conditional disaggregation: the decode worker prefills the short uncached part."""
+        request = decode_pb2.PrefillAndDecodeRequest(
+            request_id=attempt.request_id,
+            prompt_token_ids=attempt.continuation.prompt_token_ids,
+            sampling=attempt.sampling,
+            num_generated_tokens=attempt.continuation.num_generated_tokens,
+        )
+        call = worker.decode.PrefillAndDecode(request)
+        # Counted in flight from the call on: a burst of short prompts spreads over workers.
+        with self.pool.dispatched(worker):
+            try:
+                async with asyncio.timeout(self.config.stall_timeout_s):
+                    await call.read()  # admitted
+            except TimeoutError:
+                call.cancel()
+                raise WorkerLost(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"decode worker {worker.address}: no admission within stall_timeout_s",
+                    "stall",
+                    worker.address,
+                    suspect=True,
+                ) from None
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    done.fall_back = True  # draining or gone: disaggregate instead
+                    return
+                raise lost_or_error(exc, worker, f"decode worker {worker.address}") from None
+            except BaseException:
+                call.cancel()
+                raise
+        count_cached = attempt.continuation.num_generated_tokens == 0
+        async for response in self._relay(call, worker, out, done, count_cached):
+            yield response
+
+    async def _relay(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        worker: Worker,
+        out: OutputStream,
+        done: _Outcome,
+        count_cached: bool,
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Relays a worker's token stream to the client (heartbeats are not relayed).
+        ``count_cached``: its cache hits are of the client's prompt (not a continuation)."""
+        async for message in self.dispatch.relay(call, worker):
+            if message.token_ids:
+                yield out.chunk(list(message.token_ids), list(message.logprobs))
+            if count_cached:
+                done.cached_tokens = max(done.cached_tokens, message.num_cached_tokens)
+            done.finish_reason = message.finish_reason
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """One try at a request: its id on the workers, what it asks for, whom to avoid."""
+
+    request_id: str
+    continuation: Continuation
+    sampling: common_pb2.SamplingParams
+    avoid: frozenset[str]
+
+
+@dataclass
+class _Outcome:
+    """What a request's path reports for its final message."""
+
+    finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    fall_back: bool = False  # the local-prefill worker was unavailable: disaggregate
+    local: Worker | None = None  # the worker that prefilled locally, if any

@@ -1,0 +1,124 @@
+"""What one public request may carry, checked before any work (pure: no I/O, exact tests).
+
+Every check is a byte or count comparison, so a hostile request is refused in microseconds, and
+never after a tokenization, a vocabulary scan or a stop-list compile it could have made slow.
+Each refusal names the field and the limit (the flag that sets it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from google.protobuf import empty_pb2
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from engine.sampling_params import MAX_LOGPROBS
+from pdserve.v1 import router_pb2
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_request_bytes: int = 4 << 20  # a whole request message (gRPC refuses larger ones)
+    max_prompt_bytes: int = 2 << 20  # UTF-8 bytes of a text prompt
+    max_stop_strings: int = 64
+    max_stop_string_bytes: int = 256  # each
+    max_stop_token_ids: int = 256
+    max_request_id_bytes: int = 128
+    max_concurrent_tokenizations: int = 4  # off the event loop, at most this many at once
+    max_queued_tokenizations: int = 64  # waiting for one of those: past this, refused
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.max_prompt_bytes > self.max_request_bytes:
+            raise ValueError(
+                f"max_prompt_bytes ({self.max_prompt_bytes}) must be <= max_request_bytes "
+                f"({self.max_request_bytes})"
+            )
+
+
+def _over(field: str, what: str, value: int, limit_name: str, limit: int) -> str:
+    flag = "--" + limit_name.replace("_", "-")
+    return f"{field} has {value} {what}, more than {flag} ({limit})"
+
+
+def check_request(
+    request: router_pb2.GenerateRequest, limits: RequestLimits, max_model_len: int
+) -> None:
+    """Raises ValueError naming the field and the limit. Counts and bytes only."""
+    request_id_bytes = len(request.request_id.encode())
+    if request_id_bytes > limits.max_request_id_bytes:
+        name = "max_request_id_bytes"
+        raise ValueError(
+            _over("request_id", "bytes", request_id_bytes, name, limits.max_request_id_bytes)
+        )
+    if request.HasField("prompt"):
+        prompt_bytes = len(request.prompt.encode())
+        if prompt_bytes > limits.max_prompt_bytes:
+            limit = limits.max_prompt_bytes
+            raise ValueError(_over("prompt", "bytes", prompt_bytes, "max_prompt_bytes", limit))
+    num_ids = len(request.prompt_token_ids)
+    if max_model_len and num_ids > max_model_len:
+        raise ValueError(
+            f"prompt_token_ids has {num_ids} tokens, more than max_model_len {max_model_len}"
+        )
+    sampling = request.sampling
+    if len(sampling.stop) > limits.max_stop_strings:
+        name, limit = "max_stop_strings", limits.max_stop_strings
+        raise ValueError(_over("stop", "strings", len(sampling.stop), name, limit))
+    for i, stop in enumerate(sampling.stop):
+        stop_bytes = len(stop.encode())
+        if stop_bytes > limits.max_stop_string_bytes:
+            name, limit = "max_stop_string_bytes", limits.max_stop_string_bytes
+            raise ValueError(_over(f"stop[{i}]", "bytes", stop_bytes, name, limit))
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        name, limit = "max_stop_token_ids", limits.max_stop_token_ids
+        raise ValueError(_over("stop_token_ids", "ids", len(sampling.stop_token_ids), name, limit))
+    if sampling.HasField("logprobs") and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}")
+
+
+# The string fields of a GenerateRequest, by field number (nested: sampling.stop).
+_STRINGS = {1: "prompt", 4: "request_id"}
+_SAMPLING, _STOP = 3, 7
+
+
+def invalid_utf8_field(data: bytes) -> str | None:
+    """The name of the first string field of a serialized GenerateRequest that is not valid
+    UTF-8 (protobuf's parser only says that something is), or None."""
+
+    def fields_of(raw: bytes) -> UnknownFieldSet | None:
+        holder = empty_pb2.Empty()
+        try:
+            holder.ParseFromString(raw)
+        except DecodeError:
+            return None
+        return UnknownFieldSet(holder)
+
+    top = fields_of(data)
+    if top is None:
+        return None
+    stops = 0
+    for f in iter(top):  # iter(): the stub lacks __iter__ (it has __getitem__)
+        if f.field_number in _STRINGS and not _is_utf8(f.data):
+            return _STRINGS[f.field_number]
+        if f.field_number == _SAMPLING and isinstance(f.data, bytes):
+            inner = fields_of(f.data)
+            for g in iter(inner) if inner is not None else ():
+                if g.field_number == _STOP:
+                    if not _is_utf8(g.data):
+                        return f"stop[{stops}]"
+                    stops += 1
+    return None
+
+
+def _is_utf8(value: object) -> bool:
+    if not isinstance(value, bytes):
+        return True
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

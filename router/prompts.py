@@ -1,0 +1,68 @@
+"""A public request's prompt and sampling, validated, as token ids: the size checks first
+(``router/limits.py``), then tokenization in a thread (the tokenizer releases the GIL, so the
+event loop and every other stream keep moving), at most ``max_concurrent_tokenizations`` at
+once and ``max_queued_tokenizations`` waiting; past that, RESOURCE_EXHAUSTED."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.prompt import validate_prompt, validate_token_ids
+from engine.sampling_params import SamplingParams
+from engine.threads import finish_in_thread
+from engine.tokenizer import Tokenizer
+from pdserve.common import metrics
+from pdserve.common.convert import sampling_from_proto
+from pdserve.v1 import router_pb2
+from router.limits import RequestLimits, check_request
+
+
+class Overloaded(Exception):
+    """Refused for load, not for its content (RESOURCE_EXHAUSTED)."""
+
+
+class PromptReader:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, limits: RequestLimits) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self._slots = asyncio.Semaphore(limits.max_concurrent_tokenizations)
+        self._queued = 0
+
+    async def read(
+        self, request: router_pb2.GenerateRequest, max_model_len: int
+    ) -> tuple[list[int], SamplingParams]:
+        """Raises ValueError (INVALID_ARGUMENT, naming the field) or ``Overloaded``."""
+        check_request(request, self.limits, max_model_len)
+        has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
+        if has_text == has_ids:
+            raise ValueError("set exactly one of prompt and prompt_token_ids")
+        params = sampling_from_proto(request.sampling)
+        validate_token_ids(list(params.stop_ids), self.vocab_size, "stop_token_ids")
+        if has_ids:
+            prompt_ids = list(request.prompt_token_ids)
+            return validate_prompt(prompt_ids, None, self.vocab_size, max_model_len), params
+        if self.tokenizer is None or not request.prompt:
+            # validate_prompt names the problem (no tokenizer, empty prompt).
+            return validate_prompt(request.prompt, self.tokenizer, self.vocab_size, 1), params
+        ids = await self._tokenize(self.tokenizer, request.prompt)
+        return validate_prompt(ids, None, self.vocab_size, max_model_len, "prompt"), params
+
+    async def _tokenize(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        if self._queued >= self.limits.max_queued_tokenizations:
+            raise Overloaded(
+                f"{self._queued} prompts are waiting for tokenization, the limit "
+                f"(--max-queued-tokenizations {self.limits.max_queued_tokenizations}); retry"
+            )
+        self._queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._queued -= 1
+        metrics.TOKENIZATIONS_IN_FLIGHT.inc()
+        try:
+            # A cancelled request still waits for its thread: the slot bounds real work.
+            return await finish_in_thread(tokenizer.encode, text)
+        finally:
+            metrics.TOKENIZATIONS_IN_FLIGHT.dec()
+            self._slots.release()
