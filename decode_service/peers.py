@@ -23,7 +23,7 @@ from pdserve.v1 import common_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_MIN_REFRESH_S = 0.1  # bogus requests must not turn into a Redis or RPC storm
+_MIN_REFRESH_S = 0.1  # the shortest gap between two refreshes
 # Kept current in the background too, so that the peers are known before Redis (if ever) goes
 # away: every second, and every _MIN_REFRESH_S while none is known yet (a fresh cluster).
 _REFRESH_S = 1.0
@@ -76,18 +76,27 @@ class PeerDirectory:
                     await self._stopping.wait()
 
     async def refusal(self, prefill_address: str, kv_address: str) -> str | None:
+        """Why the request is refused, or None. An unknown peer is looked up once more, in
+        a refresh begun after the request arrived (a worker that registered just now)."""
         why = peer_refusal(self._peers, prefill_address, kv_address)
         if why is not None:
-            await self.refresh()
+            await self.refresh(since_s=asyncio.get_running_loop().time())
             why = peer_refusal(self._peers, prefill_address, kv_address)
         return why
 
-    async def refresh(self) -> None:
-        """Re-reads the registry and asks static peers for their KV address, at most every
-        ``_MIN_REFRESH_S``; a Redis or peer failure keeps what was known."""
+    async def refresh(self, since_s: float | None = None) -> None:
+        """Re-reads the registry and asks static peers for their KV address (concurrently),
+        at most every ``_MIN_REFRESH_S``; a Redis or peer failure keeps what was known.
+        ``since_s``: the caller needs a refresh begun at or after that time; callers waiting
+        together share one."""
         async with self._lock:
             loop = asyncio.get_running_loop()
-            if loop.time() - self._refreshed_s < _MIN_REFRESH_S:
+            if since_s is not None:
+                if self._refreshed_s >= since_s:
+                    return  # one began after the caller asked
+                # The rate bound: bogus requests must not turn into a Redis or RPC storm.
+                await asyncio.sleep(max(0.0, self._refreshed_s + _MIN_REFRESH_S - loop.time()))
+            elif loop.time() - self._refreshed_s < _MIN_REFRESH_S:
                 return
             self._refreshed_s = loop.time()
             peers: dict[str, str] = {}
@@ -101,8 +110,9 @@ class PeerDirectory:
                     peers.update(self._peers)
             # Static peers, and known ones whose record is gone (Redis restarted empty): kept
             # while they answer, at the address we learned, with the same KV sender.
-            for address in {*self.static, *(a for a in self._peers if a not in peers)}:
-                kv_address = await self._kv_address(address)
+            probed = sorted({*self.static, *(a for a in self._peers if a not in peers)})
+            kv_addresses = await asyncio.gather(*(self._kv_address(a) for a in probed))
+            for address, kv_address in zip(probed, kv_addresses, strict=True):
                 if kv_address:
                     peers[address] = kv_address
             self._peers = peers

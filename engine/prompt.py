@@ -33,12 +33,13 @@ def validate_prompt(
     else:
         token_ids = list(prompt)
         name = name or "prompt_token_ids"
-    # Added tokens of a tokenizer can lie past the model's vocabulary, so text is checked too.
-    validate_token_ids(token_ids, vocab_size, name)
     if not token_ids:
         raise ValueError(f"{name} is empty")
+    # The length first: refusing a huge prompt must not cost a scan of its ids.
     if len(token_ids) > max_model_len:
         raise ValueError(
             f"{name} has {len(token_ids)} tokens, more than max_model_len {max_model_len}"
         )
+    # Added tokens of a tokenizer can lie past the model's vocabulary, so text is checked too.
+    validate_token_ids(token_ids, vocab_size, name)
     return token_ids

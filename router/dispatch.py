@@ -257,13 +257,22 @@ class Dispatcher:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no decode worker can hold {num_prompt_tokens} prompt tokens",
                 )
+            denials: list[str] = []
             for worker in workers:
                 if worker.departed:
                     continue
-                with self.pool.dispatched(worker):
-                    admitted = await self._admission(request, worker, prefill_worker)
+                try:
+                    with self.pool.dispatched(worker):
+                        admitted = await self._admission(request, worker, prefill_worker)
+                except _Denied as exc:
+                    # A decode worker that does not know this prefill worker yet (just
+                    # registered) refuses it; another may know it. Refused by all: final.
+                    denials.append(str(exc))
+                    continue
                 if admitted is not None:
                     return admitted
+            if denials and len(denials) == sum(not w.departed for w in workers):
+                raise WorkerError(grpc.StatusCode.PERMISSION_DENIED, denials[0])
             if loop.time() + delay_s > deadline:
                 raise WorkerError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -310,6 +319,8 @@ class Dispatcher:
                 return None
             if code == grpc.StatusCode.UNAVAILABLE:
                 return None  # draining or gone before the pull: another worker takes it
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                raise _Denied(f"decode worker {worker.address}: {exc.details()}") from None
             if migration_reason(code) is not None:  # mid-pull, maybe: prefill again
                 raise WorkerLost(
                     code, f"decode worker {worker.address}: {exc.details()}", "transfer",
@@ -371,3 +382,7 @@ def prefill_request(
         sampling=sampling,
         num_generated_tokens=num_generated,
     )
+
+
+class _Denied(Exception):
+    """A decode worker refused the request's KV source (``decode_service/peers.py``)."""

@@ -6,6 +6,7 @@ once and ``max_queued_tokenizations`` waiting; past that, RESOURCE_EXHAUSTED."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from engine.prompt import validate_prompt, validate_token_ids
 from engine.sampling_params import SamplingParams
@@ -30,9 +31,13 @@ class PromptReader:
         self._queued = 0
 
     async def read(
-        self, request: router_pb2.GenerateRequest, max_model_len: int
+        self,
+        request: router_pb2.GenerateRequest,
+        max_model_len: int,
+        add_special_tokens: bool = True,
     ) -> tuple[list[int], SamplingParams]:
-        """Raises ValueError (INVALID_ARGUMENT, naming the field) or ``Overloaded``."""
+        """Raises ValueError (INVALID_ARGUMENT, naming the field) or ``Overloaded``.
+        ``add_special_tokens=False``: a rendered chat template (it wrote its own)."""
         check_request(request, self.limits, max_model_len)
         has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
         if has_text == has_ids:
@@ -45,10 +50,16 @@ class PromptReader:
         if self.tokenizer is None or not request.prompt:
             # validate_prompt names the problem (no tokenizer, empty prompt).
             return validate_prompt(request.prompt, self.tokenizer, self.vocab_size, 1), params
-        ids = await self._tokenize(self.tokenizer, request.prompt)
-        return validate_prompt(ids, None, self.vocab_size, max_model_len, "prompt"), params
+        tokenizer, vocab_size = self.tokenizer, self.vocab_size
 
-    async def _tokenize(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        def tokenize() -> list[int]:
+            # Checked in the thread too: the ids of a 2 MiB prompt take a while to scan.
+            ids = tokenizer.encode(request.prompt, add_special_tokens)
+            return validate_prompt(ids, None, vocab_size, max_model_len, "prompt")
+
+        return await self._in_thread(tokenize), params
+
+    async def _in_thread(self, tokenize: Callable[[], list[int]]) -> list[int]:
         if self._queued >= self.limits.max_queued_tokenizations:
             raise Overloaded(
                 f"{self._queued} prompts are waiting for tokenization, the limit "
@@ -59,10 +70,11 @@ class PromptReader:
             await self._slots.acquire()
         finally:
             self._queued -= 1
+        metrics.TOKENIZATIONS.inc()
         metrics.TOKENIZATIONS_IN_FLIGHT.inc()
         try:
             # A cancelled request still waits for its thread: the slot bounds real work.
-            return await finish_in_thread(tokenizer.encode, text)
+            return await finish_in_thread(tokenize)
         finally:
             metrics.TOKENIZATIONS_IN_FLIGHT.dec()
             self._slots.release()

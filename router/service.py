@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -37,6 +38,8 @@ from router.prompts import Overloaded, PromptReader
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+_PARSE_IN_THREAD_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,10 @@ class RouterService(Service):
         self._inflight = 0
 
     def register(self, server: grpc.aio.Server) -> None:
+        # Raw bytes in: the body is parsed only once the caller proved its key.
         handler = grpc.unary_stream_rpc_method_handler(
             self.Generate,
-            request_deserializer=parse_request,
+            request_deserializer=None,
             response_serializer=router_pb2.GenerateResponse.SerializeToString,
         )
         server.add_generic_rpc_handlers(
@@ -140,12 +144,46 @@ class RouterService(Service):
         metrics.AUTH_FAILURES.inc()
         return False
 
-    async def read(self, request: router_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    @property
+    def max_model_len(self) -> int:
+        """The workers' limit; the model's own until a worker reported one (a bound on what a
+        request may carry even then)."""
+        return self.pool.max_model_len or self.model_config.max_position_embeddings
+
+    async def read(
+        self, request: router_pb2.GenerateRequest, add_special_tokens: bool = True
+    ) -> tuple[list[int], SamplingParams]:
         """The request's validated prompt ids and sampling. Raises ValueError
         (INVALID_ARGUMENT), ``ResourceError`` or ``Overloaded`` (RESOURCE_EXHAUSTED)."""
-        prompt_ids, params = await self.prompts.read(request, self.pool.max_model_len)
+        prompt_ids, params = await self.prompts.read(
+            request, self.max_model_len, add_special_tokens
+        )
         self.check_capacity(len(prompt_ids))
         return prompt_ids, params
+
+    async def responses(
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams, start_s: float
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """One validated request's stream, counted in flight (drain waits for it), under a
+        request id unique on the workers even if clients reuse theirs. Every frontend's."""
+        request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
+        out = OutputStream(
+            self.tokenizer, prompt_ids, params, self.model_config.eos_token_ids, start_s
+        )
+        self._inflight += 1
+        metrics.ROUTER_INFLIGHT.inc()
+        try:
+            stream = self.generation.generate(request_id, client_id, prompt_ids, params, out)
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    yield response
+        except WorkerError as exc:
+            metrics.REQUEST_ERRORS.labels(exc.code.name).inc()
+            logger.warning("request_id=%s failed: %s %s", request_id, exc.code.name, exc.message)
+            raise
+        finally:
+            self._inflight -= 1
+            metrics.ROUTER_INFLIGHT.dec()
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """A prompt no worker of a needed pool could ever hold is refused before any work."""
@@ -163,11 +201,7 @@ class RouterService(Service):
                     f"holds {best.num_blocks * best.block_size} tokens of KV cache"
                 )
 
-    async def Generate(
-        self,
-        request: router_pb2.GenerateRequest | Unparsable,
-        context: grpc.aio.ServicerContext,
-    ) -> None:
+    async def Generate(self, data: bytes, context: grpc.aio.ServicerContext) -> None:
         """A server stream written with ``context.write`` (not yielded): each write is bounded
         by ``client_idle_timeout_s``, so a client that stops reading is cancelled, and what it
         held on the workers freed, instead of pinning them forever."""
@@ -180,27 +214,26 @@ class RouterService(Service):
         if self.draining or self._pool is None:
             state = "draining" if self.draining else "still loading"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"router is {state}")
-        if isinstance(request, Unparsable):
+        # A large body is parsed off the event loop (megabytes of ids take milliseconds).
+        parsed = (
+            parse_request(data)
+            if len(data) < _PARSE_IN_THREAD_BYTES
+            else await asyncio.to_thread(parse_request, data)
+        )
+        if isinstance(parsed, Unparsable):
             metrics.REQUEST_ERRORS.labels("INVALID_ARGUMENT").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        assert isinstance(request, router_pb2.GenerateRequest)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.message)
+        assert isinstance(parsed, router_pb2.GenerateRequest)
         try:
-            prompt_ids, params = await self.read(request)
+            prompt_ids, params = await self.read(parsed)
         except (ResourceError, Overloaded) as exc:
             metrics.REQUEST_ERRORS.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             metrics.REQUEST_ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        client_id = request.request_id or uuid.uuid4().hex
-        # Unique on the workers even if a client reuses its ids.
-        request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
-        out = OutputStream(
-            self.tokenizer, prompt_ids, params, self.model_config.eos_token_ids, start_s
-        )
-        self._inflight += 1
-        metrics.ROUTER_INFLIGHT.inc()
-        stream = self.generation.generate(request_id, client_id, prompt_ids, params, out)
+        client_id = parsed.request_id or uuid.uuid4().hex
+        stream = self.responses(client_id, prompt_ids, params, start_s)
         try:
             async with contextlib.aclosing(stream):
                 async for response in stream:
@@ -210,7 +243,7 @@ class RouterService(Service):
             metrics.CLIENT_IDLE_CANCELS.inc()
             logger.warning(
                 "request_id=%s cancelled: the client read nothing for %.0f s",
-                request_id,
+                client_id,
                 self.config.client_idle_timeout_s,
             )
             await context.abort(
@@ -219,9 +252,4 @@ class RouterService(Service):
                 f"{self.config.client_idle_timeout_s}",
             )
         except WorkerError as exc:
-            metrics.REQUEST_ERRORS.labels(exc.code.name).inc()
-            logger.warning("request_id=%s failed: %s %s", request_id, exc.code.name, exc.message)
             await context.abort(exc.code, exc.message)
-        finally:
-            self._inflight -= 1
-            metrics.ROUTER_INFLIGHT.dec()

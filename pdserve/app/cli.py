@@ -182,7 +182,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(text, end="", flush=True)
 
     async def run() -> int:
-        async with router_channel(args.router, args.tls_ca) as channel:
+        async with router_channel(args.router, args.tls_ca, args.tls_server_name) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             try:
                 result = await generate(stub, request, show, api_key=args.api_key)

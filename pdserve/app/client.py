@@ -78,10 +78,16 @@ def api_key_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
-def router_channel(address: str, tls_ca: str | None = None) -> grpc.aio.Channel:
+def router_channel(
+    address: str, tls_ca: str | None = None, tls_server_name: str | None = None
+) -> grpc.aio.Channel:
     """A channel to a router's public port; TLS (verifying the router against ``tls_ca``)
-    when given."""
+    when given. ``tls_server_name``: the name to verify when ``address`` is not one the
+    certificate carries (a port-forward to 127.0.0.1)."""
     if tls_ca is None:
         return insecure_channel(address)
     credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
-    return grpc.aio.secure_channel(address, credentials, options=GRPC_OPTIONS)
+    options = list(GRPC_OPTIONS)
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.aio.secure_channel(address, credentials, options=options)

@@ -387,8 +387,19 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
     """What a client of the router's public API needs (``pdserve generate``, ``bench``)."""
-    add_flag(parser, "--api-key", default=None, help="sent as authorization: Bearer <key>")
+    add_flag(
+        parser,
+        "--api-key",
+        default=None,
+        help="sent as authorization: Bearer <key>; prefer the env variable (flags show in ps)",
+    )
     add_flag(parser, "--tls-ca", default=None, help="CA that signed the router's certificate")
+    add_flag(
+        parser,
+        "--tls-server-name",
+        default=None,
+        help="the router's certificate name, when --router is not one (a port-forward)",
+    )
 
 
 # ---- whole clusters: `pdserve up` and `pdserve ray up` -------------------------------------

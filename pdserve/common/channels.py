@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+import time
+
 import grpc
 
 from pdserve.common.tls import TlsConfig
+
+logger = logging.getLogger(__name__)
 
 # KV chunks and long prompts exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20
@@ -59,19 +66,59 @@ def peer_channel(address: str, tls: TlsConfig | None, options: Options) -> grpc.
 
 class ChannelPool:
     """Channels to peers, created on first use and closed together at shutdown (or once
-    their peer has left: ``retain``)."""
+    their peer has left: ``retain``).
 
-    def __init__(self, options: Options = CONTROL_OPTIONS, tls: TlsConfig | None = None) -> None:
+    With TLS, a change of the certificate files (a cert-manager renewal) retires every channel:
+    new calls get new channels presenting the new certificate, and calls in flight on the old
+    ones get ``retired_grace_s`` to finish. Without that, a long-running client would present
+    its first certificate until it expired."""
+
+    def __init__(
+        self,
+        options: Options = CONTROL_OPTIONS,
+        tls: TlsConfig | None = None,
+        *,
+        recheck_s: float = 1.0,  # how often the certificate files are looked at
+        retired_grace_s: float = 600.0,
+    ) -> None:
         self.options = options
         self.tls = tls
+        self.recheck_s = recheck_s
+        self.retired_grace_s = retired_grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._mtimes = tls.mtimes() if tls is not None else ()
+        self._checked_s = time.monotonic()
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
+        self._check_certificates()
         channel = self._channels.get(address)
         if channel is None:
             channel = peer_channel(address, self.tls, self.options)
             self._channels[address] = channel
         return channel
+
+    def _check_certificates(self) -> None:
+        now = time.monotonic()
+        if self.tls is None or now - self._checked_s < self.recheck_s:
+            return
+        self._checked_s = now
+        try:
+            mtimes = self.tls.mtimes()
+        except OSError:  # files mid-swap: keep the current channels, look again later
+            return
+        if mtimes == self._mtimes:
+            return
+        self._mtimes = mtimes
+        logger.info("tls files changed: %d channels retired", len(self._channels))
+        retired, self._channels = self._channels, {}
+        for channel in retired.values():
+            task = asyncio.get_running_loop().create_task(channel.close(grace=self.retired_grace_s))
+            self._retired[channel] = task
+            task.add_done_callback(functools.partial(self._closed, channel))
+
+    def _closed(self, channel: grpc.aio.Channel, _: asyncio.Task[None]) -> None:
+        self._retired.pop(channel, None)
 
     async def retain(self, addresses: set[str]) -> None:
         """Closes the channels to every other address (peers that left)."""
@@ -81,5 +128,8 @@ class ChannelPool:
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
-        for channel in channels.values():
+        retired, self._retired = self._retired, {}
+        for task in retired.values():
+            task.cancel()
+        for channel in [*channels.values(), *retired]:
             await channel.close()

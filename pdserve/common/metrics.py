@@ -24,6 +24,7 @@ ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the rou
 TOKENIZATIONS_IN_FLIGHT = Gauge(
     "pdserve_tokenizations_in_flight", "Prompts being tokenized, off the event loop"
 )
+TOKENIZATIONS = Counter("pdserve_tokenizations_total", "Prompts tokenized (started)")
 AUTH_FAILURES = Counter(
     "pdserve_auth_failures_total", "Requests refused for a missing or wrong API key"
 )

@@ -4,7 +4,8 @@ router's public port (clients authenticate with API keys there).
 Internal certificates all carry one name (``server_name``, default ``pdserve``) that channels
 check instead of the peer's address, so pods on changing IPs need no per-address certificate.
 Servers read their certificate again when its file changes (cert-manager renewals take effect
-on the next handshake); channels pick new files up when they reconnect.
+on the next handshake). Clients do too: ``ChannelPool`` opens new channels with the new files
+once they change and lets calls on the old ones finish (``pdserve/common/channels.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class TlsConfig:
         ca = Path(self.ca_file).read_bytes() if self.ca_file else None
         return Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes(), ca
 
-    def _mtimes(self) -> tuple[int, ...]:
+    def mtimes(self) -> tuple[int, ...]:
+        """The files' modification times: a change means new certificates to load."""
         files = [self.cert_file, self.key_file, *([self.ca_file] if self.ca_file else [])]
         return tuple(os.stat(f).st_mtime_ns for f in files)
 
@@ -57,10 +59,10 @@ class TlsConfig:
         if require_client_auth and self.ca_file is None:
             raise ValueError("tls: an internal port needs --tls-ca to verify its peers")
         key, cert, ca = self._read()
-        seen = [self._mtimes()]
+        seen = [self.mtimes()]
 
         def fetch() -> grpc.ServerCertificateConfiguration | None:
-            mtimes = self._mtimes()
+            mtimes = self.mtimes()
             if mtimes == seen[0]:
                 return None  # unchanged: keep the current configuration
             seen[0] = mtimes

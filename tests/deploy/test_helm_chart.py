@@ -5,6 +5,7 @@ matters, asserted on the rendered YAML."""
 from __future__ import annotations
 
 import argparse
+import base64
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -330,8 +331,58 @@ def test_ray_mode_renders_network_policies_for_its_pods(helm: str) -> None:
     manifests = render(helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"))
     ray = find(manifests, "NetworkPolicy", "rel-pdserve-ray")["spec"]
     assert ray["podSelector"]["matchLabels"]["pdserve.io/role"] == "ray"
-    peers, router, dashboard = ray["ingress"]
+    # The dashboard (its Jobs API runs code) is reached by this release's pods only.
+    peers, router = ray["ingress"]
     assert peers["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "rel"
     assert router["ports"] == [{"port": 50051}]
-    assert dashboard["ports"] == [{"port": 8265}]
     assert find(manifests, "NetworkPolicy", "rel-pdserve-redis")
+    opened = render(
+        helm,
+        "-f",
+        str(CHART / "ci" / "ray-mode-values.yaml"),
+        "--set-json",
+        'networkPolicy.rayDashboardIngressFrom=[{"podSelector":{"matchLabels":{"app":"ops"}}}]',
+    )
+    dashboard = find(opened, "NetworkPolicy", "rel-pdserve-ray")["spec"]["ingress"][2]
+    assert dashboard == {
+        "ports": [{"port": 8265}],
+        "from": [{"podSelector": {"matchLabels": {"app": "ops"}}}],
+    }
+
+
+def test_ray_mode_turns_on_ray_token_auth_everywhere(helm: str) -> None:
+    manifests = render(helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"))
+    ray = find(manifests, "RayCluster", "rel-pdserve-ray")["spec"]
+    job = find(manifests, "Job", "rel-pdserve-ray-up")["spec"]["template"]["spec"]
+    containers = [
+        ray["headGroupSpec"]["template"]["spec"]["containers"][0],
+        *(g["template"]["spec"]["containers"][0] for g in ray["workerGroupSpecs"]),
+        job["containers"][0],
+    ]
+    for c in containers:
+        variables = {e["name"]: e for e in c["env"]}
+        assert variables["RAY_AUTH_MODE"]["value"] == "token", c["name"]
+        ref = variables["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "rel-pdserve-ray-auth", "key": "auth_token"}, c["name"]
+    token = find(manifests, "Secret", "rel-pdserve-ray-auth")["data"]["auth_token"]
+    assert len(base64.b64decode(token)) == 48
+    given = render(
+        helm,
+        "-f",
+        str(CHART / "ci" / "ray-mode-values.yaml"),
+        "--set",
+        "ray.auth.existingSecret=mine",
+    )
+    secrets = [m["metadata"]["name"] for m in given if m["kind"] == "Secret"]
+    assert "rel-pdserve-ray-auth" not in secrets
+    head = find(given, "RayCluster", "rel-pdserve-ray")["spec"]["headGroupSpec"]
+    env = {e["name"]: e for e in head["template"]["spec"]["containers"][0]["env"]}
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+def test_ray_mode_refuses_api_keys_it_could_not_apply(helm: str) -> None:
+    flags = ["--set", "ray.enabled=true", "--set", "router.apiKeys.existingSecret=keys"]
+    done = subprocess.run(
+        [helm, "template", "rel", str(CHART), *flags], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "router.apiKeys is for the Deployments mode" in done.stderr

@@ -120,10 +120,14 @@ def _wait_until_accepted(address: str, key: str, timeout_s: float = 30.0) -> Non
 
 
 def test_an_oversized_request_is_refused_before_any_tokenization(cluster: LocalCluster) -> None:
-    huge = router_pb2.GenerateRequest(prompt="x" * (8 << 20), sampling=GREEDY)
-    err = _refusal(cluster.address, huge)
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err  # type: ignore[attr-defined]
-    assert _metric(cluster, "pdserve_tokenizations_in_flight") == 0
+    before = _metric(cluster, "pdserve_tokenizations_total")
+    for prompt, code in (
+        ("x" * (8 << 20), grpc.StatusCode.RESOURCE_EXHAUSTED),  # over --max-request-bytes
+        ("x" * (PROMPT_BYTES + 1), grpc.StatusCode.INVALID_ARGUMENT),  # over --max-prompt-bytes
+    ):
+        err = _refusal(cluster.address, router_pb2.GenerateRequest(prompt=prompt, sampling=GREEDY))
+        assert err.code() == code, err  # type: ignore[attr-defined]
+    assert _metric(cluster, "pdserve_tokenizations_total") == before
 
 
 def test_a_long_tokenization_does_not_stall_the_router(cluster: LocalCluster) -> None:
@@ -132,24 +136,34 @@ def test_a_long_tokenization_does_not_stall_the_router(cluster: LocalCluster) ->
     text = (words[0] + " ") * (PROMPT_BYTES // (len(words[0]) + 1))
     request = router_pb2.GenerateRequest(prompt=text[:PROMPT_BYTES], sampling=GREEDY)
 
-    async def run() -> None:
+    async def in_flight() -> float:
+        return await asyncio.to_thread(_metric, cluster, "pdserve_tokenizations_in_flight")
+
+    async def attempt() -> bool:
+        """Whether the router's event loop answered a health check while the tokenization
+        was running (False: it ended first, the attempt says nothing)."""
         long = asyncio.create_task(asyncio.to_thread(_refusal, cluster.address, request))
 
         async def tokenizing() -> bool:
-            return await asyncio.to_thread(_metric, cluster, "pdserve_tokenizations_in_flight") == 1
+            return await in_flight() == 1
 
         await wait_for(tokenizing, 60.0, "the long prompt is being tokenized", poll_s=0.01)
-        start = time.monotonic()
         with grpc.insecure_channel(cluster.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            await asyncio.to_thread(health.Check, health_pb2.HealthCheckRequest(), timeout=10)
-        took_s = time.monotonic() - start
-        # The health check answered while the tokenization was still running, promptly.
-        assert await asyncio.to_thread(_metric, cluster, "pdserve_tokenizations_in_flight") == 1
-        assert took_s < 2.0, took_s
+            await asyncio.to_thread(health.Check, health_pb2.HealthCheckRequest(), timeout=30)
+        answered_during = await in_flight() == 1
         err = await long  # far more tokens than max_model_len: refused, after tokenizing
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert "max_model_len" in (err.details() or "")  # type: ignore[attr-defined]
+        return answered_during
+
+    async def run() -> None:
+        # No time bound: on a loaded machine everything is slow. What must hold is the order:
+        # the loop answers while a thread tokenizes.
+        for _ in range(5):
+            if await attempt():
+                return
+        raise AssertionError("the health check never answered during a tokenization")
 
     asyncio.run(run())
 

@@ -348,3 +348,14 @@ spec:
         {{- toYaml . | nindent 8 }}
       {{- end }}
 {{- end -}}
+
+{{/* Ray token auth for a Ray node or client (Ray mode): the token from the release's Secret. */}}
+{{- define "pdserve.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "pdserve.fullname" .)) }}
+      key: auth_token
+{{- end }}

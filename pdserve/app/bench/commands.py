@@ -30,6 +30,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         api_key=args.api_key,
         tls_ca=args.tls_ca,
+        tls_server_name=args.tls_server_name,
     )
     if args.num_requests < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-requests, --input-len and --output-len must be >= 1")

@@ -30,6 +30,7 @@ class LoadConfig:
     request_timeout_s: float = 600.0
     api_key: str | None = None
     tls_ca: str | None = None
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.concurrency is None):
@@ -60,7 +61,7 @@ async def run_load(
     clock = time.perf_counter
     records = [RequestRecord(i, r.num_prompt_tokens, 0.0) for i, r in enumerate(requests)]
     finished = 0
-    async with router_channel(config.router, config.tls_ca) as channel:
+    async with router_channel(config.router, config.tls_ca, config.tls_server_name) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         start = clock()
 
