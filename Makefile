@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CONSTRAINTS := requirements/constraints-cpu.txt
 DEMO_MODEL := models/demo-llama-tiny
+# The real chat model of `make demo` (and of the slow real-model tests, which share this cache).
+CHAT_MODEL := models/smollm2-135m-instruct
 HELM := .tools/helm
 
 .PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean
@@ -16,6 +18,10 @@ $(PY):
 
 $(VENV)/.installed: $(PY) pyproject.toml $(CONSTRAINTS)
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e .
+	touch $@
+
+$(VENV)/.installed-convert: $(VENV)/.installed
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[convert]'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
@@ -32,8 +38,12 @@ install-dev: $(VENV)/.installed-dev
 $(DEMO_MODEL)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/pdserve make-model $(DEMO_MODEL) --arch llama --size tiny --seed 0
 
-demo: $(VENV)/.installed $(DEMO_MODEL)/config.json
-	$(VENV)/bin/pdserve demo --model $(DEMO_MODEL)
+# Idempotent: a converted model is left alone.
+$(CHAT_MODEL)/pdserve-fetch.json: | $(VENV)/.installed-convert
+	$(VENV)/bin/pdserve fetch-model smollm2 $(CHAT_MODEL)
+
+demo: $(VENV)/.installed $(CHAT_MODEL)/pdserve-fetch.json
+	$(VENV)/bin/pdserve demo --model $(CHAT_MODEL)
 
 # Generated gRPC/protobuf code is checked in (pdserve/v1); `make proto` regenerates it and
 # `make test` fails when it is stale.

@@ -39,12 +39,15 @@ class Tokenizer:
                 add_bos = tok.token_to_id(bos_text)
         return cls(tok, add_bos)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Releases the GIL while it works (``encode_batch`` does, plain
-        ``encode`` does not), so a long prompt encoded in a thread does not stall asyncio."""
-        ids: list[int] = self._tok.encode_batch([text], add_special_tokens=True)[0].ids
-        if self._add_bos_token_id is not None and (not ids or ids[0] != self._add_bos_token_id):
-            ids.insert(0, self._add_bos_token_id)
+        ``encode`` does not), so a long prompt encoded in a thread does not stall asyncio.
+        ``add_special_tokens=False``: a rendered chat template, which wrote its own."""
+        encoded = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        ids: list[int] = encoded.ids
+        bos = self._add_bos_token_id
+        if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -45,11 +45,19 @@ class RouterConfig:
     # (a file, one key per line, re-read when it changes; None: no key needed).
     limits: RequestLimits = field(default_factory=RequestLimits)
     api_key_file: str | None = None
+    # The OpenAI HTTP API (router/openai): on this port of the router's host; None: off.
+    http_port: int | None = None
+    # The name clients pass as `model` (and /v1/models lists); None: `model` as given.
+    served_model_name: str | None = None
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
     ready_timeout_s: float = 120.0  # waiting for workers at start-up
     # Colocated (the vLLM-style baseline): no prefill pool; every request is prefilled and
     # decoded by one decode worker's engine. Same router, same workers, for fair comparisons.
     colocated: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
 
     def __post_init__(self) -> None:
         if self.colocated and self.prefill_addresses:
@@ -67,6 +75,10 @@ class RouterConfig:
             raise ValueError(f"decode_policy must be one of {names}, got {self.decode_policy}")
         if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:
             raise ValueError("cache_alpha, imbalance_tokens and local_prefill_tokens must be >= 0")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         for name in (

@@ -27,6 +27,7 @@ class RequestLimits:
     max_request_id_bytes: int = 128
     max_concurrent_tokenizations: int = 4  # off the event loop, at most this many at once
     max_queued_tokenizations: int = 64  # waiting for one of those: past this, refused
+    max_choices: int = 64  # OpenAI API: prompts x n of one request
 
     def __post_init__(self) -> None:
         for f in fields(self):

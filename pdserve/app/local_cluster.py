@@ -27,6 +27,7 @@ class ClusterConfig:
     num_decode: int = 1
     host: str = "127.0.0.1"
     router_port: int = 0
+    router_http_port: int | None = None  # the OpenAI HTTP API (0: ephemeral); None: off
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -72,6 +73,7 @@ class Component:
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
     address: str = ""
     metrics_address: str = ""
+    http_address: str = ""  # the router's OpenAI API, when on
     worker_id: str = ""
     num_restarts: int = 0
 
@@ -95,6 +97,8 @@ class Component:
             words = line.split()
             if len(words) == 4 and words[0] == "pdserve" and words[2] == "metrics":
                 self.metrics_address = words[3]
+            if len(words) == 4 and words[0] == "pdserve" and words[2] == "http":
+                self.http_address = words[3]
             if len(words) == 4 and words[0] == "pdserve" and words[2] == "ready":
                 self.address = words[3]
                 return self.address
@@ -114,6 +118,12 @@ class LocalCluster:
     def address(self) -> str:
         assert self.router is not None, "cluster not started"
         return self.router.address
+
+    @property
+    def http_url(self) -> str:
+        """The router's OpenAI API base URL (no ``/v1``), when ``router_http_port`` is set."""
+        assert self.router is not None and self.router.http_address, "no HTTP frontend"
+        return f"http://{self.router.http_address}"
 
     @property
     def components(self) -> list[Component]:
@@ -184,6 +194,8 @@ class LocalCluster:
                 "--model", cfg.model,
                 *cfg.router_args,
             ]  # fmt: skip
+            if cfg.router_http_port is not None:
+                router_args += ["--http-port", str(cfg.router_http_port)]
             if cfg.colocated:
                 router_args.append("--colocated")
             if cfg.redis_url:
@@ -247,6 +259,9 @@ class LocalCluster:
             port = old.address.rpartition(":")[2]
             if port:
                 args[args.index("--port") + 1] = port
+            http_port = old.http_address.rpartition(":")[2]
+            if http_port and "--http-port" in args:
+                args[args.index("--http-port") + 1] = http_port
         with self._lock:
             if self._stopping.is_set():
                 return None

@@ -36,6 +36,13 @@ PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
 
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096}
+# ChatML, as SmolLM2, Qwen and others use it: the tiny models get a chat template too.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 ROPE_THETA = 10000.0
 # Small original context so the llama3 frequency scaling matters within the tiny 512 window.
 LLAMA3_ROPE = {
@@ -236,6 +243,7 @@ def make_model(
         clean_up_tokenization_spaces=False,
         model_max_length=int(config.max_position_embeddings),
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     _disable_default_unk(out / "tokenizer_config.json")
     return out

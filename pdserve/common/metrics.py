@@ -25,6 +25,9 @@ TOKENIZATIONS_IN_FLIGHT = Gauge(
     "pdserve_tokenizations_in_flight", "Prompts being tokenized, off the event loop"
 )
 TOKENIZATIONS = Counter("pdserve_tokenizations_total", "Prompts tokenized (started)")
+HTTP_REQUESTS = Counter(
+    "pdserve_http_requests_total", "OpenAI HTTP API responses", ["route", "status"]
+)
 AUTH_FAILURES = Counter(
     "pdserve_auth_failures_total", "Requests refused for a missing or wrong API key"
 )

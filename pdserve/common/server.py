@@ -89,8 +89,14 @@ class Service(ABC):
         if self.num_inflight():
             logger.warning("%s: drain timed out with %d in flight", self.name, self.num_inflight())
 
+    async def open(self) -> dict[str, str]:
+        """Listeners of its own besides the gRPC port (the router's HTTP API), opened once that
+        port is bound and before ``load``, so their health answers "not ready" meanwhile.
+        Returns {name: bound address}, announced like the gRPC port. ``close`` closes them."""
+        return {}
+
     async def close(self) -> None:
-        """Release what load() acquired."""
+        """Release what open() and load() acquired."""
         return None
 
 
@@ -110,6 +116,7 @@ class ServiceServer:
             names = (service.name, health.SERVICE_NAME, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, self.server)
         self.address = ""
+        self.listeners: dict[str, str] = {}  # the service's own (``Service.open``)
 
     async def start(self) -> str:
         bind, tls = f"{self.config.host}:{self.config.port}", self.config.tls
@@ -124,6 +131,11 @@ class ServiceServer:
         self.service.address = f"{self.config.advertise_host or self.config.host}:{port}"
         await self._set_health(serving=False)
         await self.server.start()
+        try:
+            self.listeners = await self.service.open()
+        except BaseException:
+            await self.server.stop(grace=None)
+            raise
         return self.address
 
     async def _set_health(self, serving: bool) -> None:
@@ -176,6 +188,8 @@ async def serve(
     server = ServiceServer(service, config, reflect=reflect)
     address = await server.start()
     on_event("listening", address)
+    for name, listener in server.listeners.items():
+        on_event(name, listener)
     load = asyncio.create_task(server.ready())
     stop_wait = asyncio.create_task(stop.wait())
     await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)

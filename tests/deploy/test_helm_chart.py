@@ -124,7 +124,10 @@ def test_probes_drain_hook_and_security_context(helm: str) -> None:
         spec = pod_spec(manifests, role)
         c = spec["containers"][0]
         grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
-        assert c["readinessProbe"]["grpc"]["port"] == grpc_port  # the standard health service
+        if role == "router":  # the OpenAI API's /health (on by default): SERVING, not draining
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        else:
+            assert c["readinessProbe"]["grpc"]["port"] == grpc_port  # the standard health
         assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"  # not health: draining is alive
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
@@ -282,8 +285,14 @@ def test_tls_mounts_the_certificate_and_passes_its_flags_to_every_component(helm
         ]
         tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
         assert tls_volume["secret"]["secretName"] == "rel-pdserve-tls"
-        # kubelet's gRPC probe speaks no TLS: readiness is the metrics port's /healthz.
-        assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        # kubelet's gRPC probe speaks no TLS: readiness is the metrics port's /healthz, or
+        # the router's HTTPS /health.
+        want = (
+            {"path": "/health", "port": "http", "scheme": "HTTPS"}
+            if role == "router"
+            else {"path": "/healthz", "port": "metrics"}
+        )
+        assert c["readinessProbe"]["httpGet"] == want
     router = container(manifests, "router")
     assert env(router)["PDSERVE_API_KEY_FILE"] == "/etc/pdserve/api-keys/keys"
     keys = next(v for v in pod_spec(manifests, "router")["volumes"] if v["name"] == "api-keys")
@@ -303,7 +312,7 @@ def test_without_tls_every_component_runs_insecure_with_grpc_probes(helm: str) -
     for role in ("router", "prefill", "decode"):
         c = container(manifests, role)
         assert env(c)["PDSERVE_INSECURE"] == "true" and "PDSERVE_TLS_CERT" not in env(c)
-        assert "grpc" in c["readinessProbe"]
+        assert "grpc" in c["readinessProbe"] or role == "router"
 
 
 TLS_ON = ["--set", "tls.enabled=true"]
@@ -386,3 +395,19 @@ def test_ray_mode_refuses_api_keys_it_could_not_apply(helm: str) -> None:
         [helm, "template", "rel", str(CHART), *flags], capture_output=True, text=True, timeout=60
     )
     assert done.returncode != 0 and "router.apiKeys is for the Deployments mode" in done.stderr
+
+
+def test_the_openai_http_api_port_service_and_probe(helm: str) -> None:
+    manifests = render(helm, "--set", "router.http.servedModelName=chat")
+    c = container(manifests, "router")
+    assert env(c)["PDSERVE_HTTP_PORT"] == "8000" and env(c)["PDSERVE_SERVED_MODEL_NAME"] == "chat"
+    assert {"name": "http", "containerPort": 8000} in c["ports"]
+    service = find(manifests, "Service", "rel-pdserve-router")["spec"]["ports"]
+    assert {"name": "http", "port": 8000, "targetPort": "http", "appProtocol": "http"} in service
+    policy = find(manifests, "NetworkPolicy", "rel-pdserve-router")["spec"]["ingress"][0]
+    assert {"port": 8000} in policy["ports"]
+    off = render(helm, "--set", "router.http.port=0")
+    c = container(off, "router")
+    assert "PDSERVE_HTTP_PORT" not in env(c) and "grpc" in c["readinessProbe"]
+    ports = find(off, "Service", "rel-pdserve-router")["spec"]["ports"]
+    assert all(p["name"] != "http" for p in ports)

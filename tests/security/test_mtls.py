@@ -6,10 +6,12 @@ present no certificate."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import httpx2
 import pytest
 
 from engine import LLM, SamplingParams
@@ -46,6 +48,7 @@ def cluster(
         prefill_args=pki.flags(),
         decode_args=pki.flags(),
         router_args=(*pki.flags(), "--local-prefill-tokens", "0"),
+        router_http_port=0,
     )
     with LocalCluster(config) as c:
         yield c
@@ -141,3 +144,16 @@ def test_internal_ports_refuse_clients_without_the_cluster_certificate(
                     ), f"{call} via {how}: {err.value}"
 
     asyncio.run(run())
+
+
+def test_the_openai_api_serves_https_with_the_same_certificate(
+    cluster: LocalCluster, pki: Pki
+) -> None:
+    assert cluster.router is not None
+    base = f"https://{cluster.router.http_address}"
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    verify = ssl.create_default_context(cafile=str(pki.ca))
+    r = httpx2.post(f"{base}/v1/completions", json=body, verify=verify, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    with pytest.raises(httpx2.HTTPError):  # plaintext to the TLS port: no answer
+        httpx2.post(f"http://{cluster.router.http_address}/v1/completions", json=body, timeout=10)

@@ -84,3 +84,15 @@ def test_chaos_smoke_run_loses_nothing_under_faults(tmp_path: Path) -> None:
         assert run["completed_identical"] + run["completed_near_tie"] == run["requests"] == 24
     # Whether a fault hits a stream depends on timing; the baseline has none to hit.
     assert report["baseline"]["migrations"] == 0
+
+
+@pytest.mark.slow
+def test_frontends_quick_run_serves_both_apis(tmp_path: Path) -> None:
+    report = quick_run("frontends.py", tmp_path / "bench-model")
+    assert set(report["rows"]) == {"grpc", "http"}
+    for row in report["rows"].values():
+        assert row["completed"] == 24 and row["failed"] == 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"]
+        assert row["router_cpu_ms_per_request"] > 0
+    grpc, http = report["rows"]["grpc"], report["rows"]["http"]
+    assert report["http_added_ttft_p50_ms"] == http["ttft_p50_ms"] - grpc["ttft_p50_ms"]

@@ -1,8 +1,10 @@
-"""The `pdserve` console script: make-model then demo, as `make demo` runs them."""
+"""The `pdserve` console script: make-model then demo (as `make demo` runs it, with a tiny
+random model instead of the real one)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +33,9 @@ def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
         timeout=300,
         check=True,
     )
-    assert demo.stdout.count("[5 tokens, TTFT") == 3
+    # Three chat answers through the OpenAI API (a random model may stop early at its EOS).
+    answers = re.findall(r"\[(\d+) tokens, (stop|length): TTFT [\d.]+ ms", demo.stdout)
+    assert len(answers) == 3 and all(1 <= int(n) <= 5 for n, _ in answers), demo.stdout
 
 
 def test_errors_are_reported_without_traceback(tmp_path: Path, capsys) -> None:

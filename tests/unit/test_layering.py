@@ -85,6 +85,7 @@ PURE_CORE = [
     "router.policy",
     # The router process tokenizes and relays; it must not pay for torch (nor its CLI path).
     "router.service",
+    "router.openai.app",  # the HTTP API runs in the router process
     "pdserve.app.settings",
     "pdserve.app.cli",
 ]

@@ -24,7 +24,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.app.bench.stats import summarize
 
     load = LoadConfig(
-        router=args.router,
+        router=args.router if args.http is None else None,
+        http=args.http,
         rate=args.rate,
         concurrency=args.concurrency,
         seed=args.seed,
@@ -56,7 +57,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="load a router; TTFT/TPOT/goodput from the client side")
-    add_flag(bench, "--router", default="127.0.0.1:50051", help="router host:port")
+    frontend = bench.add_mutually_exclusive_group()
+    frontend.add_argument("--router", default="127.0.0.1:50051", help="router host:port (gRPC)")
+    frontend.add_argument(
+        "--http",
+        default=None,
+        help="the router's OpenAI API instead, http://HOST:PORT (no /v1): /v1/completions",
+    )
     add_flag(
         bench,
         "--workload",

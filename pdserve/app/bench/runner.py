@@ -1,4 +1,5 @@
-"""Drives load at a router and timestamps every streamed chunk at the client.
+"""Drives load at a router, through its gRPC API or its OpenAI HTTP API, and timestamps
+every streamed chunk at the client.
 
 Open loop (``rate``): arrivals are a Poisson process, exponential gaps from a seeded RNG, sent
 whether or not earlier requests finished. Closed loop (``concurrency``): that many clients, each
@@ -8,22 +9,27 @@ sending its next request when the last one ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
+import aiohttp
 import grpc
 
 from pdserve.app.bench.stats import RequestRecord
 from pdserve.app.bench.workload import BenchRequest
 from pdserve.app.client import api_key_metadata, router_channel
+from pdserve.app.openai_client import ApiError, http_client, stream
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    router: str  # host:port
+    router: str | None = None  # gRPC host:port
+    http: str | None = None  # the OpenAI API's base URL, http://host:port (no /v1)
     rate: float | None = None  # requests per second (open loop)
     concurrency: int | None = None  # clients (closed loop)
     seed: int = 0
@@ -33,6 +39,10 @@ class LoadConfig:
     tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.router is None) == (self.http is None):
+            raise ValueError("pass exactly one of --router and --http")
+        if self.http is not None and self.http.rstrip("/").endswith("/v1"):
+            raise ValueError(f"--http is the server's base URL, without /v1: {self.http}")
         if (self.rate is None) == (self.concurrency is None):
             raise ValueError("pass exactly one of --rate and --concurrency")
         if self.rate is not None and not self.rate > 0:
@@ -52,26 +62,36 @@ def to_proto(request: BenchRequest) -> router_pb2.GenerateRequest:
     )
 
 
-async def run_load(
-    config: LoadConfig,
-    requests: list[BenchRequest],
-    on_done: Callable[[int, int], None] = lambda done, total: None,
-) -> tuple[list[RequestRecord], float]:
-    """Every request's record (send time relative to the start) and the run's duration."""
+def to_completion(request: BenchRequest) -> dict[str, Any]:
+    """The same request as an OpenAI text completion (vLLM's extras: ignore_eos, and
+    return_token_ids so tokens are counted exactly, not per chunk)."""
+    prompt: str | list[int] = (
+        request.prompt if request.prompt is not None else list(request.prompt_token_ids)
+    )
+    return {
+        "prompt": prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+# Sends request i, filling its record (times relative to ``start``).
+Send = Callable[[BenchRequest, RequestRecord, float], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _grpc(config: LoadConfig) -> AsyncIterator[Send]:
+    assert config.router is not None
     clock = time.perf_counter
-    records = [RequestRecord(i, r.num_prompt_tokens, 0.0) for i, r in enumerate(requests)]
-    finished = 0
     async with router_channel(config.router, config.tls_ca, config.tls_server_name) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        start = clock()
 
-        async def one(i: int) -> None:
-            nonlocal finished
-            record = records[i]
-            record.send_s = clock() - start
+        async def send(request: BenchRequest, record: RequestRecord, start: float) -> None:
             try:
                 stream = stub.Generate(
-                    to_proto(requests[i]),
+                    to_proto(request),
                     timeout=config.request_timeout_s,
                     metadata=api_key_metadata(config.api_key),
                 )
@@ -84,6 +104,52 @@ async def run_load(
                         record.num_prompt_tokens = response.final.usage.prompt_tokens
             except grpc.aio.AioRpcError as exc:
                 record.error = f"{exc.code().name}: {exc.details()}"
+
+        yield send
+
+
+@contextlib.asynccontextmanager
+async def _http(config: LoadConfig) -> AsyncIterator[Send]:
+    assert config.http is not None
+    clock = time.perf_counter
+    async with http_client(config.http, config.request_timeout_s, config.tls_ca) as client:
+
+        async def send(request: BenchRequest, record: RequestRecord, start: float) -> None:
+            try:
+                result = await stream(
+                    client,
+                    "/v1/completions",
+                    to_completion(request),
+                    config.api_key,
+                    clock=lambda: clock() - start,
+                )
+            except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+                record.error = str(exc) or type(exc).__name__
+                return
+            record.chunk_times_s = result.chunk_times_s
+            record.num_output_tokens = sum(result.num_chunk_tokens)
+            record.num_prompt_tokens = int(result.usage.get("prompt_tokens", 0))
+
+        yield send
+
+
+async def run_load(
+    config: LoadConfig,
+    requests: list[BenchRequest],
+    on_done: Callable[[int, int], None] = lambda done, total: None,
+) -> tuple[list[RequestRecord], float]:
+    """Every request's record (send time relative to the start) and the run's duration."""
+    clock = time.perf_counter
+    records = [RequestRecord(i, r.num_prompt_tokens, 0.0) for i, r in enumerate(requests)]
+    finished = 0
+    frontend = _grpc(config) if config.router is not None else _http(config)
+    async with frontend as send:
+        start = clock()
+
+        async def one(i: int) -> None:
+            nonlocal finished
+            records[i].send_s = clock() - start
+            await send(requests[i], records[i], start)
             finished += 1
             on_done(finished, len(requests))
 

@@ -1,0 +1,101 @@
+"""Flags, and the typed configs they become: the only reader of argv and the environment.
+
+Every flag can also be set by an environment variable named ``PDSERVE_<FLAG>`` (``--lease-s`` ->
+``PDSERVE_LEASE_S``): what containers and Helm use. ``service_config`` turns a component's flags
+into one frozen ``RouterConfig | PrefillConfig | DecodeConfig``; from there on every process is
+handed typed configs (``dataclasses.replace`` per worker), never argv, except where a real OS
+process starts (``pdserve up`` children, Helm's environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import NoReturn
+
+from decode_service.config import DecodeConfig
+from pdserve.app.settings.clients import (
+    ROUTER_FAULT_FLAGS,
+    add_client_flags,
+    add_cluster_flags,
+    router_passthrough,
+)
+from pdserve.app.settings.flags import (
+    add_flag,
+    add_server_flags,
+    env_name,
+    redis_config,
+    server_config,
+    tls_config,
+)
+from pdserve.app.settings.router import add_router_flags, router_config
+from pdserve.app.settings.workers import (
+    add_decode_flags,
+    add_prefill_flags,
+    decode_config,
+    engine_config,
+    prefill_config,
+)
+from prefill_service.config import PrefillConfig
+from router.config import RouterConfig
+
+__all__ = [
+    "ROLES",
+    "ROUTER_FAULT_FLAGS",
+    "ServiceConfig",
+    "add_client_flags",
+    "add_cluster_flags",
+    "add_flag",
+    "add_server_flags",
+    "add_service_flags",
+    "engine_config",
+    "env_name",
+    "parse_service_flags",
+    "redis_config",
+    "router_config",
+    "router_passthrough",
+    "server_config",
+    "service_config",
+    "tls_config",
+]
+
+ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig
+ROLES = ("prefill", "decode", "router")
+
+
+def add_service_flags(
+    parser: argparse.ArgumentParser, role: str, env: Mapping[str, str] | None = None
+) -> None:
+    """The flags of ``pdserve prefill|decode|router``."""
+    adders = {"prefill": add_prefill_flags, "decode": add_decode_flags, "router": add_router_flags}
+    adders[role](parser, env)
+
+
+def service_config(role: str, args: argparse.Namespace) -> ServiceConfig:
+    """One component's flags as its frozen config (validated on construction)."""
+    if role == "router":
+        return router_config(args)
+    if role == "prefill":
+        return prefill_config(args)
+    if role == "decode":
+        return decode_config(args)
+    raise ValueError(f"not a service role: {role!r}")
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """Reports bad flags as ValueError instead of exiting the process."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{self.prog} flags: {message}")
+
+
+def parse_service_flags(role: str, argv: list[str]) -> ServiceConfig:
+    """A component's config from flags alone, ignoring the environment: for configs built on
+    behalf of other processes (a Ray deployment's workers), whose environment is not ours.
+    Bad flags raise ValueError naming them."""
+    parser = _RaisingParser(prog=role, exit_on_error=False)
+    add_service_flags(parser, role, env={})
+    try:
+        return service_config(role, parser.parse_args(argv))
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"{role} flags: {exc}") from None

@@ -1,0 +1,68 @@
+"""The flags of the router's clients (``pdserve generate``, ``bench``) and of whole clusters
+(``pdserve up``, ``pdserve ray up``). Part of ``pdserve.app.settings``."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.model_config import DTYPE_NAMES
+from kvtransfer import NETWORK_BACKENDS
+from pdserve.app.settings.flags import add_flag
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """What a client of the router's public API needs (``pdserve generate``, ``bench``)."""
+    add_flag(
+        parser,
+        "--api-key",
+        default=None,
+        help="sent as authorization: Bearer <key>; prefer the env variable (flags show in ps)",
+    )
+    add_flag(parser, "--tls-ca", default=None, help="CA that signed the router's certificate")
+    add_flag(
+        parser,
+        "--tls-server-name",
+        default=None,
+        help="the router's certificate name, when --router is not one (a port-forward)",
+    )
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) -> None:
+    """What ``pdserve up`` and ``pdserve ray up`` share: the pools, one KV layout for every
+    component (the router refuses workers whose layout differs), and per-role extra flags."""
+    add_flag(parser, "--model", required=True, help="model directory (readable by every worker)")
+    add_flag(parser, "--prefill", type=int, default=1, help="number of prefill workers")
+    add_flag(parser, "--decode", type=int, default=1, help="number of decode workers")
+    add_flag(parser, "--port", type=int, default=50051, help="router port (0: ephemeral)")
+    add_flag(parser, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
+    add_flag(parser, "--dtype", default="float32", choices=DTYPE_NAMES)
+    add_flag(parser, "--block-size", type=int, default=16, help="KV block size (all components)")
+    add_flag(
+        parser,
+        "--transfer",
+        default=default_transfer,
+        choices=NETWORK_BACKENDS,
+        help="KV transfer backend",
+    )
+    add_flag(parser, "--prefill-args", default="", help="extra flags for every prefill worker")
+    add_flag(parser, "--decode-args", default="", help="extra flags for every decode worker")
+    add_flag(parser, "--router-args", default="", help="extra flags for the router")
+    for flag in ROUTER_FAULT_FLAGS:  # the router's, passed through (it has the defaults)
+        add_flag(parser, flag, default=None, help=f"the router's {flag}")
+
+
+# Router flags `pdserve up` and `pdserve ray up` take themselves and pass through.
+
+
+# Router flags `pdserve up` and `pdserve ray up` take themselves and pass through.
+ROUTER_FAULT_FLAGS = ("--migration-limit", "--stall-timeout-s", "--client-idle-timeout-s")
+
+
+def router_passthrough(args: argparse.Namespace) -> list[str]:
+    """The pass-through router flags that were given, as router argv."""
+    out: list[str] = []
+    for flag in ROUTER_FAULT_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,107 @@
+"""Flag helpers and the flags every component shares (server, TLS, Redis).
+
+Every flag can also be set by an environment variable named ``PDSERVE_<FLAG>`` (``--lease-s`` ->
+``PDSERVE_LEASE_S``): what containers and Helm use. Part of ``pdserve.app.settings``, the only
+reader of argv and the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.cluster.config import RedisConfig
+from pdserve.common.server import ServerConfig
+from pdserve.common.tls import DEFAULT_SERVER_NAME, TlsConfig
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def env_name(flag: str) -> str:
+    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_flag(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """``parser.add_argument`` whose default comes from ``PDSERVE_<FLAG>`` in ``env`` (the
+    process environment unless given) when set."""
+    value = (os.environ if env is None else env).get(env_name(flag))
+    help_text = kwargs.pop("help", "")
+    kwargs["help"] = f"{help_text} (env {env_name(flag)})".strip()
+    if kwargs.get("action") == "store_true":
+        if value is not None:
+            kwargs["default"] = value.strip().lower() in _TRUE
+    elif value is not None:
+        kwargs["default"] = value  # argparse applies `type` to string defaults
+        kwargs.pop("required", None)
+    parser.add_argument(flag, **kwargs)
+
+
+def csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def add_server_flags(
+    parser: argparse.ArgumentParser, default_port: int, env: Mapping[str, str] | None = None
+) -> None:
+    add_flag(parser, "--host", env, default="127.0.0.1", help="address to bind")
+    add_flag(
+        parser, "--advertise-host", env, default=None, help="host peers dial (default: --host)"
+    )
+    add_flag(
+        parser, "--redis", env, default="", help="Redis URL: registry + prefix index (optional)"
+    )
+    add_flag(parser, "--redis-namespace", env, default="pdserve", help="key prefix in Redis")
+    add_flag(parser, "--port", env, type=int, default=default_port, help="gRPC port (0: ephemeral)")
+    add_flag(parser, "--metrics-port", env, type=int, default=None, help="Prometheus /metrics port")
+    add_flag(
+        parser, "--drain-timeout-s", env, type=float, default=30.0, help="graceful drain bound"
+    )
+    add_flag(parser, "--tls-cert", env, default=None, help="TLS certificate chain (PEM)")
+    add_flag(parser, "--tls-key", env, default=None, help="TLS private key (PEM)")
+    add_flag(parser, "--tls-ca", env, default=None, help="CA internal peers must chain to")
+    add_flag(
+        parser,
+        "--tls-server-name",
+        env,
+        default=DEFAULT_SERVER_NAME,
+        help="the name internal certificates carry (checked instead of addresses)",
+    )
+    add_flag(
+        parser,
+        "--insecure",
+        env,
+        action="store_true",
+        help="allow plaintext on a non-loopback address (trusted networks only)",
+    )
+
+
+def redis_config(args: argparse.Namespace) -> RedisConfig | None:
+    return RedisConfig(url=args.redis, namespace=args.redis_namespace) if args.redis else None
+
+
+def tls_config(args: argparse.Namespace) -> TlsConfig | None:
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        advertise_host=args.advertise_host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s,
+        tls=tls_config(args),
+        insecure=args.insecure,
+    )

@@ -1,0 +1,144 @@
+"""The flags of ``pdserve prefill`` and ``pdserve decode`` (engine, KV, leases) and their
+configs. Part of ``pdserve.app.settings``."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from decode_service.config import DecodeConfig
+from engine.config import (
+    DEFAULT_MAX_BUFFERED_TOKENS,
+    AttentionBackend,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+from engine.model_config import DTYPE_NAMES
+from kvtransfer import NETWORK_BACKENDS
+from pdserve.app.settings.flags import add_flag, add_server_flags, csv, redis_config, server_config
+from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
+    add_flag(parser, "--dtype", env, default="float32", choices=DTYPE_NAMES)
+    add_flag(parser, "--max-model-len", env, type=int, default=None)
+    add_flag(parser, "--block-size", env, type=int, default=16)
+    add_flag(
+        parser, "--num-blocks", env, type=int, default=None, help="KV blocks (default: memory)"
+    )
+    add_flag(parser, "--kv-cache-bytes", env, type=int, default=None)
+    add_flag(parser, "--no-prefix-caching", env, action="store_true")
+    add_flag(parser, "--max-num-seqs", env, type=int, default=128)
+    add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
+    add_flag(parser, "--device", env, default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
+    add_flag(
+        parser,
+        "--attention-backend",
+        env,
+        default=None,
+        choices=[b.value for b in AttentionBackend],
+    )
+    add_flag(
+        parser, "--kv-backend", env, default="grpc", choices=NETWORK_BACKENDS, help="KV transfer"
+    )
+    add_flag(
+        parser,
+        "--ray-address",
+        env,
+        default="auto",
+        help="Ray cluster for --kv-backend ray: auto or the GCS HOST:PORT (in a Ray actor: unused)",
+    )
+    add_flag(parser, "--worker-id", env, default=None, help="registry id (default: <role>-<8 hex>)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    backend = args.attention_backend
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_bytes=args.kv_cache_bytes,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        attention_backend=AttentionBackend(backend) if backend else None,
+    )
+
+
+def add_prefill_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_server_flags(parser, 50061, env)
+    add_engine_flags(parser, env)
+    add_flag(parser, "--lease-s", env, type=float, default=DEFAULT_LEASE_S, help="KV lease length")
+    add_flag(
+        parser, "--kv-port", env, type=int, default=50071, help="KV sender port (0: ephemeral)"
+    )
+    add_flag(
+        parser, "--max-pull-s", env, type=float, default=60.0, help="longest one KV pull may take"
+    )
+
+
+def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    add_server_flags(parser, 50062, env)
+    add_engine_flags(parser, env)
+    add_flag(parser, "--transfer-timeout-s", env, type=float, default=60.0)
+    add_flag(
+        parser,
+        "--prefill-peers",
+        env,
+        type=csv,
+        default=(),
+        help="prefill workers (h:p,...) to pull KV from, besides the registry's",
+    )
+    add_flag(
+        parser,
+        "--max-buffered-tokens",
+        env,
+        type=int,
+        default=DEFAULT_MAX_BUFFERED_TOKENS,
+        help="output tokens a request may have unread before it is paused",
+    )
+    add_flag(
+        parser,
+        "--heartbeat-s",
+        env,
+        type=float,
+        default=1.0,
+        help="a quiet stream sends an empty message this often (router stall detection)",
+    )
+
+
+def prefill_config(args: argparse.Namespace) -> PrefillConfig:
+    return PrefillConfig(
+        engine=engine_config(args),
+        server=server_config(args),
+        lease_s=args.lease_s,
+        kv_backend=args.kv_backend,
+        kv_port=args.kv_port,
+        max_pull_s=args.max_pull_s,
+        ray_address=args.ray_address,
+        redis=redis_config(args),
+        worker_id=args.worker_id,
+    )
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(
+        engine=engine_config(args),
+        server=server_config(args),
+        kv_backend=args.kv_backend,
+        ray_address=args.ray_address,
+        prefill_peers=args.prefill_peers,
+        transfer_timeout_s=args.transfer_timeout_s,
+        max_buffered_tokens=args.max_buffered_tokens,
+        heartbeat_s=args.heartbeat_s,
+        redis=redis_config(args),
+        worker_id=args.worker_id,
+    )

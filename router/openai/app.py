@@ -1,0 +1,184 @@
+"""The OpenAI-compatible HTTP API of the router, as a FastAPI app (what vLLM and SGLang serve):
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; ``GET /health``
+(503 while loading or draining) and ``GET /metrics`` (the process's Prometheus registry).
+
+Every ``/v1/*`` route needs the API key when keys are configured; health and metrics do not.
+A body is counted as it arrives and refused (413) past ``--max-request-bytes`` before any
+parsing; a large one is parsed off the event loop. Errors have OpenAI's shape
+(``router/openai/errors.py``); a bug answers 500 with the request id only, its traceback logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.common import metrics
+from router.openai import errors
+from router.openai.chat_template import ChatTemplate
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.openai.serving import ClientGone, OpenAIServing, Prepared, new_client_id, until
+from router.openai.sse import EventStream
+
+if TYPE_CHECKING:
+    from router.service import RouterService
+
+logger = logging.getLogger(__name__)
+
+_PARSE_IN_THREAD_BYTES = 64 << 10
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def error_response(error: errors.ApiError, request_id: str | None = None) -> JSONResponse:
+    headers = error.headers()
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused past ``limit`` bytes: by its Content-Length before reading, else
+    while it arrives (chunked), never buffering more than the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise errors.too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(None, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(model: type[pydantic.BaseModel], data: bytes) -> Any:
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise errors.invalid(f"the body is not valid JSON: {exc}", "body") from None
+    if not isinstance(raw, dict):
+        raise errors.invalid("the body must be a JSON object", "body")
+    try:
+        return model.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise errors.from_validation(exc) from None
+
+
+class _CountRequests:
+    """``pdserve_http_requests_total{route, status}`` for every response (routes bounded)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "other"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                metrics.HTTP_REQUESTS.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def build_app(service: RouterService, served_model_name: str) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    template = ChatTemplate.from_dir(service.config.model)
+    serving = OpenAIServing(service, served_model_name, template)
+    config = service.config
+    created = int(time.time())
+
+    @app.exception_handler(errors.ApiError)
+    async def api_error(request: Request, exc: errors.ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(errors.ApiError(exc.status_code, str(exc.detail), kind))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if service.serving else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    def admit(request: Request) -> None:
+        """The checks before any work: the key, then whether this router takes requests."""
+        if not service.authorized(request.headers.get("authorization")):
+            raise errors.unauthorized()
+        if service.draining or not service.serving:
+            state = "draining" if service.draining else "still loading"
+            raise errors.unavailable(f"router is {state}")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        admit(request)
+        card: dict[str, Any] = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pdserve",
+            "root": config.model,
+            "max_model_len": service.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def run(request: Request, kind: type[pydantic.BaseModel]) -> Response | EventStream:
+        start_s = time.perf_counter()
+        admit(request)
+        data = await read_body(request, config.limits.max_request_bytes)
+        body = (
+            _parse(kind, data)
+            if len(data) < _PARSE_IN_THREAD_BYTES
+            else await asyncio.to_thread(_parse, kind, data)
+        )
+        client_id = new_client_id(request.headers.get("x-request-id"))
+        headers = {"x-request-id": client_id}
+        try:
+            prepared: Prepared
+            if isinstance(body, ChatCompletionRequest):
+                prepared = await serving.prepare_chat(body, client_id, start_s)
+            else:
+                prepared = await serving.prepare_completion(body, client_id, start_s)
+            if prepared.plan.stream:
+                events = await until(request.receive, serving.start_stream(prepared))
+                return EventStream(events, config.client_idle_timeout_s, client_id, headers)
+            result = await until(request.receive, serving.collect(prepared))
+            return JSONResponse(result, headers=headers)
+        except ClientGone:
+            logger.info("request_id=%s: the client left before its response", client_id)
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
+        except Exception as exc:
+            error = errors.from_exception(exc)
+            if error is None:
+                logger.exception("request_id=%s failed", client_id)
+                error = errors.internal(client_id)
+            return error_response(error, client_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await run(request, ChatCompletionRequest)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await run(request, CompletionRequest)
+
+    app.add_middleware(_CountRequests)
+    return app

@@ -1,0 +1,181 @@
+"""OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, and the one map
+from pdserve's refusals to HTTP statuses (the gRPC frontend's codes, translated):
+
+| pdserve | HTTP |
+| --- | --- |
+| invalid field (ValueError, INVALID_ARGUMENT) | 400, ``param`` named |
+| a prompt no worker could ever hold | 400 (retrying cannot help; vLLM answers 400 too) |
+| missing or wrong API key | 401 |
+| a ``model`` this router does not serve | 404 |
+| body over ``--max-request-bytes`` | 413 |
+| overloaded (RESOURCE_EXHAUSTED) | 429, ``Retry-After`` |
+| draining, loading, no worker (UNAVAILABLE) | 503, ``Retry-After`` |
+| anything else | 500, no internals (they go to the log, with the request id) |
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pydantic
+
+from router.dispatch import WorkerError
+from router.openai.protocol import InvalidParameter
+from router.prompts import Overloaded
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ApiError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, "service_unavailable", code="unavailable", retry_after_s=1)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(
+        401,
+        "a valid API key is required: Authorization: Bearer <key>",
+        "authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {model!r} does not exist: this server serves {served!r}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def too_large(num_bytes: int | None, limit: int) -> ApiError:
+    size = f"{num_bytes} bytes" if num_bytes is not None else "more bytes"
+    return ApiError(
+        413,
+        f"the request body has {size}, more than --max-request-bytes ({limit})",
+        code="request_too_large",
+    )
+
+
+_FIELD = re.compile(r"^([a-z_]+)(\[\d+\])*")
+_FIELDS = frozenset(
+    [
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "n",
+        "request_id",
+    ]
+)
+# Engine and router field names as the OpenAI API spells them.
+_API_NAMES = {"prompt_token_ids": "prompt", "request_id": "x-request-id"}
+
+
+def invalid(message: str, param: str | None = None) -> ApiError:
+    """A 400. ``param`` defaults to the field the message starts with (every pdserve refusal
+    names its field first)."""
+    if param is None:
+        match = _FIELD.match(message)
+        name = match.group(1) if match else ""
+        name = _API_NAMES.get(name, name)
+        param = name if name in _FIELDS or name in _API_NAMES.values() else None
+    return ApiError(400, message, param=param, code="invalid_parameter")
+
+
+def from_validation(exc: pydantic.ValidationError) -> ApiError:
+    """Pydantic's first complaint, as ``messages[0].content: Input should be ...``."""
+    first = exc.errors(include_url=False)[0]
+    loc = first.get("loc", ())
+    message = str(first.get("msg", "invalid"))
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    # A union's branches appear in the location; the field is what comes before them.
+    param = re.split(r"\.(str|int|list|function-|json-)", path)[0] or None
+    if param in _SHAPES:
+        message = f"must be {_SHAPES[param]}"
+    where = f"{param}: " if param else ""
+    return ApiError(400, f"{where}{message}", param=param, code="invalid_type")
+
+
+# Fields that are unions: pydantic's complaint would name one branch only.
+_SHAPES = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of lists of them",
+    "stop": "a string or a list of strings",
+}
+
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+def from_exception(exc: BaseException) -> ApiError | None:
+    """The client's error for an exception pdserve raises by design; None: a bug (500)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidParameter):
+        return invalid(str(exc), exc.param)
+    if isinstance(exc, Overloaded):
+        return ApiError(
+            429, str(exc), "rate_limit_error", code="overloaded", retry_after_s=RETRY_AFTER_S
+        )
+    if isinstance(exc, WorkerError):
+        status = _GRPC_TO_HTTP.get(exc.code)
+        if status == 400:
+            return invalid(exc.message)
+        if status == 429:
+            return ApiError(
+                429,
+                "no worker has room for this request now; retry",
+                "rate_limit_error",
+                code="overloaded",
+                retry_after_s=RETRY_AFTER_S,
+            )
+        if status == 503:
+            return unavailable("no worker is available for this request now; retry")
+        return None
+    if isinstance(exc, ValueError):  # field checks (limits, sampling, prompts, capacity)
+        return invalid(str(exc))
+    return None
+
+
+def internal(request_id: str) -> ApiError:
+    return ApiError(
+        500, f"internal error (request id {request_id})", "internal_error", code="internal_error"
+    )

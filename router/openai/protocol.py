@@ -1,0 +1,267 @@
+"""The OpenAI API's request bodies (chat and text completions), parsed and checked into one
+``Plan``: which prompts, how many choices, what sampling. Pure: no I/O.
+
+Fields follow OpenAI's API and vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids``, ``return_token_ids``). Unknown fields are ignored, as vLLM and SGLang do;
+known fields pdserve cannot honour (penalties, ``logit_bias``, ``echo``, tools) are refused by
+name rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import MAX_LOGPROBS
+from pdserve.v1 import common_pb2
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None  # None: the served model (as vLLM)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None  # accepted and ignored
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra fields (tool_calls, tool_call_id, ...) go to the template, as transformers passes them.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: text (rendered chat, or a completions string) or token ids."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a request asks for. ``sampling`` has no seed: choice i of a seeded request uses
+    ``seed + i`` (vLLM v1's rule), so ``n`` choices differ and reproduce."""
+
+    prompts: tuple[Prompt, ...]
+    n: int
+    sampling: common_pb2.SamplingParams
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    logprobs: int | None  # top logprobs per token (0: the chosen token's only); None: off
+    fill_context: bool  # no max_tokens given (chat): generate up to the model's length
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+class InvalidParameter(ValueError):
+    """A 400 naming ``param``."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value is not None and value != 0:
+            raise InvalidParameter(name, f"{name} is not supported (got {value}); omit it or 0")
+    if body.repetition_penalty is not None and body.repetition_penalty != 1:
+        raise InvalidParameter(
+            "repetition_penalty", "repetition_penalty is not supported; omit it or pass 1"
+        )
+    if body.logit_bias:
+        raise InvalidParameter("logit_bias", "logit_bias is not supported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidParameter("best_of", "best_of is not supported (other than equal to n)")
+    if body.stream_options is not None and not body.stream:
+        raise InvalidParameter("stream_options", "stream_options needs stream: true")
+
+
+def _sampling(body: _Sampling, max_tokens: int | None) -> common_pb2.SamplingParams:
+    """Only what was given is set: the engine's defaults (and SamplingParams' own validation,
+    which names each field) apply to the rest."""
+    msg = common_pb2.SamplingParams(ignore_eos=body.ignore_eos)
+    given = {"max_tokens": max_tokens, **{n: getattr(body, n) for n in _NUMBERS}}
+    for name, value in given.items():
+        if value is not None:
+            try:
+                setattr(msg, name, value)
+            except (ValueError, TypeError):  # past the wire type's range
+                raise InvalidParameter(name, f"{name} is out of range: {value}") from None
+    if isinstance(body.stop, str):
+        msg.stop.append(body.stop)
+    elif body.stop:
+        msg.stop.extend(body.stop)
+    if body.stop_token_ids:
+        msg.stop_token_ids.extend(_ids("stop_token_ids", body.stop_token_ids))
+    return msg
+
+
+_NUMBERS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def _ids(param: str, ids: list[int]) -> tuple[int, ...]:
+    """Token ids that fit the wire (the vocabulary is checked later, also naming ``param``)."""
+    if any(not 0 <= t < 1 << 32 for t in ids):
+        raise InvalidParameter(param, f"{param} holds an id outside [0, 2**32)")
+    return tuple(ids)
+
+
+def _check_seed(seed: int | None, n: int) -> None:
+    # Choice i samples with seed + i: every one of those must be a valid seed.
+    if seed is not None and not 0 <= seed <= (1 << 63) - n:
+        raise InvalidParameter("seed", f"seed must be in [0, 2**63 - n], got {seed}")
+
+
+def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    if num_prompts * n > max_choices:
+        raise InvalidParameter(
+            "n",
+            f"{num_prompts} prompts x n={n} is {num_prompts * n} choices, more than "
+            f"--max-choices ({max_choices})",
+        )
+
+
+def _plan(
+    body: _Sampling,
+    prompts: tuple[Prompt, ...],
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_choices: int,
+) -> Plan:
+    _refuse_unsupported(body)
+    _check_choices(len(prompts), body.n, max_choices)
+    _check_seed(body.seed, body.n)
+    sampling = _sampling(body, max_tokens)
+    if logprobs is not None:
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidParameter("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        sampling.logprobs = logprobs
+    options = body.stream_options
+    return Plan(
+        prompts=prompts,
+        n=body.n,
+        sampling=sampling,
+        seed=body.seed,
+        stream=body.stream,
+        include_usage=options is not None and options.include_usage,
+        return_token_ids=body.return_token_ids,
+        logprobs=logprobs,
+        fill_context=max_tokens is None,
+    )
+
+
+def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them. Text parts of a content list are joined
+    with newlines (vLLM's "string" content format); other parts are refused by name."""
+    if not body.messages:
+        raise InvalidParameter("messages", "messages must not be empty")
+    out = []
+    for i, message in enumerate(body.messages):
+        plain = message.model_dump(exclude_none=True)
+        if isinstance(message.content, list):
+            texts = []
+            for j, part in enumerate(message.content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidParameter(
+                        f"messages[{i}].content[{j}].type",
+                        f"messages[{i}].content[{j}]: only text parts are supported, "
+                        f"got type {part.type!r}",
+                    )
+                texts.append(part.text)
+            plain["content"] = "\n".join(texts)
+        out.append(plain)
+    return out
+
+
+def chat_plan(body: ChatCompletionRequest, rendered: str, max_choices: int) -> Plan:
+    if body.tools:
+        raise InvalidParameter("tools", "tools are not supported")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise InvalidParameter("response_format", "only response_format type 'text' is supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _plan(body, (Prompt(text=rendered),), max_tokens, logprobs, max_choices)
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:
+    if isinstance(prompt, str):
+        return (Prompt(text=prompt),)
+    if not prompt:
+        raise InvalidParameter("prompt", "prompt must not be empty")
+    if all(isinstance(p, int) for p in prompt):
+        return (Prompt(token_ids=_ids("prompt", prompt)),)  # type: ignore[arg-type]
+    out = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append(Prompt(text=p))
+        else:
+            out.append(Prompt(token_ids=_ids(f"prompt[{i}]", p)))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def completion_plan(body: CompletionRequest, max_choices: int) -> Plan:
+    if body.echo:
+        raise InvalidParameter("echo", "echo is not supported")
+    if body.suffix:
+        raise InvalidParameter("suffix", "suffix is not supported")
+    prompts = completion_prompts(body.prompt)
+    # OpenAI's default for text completions is 16 tokens (the engine's default too).
+    return _plan(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)

@@ -1,0 +1,225 @@
+"""The OpenAI API's response bodies: chat completions (``chat.completion`` and its
+``chat.completion.chunk`` stream) and text completions (``text_completion``), with usage,
+logprobs in each endpoint's format, and vLLM's ``return_token_ids`` fields. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2
+
+
+class Kind(enum.Enum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self is Kind.CHAT else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self is Kind.CHAT else "text_completion"
+
+    @property
+    def id_prefix(self) -> str:
+        return "chatcmpl-" if self is Kind.CHAT else "cmpl-"
+
+
+class TokenText:
+    """A token's own text (for logprobs), decoded alone and remembered: at most one entry per
+    vocabulary id. A token that is part of a UTF-8 character decodes to U+FFFD, as in vLLM."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if self.tokenizer is None:
+                text = f"token_id:{token_id}"
+            else:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+
+@dataclass
+class ChoiceOutput:
+    """One choice as it accumulates (non-streamed responses, and the usage of streamed ones)."""
+
+    index: int
+    prompt_index: int
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def total_usage(choices: Sequence[ChoiceOutput]) -> dict[str, Any]:
+    """Each prompt counts once (n choices share it), every choice's output counts."""
+    prompts: dict[int, ChoiceOutput] = {}
+    for c in choices:
+        prompts.setdefault(c.prompt_index, c)
+    return usage(
+        sum(len(c.prompt_token_ids) for c in prompts.values()),
+        sum(len(c.token_ids) for c in choices),
+        sum(c.num_cached_tokens for c in prompts.values()),
+    )
+
+
+def _top(entry: common_pb2.TokenLogprobs, text: TokenText) -> list[tuple[str, float]]:
+    return [(text(t), lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
+
+
+def chat_logprobs(entries: Sequence[common_pb2.TokenLogprobs], text: TokenText) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {
+                **one(text(e.token_id), e.logprob),
+                "top_logprobs": [one(t, lp) for t, lp in _top(e, text)],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(
+    entries: Sequence[common_pb2.TokenLogprobs], text: TokenText, choice: ChoiceOutput
+) -> dict[str, Any]:
+    """The legacy format: parallel lists, offsets into the choice's text (advanced here)."""
+    tokens, offsets = [], []
+    for e in entries:
+        token = text(e.token_id)
+        tokens.append(token)
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(_top(e, text)) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _logprobs(
+    kind: Kind,
+    entries: Sequence[common_pb2.TokenLogprobs],
+    text: TokenText,
+    choice: ChoiceOutput,
+) -> dict[str, Any]:
+    if kind is Kind.CHAT:
+        return chat_logprobs(entries, text)
+    return completion_logprobs(entries, text, choice)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every body and chunk of one response shares."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    logprobs: bool
+    return_token_ids: bool
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        obj = self.kind.chunk_object if chunk else self.kind.object
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def response_body(
+    env: Envelope, choices: Sequence[ChoiceOutput], text: TokenText
+) -> dict[str, Any]:
+    """A whole (non-streamed) response."""
+    body = env.head(chunk=False)
+    out = []
+    for c in choices:
+        replay = ChoiceOutput(c.index, c.prompt_index, c.prompt_token_ids)
+        logprobs = _logprobs(env.kind, c.logprobs, text, replay) if env.logprobs else None
+        item: dict[str, Any] = {"index": c.index}
+        if env.kind is Kind.CHAT:
+            item["message"] = {"role": "assistant", "content": c.text}
+        else:
+            item["text"] = c.text
+        item["logprobs"] = logprobs
+        item["finish_reason"] = c.finish_reason
+        if env.return_token_ids:
+            item["token_ids"] = c.token_ids
+            if env.kind is Kind.COMPLETION:
+                item["prompt_token_ids"] = c.prompt_token_ids
+        out.append(item)
+    body["choices"] = out
+    if env.return_token_ids and env.kind is Kind.CHAT and choices:
+        body["prompt_token_ids"] = choices[0].prompt_token_ids
+    body["usage"] = total_usage(choices)
+    return body
+
+
+def chunk_body(
+    env: Envelope,
+    choice: ChoiceOutput,
+    text: str,
+    token_ids: Sequence[int],
+    entries: Sequence[common_pb2.TokenLogprobs],
+    token_text: TokenText,
+    *,
+    first: bool = False,
+    finish_reason: str | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One streamed chunk of one choice. ``first``: the choice's opening chunk, which carries
+    the role (chat: sent before any token, content "") and, with ``return_token_ids``, the
+    prompt's ids."""
+    body = env.head(chunk=True)
+    item: dict[str, Any] = {"index": choice.index}
+    if env.kind is Kind.CHAT:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if text and not first:
+            delta["content"] = text
+        item["delta"] = delta
+    else:
+        item["text"] = text
+    item["logprobs"] = (
+        _logprobs(env.kind, entries, token_text, choice) if env.logprobs and entries else None
+    )
+    item["finish_reason"] = finish_reason
+    if env.return_token_ids:
+        item["token_ids"] = list(token_ids)
+        if first and env.kind is Kind.COMPLETION:
+            item["prompt_token_ids"] = choice.prompt_token_ids
+    body["choices"] = [item]
+    if env.return_token_ids and first and env.kind is Kind.CHAT:
+        body["prompt_token_ids"] = choice.prompt_token_ids
+    if include_usage:
+        body["usage"] = None  # as OpenAI: every chunk has the field, the last one the numbers
+    return body
+
+
+def usage_chunk(env: Envelope, choices: Sequence[ChoiceOutput]) -> dict[str, Any]:
+    body = env.head(chunk=True)
+    body["choices"] = []
+    body["usage"] = total_usage(choices)
+    return body

@@ -1,0 +1,73 @@
+"""The router's HTTP listener: uvicorn serving the OpenAI app on the router's own event loop
+(no extra process, no extra hop), started before the model loads (``/health`` answers 503
+until then) and stopped after the drain.
+
+TLS, when the router has it, is server-only (API keys authenticate clients), from the same
+certificate files as the gRPC port; unlike gRPC's, uvicorn's certificate is read once, so a
+renewal takes effect at the router's next restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+
+from pdserve.common.tls import TlsConfig
+
+logger = logging.getLogger(__name__)
+
+
+class HttpServer:
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsConfig | None) -> None:
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            ssl_certfile=tls.cert_file if tls is not None else None,
+            ssl_keyfile=tls.key_file if tls is not None else None,
+        )
+        self._server = uvicorn.Server(self.config)
+        self._task: asyncio.Task[None] | None = None
+        self._sockets: list[socket.socket] = []
+        self.address = ""
+
+    async def start(self) -> str:
+        """Binds (port 0: an ephemeral one) and listens; then serves in the background. The
+        bound address. (uvicorn's ``serve`` split in its steps: it would also take the
+        process's signals, which belong to the router's drain.)"""
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and
+        # without it an SSE event waits behind the headers for a delayed ACK (~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((self.config.host, self.config.port))
+        self._sockets = [sock]
+        self.config.load()
+        self._server.lifespan = self.config.lifespan_class(self.config)
+        await self._server.startup(sockets=self._sockets)
+        if not self._server.started:
+            raise OSError(f"http: could not listen on {self.config.host}:{self.config.port}")
+        self._task = asyncio.create_task(self._server.main_loop(), name="http")
+        port = sock.getsockname()[1]
+        host = f"[{self.config.host}]" if family == socket.AF_INET6 else self.config.host
+        self.address = f"{host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        """Stops accepting, lets open responses finish briefly (the drain already waited for
+        the requests), closes."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._server.shutdown(sockets=self._sockets)
+        self._task = None

@@ -1,0 +1,256 @@
+"""The OpenAI endpoints' work, between the HTTP shell (``router/openai/app.py``) and the
+router's one generate path (``RouterService.read`` and ``responses``, shared with gRPC: the
+same limits, tokenization off the loop, capacity checks, migration and metrics).
+
+A request runs in four steps: parse the body into a ``Plan`` (``protocol.py``); render the chat
+template (in a thread: a template is code, and messages can be megabytes); read each prompt as
+the gRPC API reads one; run the choices (``choices.py``). A streamed response waits for its
+first token before answering 200, so refusals that come from the workers (no room, no worker)
+still get their HTTP status; after that, an error is a ``data: {"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.types import Receive
+
+from engine.threads import finish_in_thread
+from pdserve.common.convert import finish_reason_from_proto
+from pdserve.v1 import router_pb2
+from router.openai import errors
+from router.openai.chat_template import ChatTemplate
+from router.openai.choices import Choice, merged
+from router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Plan,
+    chat_plan,
+    completion_plan,
+    message_dicts,
+)
+from router.openai.responses import (
+    ChoiceOutput,
+    Envelope,
+    Kind,
+    TokenText,
+    chunk_body,
+    response_body,
+    usage_chunk,
+)
+from router.openai.sse import DONE, disconnected, event
+
+if TYPE_CHECKING:
+    from router.service import RouterService
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response began."""
+
+
+async def until(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client disconnects first (``receive``: the request's, its
+    body already read)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+    return task.result()
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A request ready to run: its choices and the envelope of its response."""
+
+    plan: Plan
+    env: Envelope
+    choices: list[Choice]
+    outputs: list[ChoiceOutput]
+    client_id: str
+    start_s: float
+
+
+class OpenAIServing:
+    def __init__(
+        self, service: RouterService, served_model_name: str, template: ChatTemplate | None
+    ) -> None:
+        self.service = service
+        self.served_model_name = served_model_name
+        self.template = template
+        self.token_text = TokenText(service.tokenizer)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise errors.model_not_found(model, self.served_model_name)
+
+    async def prepare_chat(
+        self, body: ChatCompletionRequest, client_id: str, start_s: float
+    ) -> Prepared:
+        self.check_model(body.model)
+        if self.template is None:
+            raise errors.invalid(
+                "this model has no chat_template (tokenizer_config.json or chat_template.jinja):"
+                " use /v1/completions",
+                "messages",
+            )
+        messages = message_dicts(body)
+        template = self.template
+        rendered = await finish_in_thread(template.render, messages, body.add_generation_prompt)
+        plan = chat_plan(body, rendered, self.service.config.limits.max_choices)
+        return await self._prepare(Kind.CHAT, plan, client_id, start_s, add_special_tokens=False)
+
+    async def prepare_completion(
+        self, body: CompletionRequest, client_id: str, start_s: float
+    ) -> Prepared:
+        self.check_model(body.model)
+        plan = completion_plan(body, self.service.config.limits.max_choices)
+        return await self._prepare(Kind.COMPLETION, plan, client_id, start_s)
+
+    async def _prepare(
+        self,
+        kind: Kind,
+        plan: Plan,
+        client_id: str,
+        start_s: float,
+        add_special_tokens: bool = True,
+    ) -> Prepared:
+        choices: list[Choice] = []
+        outputs: list[ChoiceOutput] = []
+        for p, prompt in enumerate(plan.prompts):
+            request = router_pb2.GenerateRequest(sampling=plan.sampling, request_id=client_id)
+            if prompt.text is not None:
+                request.prompt = prompt.text
+            else:
+                request.prompt_token_ids.extend(prompt.token_ids)
+            prompt_ids, params = await self.service.read(request, add_special_tokens)
+            if plan.fill_context:
+                room = max(1, self.service.max_model_len - len(prompt_ids))
+                params = dataclasses.replace(params, max_tokens=room)
+            for i in range(plan.n):
+                index = p * plan.n + i
+                seed = plan.seed + i if plan.seed is not None else None
+                choice_params = dataclasses.replace(params, seed=seed)
+                choices.append(Choice(index, p, prompt_ids, choice_params))
+                outputs.append(ChoiceOutput(index, p, prompt_ids))
+        env = Envelope(
+            kind,
+            f"{kind.id_prefix}{client_id}",
+            int(time.time()),
+            self.served_model_name,
+            plan.logprobs is not None,
+            plan.return_token_ids,
+        )
+        return Prepared(plan, env, choices, outputs, client_id, start_s)
+
+    def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Any], None]:
+        return merged(self.service, prepared.client_id, prepared.choices, prepared.start_s)
+
+    async def collect(self, prepared: Prepared) -> dict[str, Any]:
+        """A whole (non-streamed) response. Raises what the choices raise."""
+        async with contextlib.aclosing(self._stream(prepared)) as stream:
+            async for index, response in stream:
+                _record(prepared.outputs[index], response)
+        return response_body(prepared.env, prepared.outputs, self.token_text)
+
+    async def start_stream(self, prepared: Prepared) -> AsyncGenerator[bytes, None]:
+        """The SSE events, begun: the first response is awaited here, so that a refusal before
+        any token raises (an HTTP status) instead of becoming an error event."""
+        stream = self._stream(prepared)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await stream.aclose()
+            raise
+        return self._events(prepared, stream, first)
+
+    async def _events(
+        self,
+        prepared: Prepared,
+        stream: AsyncGenerator[tuple[int, Any], None],
+        first: tuple[int, Any] | None,
+    ) -> AsyncGenerator[bytes, None]:
+        env, outputs, plan = prepared.env, prepared.outputs, prepared.plan
+        text = self.token_text
+        # OpenAI's rule: with include_usage, every chunk has a usage field (null but the last).
+        usage = plan.include_usage
+        opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
+        if env.kind is Kind.CHAT:
+            for c in outputs:
+                yield event(chunk_body(env, c, "", [], [], text, first=True, include_usage=usage))
+        try:
+            async with contextlib.aclosing(stream):
+                async for index, response in _prepend(first, stream):
+                    c = outputs[index]
+                    _record(c, response)
+                    if response.HasField("final"):
+                        body = chunk_body(
+                            env, c, "", [], [], text, finish_reason=c.finish_reason,
+                            include_usage=usage,
+                        )  # fmt: skip
+                        yield event(body)
+                        continue
+                    chunk = response.chunk
+                    # Tokens without text yet (a partial UTF-8 character, held back) make a
+                    # chunk only when the client asked to see tokens.
+                    if not chunk.text and not (
+                        chunk.token_ids and (env.logprobs or env.return_token_ids)
+                    ):
+                        continue
+                    opening, opened[index] = not opened[index], True
+                    body = chunk_body(
+                        env, c, chunk.text, chunk.token_ids, chunk.logprobs, text,
+                        first=opening, include_usage=usage,
+                    )  # fmt: skip
+                    yield event(body)
+            if plan.include_usage:
+                yield event(usage_chunk(env, outputs))
+        except Exception as exc:
+            error = errors.from_exception(exc)
+            if error is None:
+                logger.exception("request_id=%s failed mid-stream", prepared.client_id)
+                error = errors.internal(prepared.client_id)
+            yield event(error.body())
+        yield DONE
+
+
+async def _prepend(
+    first: tuple[int, Any] | None, stream: AsyncGenerator[tuple[int, Any], None]
+) -> AsyncGenerator[tuple[int, Any], None]:
+    if first is not None:
+        yield first
+    async for item in stream:
+        yield item
+
+
+def _record(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
+    if response.HasField("chunk"):
+        choice.text += response.chunk.text
+        choice.token_ids.extend(response.chunk.token_ids)
+        choice.logprobs.extend(response.chunk.logprobs)
+    else:
+        final = response.final
+        choice.finish_reason = finish_reason_from_proto(final.finish_reason)
+        choice.num_cached_tokens = final.usage.cached_tokens
+
+
+def new_client_id(header: str | None) -> str:
+    """The client's ``X-Request-Id`` (length-checked with the request), or a fresh one."""
+    return header if header else uuid.uuid4().hex

@@ -1,0 +1,100 @@
+"""Server-Sent Events for the streamed OpenAI responses: ``data: <json>\n\n`` per event, then
+``data: [DONE]\n\n``.
+
+A raw ASGI response rather than Starlette's ``StreamingResponse``, for two guarantees: a client
+that disconnects is noticed at once (a task listens for ``http.disconnect``), not at the next
+write, and every write is bounded by ``client_idle_timeout_s``, so a client that stops reading
+is dropped. Either way the event source is closed, which cancels the request on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pdserve.common import metrics
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(data: dict[str, Any]) -> bytes:
+    """One SSE event; compact JSON, which never holds a raw newline."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream(Response):
+    """A Starlette ``Response`` (so FastAPI hands it over as is) with its own ``__call__``."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        idle_timeout_s: float,
+        request_id: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.idle_timeout_s = idle_timeout_s
+        self.request_id = request_id
+        self.extra_headers = {
+            "content-type": "text/event-stream; charset=utf-8",
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",  # proxies (nginx) must not buffer the stream
+            **(headers or {}),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.create_task(self._pump(send))
+        watch = asyncio.create_task(disconnected(receive))
+        try:
+            await asyncio.wait([pump, watch], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+        if watch.done() and not watch.cancelled() and not pump.done():
+            logger.info("request_id=%s: the client disconnected mid-stream", self.request_id)
+        failure = pump.exception() if pump.done() and not pump.cancelled() else None
+        if failure is not None and not isinstance(failure, OSError):  # OSError: client gone
+            raise failure
+
+    async def _pump(self, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(k.encode(), v.encode()) for k, v in self.extra_headers.items()],
+            }
+        )
+        try:
+            async with contextlib.aclosing(self.events) as events:
+                async for data in events:
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        await send({"type": "http.response.body", "body": data, "more_body": True})
+        except TimeoutError:
+            metrics.CLIENT_IDLE_CANCELS.inc()
+            logger.warning(
+                "request_id=%s cancelled: the client read nothing for %.0f s",
+                self.request_id,
+                self.idle_timeout_s,
+            )
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the request body must have been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

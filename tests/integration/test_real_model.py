@@ -1,0 +1,101 @@
+"""The real chat model (SmolLM2-135M-Instruct, fetched and converted once into ``models/``):
+its chat template renders as transformers renders it, the engine decodes exactly as HF
+transformers does on chat prompts, and the OpenAI API of a disaggregated cluster answers
+exactly what one engine answers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from engine.tokenizer import Tokenizer
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from router.openai.chat_template import ChatTemplate
+
+pytestmark = pytest.mark.slow
+QUESTIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "What color is the sky?"},
+    ],
+]
+
+
+def hf_prompt(model_dir: Path, messages: list[dict[str, str]]) -> list[int]:
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_the_real_template_renders_as_transformers(chat_model_dir: Path) -> None:
+    template = ChatTemplate.from_dir(chat_model_dir)
+    tokenizer = Tokenizer.from_dir(chat_model_dir)
+    assert template is not None and tokenizer is not None
+    for messages in QUESTIONS:
+        for add_generation_prompt in (True, False):
+            ours = tokenizer.encode(
+                template.render(messages, add_generation_prompt), add_special_tokens=False
+            )
+            theirs = AutoTokenizer.from_pretrained(chat_model_dir).apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
+            assert ours == list(theirs["input_ids"] if hasattr(theirs, "keys") else theirs)
+
+
+@pytest.fixture(scope="module")
+def engine(chat_model_dir: Path) -> LLM:
+    return LLM(str(chat_model_dir))
+
+
+def test_the_engine_decodes_as_hf_transformers(chat_model_dir: Path, engine: LLM) -> None:
+    model = AutoModelForCausalLM.from_pretrained(chat_model_dir, dtype=torch.float32).eval()
+    for messages in QUESTIONS:
+        prompt = hf_prompt(chat_model_dir, messages)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, top_p=None, top_k=None
+            )
+        want = out[0, len(prompt) :].tolist()
+        (got,) = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+        # HF stops at EOS (included); the engine too.
+        assert got.token_ids == want[: len(got.token_ids)] and len(got.token_ids) == len(want)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    config = ClusterConfig(
+        model=str(chat_model_dir),
+        router_http_port=0,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        router_args=("--local-prefill-tokens", "0", "--served-model-name", "smollm2"),
+    )
+    with LocalCluster(config) as c:
+        yield c
+
+
+def test_the_openai_api_answers_a_question(
+    cluster: LocalCluster, chat_model_dir: Path, engine: LLM
+) -> None:
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0)
+    r = client.chat.completions.create(
+        model="smollm2",
+        messages=QUESTIONS[0],  # type: ignore[arg-type]
+        max_tokens=32,
+        temperature=0.0,
+        extra_body={"return_token_ids": True},
+    )
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    prompt = hf_prompt(chat_model_dir, QUESTIONS[0])
+    (ref,) = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))
+    assert r.choices[0].model_extra["token_ids"] == ref.token_ids  # type: ignore[index]

@@ -1,0 +1,267 @@
+"""The OpenAI API's pure parts, with exact values: request bodies into plans, refusals by
+name, the error map, and the response shapes (usage, both logprobs formats, chunks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pydantic
+import pytest
+
+from pdserve.v1 import common_pb2
+from router.dispatch import WorkerError
+from router.openai import errors
+from router.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParameter,
+    Prompt,
+    chat_plan,
+    completion_plan,
+    message_dicts,
+)
+from router.openai.responses import (
+    ChoiceOutput,
+    Envelope,
+    Kind,
+    TokenText,
+    chunk_body,
+    response_body,
+    usage_chunk,
+)
+from router.prompts import Overloaded
+
+
+def completion(**body: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hi", **body})
+
+
+def chat(**body: Any) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "hi"}]
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **body})
+
+
+def test_a_completion_plan_sets_only_what_was_given() -> None:
+    plan = completion_plan(
+        completion(prompt=[[1, 2], [3]], n=3, seed=5, temperature=0.5, stop="x", top_k=4),
+        max_choices=64,
+    )
+    assert plan.prompts == (Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,)))
+    assert plan.num_choices == 6 and plan.seed == 5 and not plan.fill_context
+    expected = common_pb2.SamplingParams(max_tokens=16, temperature=0.5, top_k=4, stop=["x"])
+    assert plan.sampling == expected  # OpenAI's default of 16 tokens; no seed inside
+    assert plan.logprobs is None and not plan.stream and not plan.include_usage
+
+
+def test_prompt_shapes() -> None:
+    for prompt, want in (
+        ("a", (Prompt(text="a"),)),
+        (["a", "b"], (Prompt(text="a"), Prompt(text="b"))),
+        ([1, 2, 3], (Prompt(token_ids=(1, 2, 3)),)),
+        ([[1], [2, 3]], (Prompt(token_ids=(1,)), Prompt(token_ids=(2, 3)))),
+    ):
+        assert completion_plan(completion(prompt=prompt), 64).prompts == want
+    with pytest.raises(InvalidParameter) as err:
+        completion_plan(completion(prompt=[]), 64)
+    assert err.value.param == "prompt"
+    with pytest.raises(InvalidParameter) as err:
+        completion_plan(completion(prompt=[[1], [-1]]), 64)
+    assert err.value.param == "prompt[1]"
+
+
+def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
+    plan = chat_plan(chat(logprobs=True, top_logprobs=3), "rendered", 64)
+    assert plan.prompts == (Prompt(text="rendered"),) and plan.fill_context
+    assert plan.logprobs == 3 and plan.sampling.logprobs == 3
+    assert not plan.sampling.HasField("max_tokens")
+    capped = chat_plan(chat(max_completion_tokens=7, max_tokens=99), "r", 64)
+    assert capped.sampling.max_tokens == 7 and not capped.fill_context
+    assert chat_plan(chat(logprobs=True), "r", 64).logprobs == 0
+    streamed = chat_plan(chat(stream=True, stream_options={"include_usage": True}), "r", 64)
+    assert streamed.stream and streamed.include_usage
+
+
+@pytest.mark.parametrize(
+    ("build", "param"),
+    [
+        (lambda: completion_plan(completion(presence_penalty=0.1), 64), "presence_penalty"),
+        (lambda: completion_plan(completion(frequency_penalty=-1), 64), "frequency_penalty"),
+        (lambda: completion_plan(completion(logit_bias={"5": 1.0}), 64), "logit_bias"),
+        (lambda: completion_plan(completion(echo=True), 64), "echo"),
+        (lambda: completion_plan(completion(n=65), 64), "n"),
+        (lambda: completion_plan(completion(prompt=["a"] * 9, n=8), 64), "n"),
+        (lambda: completion_plan(completion(seed=-1), 64), "seed"),
+        (lambda: completion_plan(completion(logprobs=21), 64), "logprobs"),
+        (lambda: completion_plan(completion(top_k=1 << 40), 64), "top_k"),
+        (lambda: completion_plan(completion(stream_options={"include_usage": True}), 64),
+         "stream_options"),
+        (lambda: chat_plan(chat(top_logprobs=2), "r", 64), "top_logprobs"),
+        (lambda: chat_plan(chat(tools=[{"type": "function"}]), "r", 64), "tools"),
+        (lambda: chat_plan(chat(response_format={"type": "json_object"}), "r", 64),
+         "response_format"),
+    ],
+)  # fmt: skip
+def test_unsupported_or_bad_fields_are_refused_by_name(build: Any, param: str) -> None:
+    with pytest.raises(InvalidParameter) as err:
+        build()
+    assert err.value.param == param and param.split("[")[0] in str(err.value)
+
+
+def test_zero_penalties_and_unknown_fields_pass() -> None:
+    plan = completion_plan(
+        completion(presence_penalty=0, frequency_penalty=0.0, user="u", something_new=1), 64
+    )
+    assert plan.num_choices == 1
+
+
+def test_messages_become_template_dicts() -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": [
+                    {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+                ]},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},
+            ],
+        }
+    )  # fmt: skip
+    assert message_dicts(body) == [
+        {"role": "system", "content": "a\nb"},
+        {"role": "assistant", "tool_calls": [{"id": "1"}]},
+    ]
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(InvalidParameter) as err:
+        message_dicts(chat(messages=[{"role": "user", "content": image}]))
+    assert err.value.param == "messages[0].content[0].type"
+    with pytest.raises(InvalidParameter) as err:
+        message_dicts(chat(messages=[]))
+    assert err.value.param == "messages"
+
+
+def test_validation_errors_name_the_field() -> None:
+    with pytest.raises(pydantic.ValidationError) as err:
+        CompletionRequest.model_validate({"prompt": {"not": "valid"}})
+    error = errors.from_validation(err.value)
+    assert (error.status, error.param) == (400, "prompt")
+    assert error.message.startswith("prompt: must be a string, a list of strings")
+    with pytest.raises(pydantic.ValidationError) as err:
+        ChatCompletionRequest.model_validate({"messages": [{"content": "x"}]})
+    assert errors.from_validation(err.value).param == "messages[0].role"
+    with pytest.raises(pydantic.ValidationError) as err:
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": 0})
+    assert errors.from_validation(err.value).param == "max_tokens"
+
+
+def test_the_error_map() -> None:
+    cases: list[tuple[BaseException, int, str | None, str | None]] = [
+        (ValueError("temperature must be a finite number >= 0, got -1"), 400, "temperature", None),
+        (ValueError("prompt_token_ids has 600 tokens, more than max_model_len 512"), 400,
+         "prompt", None),
+        (ValueError("no decode worker can hold 9999 prompt tokens"), 400, None, None),
+        (Overloaded("64 prompts are waiting"), 429, None, "1"),
+        (WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker 10.0.0.1:5: full"), 429,
+         None, "1"),
+        (WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"), 503, None, "1"),
+        (WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "seed must be >= 0"), 400, "seed", None),
+    ]  # fmt: skip
+    for exc, status, param, retry in cases:
+        error = errors.from_exception(exc)
+        assert error is not None, exc
+        assert (error.status, error.param, error.headers().get("Retry-After")) == (
+            status, param, retry
+        ), exc  # fmt: skip
+        assert "10.0.0.1" not in error.message  # no internal addresses to clients
+    assert errors.from_exception(WorkerError(grpc.StatusCode.INTERNAL, "boom")) is None
+    assert errors.from_exception(KeyError("x")) is None
+    assert errors.internal("r1").body() == {
+        "error": {
+            "message": "internal error (request id r1)",
+            "type": "internal_error",
+            "param": None,
+            "code": "internal_error",
+        }
+    }
+
+
+ENTRIES = [
+    common_pb2.TokenLogprobs(
+        token_id=1, logprob=-0.5, top_token_ids=[1, 2], top_logprobs=[-0.5, -1.5]
+    ),
+    common_pb2.TokenLogprobs(token_id=2, logprob=-0.25, top_token_ids=[2], top_logprobs=[-0.25]),
+]
+
+
+class _Text(TokenText):
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def __call__(self, token_id: int) -> str:
+        return {1: "ab", 2: "é"}[token_id]
+
+
+def test_response_bodies_usage_and_logprobs() -> None:
+    text = _Text()
+    choices = [
+        ChoiceOutput(0, 0, [7, 8, 9], "abé", [1, 2], list(ENTRIES), "length", 3),
+        ChoiceOutput(1, 0, [7, 8, 9], "ab", [1], ENTRIES[:1], "stop", 3),
+    ]
+    env = Envelope(Kind.COMPLETION, "cmpl-r", 100, "m", True, True)
+    body = response_body(env, choices, text)
+    assert body["usage"] == {
+        "prompt_tokens": 3,  # one prompt, n=2: counted once
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    first = body["choices"][0]
+    assert first["logprobs"] == {
+        "tokens": ["ab", "é"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{"ab": -0.5, "é": -1.5}, {"é": -0.25}],
+        "text_offset": [0, 2],
+    }
+    assert (first["token_ids"], first["prompt_token_ids"]) == ([1, 2], [7, 8, 9])
+    chat_env = Envelope(Kind.CHAT, "chatcmpl-r", 100, "m", True, True)
+    chat_body = response_body(chat_env, choices[:1], text)
+    assert chat_body["object"] == "chat.completion" and chat_body["prompt_token_ids"] == [7, 8, 9]
+    assert chat_body["choices"][0]["message"] == {"role": "assistant", "content": "abé"}
+    assert chat_body["choices"][0]["logprobs"]["content"][1] == {
+        "token": "é",
+        "logprob": -0.25,
+        "bytes": [195, 169],
+        "top_logprobs": [{"token": "é", "logprob": -0.25, "bytes": [195, 169]}],
+    }
+
+
+def test_chunks() -> None:
+    text = _Text()
+    c = ChoiceOutput(0, 0, [7, 8])
+    env = Envelope(Kind.CHAT, "chatcmpl-r", 100, "m", False, True)
+    opening = chunk_body(env, c, "", [], [], text, first=True, include_usage=True)
+    assert opening == {
+        "id": "chatcmpl-r",
+        "object": "chat.completion.chunk",
+        "created": 100,
+        "model": "m",
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+             "finish_reason": None, "token_ids": []}
+        ],
+        "prompt_token_ids": [7, 8],
+        "usage": None,
+    }  # fmt: skip
+    tokens = chunk_body(env, c, "ab", [1], ENTRIES[:1], text)
+    assert tokens["choices"][0]["delta"] == {"content": "ab"}
+    assert tokens["choices"][0]["token_ids"] == [1] and "usage" not in tokens
+    end = chunk_body(env, c, "", [], [], text, finish_reason="stop")
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    completion_env = Envelope(Kind.COMPLETION, "cmpl-r", 100, "m", True, False)
+    legacy = chunk_body(completion_env, c, "ab", [1], ENTRIES[:1], text, first=True)
+    assert legacy["choices"][0]["text"] == "ab"
+    assert legacy["choices"][0]["logprobs"]["text_offset"] == [0]
+    again = chunk_body(completion_env, c, "é", [2], ENTRIES[1:], text)
+    assert again["choices"][0]["logprobs"]["text_offset"] == [2]  # continues the choice's text
+    c.token_ids.extend([1, 2])
+    assert usage_chunk(completion_env, [c])["usage"]["completion_tokens"] == 2
