@@ -27,8 +27,8 @@ FRONTENDS = ("grpc", "http")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--requests", type=int, default=160, help="requests per frontend (160)")
-    p.add_argument("--rounds", type=int, default=4, help="alternating rounds per frontend")
+    p.add_argument("--requests", type=int, default=320, help="requests per frontend (320)")
+    p.add_argument("--rounds", type=int, default=8, help="alternating rounds per frontend")
     p.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (4)")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)

@@ -34,12 +34,14 @@ T = TypeVar("T")
 
 
 class WorkerError(Exception):
-    """A worker's failure, already phrased for the client."""
+    """A worker's failure, already phrased for the client. ``never``: no worker could ever
+    serve this request (too large for any of them): retrying is pointless."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, never: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.never = never
 
 
 class WorkerLost(WorkerError):
@@ -215,6 +217,7 @@ class Dispatcher:
             raise WorkerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no colocated worker can hold {len(prompt_ids)} prompt tokens",
+                never=True,
             )
         if self.config.colocated:  # every prompt, whatever is cached: load-ranked choice
             metrics.ROUTING_DECISIONS.labels("decode", "colocated", "colocated").inc()
@@ -256,6 +259,7 @@ class Dispatcher:
                 raise WorkerError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"no decode worker can hold {num_prompt_tokens} prompt tokens",
+                    never=True,
                 )
             denials: list[str] = []
             for worker in workers:

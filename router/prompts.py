@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TypeVar
 
 from engine.prompt import validate_prompt, validate_token_ids
 from engine.sampling_params import SamplingParams
@@ -16,6 +17,8 @@ from pdserve.common import metrics
 from pdserve.common.convert import sampling_from_proto
 from pdserve.v1 import router_pb2
 from router.limits import RequestLimits, check_request
+
+T = TypeVar("T")
 
 
 class Overloaded(Exception):
@@ -57,9 +60,12 @@ class PromptReader:
             ids = tokenizer.encode(request.prompt, add_special_tokens)
             return validate_prompt(ids, None, vocab_size, max_model_len, "prompt")
 
-        return await self._in_thread(tokenize), params
+        return await self.in_thread(tokenize), params
 
-    async def _in_thread(self, tokenize: Callable[[], list[int]]) -> list[int]:
+    async def in_thread(self, work: Callable[[], T]) -> T:
+        """``work`` (a tokenization, a chat template's rendering) in a thread, at most
+        ``max_concurrent_tokenizations`` at once and ``max_queued_tokenizations`` waiting;
+        past that, ``Overloaded``."""
         if self._queued >= self.limits.max_queued_tokenizations:
             raise Overloaded(
                 f"{self._queued} prompts are waiting for tokenization, the limit "
@@ -74,7 +80,7 @@ class PromptReader:
         metrics.TOKENIZATIONS_IN_FLIGHT.inc()
         try:
             # A cancelled request still waits for its thread: the slot bounds real work.
-            return await finish_in_thread(tokenize)
+            return await finish_in_thread(work)
         finally:
             metrics.TOKENIZATIONS_IN_FLIGHT.dec()
             self._slots.release()

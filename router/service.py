@@ -181,17 +181,26 @@ class RouterService(Service):
         self.check_capacity(len(prompt_ids))
         return prompt_ids, params
 
+    def track(self) -> InFlight:
+        """One public request, counted in flight from its admission to its last byte (drain
+        waits for it). Every frontend takes one per request and ends it exactly once."""
+        self._inflight += 1
+        metrics.ROUTER_INFLIGHT.inc()
+        return InFlight(self)
+
+    def _ended(self) -> None:
+        self._inflight -= 1
+        metrics.ROUTER_INFLIGHT.dec()
+
     async def responses(
         self, client_id: str, prompt_ids: list[int], params: SamplingParams, start_s: float
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        """One validated request's stream, counted in flight (drain waits for it), under a
-        request id unique on the workers even if clients reuse theirs. Every frontend's."""
+        """One validated request's stream under a request id unique on the workers even if
+        clients reuse theirs. Every frontend's (inside its ``track``)."""
         request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
         out = OutputStream(
             self.tokenizer, prompt_ids, params, self.model_config.eos_token_ids, start_s
         )
-        self._inflight += 1
-        metrics.ROUTER_INFLIGHT.inc()
         try:
             stream = self.generation.generate(request_id, client_id, prompt_ids, params, out)
             async with contextlib.aclosing(stream):
@@ -201,9 +210,6 @@ class RouterService(Service):
             metrics.REQUEST_ERRORS.labels(exc.code.name).inc()
             logger.warning("request_id=%s failed: %s %s", request_id, exc.code.name, exc.message)
             raise
-        finally:
-            self._inflight -= 1
-            metrics.ROUTER_INFLIGHT.dec()
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """A prompt no worker of a needed pool could ever hold is refused before any work."""
@@ -225,6 +231,10 @@ class RouterService(Service):
         """A server stream written with ``context.write`` (not yielded): each write is bounded
         by ``client_idle_timeout_s``, so a client that stops reading is cancelled, and what it
         held on the workers freed, instead of pinning them forever."""
+        with self.track():
+            await self._generate(data, context)
+
+    async def _generate(self, data: bytes, context: grpc.aio.ServicerContext) -> None:
         start_s = time.perf_counter()
         if not self.authorized(bearer(context.invocation_metadata())):
             await context.abort(
@@ -273,3 +283,21 @@ class RouterService(Service):
             )
         except WorkerError as exc:
             await context.abort(exc.code, exc.message)
+
+
+class InFlight:
+    """A request counted in flight (``RouterService.track``); ``end`` is idempotent."""
+
+    def __init__(self, service: RouterService) -> None:
+        self._service: RouterService | None = service
+
+    def end(self) -> None:
+        if self._service is not None:
+            self._service._ended()
+            self._service = None
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()

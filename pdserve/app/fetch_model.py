@@ -144,6 +144,9 @@ def fetch_model(
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return out, False
+    if out.exists() and not marker.is_file() and any(out.iterdir()):
+        # Replaced only when it is ours (another dtype, version): never a user's directory.
+        raise ValueError(f"{out} is not empty and holds no {MARKER}: choose a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdserve-fetch-", dir=out.parent) as tmp:
         work = Path(tmp)

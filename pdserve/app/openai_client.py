@@ -50,15 +50,18 @@ async def stream(
     api_key: str | None = None,
     on_text: Callable[[str], None] = lambda text: None,
     clock: Callable[[], float] = time.perf_counter,
+    server_hostname: str | None = None,
 ) -> StreamResult:
     """POSTs ``body`` (``stream: true`` is set) to ``path`` (``/v1/chat/completions`` or
     ``/v1/completions``). A chunk's tokens are counted from ``token_ids`` when the body asks
-    for ``return_token_ids``, else one per chunk with text. Raises ``ApiError`` (and
+    for ``return_token_ids``, else one per chunk with text. ``server_hostname``: the name to
+    verify in an https router's certificate (a port-forward). Raises ``ApiError`` (and
     ``aiohttp.ClientError`` when the connection fails)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     result = StreamResult()
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    async with session.post(path, json=payload, headers=headers) as response:
+    post = session.post(path, json=payload, headers=headers, server_hostname=server_hostname)
+    async with post as response:
         if response.status != 200:
             raise ApiError(response.status, _error_message(await response.read()))
         async for raw in response.content:  # one line at a time

@@ -28,9 +28,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     kwargs: dict[str, object] = {}
     for name in _OPTIONAL_INTS + _OPTIONAL_FLOATS:
         if msg.HasField(name):  # type: ignore[arg-type]
-            value = getattr(msg, name)
-            # float32 on the wire: 0.7 arrives as 0.699999988; round back to what was sent.
-            kwargs[name] = float(f"{value:.7g}") if name in _OPTIONAL_FLOATS else value
+            kwargs[name] = getattr(msg, name)
     return SamplingParams(
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),

@@ -45,7 +45,8 @@ Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 @_typing.final
 class SamplingParams(_message.Message):
     """Sampling parameters. Unset optional fields take the engine defaults
-    (max_tokens 16, temperature 1.0, top_p 1.0, top_k disabled, min_p 0).
+    (max_tokens 16, temperature 1.0, top_p 1.0, top_k disabled, min_p 0). The real-valued ones
+    are doubles: the engine samples with exactly the value the client sent.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

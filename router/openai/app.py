@@ -11,7 +11,6 @@ parsing; a large one is parsed off the event loop. Errors have OpenAI's shape
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from router.openai import errors
 from router.openai.chat_template import ChatTemplate
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.serving import ClientGone, OpenAIServing, Prepared, new_client_id, until
-from router.openai.sse import EventStream
+from router.openai.sse import BoundedResponse, EventStream
 
 if TYPE_CHECKING:
     from router.service import RouterService
@@ -40,6 +39,7 @@ _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "
 
 
 def error_response(error: errors.ApiError, request_id: str | None = None) -> JSONResponse:
+    metrics.REQUEST_ERRORS.labels(_CODE_NAMES.get(error.status, "INTERNAL")).inc()
     headers = error.headers()
     if request_id:
         headers["x-request-id"] = request_id
@@ -62,16 +62,22 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _parse(model: type[pydantic.BaseModel], data: bytes) -> Any:
+    """pydantic parses the JSON itself (strict types, bounded nesting, no Python dicts)."""
     try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise errors.invalid(f"the body is not valid JSON: {exc}", "body") from None
-    if not isinstance(raw, dict):
-        raise errors.invalid("the body must be a JSON object", "body")
-    try:
-        return model.model_validate(raw)
+        return model.model_validate_json(data)
     except pydantic.ValidationError as exc:
         raise errors.from_validation(exc) from None
+
+
+# pdserve_request_errors_total counts refusals by gRPC code name, for both frontends.
+_CODE_NAMES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    404: "NOT_FOUND",
+    413: "RESOURCE_EXHAUSTED",
+    429: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+}
 
 
 class _CountRequests:
@@ -140,9 +146,16 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    async def run(request: Request, kind: type[pydantic.BaseModel]) -> Response | EventStream:
+    async def run(request: Request, kind: type[pydantic.BaseModel]) -> Response:
         start_s = time.perf_counter()
         admit(request)
+        inflight = service.track()  # from admission to the last byte: drain waits for it
+        try:
+            return await respond(request, kind, start_s)
+        finally:
+            inflight.end()
+
+    async def respond(request: Request, kind: type[pydantic.BaseModel], start_s: float) -> Response:
         data = await read_body(request, config.limits.max_request_bytes)
         body = (
             _parse(kind, data)
@@ -151,6 +164,7 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
         )
         client_id = new_client_id(request.headers.get("x-request-id"))
         headers = {"x-request-id": client_id}
+        idle_s = config.client_idle_timeout_s
         try:
             prepared: Prepared
             if isinstance(body, ChatCompletionRequest):
@@ -158,10 +172,14 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
             else:
                 prepared = await serving.prepare_completion(body, client_id, start_s)
             if prepared.plan.stream:
-                events = await until(request.receive, serving.start_stream(prepared))
-                return EventStream(events, config.client_idle_timeout_s, client_id, headers)
+                started = await until(request.receive, serving.start_stream(prepared))
+                # The stream's own count: it outlives this handler.
+                counted = service.track()
+                return EventStream(
+                    started.events, started.close, idle_s, client_id, headers, counted.end
+                )
             result = await until(request.receive, serving.collect(prepared))
-            return JSONResponse(result, headers=headers)
+            return BoundedResponse(result, idle_s, headers)
         except ClientGone:
             logger.info("request_id=%s: the client left before its response", client_id)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed")

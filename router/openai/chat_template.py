@@ -1,31 +1,67 @@
 """A model's chat template, rendered as transformers' ``apply_chat_template`` renders it (the
 router stays torch-free: Jinja only).
 
-The template comes from ``tokenizer_config.json`` (``chat_template``) or ``chat_template.jinja``.
-It is untrusted code from a model directory, so it runs in Jinja's immutable sandbox, with the
-same environment transformers gives it: trimmed blocks, loop controls, a ``tojson`` that does
-not escape HTML, ``raise_exception``, ``strftime_now``, and the tokenizer's special tokens as
-variables. The rendered text is then tokenized without adding special tokens (the template
-wrote them).
+The template comes from ``chat_template.jinja`` or, without one, ``tokenizer_config.json``'s
+``chat_template`` (transformers' precedence). It is untrusted code from a model directory, so it
+runs in Jinja's immutable sandbox, with the environment transformers gives it: trimmed blocks,
+loop controls, the ``{% generation %}`` tag (a no-op here: no assistant masks are asked for),
+a ``tojson`` that does not escape HTML, ``raise_exception``, ``strftime_now``, the tokenizer's
+special tokens as variables, ``tools`` and ``documents`` (None), and reasoning fields aliased
+as transformers aliases them. The rendered text is then tokenized without adding special
+tokens (the template wrote them).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+_SPECIAL = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# transformers fills `reasoning_content` (and `thinking`, for gpt-oss templates) from these.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplateError(ValueError):
     """A template that fails on these messages: the client's 400 (field ``messages``)."""
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks assistant text with it
+    (for training masks); rendering it is just its body."""
+
+    tags = {"generation"}  # noqa: RUF012  (jinja2.ext.Extension declares a set)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _raise_exception(message: str) -> None:
@@ -49,9 +85,11 @@ def _strftime_now(format: str) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+    def __init__(self, source: str, special_tokens: Mapping[str, Any]) -> None:
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[jinja2.ext.loopcontrols, _Generation],
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -68,20 +106,26 @@ class ChatTemplate:
         config: dict[str, Any] = {}
         if config_path.is_file():
             config = json.loads(config_path.read_text())
-        source = config.get("chat_template")
-        if isinstance(source, list):  # named templates: the default one
-            source = next((t.get("template") for t in source if t.get("name") == "default"), None)
         jinja_path = path / "chat_template.jinja"
-        if not source and jinja_path.is_file():
-            source = jinja_path.read_text()
+        source: Any = jinja_path.read_text() if jinja_path.is_file() else None
+        if not source:  # transformers: the .jinja file takes priority
+            source = config.get("chat_template")
+            if isinstance(source, list):  # named templates: the default one
+                default = (t.get("template") for t in source if t.get("name") == "default")
+                source = next(default, None)
         if not isinstance(source, str) or not source:
             return None
-        special = {}
+        special: dict[str, Any] = {}
         for name in _SPECIAL:
             value = config.get(name)
             text = value.get("content") if isinstance(value, dict) else value
             if isinstance(text, str):
                 special[name] = text
+        extra = config.get("additional_special_tokens") or config.get("extra_special_tokens")
+        if isinstance(extra, list):
+            special["additional_special_tokens"] = [
+                t.get("content") if isinstance(t, dict) else t for t in extra
+            ]
         return cls(source, special)
 
     def render(
@@ -89,10 +133,12 @@ class ChatTemplate:
     ) -> str:
         """The prompt text. Messages are plain dicts (None values dropped, as transformers
         does). Raises ``ChatTemplateError`` when the template refuses them."""
-        plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        plain = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
             return self._template.render(
                 messages=plain,
+                tools=None,
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
             )

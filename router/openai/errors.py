@@ -121,6 +121,11 @@ def from_validation(exc: pydantic.ValidationError) -> ApiError:
     first = exc.errors(include_url=False)[0]
     loc = first.get("loc", ())
     message = str(first.get("msg", "invalid"))
+    kind = str(first.get("type", ""))
+    if kind.startswith("json"):  # the body is not JSON at all
+        return ApiError(400, f"the body is not valid JSON: {message}", param="body")
+    if not loc and kind.startswith("model"):
+        return ApiError(400, "the body must be a JSON object", param="body")
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     # A union's branches appear in the location; the field is what comes before them.
     param = re.split(r"\.(str|int|list|function-|json-)", path)[0] or None
@@ -157,7 +162,7 @@ def from_exception(exc: BaseException) -> ApiError | None:
         )
     if isinstance(exc, WorkerError):
         status = _GRPC_TO_HTTP.get(exc.code)
-        if status == 400:
+        if status == 400 or exc.never:
             return invalid(exc.message)
         if status == 429:
             return ApiError(

@@ -2,9 +2,11 @@
 ``Plan``: which prompts, how many choices, what sampling. Pure: no I/O.
 
 Fields follow OpenAI's API and vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``, ``return_token_ids``). Unknown fields are ignored, as vLLM and SGLang do;
-known fields pdserve cannot honour (penalties, ``logit_bias``, ``echo``, tools) are refused by
-name rather than silently dropped.
+``stop_token_ids``, ``return_token_ids``). Every optional field may be ``null`` (its default),
+as OpenAI's spec allows. Types are strict (JSON types as the spec says: ``true`` is not 1,
+``"5"`` is not 5). Unknown fields are ignored, as vLLM and SGLang do; known fields pdserve
+cannot honour (penalties, ``logit_bias``, ``echo``, tools and functions) are refused by name
+rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from pdserve.v1 import common_pb2
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _Sampling(_Body):
@@ -31,10 +33,10 @@ class _Sampling(_Body):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(default=1, ge=1)
+    n: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -45,9 +47,9 @@ class _Sampling(_Body):
     # vLLM's extras.
     top_k: int | None = None
     min_p: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = None
 
 
 class ContentPart(_Body):
@@ -57,7 +59,7 @@ class ContentPart(_Body):
 
 class ChatMessage(BaseModel):
     # Extra fields (tool_calls, tool_call_id, ...) go to the template, as transformers passes them.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
 
@@ -65,17 +67,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # None: True
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
 
 
@@ -126,7 +130,7 @@ def _refuse_unsupported(body: _Sampling) -> None:
         )
     if body.logit_bias:
         raise InvalidParameter("logit_bias", "logit_bias is not supported")
-    if body.best_of is not None and body.best_of != body.n:
+    if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidParameter("best_of", "best_of is not supported (other than equal to n)")
     if body.stream_options is not None and not body.stream:
         raise InvalidParameter("stream_options", "stream_options needs stream: true")
@@ -135,7 +139,7 @@ def _refuse_unsupported(body: _Sampling) -> None:
 def _sampling(body: _Sampling, max_tokens: int | None) -> common_pb2.SamplingParams:
     """Only what was given is set: the engine's defaults (and SamplingParams' own validation,
     which names each field) apply to the rest."""
-    msg = common_pb2.SamplingParams(ignore_eos=body.ignore_eos)
+    msg = common_pb2.SamplingParams(ignore_eos=bool(body.ignore_eos))
     given = {"max_tokens": max_tokens, **{n: getattr(body, n) for n in _NUMBERS}}
     for name, value in given.items():
         if value is not None:
@@ -185,22 +189,21 @@ def _plan(
     max_choices: int,
 ) -> Plan:
     _refuse_unsupported(body)
-    _check_choices(len(prompts), body.n, max_choices)
-    _check_seed(body.seed, body.n)
+    n = body.n or 1
+    _check_choices(len(prompts), n, max_choices)
+    _check_seed(body.seed, n)
     sampling = _sampling(body, max_tokens)
     if logprobs is not None:
-        if not 0 <= logprobs <= MAX_LOGPROBS:
-            raise InvalidParameter("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]")
         sampling.logprobs = logprobs
     options = body.stream_options
     return Plan(
         prompts=prompts,
-        n=body.n,
+        n=n,
         sampling=sampling,
         seed=body.seed,
-        stream=body.stream,
-        include_usage=options is not None and options.include_usage,
-        return_token_ids=body.return_token_ids,
+        stream=bool(body.stream),
+        include_usage=options is not None and bool(options.include_usage),
+        return_token_ids=bool(body.return_token_ids),
         logprobs=logprobs,
         fill_context=max_tokens is None,
     )
@@ -229,13 +232,23 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _check_logprobs(param: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidParameter(param, f"{param} must be in [0, {MAX_LOGPROBS}], got {value}")
+
+
 def chat_plan(body: ChatCompletionRequest, rendered: str, max_choices: int) -> Plan:
     if body.tools:
         raise InvalidParameter("tools", "tools are not supported")
+    if body.functions:
+        raise InvalidParameter("functions", "functions are not supported")
+    if body.tool_choice not in (None, "none"):
+        raise InvalidParameter("tool_choice", "tool_choice is not supported (other than none)")
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise InvalidParameter("response_format", "only response_format type 'text' is supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
+    _check_logprobs("top_logprobs", body.top_logprobs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     return _plan(body, (Prompt(text=rendered),), max_tokens, logprobs, max_choices)
@@ -263,5 +276,6 @@ def completion_plan(body: CompletionRequest, max_choices: int) -> Plan:
     if body.suffix:
         raise InvalidParameter("suffix", "suffix is not supported")
     prompts = completion_prompts(body.prompt)
+    _check_logprobs("logprobs", body.logprobs)
     # OpenAI's default for text completions is 16 tokens (the engine's default too).
     return _plan(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)

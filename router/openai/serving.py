@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.types import Receive
 
-from engine.threads import finish_in_thread
 from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import router_pb2
 from router.openai import errors
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# Past this (output tokens, logprobs weighing 20 each) a whole body is built off the loop.
+_ENCODE_IN_THREAD_TOKENS = 4096
 
 
 class ClientGone(Exception):
@@ -59,19 +61,33 @@ class ClientGone(Exception):
 
 
 async def until(receive: Receive, work: Awaitable[T]) -> T:
-    """``work``, cancelled if the client disconnects first (``receive``: the request's, its
-    body already read)."""
+    """``work``, cancelled if the client disconnects first (``ClientGone``; ``receive``: the
+    request's, its body already read). Cancelling the caller cancels both."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected(receive))
     try:
         await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    finally:
+    except BaseException:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+        raise
+    if task.done():
         watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise ClientGone()
-    return task.result()
+        await asyncio.gather(watch, return_exceptions=True)
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+@dataclasses.dataclass(frozen=True)
+class Started:
+    """A streamed response, begun: its events, and the one call that ends the request on the
+    workers whatever happened to the events (``EventStream`` calls it last)."""
+
+    events: AsyncGenerator[bytes, None]
+    close: Callable[[], Awaitable[None]]
 
 
 @dataclasses.dataclass
@@ -111,7 +127,11 @@ class OpenAIServing:
             )
         messages = message_dicts(body)
         template = self.template
-        rendered = await finish_in_thread(template.render, messages, body.add_generation_prompt)
+        add_prompt = body.add_generation_prompt is not False
+        # A template is code and messages can be megabytes: in a tokenization slot.
+        rendered = await self.service.prompts.in_thread(
+            lambda: template.render(messages, add_prompt)
+        )
         plan = chat_plan(body, rendered, self.service.config.limits.max_choices)
         return await self._prepare(Kind.CHAT, plan, client_id, start_s, add_special_tokens=False)
 
@@ -161,14 +181,21 @@ class OpenAIServing:
     def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Any], None]:
         return merged(self.service, prepared.client_id, prepared.choices, prepared.start_s)
 
-    async def collect(self, prepared: Prepared) -> dict[str, Any]:
-        """A whole (non-streamed) response. Raises what the choices raise."""
+    async def collect(self, prepared: Prepared) -> bytes:
+        """A whole (non-streamed) response, as JSON. Raises what the choices raise. A large
+        one (many choices, logprobs) is built and encoded off the event loop."""
         async with contextlib.aclosing(self._stream(prepared)) as stream:
             async for index, response in stream:
                 _record(prepared.outputs[index], response)
-        return response_body(prepared.env, prepared.outputs, self.token_text)
 
-    async def start_stream(self, prepared: Prepared) -> AsyncGenerator[bytes, None]:
+        def encode() -> bytes:
+            body = response_body(prepared.env, prepared.outputs, self.token_text)
+            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+        size = sum(len(c.token_ids) + 20 * len(c.logprobs) for c in prepared.outputs)
+        return encode() if size < _ENCODE_IN_THREAD_TOKENS else await asyncio.to_thread(encode)
+
+    async def start_stream(self, prepared: Prepared) -> Started:
         """The SSE events, begun: the first response is awaited here, so that a refusal before
         any token raises (an HTTP status) instead of becoming an error event."""
         stream = self._stream(prepared)
@@ -179,7 +206,7 @@ class OpenAIServing:
         except BaseException:
             await stream.aclose()
             raise
-        return self._events(prepared, stream, first)
+        return Started(self._events(prepared, stream, first), stream.aclose)
 
     async def _events(
         self,
@@ -192,11 +219,12 @@ class OpenAIServing:
         # OpenAI's rule: with include_usage, every chunk has a usage field (null but the last).
         usage = plan.include_usage
         opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
-        if env.kind is Kind.CHAT:
-            for c in outputs:
-                yield event(chunk_body(env, c, "", [], [], text, first=True, include_usage=usage))
         try:
             async with contextlib.aclosing(stream):
+                if env.kind is Kind.CHAT:
+                    for c in outputs:
+                        body = chunk_body(env, c, "", [], [], text, first=True, include_usage=usage)
+                        yield event(body)
                 async for index, response in _prepend(first, stream):
                     c = outputs[index]
                     _record(c, response)
@@ -210,9 +238,8 @@ class OpenAIServing:
                     chunk = response.chunk
                     # Tokens without text yet (a partial UTF-8 character, held back) make a
                     # chunk only when the client asked to see tokens.
-                    if not chunk.text and not (
-                        chunk.token_ids and (env.logprobs or env.return_token_ids)
-                    ):
+                    wants_tokens = env.logprobs or env.return_token_ids
+                    if not chunk.text and not (chunk.token_ids and wants_tokens):
                         continue
                     opening, opened[index] = not opened[index], True
                     body = chunk_body(

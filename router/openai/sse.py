@@ -10,14 +10,13 @@ is dropped. Either way the event source is closed, which cancels the request on 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from pdserve.common import metrics
 
@@ -32,16 +31,21 @@ def event(data: dict[str, Any]) -> bytes:
 
 
 class EventStream(Response):
-    """A Starlette ``Response`` (so FastAPI hands it over as is) with its own ``__call__``."""
+    """A Starlette ``Response`` (so FastAPI hands it over as is) with its own ``__call__``.
+    ``close`` ends the request on the workers; it runs last, whatever happened."""
 
     def __init__(
         self,
         events: AsyncGenerator[bytes, None],
+        close: Callable[[], Awaitable[None]],
         idle_timeout_s: float,
         request_id: str,
         headers: dict[str, str] | None = None,
+        on_done: Callable[[], None] = lambda: None,
     ) -> None:
         self.events = events
+        self.close = close
+        self.on_done = on_done
         self.status_code = 200
         self.background = None
         self.idle_timeout_s = idle_timeout_s
@@ -54,42 +58,65 @@ class EventStream(Response):
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.create_task(self._pump(send))
+        pump = asyncio.create_task(self._pump(bounded(send, self.idle_timeout_s)))
         watch = asyncio.create_task(disconnected(receive))
         try:
             await asyncio.wait([pump, watch], return_when=asyncio.FIRST_COMPLETED)
+            gone = watch.done() and not pump.done()
         finally:
             for task in (pump, watch):
                 task.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
-        if watch.done() and not watch.cancelled() and not pump.done():
+            try:
+                await self.events.aclose()
+                await self.close()
+            finally:
+                self.on_done()
+        if gone:
             logger.info("request_id=%s: the client disconnected mid-stream", self.request_id)
-        failure = pump.exception() if pump.done() and not pump.cancelled() else None
-        if failure is not None and not isinstance(failure, OSError):  # OSError: client gone
-            raise failure
-
-    async def _pump(self, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(k.encode(), v.encode()) for k, v in self.extra_headers.items()],
-            }
-        )
-        try:
-            async with contextlib.aclosing(self.events) as events:
-                async for data in events:
-                    async with asyncio.timeout(self.idle_timeout_s):
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-        except TimeoutError:
+        failure = pump.exception() if not pump.cancelled() else None
+        if isinstance(failure, TimeoutError):
             metrics.CLIENT_IDLE_CANCELS.inc()
             logger.warning(
                 "request_id=%s cancelled: the client read nothing for %.0f s",
                 self.request_id,
                 self.idle_timeout_s,
             )
-            return
+        elif failure is not None and not isinstance(failure, OSError):  # OSError: client gone
+            raise failure
+
+    async def _pump(self, send: Send) -> None:
+        headers = [(k.encode(), v.encode()) for k, v in self.extra_headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        async for data in self.events:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def bounded(send: Send, timeout_s: float) -> Send:
+    """``send`` that raises TimeoutError when the client takes no byte for ``timeout_s``."""
+
+    async def send_within(message: Message) -> None:
+        async with asyncio.timeout(timeout_s):
+            await send(message)
+
+    return send_within
+
+
+class BoundedResponse(Response):
+    """A whole response whose writes are bounded like a stream's (a client that reads nothing
+    is dropped after ``idle_timeout_s``)."""
+
+    def __init__(self, content: bytes, idle_timeout_s: float, headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="application/json", headers=headers)
+        self.idle_timeout_s = idle_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, bounded(send, self.idle_timeout_s))
+        except TimeoutError:
+            metrics.CLIENT_IDLE_CANCELS.inc()
+            logger.warning("a client read nothing of its response for %.0f s", self.idle_timeout_s)
 
 
 async def disconnected(receive: Receive) -> None:

@@ -82,6 +82,46 @@ def test_a_killed_decode_worker_mid_sse_stream_migrates_exactly(
     assert metric(cluster.router, "pdserve_migrations_total") >= 1
 
 
+@pytest.fixture
+def no_migration(llama_dir: Path, tmp_path: Path) -> Iterator[LocalCluster]:
+    config = ClusterConfig(
+        model=str(llama_dir),
+        log_dir=tmp_path,
+        router_http_port=0,
+        max_restarts=0,
+        router_args=("--local-prefill-tokens", "0", "--migration-limit", "0"),
+    )
+    with LocalCluster(config) as c:
+        yield c
+
+
+def test_a_failure_after_streaming_began_is_an_error_event(no_migration: LocalCluster) -> None:
+    """With migration off, a decode worker killed mid-stream ends the SSE stream with a
+    ``data: {"error": ...}`` event (503, no internals) and then ``[DONE]``."""
+    body = {"prompt": list(range(20, 40)), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    decode = no_migration.decode[0]
+
+    async def run() -> list[str]:
+        events: list[str] = []
+        async with (
+            httpx2.AsyncClient(base_url=no_migration.http_url, timeout=120) as client,
+            client.stream("POST", "/v1/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                events.append(line)
+                if len(events) == 5:
+                    os.kill(decode.process.pid, signal.SIGKILL)
+        return events
+
+    events = asyncio.run(run())
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert error["type"] == "service_unavailable" and "127.0.0.1" not in error["message"]
+
+
 def test_a_client_that_stops_reading_is_dropped_and_everything_freed(
     cluster: LocalCluster,
 ) -> None:

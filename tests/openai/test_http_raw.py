@@ -7,6 +7,7 @@ import asyncio
 import json
 import shutil
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,36 @@ def test_a_disconnect_mid_stream_frees_both_workers(http_cluster: LocalCluster) 
     asyncio.run(run())
     # Freed by the cancellation, not by finishing: no request finished meanwhile.
     assert metric(router, "pdserve_requests_total") == finished
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_gone_before_its_first_byte_frees_everything(
+    http_cluster: LocalCluster, stream: bool
+) -> None:
+    """The client sends its request and hangs up at once: the router notices (before any
+    token, or while a whole response is being collected) and cancels on the workers."""
+    router = http_cluster.router
+    assert router is not None
+    finished = metric(router, "pdserve_requests_total")
+    body = json.dumps(
+        {"prompt": list(range(60, 90)), "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    ).encode()
+    host, port = router.http_address.rsplit(":", 1)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        sock.shutdown(socket.SHUT_RDWR)  # gone before a byte of the answer
+
+    async def freed() -> bool:
+        return await survivors_hold_nothing(http_cluster) and (
+            metric(router, "pdserve_router_inflight_requests") == 0
+        )
+
+    asyncio.run(wait_for(freed, 60.0, "the abandoned request is freed", poll_s=0.1))
+    assert metric(router, "pdserve_requests_total") == finished  # cancelled, not finished
 
 
 @pytest.fixture

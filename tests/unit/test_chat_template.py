@@ -87,6 +87,37 @@ def test_a_template_in_tokenizer_config_with_the_whole_environment(
         template.render([{"role": "tool", "content": "x"}])
 
 
+# What transformers passes besides messages: tools/documents (None), the generation tag, and
+# reasoning fields aliased under every name templates read.
+TOOLS_TEMPLATE = (
+    "{% if tools is not none %}TOOLS{% endif %}{% if documents is none %}[no docs]{% endif %}"
+    "{% for m in messages %}{% generation %}<{{ m['role'] }}>{{ m['content'] }}"
+    "{% if m['reasoning_content'] is defined %}({{ m['reasoning_content'] }}|"
+    "{{ m['thinking'] }}){% endif %}{% endgeneration %}{% endfor %}"
+)
+
+
+def test_tools_generation_reasoning_and_which_source_wins(
+    model_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "both"
+    shutil.copytree(model_factory("llama"), model_dir)
+    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{{ 'the other template' }}"  # the .jinja file takes priority
+    config_path.write_text(json.dumps(config))
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning": "because"},
+    ]
+    ours = _ours(model_dir, messages, False)
+    assert ours == _hf_ids(model_dir, messages, False)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer is not None
+    assert tokenizer.decode(ours) == "[no docs]<user>q<assistant>a(because|because)"
+
+
 def test_templates_are_sandboxed() -> None:
     template = ChatTemplate("{{ messages.__class__.__mro__ }}", {})
     with pytest.raises(ChatTemplateError):

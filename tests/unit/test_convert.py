@@ -19,11 +19,12 @@ def test_unset_fields_keep_engine_defaults() -> None:
     assert sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
 
 
-def test_float32_wire_values_round_back() -> None:
-    msg = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05)
-    assert msg.temperature != 0.7  # float32 on the wire
-    params = sampling_from_proto(msg)
-    assert (params.temperature, params.top_p, params.min_p) == (0.7, 0.9, 0.05)
+def test_real_values_cross_the_wire_exactly() -> None:
+    # Doubles, not float32: the engine samples with exactly what the client sent.
+    msg = common_pb2.SamplingParams(temperature=0.123456789, top_p=0.987654321, min_p=1e-9)
+    wire = common_pb2.SamplingParams.FromString(msg.SerializeToString())
+    params = sampling_from_proto(wire)
+    assert (params.temperature, params.top_p, params.min_p) == (0.123456789, 0.987654321, 1e-9)
 
 
 def test_round_trip() -> None:

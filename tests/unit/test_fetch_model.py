@@ -143,6 +143,13 @@ def test_an_unreachable_index_is_a_clear_error(tmp_path: Path) -> None:
     assert not (tmp_path / "model").exists()
 
 
+def test_a_directory_that_is_not_ours_is_never_replaced(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"is not empty and holds no pdserve-fetch\.json"):
+        fetch_model("smollm2", tmp_path, index_url="http://127.0.0.1:9")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_unknown_names_and_dtypes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
         fetch_model("gpt-5", tmp_path)

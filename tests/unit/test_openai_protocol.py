@@ -3,6 +3,7 @@ name, the error map, and the response shapes (usage, both logprobs formats, chun
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -265,3 +266,35 @@ def test_chunks() -> None:
     assert again["choices"][0]["logprobs"]["text_offset"] == [2]  # continues the choice's text
     c.token_ids.extend([1, 2])
     assert usage_chunk(completion_env, [c])["usage"]["completion_tokens"] == 2
+
+
+def test_null_means_the_default_and_types_are_strict() -> None:
+    nulls = {
+        "n": None, "stream": None, "echo": None, "ignore_eos": None, "return_token_ids": None,
+        "stream_options": None, "logprobs": None, "max_tokens": None, "temperature": None,
+    }  # fmt: skip
+    plan = completion_plan(
+        CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **nulls})), 64
+    )
+    assert (plan.n, plan.stream, plan.logprobs, plan.return_token_ids) == (1, False, None, False)
+    chat_nulls = {"logprobs": None, "add_generation_prompt": None, "top_logprobs": None}
+    body = {"messages": [{"role": "user", "content": "x"}], **chat_nulls}
+    assert chat_plan(ChatCompletionRequest.model_validate_json(json.dumps(body)), "r", 64).n == 1
+    for field, value in (("logprobs", True), ("n", "2"), ("stream", 1), ("max_tokens", 2.5)):
+        with pytest.raises(pydantic.ValidationError) as err:
+            CompletionRequest.model_validate_json(json.dumps({"prompt": "x", field: value}))
+        assert errors.from_validation(err.value).param == field
+    with pytest.raises(InvalidParameter) as refused:
+        chat_plan(chat(logprobs=True, top_logprobs=21), "r", 64)
+    assert refused.value.param == "top_logprobs"
+    for field, value in (("functions", [{"name": "f"}]), ("tool_choice", "auto")):
+        with pytest.raises(InvalidParameter) as refused:
+            chat_plan(chat(**{field: value}), "r", 64)
+        assert refused.value.param == field
+
+
+def test_bodies_that_are_not_json_objects() -> None:
+    for data in (b"{nope", b"[1, 2]", b"[" * 100_000):
+        with pytest.raises(pydantic.ValidationError) as err:
+            CompletionRequest.model_validate_json(data)
+        assert errors.from_validation(err.value).param == "body", data[:10]

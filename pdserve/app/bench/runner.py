@@ -122,6 +122,7 @@ async def _http(config: LoadConfig) -> AsyncIterator[Send]:
                     to_completion(request),
                     config.api_key,
                     clock=lambda: clock() - start,
+                    server_hostname=config.tls_server_name,
                 )
             except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
                 record.error = str(exc) or type(exc).__name__
