@@ -1,4 +1,4 @@
-"""KV transfer: gRPC streaming vs raw loopback TCP, Ray object store vs raw Ray, TTFT split.
+"""KV transfer: gRPC streaming and NIXL vs raw loopback TCP, Ray object store vs raw Ray, TTFT.
 
 Part 1, transport. A child process (this file, ``--serve-sender``) fills a ``KVCache`` with
 seeded random float32 data and serves it through ``GrpcKVSender``; the parent pulls ``--mib``
@@ -6,7 +6,10 @@ MiB of blocks with ``GrpcKVReceiver`` into its own cache (synthetic layout, 1 Mi
 checks once that the bytes match. The baseline moves the same bytes over a plain loopback TCP
 socket from a second child (``--serve-raw``: ``sendall`` of a preallocated buffer; the parent
 ``recv_into`` a preallocated buffer, one connection reused). One warm-up, then ``--repeats``
-timed runs of each, interleaved; medians. Goal: gRPC >= 0.5x raw TCP. Then the Ray rows
+timed runs of each, interleaved; medians. Goal: gRPC >= 0.5x raw TCP. The NIXL rows
+(``benchmarks/nixl_transfer.py``): the same blocks read by one-sided NIXL READs from a third
+child (``--serve-nixl``), verification off and on. Goal: NIXL >= 0.8x raw TCP and >= 5x gRPC
+(verification off). Then the Ray rows
 (``benchmarks/ray_transfer.py``): the Ray backend between two actors vs raw ``ray.put`` +
 ``ray.get`` of the same bytes. Goal: Ray backend >= 0.8x raw Ray.
 
@@ -17,6 +20,7 @@ requests with fresh random prompts (no prefix-cache hits): TTFT, the router's pr
 (``prefill_s``), queueing and overhead (``prefill_s - compute``), and ``transfer_s`` (decode
 admission + KV pull). The router streams the first token straight from the prefill response, so
 the transfer runs after the first token and delays only the second. Goal: transfer <= 0.10 TTFT.
+The split runs for the gRPC backend and, when NIXL is installed, for the NIXL one.
 
 Ends with a single JSON line holding every number. ``--quick`` is a short smoke run (tiny model,
 short prompt, smaller transfers).
@@ -36,7 +40,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from ray_transfer import RAY_GOAL, measure_ray  # sibling modules: benchmarks/ is on sys.path
+from nixl_transfer import available as nixl_available  # sibling modules: on sys.path
+from nixl_transfer import measure_nixl, serve
+from ray_transfer import RAY_GOAL, measure_ray
 from ttft_split import measure_ttft
 
 from engine.kv_cache import KVCache, KVCacheLayout
@@ -54,7 +60,8 @@ LAYOUT = KVCacheLayout(
 FILL_SEED = 1234
 GRPC_GOAL = 0.5  # gRPC throughput / raw TCP throughput, at least
 TRANSFER_GOAL = 0.10  # transfer_s / ttft_s, at most
-FULL = {"mib": 64.0, "repeats": 5, "size": "small", "prompt_len": 2048, "ttft_repeats": 3}
+NIXL_GOALS = (0.8, 5.0)  # NIXL throughput / raw TCP, / gRPC, at least (verification off)
+FULL = {"mib": 64.0, "repeats": 7, "size": "small", "prompt_len": 2048, "ttft_repeats": 3}
 QUICK = {"mib": 16.0, "repeats": 2, "size": "tiny", "prompt_len": 128, "ttft_repeats": 2}
 
 
@@ -70,6 +77,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--skip-ttft", action="store_true", help="transport only (no model, cluster)")
     p.add_argument("--skip-ray", action="store_true", help="no Ray rows (no local Ray)")
+    p.add_argument("--skip-nixl", action="store_true", help="no NIXL rows")
     p.add_argument("--size", choices=("tiny", "small"), help="checkpoint size (default small)")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--prompt-len", type=int, help="TTFT prompt tokens (default 2048)")
@@ -79,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     # Internal: the child processes of part 1.
     p.add_argument("--serve-sender", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--serve-raw", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve-nixl", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -147,6 +156,7 @@ def spawn_child(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen[s
     """This file in ``mode``; returns the process and the address it printed."""
     command = [sys.executable, str(Path(__file__).resolve()), mode]
     command += ["--mib", str(args.mib), "--chunk-mib", str(args.chunk_mib)]
+    command += ["--repeats", str(args.repeats)]
     process = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
@@ -271,6 +281,22 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{name:<22} {ms:>10.1f} {gb_s:>7.3f} {gb_s / t['raw_tcp_gb_s']:>6.2f}x")
     verdict = "ok" if t["grpc_over_raw"] >= GRPC_GOAL else "BELOW GOAL"
     print(f"gRPC / raw = {t['grpc_over_raw']:.2f} (goal >= {GRPC_GOAL}): {verdict}")
+    n = report.get("nixl")
+    if n is not None:
+        print(f"\nNIXL READ, same blocks; UCX: {', '.join(n['ucx_transports'])}; "
+              f"bytes verified: {n['verified']}")  # fmt: skip
+        for name, key, gb_s in (
+            ("NIXL (pdserve)", "nixl_s", n["nixl_gb_s"]),
+            ("NIXL, --kv-verify on", "nixl_verify_s", n["nixl_verify_gb_s"]),
+        ):
+            ms = 1e3 * statistics.median(n[key])
+            print(f"{name:<22} {ms:>10.1f} {gb_s:>7.3f} {gb_s / t['raw_tcp_gb_s']:>6.2f}x")
+        met = n["nixl_over_raw"] >= NIXL_GOALS[0] and n["nixl_over_grpc"] >= NIXL_GOALS[1]
+        print(
+            f"NIXL / raw = {n['nixl_over_raw']:.2f}, / gRPC = {n['nixl_over_grpc']:.2f} (goals >= "
+            f"{NIXL_GOALS[0]}, >= {NIXL_GOALS[1]}): {'ok' if met else 'BELOW GOAL'}; verification "
+            f"costs {n['verify_cost']:.0%}"
+        )
     r = report.get("ray")
     if r is not None:
         print(f"\nRay, same bytes, between two actors; bytes verified: {r['verified']}")
@@ -287,12 +313,16 @@ def print_table(report: dict[str, Any]) -> None:
         print(
             f"Ray backend / raw put+get = {r['ray_over_raw']:.2f} (goal >= {RAY_GOAL}): {verdict}"
         )
-    s = report.get("ttft")
+    for key in ("ttft", "ttft_nixl"):
+        print_ttft(key, report.get(key))
+
+
+def print_ttft(key: str, s: dict[str, Any] | None) -> None:
     if s is None:
-        print("\nTTFT split: skipped (--skip-ttft)\n")
+        print(f"\n{key}: skipped\n")
         return
     print(
-        f"\nTTFT split: {s['model']}, {s['prompt_tokens']}-token prompts "
+        f"\nTTFT split ({s['backend']}): {s['model']}, {s['prompt_tokens']}-token prompts "
         f"({s['kv_bytes'] / MIB:g} MiB of KV), {s['max_tokens']} tokens, greedy, "
         f"median of {s['repeats']}"
     )
@@ -316,6 +346,9 @@ def print_table(report: dict[str, Any]) -> None:
     )
 
 
+_NIXL_KEYS = ("nixl_gb_s", "nixl_verify_gb_s", "nixl_over_raw", "nixl_over_grpc", "ucx_transports")
+
+
 def main() -> None:
     args = parse_args()
     if args.serve_sender:
@@ -324,14 +357,25 @@ def main() -> None:
     if args.serve_raw:
         serve_raw(num_blocks_for(args.mib) * LAYOUT.block_bytes)
         return
+    if args.serve_nixl:
+        asyncio.run(serve(num_blocks_for(args.mib), args.repeats))
+        return
     started = time.perf_counter()
     print(f"transport: {args.mib:g} MiB, gRPC stream vs raw TCP ...", flush=True)
     transport = asyncio.run(measure_transport(args))
+    nixl = None
+    if not args.skip_nixl and nixl_available():
+        raw, grpc = transport["raw_tcp_gb_s"], transport["grpc_gb_s"]
+        nixl = measure_nixl(args, num_blocks_for(args.mib), raw, grpc)
     ray_rows = None if args.skip_ray else measure_ray(args, num_blocks_for(args.mib))
     ttft = None if args.skip_ttft else measure_ttft(args)
+    ttft_nixl = None if args.skip_ttft or nixl is None else measure_ttft(args, "nixl", ttft)
     report: dict[str, Any] = {
         "threads": torch.get_num_threads(),
         "grpc_over_raw": transport["grpc_over_raw"],
+        **{k: nixl[k] if nixl else None for k in _NIXL_KEYS},
+        "nixl": nixl,
+        "ttft_nixl": ttft_nixl,
         "ray_over_raw": ray_rows["ray_over_raw"] if ray_rows else None,
         "ray": ray_rows,
         "transfer_over_ttft": ttft["transfer_over_ttft"] if ttft else None,

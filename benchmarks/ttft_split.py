@@ -55,7 +55,11 @@ async def cluster_requests(
     return results
 
 
-def measure_ttft(args: argparse.Namespace) -> dict[str, Any]:
+def measure_ttft(
+    args: argparse.Namespace, backend: str = "grpc", previous: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``backend``: the cluster's KV transfer; ``previous``: a split of the same prompts whose
+    prefill compute is reused (it does not depend on the backend)."""
     model_dir = ensure_model(args)
     cfg: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
     vocab, max_pos = int(cfg["vocab_size"]), int(cfg["max_position_embeddings"])
@@ -68,12 +72,17 @@ def measure_ttft(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(note, flush=True)
     n = 1 + args.ttft_repeats  # one warm-up each
-    print(f"prefill compute, in-process engine ({prompt_len} tokens) ...", flush=True)
-    compute = measure_compute(
-        model_dir, [make_prompts(100 + i, 1, prompt_len, vocab)[0] for i in range(n)], max_pos
+    if previous is not None:
+        compute = previous["compute_runs_s"]
+    else:
+        print(f"prefill compute, in-process engine ({prompt_len} tokens) ...", flush=True)
+        prompts = [make_prompts(100 + i, 1, prompt_len, vocab)[0] for i in range(n)]
+        compute = measure_compute(model_dir, prompts, max_pos)
+    print(f"TTFT, local cluster (router + 1 prefill + 1 decode, {backend}) ...", flush=True)
+    workers = ("--kv-backend", backend)
+    config = ClusterConfig(
+        model=str(model_dir), log_level="WARNING", prefill_args=workers, decode_args=workers
     )
-    print("TTFT, local cluster (router + 1 prefill + 1 decode) ...", flush=True)
-    config = ClusterConfig(model=str(model_dir), log_level="WARNING")
     with LocalCluster(config) as cluster:
         prompts = [make_prompts(200 + i, 1, prompt_len, vocab)[0] for i in range(n)]
         results = asyncio.run(cluster_requests(cluster.address, prompts, args.max_tokens))
@@ -83,6 +92,7 @@ def measure_ttft(args: argparse.Namespace) -> dict[str, Any]:
     transfer = [r.transfer_s for r in results]
     med = statistics.median
     return {
+        "backend": backend,
         "model": str(model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir),
         "max_position_embeddings": max_pos,
         "requested_prompt_tokens": args.prompt_len,

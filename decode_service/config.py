@@ -21,6 +21,10 @@ class DecodeConfig:
     prefill_peers: tuple[str, ...] = ()
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
     transfer_timeout_s: float = 60.0  # one request's whole KV pull
+    # --kv-backend nixl: check the blocks read against the sender's digest (a one-sided READ
+    # carries no checksum; grpc and ray always check theirs), and UCX_TLS (None: UCX's choice).
+    kv_verify: bool = True
+    ucx_tls: str | None = None
     release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks
     # Output tokens a request may have waiting for its reader before it is paused (it keeps
     # its blocks but takes no decode seat until the reader catches up).

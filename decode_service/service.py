@@ -64,11 +64,15 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
 
     async def load(self) -> None:
         await super().load()
-        self._receiver = make_receiver(
+        # In a thread: a NIXL receiver registers the whole cache with its agent as it starts.
+        self._receiver = await asyncio.to_thread(
+            make_receiver,
             self.config.kv_backend,
             self.engine.kv_cache,
             self.config.transfer_timeout_s,
             tls=self.config.server.tls,
+            verify=self.config.kv_verify,
+            ucx_tls=self.config.ucx_tls,
         )
         registry = self.membership.registry if self.membership is not None else None
         self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels)

@@ -20,6 +20,11 @@ class KVCacheLayout:
     head_dim: int
 
     @property
+    def slab_block_bytes(self) -> int:
+        """Bytes of one block's keys (or values) in one layer: the unit transfers copy."""
+        return self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, keys and values."""
         itemsize = DTYPE_BYTES[self.dtype]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.kv_cache import KVCache
     from pdserve.common.tls import TlsConfig
 
-BACKENDS = ("grpc", "local", "ray")
+BACKENDS = ("grpc", "local", "ray", "nixl")
 # The backends that cross processes: what the command line offers (local is in-process only).
 NETWORK_BACKENDS = tuple(b for b in BACKENDS if b != "local")
 
@@ -35,10 +35,14 @@ def make_sender(
     advertise_host: str | None = None,
     tls: TlsConfig | None = None,
     max_pull_s: float = 60.0,
+    verify: bool = True,
+    ucx_tls: str | None = None,
 ) -> KVSender:
     """``host``/``port``: where a network backend listens; ``advertise_host``: the host its
     handles name for peers (default ``host``; set it when binding 0.0.0.0); ``tls``: mutual
-    TLS for a gRPC port; ``max_pull_s``: the longest one pull may hold its checkout."""
+    TLS for a gRPC port; ``max_pull_s``: the longest one pull may hold its checkout;
+    ``verify``: nixl records a digest of each handle's blocks as it issues the handle (else
+    only when a receiver asks); ``ucx_tls``: nixl's UCX transports (None: UCX's choice)."""
     if backend == "grpc":
         from kvtransfer.grpc_stream import GrpcKVSender
 
@@ -59,12 +63,42 @@ def make_sender(
         from kvtransfer.ray_object_store import RayKVSender
 
         return RayKVSender(cache, leases)
+    if backend == "nixl":
+        from kvtransfer.nixl_sender import NixlKVSender
+
+        return NixlKVSender(
+            cache,
+            leases,
+            host,
+            port,
+            advertise_host=advertise_host,
+            tls=tls,
+            max_pull_s=max_pull_s,
+            verify=verify,
+            ucx_tls=ucx_tls,
+        )
     raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
 
 
+def require_backend(backend: str) -> None:
+    """Raises ``ImportError`` with the install command when ``backend``'s optional library
+    is missing: a worker calls it before loading its model, not after."""
+    if backend == "nixl":
+        from kvtransfer.nixl_agent import load_nixl
+
+        load_nixl()
+
+
 def make_receiver(
-    backend: str, cache: KVCache, timeout_s: float, tls: TlsConfig | None = None
+    backend: str,
+    cache: KVCache,
+    timeout_s: float,
+    tls: TlsConfig | None = None,
+    verify: bool = True,
+    ucx_tls: str | None = None,
 ) -> KVReceiver:
+    """``verify``: nixl checks the blocks it read against the sender's digest (grpc always
+    checks its CRC32s, ray its xxh3 digests)."""
     if backend == "grpc":
         from kvtransfer.grpc_stream import GrpcKVReceiver
 
@@ -77,6 +111,10 @@ def make_receiver(
         from kvtransfer.ray_object_store import RayKVReceiver
 
         return RayKVReceiver(cache, timeout_s)
+    if backend == "nixl":
+        from kvtransfer.nixl_receiver import NixlKVReceiver
+
+        return NixlKVReceiver(cache, timeout_s, tls=tls, verify=verify, ucx_tls=ucx_tls)
     raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -92,4 +130,5 @@ __all__ = [
     "TransferStats",
     "make_receiver",
     "make_sender",
+    "require_backend",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import torch_dtype
-from engine.kv_layout import DTYPE_BYTES, KVCacheLayout
+from engine.kv_layout import KVCacheLayout
 from kvtransfer.base import KVTransferError, TransferErrorCode
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -22,11 +22,6 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 
 def checksum(data: bytes) -> int:
     return zlib.crc32(data)
-
-
-def slab_block_bytes(layout: KVCacheLayout) -> int:
-    """Bytes of one block's keys (or values) in one layer."""
-    return layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
 
 
 @dataclass(frozen=True)
@@ -40,7 +35,7 @@ class ChunkSpec:
 def blocks_per_chunk(layout: KVCacheLayout, chunk_bytes: int) -> int:
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
-    return max(1, chunk_bytes // slab_block_bytes(layout))
+    return max(1, chunk_bytes // layout.slab_block_bytes)
 
 
 def plan_chunks(layout: KVCacheLayout, num_blocks: int, per_chunk: int) -> list[ChunkSpec]:
@@ -81,7 +76,7 @@ class ChunkChecker:
             raise KVTransferError(
                 TransferErrorCode.CORRUPTED, f"got chunk {spec}, expected {expected}"
             )
-        if len(data) != spec.num_blocks * slab_block_bytes(self.layout):
+        if len(data) != spec.num_blocks * self.layout.slab_block_bytes:
             raise KVTransferError(
                 TransferErrorCode.CORRUPTED, f"chunk {spec} has {len(data)} bytes"
             )

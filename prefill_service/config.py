@@ -24,6 +24,8 @@ class PrefillConfig:
     kv_port: int = 0  # the gRPC KV sender's port (0: ephemeral)
     # The longest one KV pull may keep the blocks checked out; then its lease rules apply.
     max_pull_s: float = 60.0
+    kv_verify: bool = True  # --kv-backend nixl: record a digest with each handle
+    ucx_tls: str | None = None  # --kv-backend nixl: UCX_TLS (None: UCX's own choice)
 
     def __post_init__(self) -> None:
         if self.kv_backend not in BACKENDS:

@@ -41,8 +41,9 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     def register(self, server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
-    async def load(self) -> None:
-        await super().load()
+    async def prepare(self) -> None:
+        # Before the first heartbeat: a record without the KV sender's address would make
+        # decode workers refuse this worker's handles (decode_service/peers.py).
         self._sender = make_sender(
             self.config.kv_backend,
             self.engine.kv_cache,
@@ -52,6 +53,8 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             advertise_host=self.config.server.advertise_host,
             tls=self.config.server.tls,
             max_pull_s=self.config.max_pull_s,
+            verify=self.config.kv_verify,
+            ucx_tls=self.config.ucx_tls,
         )
         await self._sender.start()
         self.leases.start(self.engine, self._sender)

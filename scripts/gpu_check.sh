@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check (< 5 min): Triton kernels on CUDA vs the torch path, then the engine benchmark in
-# bf16 on CUDA. Run from the repository root on a machine with an NVIDIA GPU.
+# GPU check (< 5 min): Triton kernels on CUDA vs the torch path, the engine benchmark in
+# bf16 on CUDA, then NIXL with VRAM caches. Run from the repository root on an NVIDIA GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -14,3 +14,7 @@ TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_triton_kernel
 TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_kv_cache_paths.py \
   tests/engine/test_hf_parity.py -k "llama and not sharded"
 .venv/bin/python benchmarks/engine_decode.py --device cuda --dtype bfloat16
+# NIXL with the KV caches in VRAM (the tests' engines pick CUDA when it is there): the contract
+# suite's nixl cases and the two-process test (a restarted peer, kill -9, SIGSTOP).
+.venv/bin/python -m pytest -q tests/contract/test_kvtransfer_contract.py -k nixl \
+  tests/nixl/test_nixl_processes.py

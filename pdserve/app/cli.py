@@ -332,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         result: int = args.func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError, ImportError) as exc:
+        # ImportError: an optional extra is missing (the message names its install command).
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
     return result

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from decode_service.config import DecodeConfig
+from kvtransfer import require_backend
 from pdserve.app.settings import ServiceConfig
 from pdserve.common.server import ServerConfig, Service
 from prefill_service.config import PrefillConfig
@@ -33,6 +34,7 @@ def build_service(config: ServiceConfig) -> ServiceSpec:
         from router.service import RouterService
 
         return ServiceSpec("router", RouterService(config), config.server, reflect=True)
+    require_backend(config.kv_backend)  # a missing optional library: refused before the model
     if config.kv_backend == "ray":
         connect_ray(config.ray_address)
     if isinstance(config, PrefillConfig):

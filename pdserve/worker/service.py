@@ -71,11 +71,17 @@ class WorkerService(Service):
         )
         self._engine.start()
         metrics.observe_engine(self._engine.stats)
+        await self.prepare()
         if self.redis is not None:
             self._membership = Membership(
                 self.redis, self._engine, self.record, self._on_drain_request
             )
             self._membership.start()
+
+    async def prepare(self) -> None:
+        """Called by ``load`` once the engine runs, before the worker is announced in the
+        registry: what its record names (a prefill worker's KV sender) must exist by then."""
+        return None
 
     def _observe(self, stats: EngineStats) -> None:
         metrics.observe_engine(stats, self.engine.num_buffered_tokens)

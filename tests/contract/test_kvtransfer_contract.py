@@ -34,7 +34,7 @@ from tests.services.harness import (
     wait_for,
 )
 
-BACKENDS = ["local", "grpc", "ray"]
+BACKENDS = ["local", "grpc", "ray", "nixl"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 

@@ -23,7 +23,8 @@ def test_worker_registers_publishes_and_heals_after_redis_loses_data(
     async def run() -> None:
         config = RedisConfig(url=redis_url, namespace=f"m-{uuid.uuid4().hex[:8]}")
         assert await status_table(config) == "no workers registered"
-        service, server = await start_prefill(llama_dir, redis=config)
+        # nixl: its sender takes longest to start (the agent, the cache registered).
+        service, server = await start_prefill(llama_dir, redis=config, kv_backend="nixl")
         redis = connect(redis_url)
         registry = Registry(redis, config.namespace)
         index = RedisPrefixIndex(redis, config.namespace)
@@ -38,6 +39,9 @@ def test_worker_registers_publishes_and_heals_after_redis_loses_data(
                 (service.worker_id, Role.PREFILL, WorkerState.SERVING)
             ]
             assert records[0].address == server.address
+            # Announced only with its KV sender: the first record already names it (decode
+            # workers refuse handles from a prefill worker whose record has no KV address).
+            assert records[0].kv_address == service.kv_address != ""
             request = prefill_pb2.PrefillRequest(
                 request_id="r",
                 prompt_token_ids=list(range(3, 70)),  # 4 full blocks

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from engine import SamplingParams
 from kvtransfer.codec import ChunkSpec
 from kvtransfer.grpc_stream import GrpcKVSender
+from kvtransfer.nixl_sender import NixlKVSender
 from pdserve.common.convert import layout_to_proto, sampling_to_proto
-from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, prefill_pb2
+from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, nixl_pb2, prefill_pb2
 from tests.services.harness import (
     both_sides_freed,
     start_decode,
@@ -79,6 +81,39 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
             error = await _prefill_and_decode(prefill_server.address, decode_server.address)
             assert error.code() == grpc.StatusCode.DATA_LOSS
             assert "checksum mismatch" in (error.details() or "")
+            await both_sides_freed(prefill_server, decode_server)
+        finally:
+            await decode_server.shutdown()
+            await prefill_server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_flipped_bit_after_the_nixl_digest_is_data_loss_and_frees_both_sides(
+    llama_dir: Path,
+) -> None:
+    async def run() -> None:
+        prefill, prefill_server = await start_prefill(llama_dir, kv_backend="nixl")
+        _, decode_server = await start_decode(llama_dir, peers=[prefill_server], kv_backend="nixl")
+        sender = prefill._sender
+        assert isinstance(sender, NixlKVSender)
+        checkout = sender.checkout
+
+        async def damaged(
+            request: nixl_pb2.NixlCheckoutRequest, context: grpc.aio.ServicerContext
+        ) -> nixl_pb2.NixlCheckoutResponse:
+            # Faulty memory: one bit of a leased block flips after its digest was taken, so
+            # the one-sided READ carries it (no checksum of its own).
+            response = await checkout(request, context)
+            block = response.block_ids[len(response.block_ids) // 2]
+            prefill.engine.kv_cache.tensor[1, 0, block].view(torch.uint8)[7] ^= 0x10
+            return response
+
+        sender.checkout = damaged  # type: ignore[method-assign]
+        try:
+            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            assert error.code() == grpc.StatusCode.DATA_LOSS
+            assert "differ from the sender's digest" in (error.details() or "")
             await both_sides_freed(prefill_server, decode_server)
         finally:
             await decode_server.shutdown()

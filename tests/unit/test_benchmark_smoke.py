@@ -45,6 +45,13 @@ def test_kv_transfer_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> 
     assert ttft["ttft_s"] > 0 and ttft["compute_s"] > 0 and ttft["transfer_s"] > 0
     assert report["transfer_over_ttft"] == ttft["transfer_over_ttft"] > 0
     assert ttft["cached_tokens"] == [0] * ttft["repeats"]  # fresh prompts: no prefix-cache hits
+    # NIXL (a dev dependency): read into place, byte-checked, both verification settings.
+    nixl = report["nixl"]
+    assert nixl["verified"] is True and nixl["bytes"] == 8 << 20
+    assert report["nixl_gb_s"] == nixl["nixl_gb_s"] > 0 and report["nixl_verify_gb_s"] > 0
+    assert report["nixl_over_raw"] > 0 and report["nixl_over_grpc"] > 0
+    assert report["ucx_transports"] and "unknown" not in report["ucx_transports"]
+    assert report["ttft_nixl"]["backend"] == "nixl" and report["ttft_nixl"]["transfer_s"] > 0
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ from kvtransfer.codec import (
     blocks_per_chunk,
     checksum,
     plan_chunks,
-    slab_block_bytes,
     tensor_bytes,
 )
 
@@ -22,7 +21,7 @@ LAYOUT = KVCacheLayout("fp", "float32", block_size=4, num_layers=2, num_kv_heads
 
 
 def test_plan_is_layer_major_and_block_aligned() -> None:
-    assert slab_block_bytes(LAYOUT) == 4 * 2 * 8 * 4 == 256
+    assert LAYOUT.slab_block_bytes == 4 * 2 * 8 * 4 == 256
     per_chunk = blocks_per_chunk(LAYOUT, chunk_bytes=600)
     assert per_chunk == 2
     assert plan_chunks(LAYOUT, 3, per_chunk) == [

@@ -283,6 +283,17 @@ spec:
             - name: PDSERVE_MAX_MODEL_LEN
               value: {{ . | quote }}
             {{- end }}
+            {{- if eq $root.Values.kvTransfer.backend "nixl" }}
+            {{- $nixl := $root.Values.kvTransfer.nixl }}
+            {{- with $nixl.ucxTls }}
+            - name: PDSERVE_UCX_TLS
+              value: {{ . | quote }}
+            {{- end }}
+            - name: PDSERVE_KV_VERIFY
+              value: {{ ternary "on" "off" $nixl.verify | quote }}
+            - name: UCX_TCP_PORT_RANGE  # read by UCX itself: the ports the NetworkPolicy opens
+              value: {{ $nixl.tcpPortRange | quote }}
+            {{- end }}
             {{- if eq $role "prefill" }}
             - name: PDSERVE_KV_PORT
               value: {{ $root.Values.kvTransfer.port | quote }}
@@ -327,14 +338,30 @@ spec:
                   - /bin/sh
                   - -c
                   - pdserve drain "$PDSERVE_WORKER_ID" && while kill -0 1 2>/dev/null; do sleep 1; done; true
+          {{- $resources := deepCopy $pool.resources }}
+          {{- $nixl := eq $root.Values.kvTransfer.backend "nixl" }}
+          {{- if and $nixl $root.Values.kvTransfer.nixl.rdmaResources }}
+          {{- $limits := merge (deepCopy (default (dict) $resources.limits)) $root.Values.kvTransfer.nixl.rdmaResources }}
+          {{- $_ := set $resources "limits" $limits }}
+          {{- end }}
           resources:
-            {{- toYaml $pool.resources | nindent 12 }}
+            {{- toYaml $resources | nindent 12 }}
           securityContext:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           volumeMounts:
             {{- include "pdserve.volumeMounts" $root | nindent 12 }}
+            {{- if $nixl }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
       volumes:
         {{- include "pdserve.modelVolume" $root | nindent 8 }}
+        {{- if $nixl }}
+        - name: dshm  # UCX's shared-memory transports
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $root.Values.kvTransfer.nixl.shmSizeLimit }}
+        {{- end }}
       {{- with $pool.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}

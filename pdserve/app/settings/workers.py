@@ -51,6 +51,22 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         help="Ray cluster for --kv-backend ray: auto or the GCS HOST:PORT (in a Ray actor: unused)",
     )
     add_flag(parser, "--worker-id", env, default=None, help="registry id (default: <role>-<8 hex>)")
+    add_flag(
+        parser,
+        "--ucx-tls",
+        env,
+        default=None,
+        help="--kv-backend nixl: UCX_TLS for this worker (default: UCX's own choice)",
+    )
+    add_flag(
+        parser,
+        "--kv-verify",
+        env,
+        default="on",
+        choices=("on", "off"),
+        help="--kv-backend nixl: prefill records a digest of each handle's blocks, decode checks"
+        " what it read against it",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -123,6 +139,8 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         kv_backend=args.kv_backend,
         kv_port=args.kv_port,
         max_pull_s=args.max_pull_s,
+        kv_verify=args.kv_verify == "on",
+        ucx_tls=args.ucx_tls,
         ray_address=args.ray_address,
         redis=redis_config(args),
         worker_id=args.worker_id,
@@ -137,6 +155,8 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
         ray_address=args.ray_address,
         prefill_peers=args.prefill_peers,
         transfer_timeout_s=args.transfer_timeout_s,
+        kv_verify=args.kv_verify == "on",
+        ucx_tls=args.ucx_tls,
         max_buffered_tokens=args.max_buffered_tokens,
         heartbeat_s=args.heartbeat_s,
         redis=redis_config(args),

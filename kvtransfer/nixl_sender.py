@@ -1,0 +1,242 @@
+"""The NIXL backend's prefill side: one NIXL agent over the whole KV cache (registered once at
+start), and the control plane decode workers use before their one-sided READs
+(``pdserve.v1.NixlControl`` on the KV port, mutual TLS when configured).
+
+A READ bypasses the sender, so leases are held explicitly: ``Checkout`` checks the request's
+blocks out of the lease manager (``BlockLeases``: nothing frees them meanwhile) and returns
+where they are; they stay checked out until the receiver's ``Checkin`` or ``max_pull_s``,
+whichever comes first. The receiver reads within ``hold_s`` (the response says how long).
+With ``want_digest`` the response carries the blocks' digest (``kvtransfer/block_digest.py``),
+which the receiver checks against what it wrote. With ``verify`` the digest is recorded as the
+handle is issued (in a thread, while the handle travels to the decode worker), so a checkout
+finds it ready; without, it is computed only when a checkout asks for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from engine.kv_cache import KVCache
+from engine.threads import finish_in_thread
+from kvtransfer.base import BlockLeases, KVHandle, KVSender
+from kvtransfer.block_digest import block_digest
+from kvtransfer.nixl_agent import NixlAgent
+from pdserve.common.channels import SERVER_OPTIONS
+from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.tls import TlsConfig
+from pdserve.v1 import nixl_pb2, nixl_pb2_grpc
+
+logger = logging.getLogger(__name__)
+_STOP_GRACE_S = 5.0  # how long stop() lets READs in flight finish before freeing their blocks
+
+
+@dataclass
+class _Checkout:
+    request_id: str
+    timer: asyncio.TimerHandle
+
+
+class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
+    backend = "nixl"
+
+    def __init__(
+        self,
+        cache: KVCache,
+        leases: BlockLeases,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        tls: TlsConfig | None = None,
+        max_pull_s: float = 60.0,
+        verify: bool = True,
+        ucx_tls: str | None = None,
+    ) -> None:
+        super().__init__(cache, leases)
+        self.host, self.port = host, port
+        self.advertise_host = advertise_host or host
+        self.tls = tls
+        self.max_pull_s = max_pull_s
+        self.verify = verify
+        self.ucx_tls = ucx_tls
+        self._agent: NixlAgent | None = None
+        self._server: grpc.aio.Server | None = None
+        self._address = ""
+        self._checkouts: dict[str, _Checkout] = {}
+        self._ending: set[asyncio.Task[None]] = set()
+        self._digests: dict[str, asyncio.Task[bytes]] = {}  # request_id -> its blocks' digest
+        self._no_checkouts = asyncio.Event()
+        self._no_checkouts.set()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def agent(self) -> NixlAgent:
+        if self._agent is None:
+            raise RuntimeError("the NIXL sender is not started")
+        return self._agent
+
+    async def start(self) -> None:
+        self._agent = await asyncio.to_thread(NixlAgent, "prefill", self.cache, self.ucx_tls)
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        nixl_pb2_grpc.add_NixlControlServicer_to_server(self, self._server)
+        bind = f"{self.host}:{self.port}"
+        if self.tls is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            creds = self.tls.server_credentials(require_client_auth=True)
+            port = self._server.add_secure_port(bind, creds)
+        if port == 0:
+            raise OSError(f"could not bind the NIXL control port to {bind}")
+        self._address = f"{self.advertise_host}:{port}"
+        await self._server.start()
+        logger.info(
+            "nixl sender %s: cache of %d blocks registered", self.agent.name, self.cache.num_blocks
+        )
+
+    async def stop(self) -> None:
+        # Holds end with their checkins (a READ may still run): a bounded wait, then forced.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_STOP_GRACE_S):
+                await self._no_checkouts.wait()
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        await asyncio.gather(*self._digests.values(), return_exceptions=True)
+        self._digests.clear()
+        for checkout_id in list(self._checkouts):
+            await self._end(checkout_id)
+        if self._agent is not None:
+            await asyncio.to_thread(self._agent.close)
+
+    def handle(
+        self,
+        request_id: str,
+        num_blocks: int,
+        lease_s: float,
+        lease_token: str,
+        digest: bytes,
+    ) -> KVHandle:
+        if self.verify:
+            self._record_digest(request_id, lease_token)
+        return super().handle(request_id, num_blocks, lease_s, lease_token, digest)
+
+    def recorded_digests(self) -> list[asyncio.Task[bytes]]:
+        return list(self._digests.values())
+
+    def lease_ended(self, request_id: str) -> None:
+        self._digests.pop(request_id, None)  # done: the digest held a checkout until then
+
+    def _record_digest(self, request_id: str, lease_token: str) -> None:
+        try:
+            block_ids = self.leases.checkout(request_id, lease_token)
+        except KeyError:  # the lease is already over: no checkout will ask
+            return
+
+        async def held() -> bytes:
+            try:
+                return await finish_in_thread(block_digest, self.cache, block_ids)
+            finally:
+                await self.leases.checkin(request_id)
+
+        self._digests[request_id] = asyncio.get_running_loop().create_task(held())
+
+    async def _digest(self, request_id: str, block_ids: list[int]) -> bytes:
+        """The digest recorded with the handle, or (none recorded) computed now; either way
+        in a thread, in place: the checked-out blocks cannot change."""
+        recorded = self._digests.get(request_id)
+        if recorded is not None:
+            return await asyncio.shield(recorded)
+        return await finish_in_thread(block_digest, self.cache, block_ids)
+
+    async def Handshake(
+        self, request: nixl_pb2.NixlHandshakeRequest, context: grpc.aio.ServicerContext
+    ) -> nixl_pb2.NixlHandshakeResponse:
+        mismatch = self.cache.layout.mismatch(layout_from_proto(request.receiver_layout))
+        if mismatch is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+        agent = self.agent
+        return nixl_pb2.NixlHandshakeResponse(
+            agent_name=agent.name,
+            agent_metadata=agent.metadata,
+            incarnation=agent.incarnation,
+            layout=layout_to_proto(self.cache.layout),
+            base_address=agent.region.base_address,
+            num_blocks=agent.region.num_blocks,
+            device_id=agent.region.device_id,
+            mem_type=agent.mem_type,
+        )
+
+    async def Checkout(
+        self, request: nixl_pb2.NixlCheckoutRequest, context: grpc.aio.ServicerContext
+    ) -> nixl_pb2.NixlCheckoutResponse:
+        return await self.checkout(request, context)
+
+    async def checkout(
+        self, request: nixl_pb2.NixlCheckoutRequest, context: grpc.aio.ServicerContext
+    ) -> nixl_pb2.NixlCheckoutResponse:
+        """The RPC's body, looked up per call (fault tests wrap it)."""
+        try:
+            block_ids = self.leases.checkout(request.request_id, request.lease_token)
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"
+            )
+        held = False
+        try:
+            digest = (
+                await self._digest(request.request_id, block_ids) if request.want_digest else b""
+            )
+            checkout_id = uuid.uuid4().hex
+            timer = asyncio.get_running_loop().call_later(
+                self.max_pull_s, self._expire, checkout_id
+            )
+            self._checkouts[checkout_id] = _Checkout(request.request_id, timer)
+            self._no_checkouts.clear()
+            held = True
+            return nixl_pb2.NixlCheckoutResponse(
+                block_ids=block_ids,
+                digest=digest,
+                incarnation=self.agent.incarnation,
+                checkout_id=checkout_id,
+                hold_s=self.max_pull_s,
+            )
+        finally:
+            if not held:  # refused or cancelled before the hold began: nothing reads them
+                await self.leases.checkin(request.request_id)
+
+    async def Checkin(
+        self, request: nixl_pb2.NixlCheckinRequest, context: grpc.aio.ServicerContext
+    ) -> nixl_pb2.NixlCheckinResponse:
+        checkout = self._checkouts.get(request.checkout_id)
+        if checkout is not None and checkout.request_id == request.request_id:
+            await self._end(request.checkout_id)
+        return nixl_pb2.NixlCheckinResponse()
+
+    def _expire(self, checkout_id: str) -> None:
+        """``max_pull_s`` passed without a Checkin: the hold ends (the lease rules apply)."""
+        checkout = self._checkouts.get(checkout_id)
+        if checkout is not None:
+            logger.warning(
+                "request_id=%s: NIXL checkout ended after max_pull_s=%s without a checkin",
+                checkout.request_id,
+                self.max_pull_s,
+            )
+        task = asyncio.get_running_loop().create_task(self._end(checkout_id))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def _end(self, checkout_id: str) -> None:
+        checkout = self._checkouts.pop(checkout_id, None)
+        if checkout is None:
+            return
+        if not self._checkouts:
+            self._no_checkouts.set()
+        checkout.timer.cancel()
+        await self.leases.checkin(checkout.request_id)
