@@ -3,7 +3,9 @@
 One invocation runs the same workload (synthetic prompts, Poisson arrivals, same seed) at each
 ``--rates`` value against two local clusters served by the same router and worker code:
 (a) colocated: ``pdserve up --colocated`` with 2 workers that each prefill and decode in one
-engine (vLLM-style); (b) disaggregated: 1 prefill + 1 decode worker. Measured at the client
+engine (vLLM-style); (b) disaggregated: 1 prefill + 1 decode worker; (c) planned: what
+``pdserve plan`` recommends for the top rate from a profile of this machine (at most
+``--plan-max-workers`` workers; ``--no-plan`` skips it). Measured at the client
 (``pdserve.app.bench``): TTFT p90, TPOT p90, goodput (requests/s within both SLOs).
 
 Writes the table and a plot to docs/benchmarks.md and docs/benchmarks/disagg_vs_colocated.png
@@ -27,9 +29,8 @@ from bench_inputs import REPO, ensure_model  # sibling module
 from pdserve.app.bench import workload
 from pdserve.app.bench.runner import LoadConfig, run_load
 from pdserve.app.bench.stats import summarize
+from pdserve.app.capacity.simulator import ClusterShape
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
-
-MODES = ("colocated", "disaggregated")
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--out", type=Path, default=REPO / "docs", help="where the report goes")
     p.add_argument("--quick", action="store_true", help="tiny model, one rate, 4 requests")
+    p.add_argument("--no-plan", action="store_true", help="skip the planned configuration")
+    p.add_argument("--plan-max-workers", type=int, default=3, help="workers the plan may use (3)")
     args = p.parse_args()
     if args.quick:
         args.rates, args.num_requests, args.size = "4", 4, "tiny"
@@ -53,17 +56,59 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def cluster_config(mode: str, model: Path) -> ClusterConfig:
+def cluster_config(shape: ClusterShape, model: Path) -> ClusterConfig:
     common: dict[str, Any] = {"model": str(model), "log_level": "WARNING"}
-    if mode == "colocated":
-        return ClusterConfig(num_prefill=0, num_decode=2, colocated=True, **common)
+    if shape.num_colocated:
+        return ClusterConfig(
+            num_prefill=0, num_decode=shape.num_colocated, colocated=True, **common
+        )
     # Every request disaggregated: the comparison is about the split, not the shortcut.
-    return ClusterConfig(router_args=("--local-prefill-tokens", "0"), **common)
+    return ClusterConfig(
+        num_prefill=shape.num_prefill, num_decode=shape.num_decode,
+        router_args=("--local-prefill-tokens", "0"), **common,
+    )  # fmt: skip
 
 
-def measure(args: argparse.Namespace, mode: str, model: Path) -> list[dict[str, Any]]:
+def plan(args: argparse.Namespace, model: Path) -> tuple[ClusterShape, list[dict[str, Any]]]:
+    """``pdserve plan`` for the top rate: a profile of this machine (the workers' threads),
+    its serving overheads calibrated on a 1:1 cluster, then the search."""
+    import torch
+
+    from pdserve.app.capacity.calibration import calibrate
+    from pdserve.app.capacity.planner import recommend, search
+    from pdserve.app.capacity.profiler import QUICK, ProfilePlan, engine_config
+    from pdserve.app.capacity.profiler import measure as profile_engine
+
+    torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else ProfilePlan((16, 64, 256, 512), (1, 2, 4, 8, 16), (128, 320))
+    config = engine_config(str(model), "float32", "cpu", None, 128, 2048)
+    profile = profile_engine(config, "grpc", sizes)
+    idle_requests = workload.synthetic(5, args.input_len, args.output_len, seed=20_000)
+    with LocalCluster(cluster_config(ClusterShape(1, 1), model)) as cluster:
+        records, duration_s = asyncio.run(
+            run_load(LoadConfig(cluster.address, concurrency=1), idle_requests)
+        )
+    profile = calibrate(profile, ClusterShape(1, 1), idle_requests, summarize(records, duration_s))
+    top = max(args.rate_list)
+    requests = workload.synthetic(
+        args.num_requests, args.input_len, args.output_len, int(top * 1000)
+    )
+    arrivals = workload.poisson_arrivals(len(requests), top, 1)
+    slos = (args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    candidates = search(profile, requests, arrivals, *slos, max_workers=args.plan_max_workers)
+    best, closest = recommend(candidates)
+    chosen = best or closest
+    assert chosen is not None
+    print(f"  plan for {top:g} req/s: {chosen.shape.label}"
+          f"{'' if best else ' (closest: none attains 90 %)'}", flush=True)  # fmt: skip
+    return chosen.shape, [c.to_json() for c in candidates]
+
+
+def measure(
+    args: argparse.Namespace, mode: str, shape: ClusterShape, model: Path
+) -> list[dict[str, Any]]:
     rows = []
-    with LocalCluster(cluster_config(mode, model)) as cluster:
+    with LocalCluster(cluster_config(shape, model)) as cluster:
         warm = workload.synthetic(2, args.input_len, args.output_len, seed=10_000)
         asyncio.run(run_load(LoadConfig(cluster.address, concurrency=2), warm))
         for rate in args.rate_list:
@@ -76,6 +121,7 @@ def measure(args: argparse.Namespace, mode: str, model: Path) -> list[dict[str, 
             rows.append(
                 {
                     "mode": mode,
+                    "config": shape.label,
                     "rate": rate,
                     "completed": s.num_completed,
                     "failed": s.num_failed,
@@ -106,9 +152,10 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], model: Pa
         ("TTFT p90 (ms)", "TPOT p90 (ms)", "goodput (req/s)"),
         strict=True,
     ):
-        for mode in MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             points = [(r["rate"], r[key]) for r in rows if r["mode"] == mode]
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=mode)
+            label = next(f"{mode} ({r['config']})" for r in rows if r["mode"] == mode)
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
         ax.set(xlabel="request rate (req/s)", title=label)
         ax.grid(alpha=0.3)
     axes[0].legend()
@@ -127,13 +174,14 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], model: Pa
         "prefill and decode; disaggregated = 1 prefill + 1 decode worker. Each worker runs torch",
         f"with {args.threads} thread(s), plus one router process in both setups: the same CPU.",
         "",
-        "| mode | rate (req/s) | TTFT p90 (ms) | TPOT p90 (ms) | goodput (req/s) | within SLO |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| mode | workers | rate (req/s) | TTFT p90 (ms) | TPOT p90 (ms) | goodput (req/s) "
+        "| within SLO |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted(rows, key=lambda r: (r["rate"], r["mode"])):
         lines.append(
-            f"| {r['mode']} | {r['rate']:g} | {r['ttft_p90_ms']:.0f} | {r['tpot_p90_ms']:.1f} "
-            f"| {r['goodput']:.2f} | {r['slo_fraction']:.0%} |"
+            f"| {r['mode']} | {r['config']} | {r['rate']:g} | {r['ttft_p90_ms']:.0f} "
+            f"| {r['tpot_p90_ms']:.1f} | {r['goodput']:.2f} | {r['slo_fraction']:.0%} |"
         )
     top = max(args.rate_list)
     at_top = {r["mode"]: r for r in rows if r["rate"] == top}
@@ -141,12 +189,26 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], model: Pa
     lines += [
         "",
         f"At {top:g} req/s: TPOT p90 {dis['tpot_p90_ms']:.0f} ms disaggregated vs "
-        f"{co['tpot_p90_ms']:.0f} ms colocated (decode steps never wait behind a prefill "
-        f"chunk); TTFT p90 {dis['ttft_p90_ms']:.0f} vs {co['ttft_p90_ms']:.0f} ms; goodput "
+        f"{co['tpot_p90_ms']:.0f} ms colocated; TTFT p90 {dis['ttft_p90_ms']:.0f} vs "
+        f"{co['ttft_p90_ms']:.0f} ms; goodput "
         f"{dis['goodput']:.2f} vs {co['goodput']:.2f} req/s. With one prefill worker against two "
         "colocated workers, the disaggregated setup has half the prefill capacity on the same "
         "cores, so its TTFT rises first: 1:1 is prefill-bound for this workload.",
         "",
+    ]
+    if "planned" in at_top:
+        planned = at_top["planned"]
+        lines += [
+            f"Planned = what `pdserve plan` recommends for {top:g} req/s from a profile of this "
+            f"machine (the cheapest configuration of at most {args.plan_max_workers} workers that "
+            f"keeps 90 % of requests within both SLOs, simulated): {planned['config']}; measured "
+            f"TTFT p90 {planned['ttft_p90_ms']:.0f} ms, TPOT p90 {planned['tpot_p90_ms']:.0f} ms, "
+            f"goodput {planned['goodput']:.2f} req/s ({planned['slo_fraction']:.0%} within SLO). "
+            "The simulator gives each worker its own hardware; here every process shares 2 "
+            "cores (docs/capacity.md, benchmarks/planner_accuracy.py).",
+            "",
+        ]
+    lines += [
         f"![TTFT, TPOT and goodput by rate](benchmarks/{plot.name})",
         "",
     ]
@@ -160,11 +222,16 @@ def main() -> None:
     started = time.perf_counter()
     model = ensure_model(args)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every worker process
-    rows = [row for mode in MODES for row in measure(args, mode, model)]
+    shapes = {"colocated": ClusterShape(num_colocated=2), "disaggregated": ClusterShape(1, 1)}
+    candidates: list[dict[str, Any]] = []
+    if not args.no_plan:
+        shapes["planned"], candidates = plan(args, model)
+    rows = [row for mode, shape in shapes.items() for row in measure(args, mode, shape, model)]
     report = write_report(args, rows, model)
     print(report.read_text())
     wall_s = time.perf_counter() - started
-    print(json.dumps({"rows": rows, "report": str(report), "wall_s": wall_s}))
+    print(json.dumps({"rows": rows, "plan_candidates": candidates, "report": str(report),
+                      "wall_s": wall_s}))  # fmt: skip
 
 
 if __name__ == "__main__":

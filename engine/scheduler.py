@@ -5,7 +5,8 @@ token each, or the next chunk of a prompt), then waiting sequences in arrival or
 ``max_num_seqs`` and free blocks allow. When a running sequence cannot get a block, the most
 recently admitted running sequence is preempted by recompute: its blocks are freed and it goes
 back to the front of the waiting queue (prompt + outputs so far are recomputed later, mostly
-from the prefix cache).
+from the prefix cache). Sequences holding blocks without a seat (``ready``) give theirs back
+first.
 
 Sequences whose KV is already in the cache but that hold no decode seat wait in ``ready``
 (imported from a prefill worker, or resumed after a pause) and take free seats first. A paused
@@ -142,12 +143,14 @@ class Scheduler:
         return out
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate for ``seq``, preempting from the back of ``running`` as needed.
+        """Allocate for ``seq``, preempting as needed: first the newest ``ready`` sequence
+        (it holds blocks but no seat, and may never get one while they are short: seats wait
+        for blocks that it holds), then from the back of ``running``.
 
         Returns False when ``seq`` itself had to be preempted (or dropped).
         """
         while not self.block_manager.allocate_slots(seq, num_new):
-            victim = self.running.pop()
+            victim = self.ready.pop() if self.ready else self.running.pop()
             self.block_manager.free(victim)
             if victim is seq and self._never_fits(seq):
                 out.dropped.append(victim)

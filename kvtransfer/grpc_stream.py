@@ -35,7 +35,7 @@ from kvtransfer.codec import (
 )
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
 from pdserve.common.convert import layout_from_proto, layout_to_proto
-from pdserve.common.tls import TlsConfig
+from pdserve.common.tls import TlsConfig, add_port
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _CODES = {
@@ -78,14 +78,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
     async def start(self) -> None:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
-        bind = f"{self.host}:{self.port}"
-        if self.tls is None:
-            port = self._server.add_insecure_port(bind)
-        else:
-            creds = self.tls.server_credentials(require_client_auth=True)
-            port = self._server.add_secure_port(bind, creds)
-        if port == 0:
-            raise OSError(f"could not bind the KV sender to {self.host}:{self.port}")
+        port = add_port(self._server, f"{self.host}:{self.port}", self.tls)
         self._address = f"{self.advertise_host}:{port}"
         await self._server.start()
 

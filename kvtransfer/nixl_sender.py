@@ -29,7 +29,7 @@ from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
 from pdserve.common.channels import SERVER_OPTIONS
 from pdserve.common.convert import layout_from_proto, layout_to_proto
-from pdserve.common.tls import TlsConfig
+from pdserve.common.tls import TlsConfig, add_port
 from pdserve.v1 import nixl_pb2, nixl_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -87,14 +87,7 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         self._agent = await asyncio.to_thread(NixlAgent, "prefill", self.cache, self.ucx_tls)
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         nixl_pb2_grpc.add_NixlControlServicer_to_server(self, self._server)
-        bind = f"{self.host}:{self.port}"
-        if self.tls is None:
-            port = self._server.add_insecure_port(bind)
-        else:
-            creds = self.tls.server_credentials(require_client_auth=True)
-            port = self._server.add_secure_port(bind, creds)
-        if port == 0:
-            raise OSError(f"could not bind the NIXL control port to {bind}")
+        port = add_port(self._server, f"{self.host}:{self.port}", self.tls)
         self._address = f"{self.advertise_host}:{port}"
         await self._server.start()
         logger.info(

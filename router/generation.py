@@ -113,6 +113,8 @@ class Generation:
         )
         metrics.TTFT_S.observe(out.ttft_s)
         metrics.TPOT_S.observe(out.mean_tpot_s)
+        metrics.PROMPT_TOKENS.observe(out.num_prompt_tokens)
+        metrics.OUTPUT_TOKENS.observe(out.num_output_tokens)
         metrics.PREFIX_HIT_TOKENS.inc(done.cached_tokens)
         metrics.REQUESTS.labels(final.final.finish_reason).inc()
         logger.info(

@@ -186,6 +186,7 @@ class RouterService(Service):
         waits for it). Every frontend takes one per request and ends it exactly once."""
         self._inflight += 1
         metrics.ROUTER_INFLIGHT.inc()
+        metrics.ROUTER_ARRIVALS.inc()
         return InFlight(self)
 
     def _ended(self) -> None:

@@ -110,18 +110,26 @@ def _cmd_up(args: argparse.Namespace) -> int:
     redis = None if args.redis else EmbeddedRedis().start()
     args.redis_url = args.redis or (redis.url if redis else "")
     cluster = LocalCluster(_cluster_config(args))
+    control = None
     try:
         cluster.start()
         for c in cluster.components:
             print(f"  {c.name:<10} {c.address}  metrics http://{c.metrics_address}/metrics")
         if args.http_port is not None:
             print(f"  OpenAI API {cluster.http_url}/v1", flush=True)
+        if args.control_port is not None:  # pdserve autoscale --target local
+            from pdserve.app.cluster_control import serve_control
+
+            control, port = serve_control(cluster, cluster.config.host, args.control_port)
+            print(f"pdserve up control {cluster.config.host}:{port}", flush=True)
         print(
             f"pdserve cluster ready: router {cluster.address}, redis {args.redis_url}", flush=True
         )
         stop.wait()
         print("draining ...", flush=True)
     finally:
+        if control is not None:
+            control.stop(grace=None)
         codes = cluster.stop()
         if redis is not None:
             redis.stop()
@@ -282,6 +290,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         up, "--http-port", type=int, default=None, help="the router's OpenAI API port (unset: off)"
     )
+    add_flag(
+        up,
+        "--control-port",
+        type=int,
+        default=None,
+        help="the pools' control RPC for `pdserve autoscale --target local` (0: ephemeral; "
+        "unset: off). On the cluster's host: whoever reaches it can resize the pools",
+    )
     add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         add_flag(up, flag, default=None, help="mutual TLS for every component (all three)")
@@ -305,10 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
         admin.set_defaults(func=func)
 
     from pdserve.app.bench.commands import add_bench_command
+    from pdserve.app.capacity.commands import add_capacity_commands
     from pdserve.app.ray_deploy.commands import add_ray_commands
 
     add_ray_commands(sub)
     add_bench_command(sub)
+    add_capacity_commands(sub)
 
     gen = sub.add_parser("generate", help="stream one generation from a router")
     add_flag(gen, "--router", default="127.0.0.1:50051", help="router host:port")

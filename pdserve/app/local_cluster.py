@@ -112,6 +112,7 @@ class LocalCluster:
         self.router: Component | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # the component lists, against the supervisors
+        self._draining: list[Component] = []  # asked to go (a scale-down)
         self.num_restarts = 0  # over all components
 
     @property
@@ -174,6 +175,37 @@ class LocalCluster:
             group.append(component)
         return component
 
+    def live_workers(self, role: str) -> list[Component]:
+        """The role's workers that run and are not draining (the pool's size)."""
+        with self._lock:
+            group = self.prefill if role == "prefill" else self.decode
+            return [c for c in group if c.process.poll() is None and c not in self._draining]
+
+    def add_worker(self, role: str) -> Component:
+        """One more worker, started, supervised, and ready (it registers itself in Redis).
+        One that fails to start is killed and forgotten; none starts once stopping."""
+        if self._stopping.is_set():
+            raise RuntimeError("the cluster is stopping")
+        worker = self.spawn_worker(role)
+        try:
+            worker.wait_ready(self.config.ready_timeout_s)
+        except BaseException:
+            worker.process.kill()
+            worker.process.wait()
+            with self._lock:
+                group = self.prefill if role == "prefill" else self.decode
+                group.remove(worker)
+            raise
+        self._supervise(worker)
+        return worker
+
+    def drain_worker(self, worker: Component) -> None:
+        """SIGTERM: the worker drains (finishes its requests) and exits 0, so it stays down."""
+        with self._lock:
+            self._draining.append(worker)
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGTERM)
+
     def start(self) -> LocalCluster:
         cfg = self.config
         try:
@@ -223,7 +255,7 @@ class LocalCluster:
         0 (it was asked to: ``pdserve drain``), starts it again."""
         cfg = self.config
         code = component.process.wait()
-        if code == 0:
+        if code == 0 or component in self._draining:  # asked to stop (drain, scale-down)
             return
         while not self._stopping.is_set() and component.num_restarts < cfg.max_restarts:
             delay = restart_delay_s(

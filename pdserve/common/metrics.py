@@ -18,9 +18,18 @@ TTFT_S = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=_LATEN
 TPOT_S = Histogram(
     "pdserve_tpot_seconds", "Mean time per output token after the first", buckets=_LATENCY_BUCKETS_S
 )
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# The load's shape, for capacity planning (pdserve autoscale): lengths of finished requests.
+PROMPT_TOKENS = Histogram(
+    "pdserve_request_prompt_tokens", "Prompt tokens of finished requests", buckets=_TOKEN_BUCKETS
+)
+OUTPUT_TOKENS = Histogram(
+    "pdserve_request_output_tokens", "Output tokens of finished requests", buckets=_TOKEN_BUCKETS
+)
 REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reason"])
 REQUEST_ERRORS = Counter("pdserve_request_errors_total", "Requests ended by an error", ["code"])
 ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the router")
+ROUTER_ARRIVALS = Counter("pdserve_router_arrivals", "Requests admitted by the router")
 TOKENIZATIONS_IN_FLIGHT = Gauge(
     "pdserve_tokenizations_in_flight", "Prompts being tokenized, off the event loop"
 )

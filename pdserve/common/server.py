@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.common.channels import SERVER_OPTIONS
-from pdserve.common.tls import TlsConfig, is_loopback
+from pdserve.common.tls import TlsConfig, add_port, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +119,8 @@ class ServiceServer:
         self.listeners: dict[str, str] = {}  # the service's own (``Service.open``)
 
     async def start(self) -> str:
-        bind, tls = f"{self.config.host}:{self.config.port}", self.config.tls
-        if tls is None:
-            port = self.server.add_insecure_port(bind)
-        else:
-            credentials = tls.server_credentials(require_client_auth=not self.service.public)
-            port = self.server.add_secure_port(bind, credentials)
-        if port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        bind = f"{self.config.host}:{self.config.port}"
+        port = add_port(self.server, bind, self.config.tls, not self.service.public)
         self.address = f"{self.config.host}:{port}"
         self.service.address = f"{self.config.advertise_host or self.config.host}:{port}"
         await self._set_health(serving=False)

@@ -84,3 +84,17 @@ class TlsConfig:
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def add_port(
+    server: grpc.aio.Server, bind: str, tls: TlsConfig | None, require_client_auth: bool = True
+) -> int:
+    """Binds ``server`` to ``bind`` (host:port), with TLS when configured (internal ports
+    require client certificates); the bound port. Raises ``OSError`` when it cannot bind."""
+    if tls is None:
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, tls.server_credentials(require_client_auth))
+    if port == 0:
+        raise OSError(f"could not bind {bind}")
+    return int(port)

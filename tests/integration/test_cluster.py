@@ -194,6 +194,17 @@ def test_health_reflection_and_metrics(cluster: LocalCluster) -> None:
 
     router, prefill, decode = scrape("router"), scrape("prefill-0"), scrape("decode-0")
     assert "pdserve_ttft_seconds_count" in router and "pdserve_tpot_seconds_count" in router
+    # The load for the autoscaler: arrivals, and finished requests' lengths (the cluster is
+    # shared with the module's other tests: at least this request's).
+    sample = {
+        line.split()[0]: float(line.split()[-1])
+        for line in router.splitlines()
+        if line.startswith(("pdserve_router_arrivals_total", "pdserve_request_"))
+    }
+    assert sample["pdserve_router_arrivals_total"] >= 1
+    assert sample["pdserve_request_prompt_tokens_count"] >= 1
+    assert sample["pdserve_request_prompt_tokens_sum"] >= 3
+    assert sample["pdserve_request_output_tokens_count"] >= 1
     assert "pdserve_prompt_tokens_computed 0.0" in decode
     assert "pdserve_kv_transfer_seconds_count" in decode
     for text in (prefill, decode):

@@ -20,11 +20,11 @@ import pytest
 
 from engine import LLM, PrefilledRequest, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
 from kvtransfer import KVTransferError, TransferErrorCode, make_receiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from tests.contract.test_kvtransfer_contract import _finish
 from tests.services.harness import engine_config
 
 pytestmark = pytest.mark.slow
@@ -49,17 +49,6 @@ def _start(model: Path, port: int, kv_port: int) -> subprocess.Popen[str]:
         if line.startswith("pdserve prefill ready"):
             return process
     raise AssertionError(f"prefill exited with {process.wait()} before ready")
-
-
-def _finish(engine: LLMEngine, prefilled: PrefilledRequest) -> list[int]:
-    out = RequestOutput(prefilled.request_id, prefilled.prompt_token_ids)
-    first = engine.start_prefilled(prefilled)
-    assert first is not None
-    out.apply(first)
-    while not out.finish_reason:
-        for update in engine.step():
-            out.apply(update)
-    return out.token_ids
 
 
 def test_pulls_across_processes_survive_a_killed_and_restarted_sender(llama_dir: Path) -> None:

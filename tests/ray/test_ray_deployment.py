@@ -215,3 +215,30 @@ def test_up_with_a_bad_model_path_says_so_and_leaves_nothing(
         return False
 
     run(wait_for(actors_gone, 30.0, "the failed deployment's actors removed", poll_s=0.2))
+
+
+def test_the_autoscaler_resizes_a_ray_deployment(namespace: str) -> None:
+    from pdserve.app.capacity.autoscaler import Autoscaler
+    from pdserve.app.capacity.load_meter import scrape, totals
+    from pdserve.app.capacity.scale_target import RayTarget
+    from pdserve.app.capacity.scaling import Pool, Reason
+    from tests.capacity.test_autoscale_local import POLICY, PROFILE
+    from tests.capacity.test_autoscale_local import _request as request
+
+    deployment.scale(namespace, "prefill", 1)
+    deployment.scale(namespace, "decode", 1)
+    target = RayTarget(namespace)
+    url = target.router_metrics_url()
+    times = iter([0.0, 10.0, 1010.0])  # the last round: no arrivals in 1000 s
+    scaler = Autoscaler(
+        PROFILE, POLICY, lambda now_s: {"router": totals(scrape(url), now_s)}, target,
+        clock=lambda: next(times),
+    )  # fmt: skip
+    assert scaler.tick() == [] and target.replicas(Pool.DECODE) == 1
+    run(generate_many(_router(namespace), [request(i, 16) for i in range(16)]))
+    decision = {d.pool: d for d in scaler.tick()}[Pool.DECODE]
+    assert (decision.target, decision.reason) == (2, Reason.UP)
+    assert target.replicas(Pool.DECODE) == 2
+    decision = {d.pool: d for d in scaler.tick()}[Pool.DECODE]  # nothing arrived since
+    assert (decision.target, decision.reason) == (1, Reason.DOWN)
+    assert target.replicas(Pool.DECODE) == 1

@@ -72,10 +72,15 @@ def test_disagg_vs_colocated_quick_run_writes_table_and_plot(tmp_path: Path) -> 
     assert {(r["mode"], r["rate"]) for r in report["rows"]} == {
         ("colocated", 4.0),
         ("disaggregated", 4.0),
+        ("planned", 4.0),  # what pdserve plan recommends, from this machine's profile
     }
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in report["rows"])
+    assert len(report["plan_candidates"]) == 6  # 1P:1D, 1P:2D, 2P:1D, colocated x1..3
+    planned = next(r for r in report["rows"] if r["mode"] == "planned")
+    assert planned["config"] in {c["label"] for c in report["plan_candidates"]}
     table = (tmp_path / "docs" / "benchmarks.md").read_text()
-    assert "| colocated | 4 |" in table and "| disaggregated | 4 |" in table
+    assert "| colocated | colocated x2 | 4 |" in table and "| disaggregated | 1P:1D | 4 |" in table
+    assert f"| planned | {planned['config']} | 4 |" in table
     assert (tmp_path / "docs" / "benchmarks" / "disagg_vs_colocated.png").stat().st_size > 0
 
 
@@ -103,3 +108,18 @@ def test_frontends_quick_run_serves_both_apis(tmp_path: Path) -> None:
         assert row["router_cpu_ms_per_request"] > 0
     grpc, http = report["rows"]["grpc"], report["rows"]["http"]
     assert report["http_added_ttft_p50_ms"] == http["ttft_p50_ms"] - grpc["ttft_p50_ms"]
+
+
+@pytest.mark.slow
+def test_planner_accuracy_smoke_run_compares_the_simulator_with_a_real_run(
+    tmp_path: Path,
+) -> None:
+    report = quick_run("planner_accuracy.py", tmp_path / "bench-model", "--smoke")
+    assert report["benchmark"] == "planner_accuracy"
+    (row,) = report["rows"]
+    assert row["config"] == "1P:1D" and row["rate"] == 2.0
+    for side in ("real", "sim"):
+        assert row[side]["ttft_p90"] > 0 and row[side]["tpot_p90"] > 0 and row[side]["goodput"] > 0
+    assert report["max_rel_error"] == max(row["rel_error"].values())
+    assert report["noise"] is not None  # the first real run, repeated
+    assert report["profile"]["router_overhead_s"] > 0  # calibrated from idle requests

@@ -83,6 +83,13 @@ PURE_CORE = [
     "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",
+    # The capacity planner's core runs the engine's scheduler with no model, and no I/O.
+    "pdserve.app.capacity.profile",
+    "pdserve.app.capacity.sim_worker",
+    "pdserve.app.capacity.simulator",
+    "pdserve.app.capacity.planner",
+    "pdserve.app.capacity.scaling",
+    "pdserve.app.capacity.calibration",
     # The router process tokenizes and relays; it must not pay for torch (nor its CLI path).
     "router.service",
     "router.openai.app",  # the HTTP API runs in the router process

@@ -514,3 +514,32 @@ def test_empty_queue_schedules_nothing() -> None:
     assert out.is_empty
     assert out.num_batched_tokens == 0
     assert not sched.has_work
+
+
+def test_a_running_sequence_short_of_blocks_takes_them_from_seatless_ready_ones() -> None:
+    """Imported KV waiting for a seat holds blocks: when the one running sequence needs a
+    block, the newest ready sequence gives its blocks back (recomputed later), instead of the
+    running one preempting itself while every seat waits on blocks the ready ones hold."""
+    sched = make_scheduler(6, max_num_seqs=1)
+    a, b, c = (_imported(sched, r, 10 * i) for i, r in enumerate("abc"))
+    assert sched.block_manager.num_free_blocks == 0
+    assert batch(step(sched)) == [("a", 1)]  # position 6 of 8 in a's two blocks
+    assert batch(step(sched)) == [("a", 1)]  # position 7
+    out = step(sched)  # position 8: a third block, from c (the newest ready)
+    assert batch(out) == [("a", 1)] and out.preempted == [c]
+    assert ids(sched.ready) == ["b"] and ids(sched.waiting) == ["c"]
+    assert c.block_table == [] and c.num_computed_tokens == 0 and c.num_tokens == 7
+    # Everyone finishes (each after 12 tokens), one seat at a time: no livelock, no leak.
+    finished: list[str] = []
+    for _ in range(200):
+        out = sched.schedule()
+        for name in advance(sched, out):
+            seq = next(s for s in (a, b, c) if s.request_id == name)
+            if seq.num_tokens >= 12:
+                finish(sched, seq)
+                finished.append(name)
+        if not sched.has_work:
+            break
+    assert sorted(finished) == ["a", "b", "c"]
+    sched.block_manager.check_no_leaks()
+    assert sched.block_manager.num_used_blocks == 0

@@ -222,7 +222,7 @@ metadata:
   labels:
     {{- include "pdserve.labels" $ctx | nindent 4 }}
 spec:
-  {{- if not (or $pool.autoscaling.enabled $pool.keda.enabled) }}
+  {{- if not (or $pool.autoscaling.enabled $pool.keda.enabled $root.Values.planner.enabled) }}
   replicas: {{ $pool.replicas }}
   {{- end }}
   selector:

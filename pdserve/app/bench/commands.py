@@ -64,21 +64,26 @@ def add_bench_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="the router's OpenAI API instead, http://HOST:PORT (no /v1): /v1/completions",
     )
+    add_workload_flags(bench)
+    load = bench.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, default=None, help="open loop: Poisson req/s")
+    load.add_argument("--concurrency", type=int, default=None, help="closed loop: clients")
+    add_flag(bench, "--out", type=Path, default=None, help="write results.json and PNG plots")
+    add_client_flags(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """What is sent and how it is judged: ``pdserve bench``, ``simulate`` and ``plan``."""
     add_flag(
-        bench,
+        parser,
         "--workload",
         default="synthetic",
         help="synthetic, shared-prefix, or FILE.jsonl (prompt or prompt_token_ids, output_len)",
     )
-    load = bench.add_mutually_exclusive_group()
-    load.add_argument("--rate", type=float, default=None, help="open loop: Poisson req/s")
-    load.add_argument("--concurrency", type=int, default=None, help="closed loop: clients")
-    add_flag(bench, "--num-requests", type=int, default=100)
-    add_flag(bench, "--input-len", type=int, default=256, help="prompt tokens (generated)")
-    add_flag(bench, "--output-len", type=int, default=128, help="output tokens (EOS ignored)")
-    add_flag(bench, "--slo-ttft-ms", type=float, default=None, help="TTFT target for goodput")
-    add_flag(bench, "--slo-tpot-ms", type=float, default=None, help="TPOT target for goodput")
-    add_flag(bench, "--seed", type=int, default=0, help="prompts and arrival times")
-    add_flag(bench, "--out", type=Path, default=None, help="write results.json and PNG plots")
-    add_client_flags(bench)
-    bench.set_defaults(func=_cmd_bench)
+    add_flag(parser, "--num-requests", type=int, default=100)
+    add_flag(parser, "--input-len", type=int, default=256, help="prompt tokens (generated)")
+    add_flag(parser, "--output-len", type=int, default=128, help="output tokens (EOS ignored)")
+    add_flag(parser, "--slo-ttft-ms", type=float, default=None, help="TTFT target for goodput")
+    add_flag(parser, "--slo-tpot-ms", type=float, default=None, help="TPOT target for goodput")
+    add_flag(parser, "--seed", type=int, default=0, help="prompts and arrival times")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import aiohttp
 import grpc
 
 from pdserve.app.bench.stats import RequestRecord
-from pdserve.app.bench.workload import BenchRequest
+from pdserve.app.bench.workload import BenchRequest, poisson_arrivals
 from pdserve.app.client import api_key_metadata, router_channel
 from pdserve.app.openai_client import ApiError, http_client, stream
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -155,11 +154,9 @@ async def run_load(
             on_done(finished, len(requests))
 
         if config.rate is not None:
-            rng = random.Random(config.seed)
             tasks = []
-            arrival_s = 0.0
-            for i in range(len(requests)):
-                arrival_s += rng.expovariate(config.rate)
+            arrivals_s = poisson_arrivals(len(requests), config.rate, config.seed)
+            for i, arrival_s in enumerate(arrivals_s):
                 await asyncio.sleep(max(0.0, arrival_s - (clock() - start)))
                 tasks.append(asyncio.create_task(one(i)))
             await asyncio.gather(*tasks)

@@ -96,3 +96,14 @@ def load(workload: str, num: int, input_len: int, output_len: int, seed: int) ->
             f"--workload must be synthetic, shared-prefix or a .jsonl file: {workload}"
         )
     return from_jsonl(path, num, output_len)
+
+
+def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
+    """Send times of an open-loop run (``pdserve bench --rate`` and the simulator): gaps drawn
+    from ``random.Random(seed)``'s exponential distribution."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(num):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    return arrivals

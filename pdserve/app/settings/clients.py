@@ -52,9 +52,6 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
 
 
 # Router flags `pdserve up` and `pdserve ray up` take themselves and pass through.
-
-
-# Router flags `pdserve up` and `pdserve ray up` take themselves and pass through.
 ROUTER_FAULT_FLAGS = ("--migration-limit", "--stall-timeout-s", "--client-idle-timeout-s")
 
 

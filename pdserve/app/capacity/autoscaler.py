@@ -1,0 +1,103 @@
+"""``pdserve autoscale``'s control loop: every ``interval_s`` it reads the routers' totals,
+turns the interval into a load, predicts the next one, corrects the profile by the latency it
+observes, decides each pool's size (``scaling.py``, pure) and applies changes to a
+``ScaleTarget``. Every decision is logged and exported as metrics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import Counter, Gauge
+
+from pdserve.app.capacity.load_meter import Totals, load_between
+from pdserve.app.capacity.profile import Profile
+from pdserve.app.capacity.scale_target import ScaleTarget
+from pdserve.app.capacity.scaling import (
+    Corrections,
+    Decision,
+    Load,
+    Pool,
+    PoolState,
+    ScalingPolicy,
+    corrections_for,
+    decide,
+    desired_replicas,
+    predict,
+)
+
+logger = logging.getLogger(__name__)
+
+DESIRED = Gauge("pdserve_planner_desired_replicas", "What the load wants, bounded", ["pool"])
+ACTUAL = Gauge("pdserve_planner_replicas", "The pool's size as set", ["pool"])
+PREDICTED_RATE = Gauge("pdserve_planner_predicted_rate", "Next interval's requests/s")
+CORRECTION = Gauge("pdserve_planner_correction", "Observed / expected latency", ["pool"])
+DECISIONS = Counter("pdserve_planner_decisions_total", "Decisions", ["pool", "reason"])
+_HISTORY = 8
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        profile: Profile,
+        policy: ScalingPolicy,
+        meter: Callable[[float], dict[str, Totals]],  # each router's totals at a time
+        target: ScaleTarget,
+        dry_run: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.profile, self.policy, self.meter, self.target = profile, policy, meter, target
+        self.dry_run, self.clock = dry_run, clock
+        self.states = {pool: PoolState(target.replicas(pool)) for pool in Pool}
+        self.history: list[Load] = []
+        self._last: tuple[float, dict[str, Totals]] | None = None
+
+    def tick(self) -> list[Decision]:
+        """One interval: [] on the first call (there is no interval yet)."""
+        now_s = self.clock()
+        readings = self.meter(now_s)
+        last, self._last = self._last, (now_s, readings)
+        if last is None:
+            return []
+        previous = self.history[-1] if self.history else None
+        load = load_between(last[1], readings, now_s - last[0], previous)
+        self.history = [*self.history, load][-_HISTORY:]
+        predicted = predict(self.history)
+        corrections = (
+            corrections_for(self.profile, load, max(1, self.states[Pool.DECODE].replicas))
+            if self.policy.correct_profile
+            else Corrections()
+        )
+        wanted = desired_replicas(self.profile, predicted, self.policy, corrections)
+        PREDICTED_RATE.set(predicted.rate)
+        CORRECTION.labels(Pool.PREFILL.value).set(corrections.prefill)
+        CORRECTION.labels(Pool.DECODE.value).set(corrections.decode)
+        decisions = []
+        for pool in Pool:
+            decision, state = decide(pool, self.states[pool], wanted[pool], now_s, self.policy)
+            if decision.target != decision.current and not self.dry_run:
+                self.target.scale(pool, decision.target)
+            self.states[pool] = state  # a dry run goes on as if applied: what it would do
+            DESIRED.labels(pool.value).set(decision.desired)
+            ACTUAL.labels(pool.value).set(self.states[pool].replicas)
+            DECISIONS.labels(pool.value, decision.reason.value).inc()
+            logger.info(
+                "%s: %d -> %d (desired %d, %s; predicted %.2f req/s, %.0f+%.0f tokens%s)",
+                pool.value, decision.current, decision.target, decision.desired,
+                decision.reason.value, predicted.rate, predicted.mean_prompt_tokens,
+                predicted.mean_output_tokens, ", dry run" if self.dry_run else "",
+            )  # fmt: skip
+            decisions.append(decision)
+        return decisions
+
+    def run(self, stop: threading.Event) -> None:
+        """Ticks every ``interval_s`` until ``stop``; a failed round is logged, not fatal."""
+        while True:
+            try:
+                self.tick()
+            except Exception:
+                logger.exception("autoscale round failed")
+            if stop.wait(self.policy.interval_s):
+                return

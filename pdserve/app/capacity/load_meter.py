@@ -1,0 +1,115 @@
+"""The load the routers see, from their Prometheus ``/metrics``: each router's cumulative
+totals (``totals``, pure), turned into one interval's ``Load`` by the per-router difference of
+two readings, summed over every router replica (``load_between``, pure); ``scrape`` is the
+thin I/O part. The rate is of arrivals (``pdserve_router_arrivals_total``), not of finished
+requests: long streams are load long before they finish."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.app.capacity.scaling import Load
+
+_SCRAPE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Totals:
+    """One router's cumulative counters at one time."""
+
+    time_s: float
+    num_arrivals: float = 0.0  # admitted (the load), whether finished or not
+    num_finished: float = 0.0
+    prompt_tokens: float = 0.0  # of finished requests
+    output_tokens: float = 0.0
+    ttft_sum_s: float = 0.0
+    ttft_count: float = 0.0
+    tpot_sum_s: float = 0.0
+    tpot_count: float = 0.0
+
+
+_SAMPLES = {
+    "pdserve_router_arrivals_total": "num_arrivals",
+    "pdserve_request_prompt_tokens_count": "num_finished",
+    "pdserve_request_prompt_tokens_sum": "prompt_tokens",
+    "pdserve_request_output_tokens_sum": "output_tokens",
+    "pdserve_ttft_seconds_sum": "ttft_sum_s",
+    "pdserve_ttft_seconds_count": "ttft_count",
+    "pdserve_tpot_seconds_sum": "tpot_sum_s",
+    "pdserve_tpot_seconds_count": "tpot_count",
+}
+_FIELDS = tuple(_SAMPLES.values())
+
+
+def totals(text: str, time_s: float) -> Totals:
+    """One router's ``/metrics`` page."""
+    sums = dict.fromkeys(_FIELDS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            field = _SAMPLES.get(sample.name)
+            if field is not None:
+                sums[field] += float(sample.value)
+    return Totals(time_s, **sums)
+
+
+def _delta(before: Totals | None, after: Totals) -> dict[str, float]:
+    """One router's interval. Unseen before (a new replica), or a counter went down (it
+    restarted): everything it counted is this interval's."""
+    if before is None or any(getattr(after, f) < getattr(before, f) for f in _FIELDS):
+        return {f: getattr(after, f) for f in _FIELDS}
+    return {f: getattr(after, f) - getattr(before, f) for f in _FIELDS}
+
+
+def load_between(
+    before: Mapping[str, Totals],
+    after: Mapping[str, Totals],
+    span_s: float,
+    previous: Load | None = None,
+) -> Load:
+    """The interval's load over every router (keyed by its URL): arrivals per second, and
+    the lengths and latencies of the requests that finished; an interval in which none
+    finished keeps the previous interval's lengths (the load's shape did not change because
+    its requests are still running)."""
+    if span_s <= 0:
+        raise ValueError("the second reading must be later than the first")
+    sums = dict.fromkeys(_FIELDS, 0.0)
+    for key, now in after.items():
+        for f, v in _delta(before.get(key), now).items():
+            sums[f] += v
+    time_s = max((t.time_s for t in after.values()), default=0.0)
+    n = sums["num_finished"]
+    if n:
+        prompt, output = sums["prompt_tokens"] / n, sums["output_tokens"] / n
+    elif previous is not None:
+        prompt, output = previous.mean_prompt_tokens, previous.mean_output_tokens
+    else:
+        prompt = output = 0.0
+    ttft_n, tpot_n = sums["ttft_count"], sums["tpot_count"]
+    return Load(
+        time_s,
+        sums["num_arrivals"] / span_s,
+        prompt,
+        output,
+        sums["ttft_sum_s"] / ttft_n if ttft_n else None,
+        sums["tpot_sum_s"] / tpot_n if tpot_n else None,
+    )
+
+
+def scrape(url: str) -> str:
+    """One ``/metrics`` page (blocking; the autoscaler's loop is a thread)."""
+    with urllib.request.urlopen(url, timeout=_SCRAPE_TIMEOUT_S) as response:
+        return str(response.read().decode())
+
+
+def pdserve_gauge(text: str, name: str) -> float:
+    """The sum of one gauge's samples in a worker's ``/metrics`` (0 when absent)."""
+    return sum(
+        float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    )

@@ -1,0 +1,100 @@
+"""The control RPC of a ``pdserve up`` supervisor (``--control-port``; ``ClusterControl`` in
+``proto/pdserve/v1/control.proto``): ``pdserve autoscale --target local`` reads and sets the
+pools' sizes through it. A scale-down drains the least-loaded workers (their own SIGTERM
+drain: in-flight requests finish), which the supervisor then leaves down; a scale-up starts
+workers and answers once they are ready (they join the router through Redis)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+
+from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
+from pdserve.app.capacity.scale_target import LOAD_GAUGES, choose_victims
+from pdserve.app.local_cluster import Component, LocalCluster
+from pdserve.v1 import control_pb2, control_pb2_grpc
+
+logger = logging.getLogger(__name__)
+POOLS = ("prefill", "decode")
+MAX_WORKERS_PER_POOL = 64
+
+
+def worker_load(worker: Component) -> float:
+    """Requests a worker holds, from its /metrics; unreachable: infinite (it is not chosen)."""
+    try:
+        text = scrape(f"http://{worker.metrics_address}/metrics")
+    except OSError:
+        return float("inf")
+    return sum(pdserve_gauge(text, name) for name in LOAD_GAUGES)
+
+
+class ClusterControl(control_pb2_grpc.ClusterControlServicer):
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self._scaling = threading.Lock()  # one resize at a time
+
+    def _pools(self) -> control_pb2.PoolsResponse:
+        router = self.cluster.router
+        return control_pb2.PoolsResponse(
+            pools=[
+                control_pb2.PoolSize(pool=p, replicas=len(self.cluster.live_workers(p)))
+                for p in POOLS
+            ],
+            router_metrics_address=router.metrics_address if router else "",
+        )
+
+    def GetPools(
+        self, request: control_pb2.GetPoolsRequest, context: grpc.ServicerContext
+    ) -> control_pb2.PoolsResponse:
+        return self._pools()
+
+    def ScalePool(
+        self, request: control_pb2.ScalePoolRequest, context: grpc.ServicerContext
+    ) -> control_pb2.PoolsResponse:
+        if request.pool not in POOLS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pool must be one of {POOLS}")
+        if request.pool == "prefill" and self.cluster.config.colocated:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a colocated cluster has no prefill pool (autoscale it with --max-prefill 0)",
+            )
+        floor = 1
+        if not floor <= request.replicas <= MAX_WORKERS_PER_POOL:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replicas must be in [{floor}, {MAX_WORKERS_PER_POOL}], got {request.replicas}",
+            )
+        if not self.cluster.config.redis_url:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "resizing needs the registry (pdserve up with Redis): the router would not "
+                "learn new workers",
+            )
+        with self._scaling:
+            live = self.cluster.live_workers(request.pool)
+            for _ in range(request.replicas - len(live)):
+                try:
+                    worker = self.cluster.add_worker(request.pool)
+                except (RuntimeError, TimeoutError) as exc:  # failed to start, or stopping
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"pool {request.pool}: {exc}")
+                logger.info("pool %s: added %s", request.pool, worker.name)
+            if request.replicas < len(live):
+                loads = {w.name: worker_load(w) for w in live}
+                by_name = {w.name: w for w in live}
+                for name in choose_victims(loads, len(live) - request.replicas):
+                    logger.info("pool %s: draining %s (load %g)", request.pool, name, loads[name])
+                    self.cluster.drain_worker(by_name[name])
+        return self._pools()
+
+
+def serve_control(cluster: LocalCluster, host: str, port: int) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    control_pb2_grpc.add_ClusterControlServicer_to_server(ClusterControl(cluster), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind the control port to {host}:{port}")
+    server.start()
+    return server, bound

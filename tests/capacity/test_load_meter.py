@@ -1,0 +1,53 @@
+"""The routers' load as the autoscaler reads it: real router pages (the router's own metric
+names, rendered by prometheus_client), differenced per router and summed over replicas."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from pdserve.app.capacity.load_meter import Totals, load_between, pdserve_gauge, totals
+
+
+def _router_page(
+    arrivals: int, lengths: list[tuple[int, int]], ttft_s: float, tpot_s: float
+) -> str:
+    registry = CollectorRegistry()
+    Counter("pdserve_router_arrivals", "", registry=registry).inc(arrivals)
+    prompt = Histogram("pdserve_request_prompt_tokens", "", registry=registry, buckets=(64, 512))
+    output = Histogram("pdserve_request_output_tokens", "", registry=registry, buckets=(64, 512))
+    ttft = Histogram("pdserve_ttft_seconds", "", registry=registry)
+    tpot = Histogram("pdserve_tpot_seconds", "", registry=registry)
+    for p, o in lengths:
+        prompt.observe(p)
+        output.observe(o)
+        ttft.observe(ttft_s)
+        tpot.observe(tpot_s)
+    return generate_latest(registry).decode()
+
+
+def test_routers_are_differenced_one_by_one_and_summed() -> None:
+    a0 = totals(_router_page(1, [(100, 10)], 0.5, 0.02), 0.0)
+    a1 = totals(_router_page(5, [(100, 10), (300, 30)], 0.5, 0.02), 10.0)
+    assert a1 == Totals(10.0, 5, 2, 400, 40, 1.0, 2, 0.04, 2)
+    b0 = totals(_router_page(0, [], 0.2, 0.05), 0.0)
+    b1 = totals(_router_page(3, [(200, 20)], 0.2, 0.05), 10.0)
+    load = load_between({"a": a0, "b": b0}, {"a": a1, "b": b1}, 10.0)
+    # Arrivals 4 + 3 over 10 s; finished: a's (300, 30) and b's (200, 20).
+    assert load.rate == pytest.approx(0.7)
+    assert (load.mean_prompt_tokens, load.mean_output_tokens) == (250, 25)
+    assert load.mean_ttft_s == pytest.approx(0.35) and load.mean_tpot_s == pytest.approx(0.035)
+    # Router b restarted (its counters went down), a new router c joined: each counts what
+    # it holds; a's interval is still a difference (no spike from the others).
+    b2 = totals(_router_page(2, [], 0.2, 0.05), 20.0)
+    c2 = totals(_router_page(1, [], 0.2, 0.05), 20.0)
+    a2 = totals(_router_page(5, [(100, 10), (300, 30)], 0.5, 0.02), 20.0)
+    later = load_between({"a": a1, "b": b1}, {"a": a2, "b": b2, "c": c2}, 10.0, previous=load)
+    assert later.rate == pytest.approx(0.3)  # 0 + 2 + 1
+    # Nothing finished: the lengths are the previous interval's, no latency observed.
+    assert (later.mean_prompt_tokens, later.mean_output_tokens) == (250, 25)
+    assert later.mean_ttft_s is None and later.mean_tpot_s is None
+    with pytest.raises(ValueError):
+        load_between({"a": a1}, {"a": a1}, 0.0)
+    page = "pdserve_running_requests 3.0\npdserve_queue_depth 2.0\n"
+    assert pdserve_gauge(page, "pdserve_running_requests") == 3.0

@@ -1,0 +1,104 @@
+"""The autoscaler's arithmetic and policy, with exact values (pdserve/app/capacity/scaling.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.app.capacity.profile import DECODE_FEATURES, PREFILL_FEATURES, LinearFit
+from pdserve.app.capacity.scaling import (
+    Bounds,
+    Corrections,
+    Load,
+    Pool,
+    PoolState,
+    Reason,
+    ScalingPolicy,
+    correction,
+    decide,
+    decode_seats,
+    desired_replicas,
+    predict,
+    prefill_tokens_per_s,
+)
+from tests.capacity.test_simulator import constant_profile
+
+PROFILE = dataclasses.replace(
+    constant_profile(prefill_s=0.01, decode_s=0.01, max_num_seqs=64),
+    prefill=LinearFit(PREFILL_FEATURES, 0.01, (1e-4, 0.0)),
+    decode=LinearFit(DECODE_FEATURES, 0.01, (1e-3, 0.0)),
+)
+POLICY = ScalingPolicy(slo_ttft_s=1.0, slo_tpot_s=0.05)
+
+
+def _load(rate: float, t: float = 0.0) -> Load:
+    return Load(t, rate, mean_prompt_tokens=512, mean_output_tokens=64)
+
+
+def test_capacity_formulas() -> None:
+    # A full 2048-token step: 0.01 + 2048e-4 = 0.2148 s.
+    assert prefill_tokens_per_s(PROFILE, 512) == pytest.approx(2048 / 0.2148)
+    # 0.01 + 0.001 B <= 0.05 allows 40 seats; 36 blocks a request in 1024 blocks allow 28.
+    assert decode_seats(PROFILE, _load(10), 0.05) == 28
+    assert decode_seats(PROFILE, _load(10), 0.03) == 20  # the SLO binds first
+    assert decode_seats(PROFILE, _load(10), 0.005) == 0
+    # rate 10: 5120 prompt tokens/s over 0.8 x 9534 -> 1; 10 x 64 x 0.038 = 24.3 busy seats
+    # over 0.8 x 28 -> 2.
+    assert desired_replicas(PROFILE, _load(10), POLICY, Corrections()) == {
+        Pool.PREFILL: 1,
+        Pool.DECODE: 2,
+    }
+    assert desired_replicas(PROFILE, _load(40), POLICY, Corrections()) == {
+        Pool.PREFILL: 3,
+        Pool.DECODE: 5,
+    }
+    # Observed latency twice the profile's: prefill throughput halves (3 -> 6 at rate 40).
+    slower = desired_replicas(PROFILE, _load(40), POLICY, Corrections(prefill=2.0))
+    assert slower[Pool.PREFILL] == 6
+    assert desired_replicas(PROFILE, _load(0), POLICY, Corrections()) == {
+        Pool.PREFILL: 0,
+        Pool.DECODE: 0,
+    }
+
+
+def test_prediction_and_correction() -> None:
+    assert predict([_load(1), _load(2), _load(3)]).rate == pytest.approx(4.0)
+    assert predict([_load(2)]).rate == 2.0
+    assert predict([_load(5), _load(1)]).rate == 0.0  # falling fast: never below 0
+    assert predict([_load(r) for r in (9, 1, 2, 3, 4)]).rate == pytest.approx(5.0)  # last 4
+    assert correction(0.2, 0.1) == pytest.approx(2.0)
+    assert correction(1.0, 0.1) == 4.0 and correction(0.001, 0.1) == 0.25
+    assert correction(None, 0.1) == 1.0
+    with pytest.raises(ValueError):
+        predict([])
+
+
+def test_decide_scales_up_at_once_and_down_after_hysteresis_and_cooldown() -> None:
+    state = PoolState(2)
+    decision, state = decide(Pool.DECODE, state, 5, 0.0, POLICY)
+    assert (decision.target, decision.reason) == (5, Reason.UP)
+    reasons = []
+    for t in (30.0, 60.0, 90.0, 120.0):
+        decision, state = decide(Pool.DECODE, state, 2, t, POLICY)
+        reasons.append((decision.target, decision.reason))
+    assert reasons == [
+        (5, Reason.HYSTERESIS),
+        (5, Reason.HYSTERESIS),
+        (5, Reason.COOLDOWN),  # below for 3 intervals, but 90 s < 120 s since the change
+        (2, Reason.DOWN),
+    ]
+    assert state == PoolState(2, 120.0, 0)
+    # Bounds: never above max (8), never below min (1); a capped pool says why.
+    decision, state = decide(Pool.DECODE, PoolState(3), 20, 0.0, POLICY)
+    assert (decision.target, decision.reason) == (8, Reason.UP)
+    decision, state = decide(Pool.DECODE, state, 20, 30.0, POLICY)
+    assert (decision.target, decision.reason) == (8, Reason.BOUNDS)
+    floor = ScalingPolicy(1.0, 0.05, prefill=Bounds(1, 4), down_after_intervals=1, cooldown_s=0)
+    decision, _ = decide(Pool.PREFILL, PoolState(2), 0, 10.0, floor)
+    assert (decision.desired, decision.target, decision.reason) == (1, 1, Reason.DOWN)
+    # Back at the desired size: the below-count restarts.
+    decision, state = decide(Pool.DECODE, PoolState(4, None, 2), 4, 0.0, POLICY)
+    assert decision.reason is Reason.STEADY and state.num_below == 0
+    with pytest.raises(ValueError):
+        Bounds(3, 2)
