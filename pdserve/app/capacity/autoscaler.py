@@ -5,6 +5,7 @@ observes, decides each pool's size (``scaling.py``, pure) and applies changes to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -76,6 +77,9 @@ class Autoscaler:
         CORRECTION.labels(Pool.DECODE.value).set(corrections.decode)
         decisions = []
         for pool in Pool:
+            if not self.dry_run:  # someone else (an operator, a failed start) may have resized
+                current = self.target.replicas(pool)
+                self.states[pool] = dataclasses.replace(self.states[pool], replicas=current)
             decision, state = decide(pool, self.states[pool], wanted[pool], now_s, self.policy)
             if decision.target != decision.current and not self.dry_run:
                 self.target.scale(pool, decision.target)
