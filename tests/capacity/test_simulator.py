@@ -105,3 +105,24 @@ def test_arrivals_are_the_bench_runners() -> None:
     assert poisson_arrivals(3, 2.0, 7) == pytest.approx(
         [gaps[0], gaps[0] + gaps[1], gaps[0] + gaps[1] + gaps[2]]
     )
+
+
+def test_workers_sharing_cores_slow_each_other_down() -> None:
+    profile = constant_profile(prefill_s=0.1, decode_s=0.01)
+    rng = random.Random(4)
+    requests = [BenchRequest(_prompt(rng, 64), output_len=2) for _ in range(2)]
+    # Two colocated workers, one request each at once: on their own hardware, in parallel.
+    alone = Simulator(profile, ClusterShape(num_colocated=2), RouterModel()).run(
+        requests, [0.0, 0.0]
+    )
+    assert [r.chunk_times_s for r in alone.records] == [pytest.approx([0.1, 0.11])] * 2
+    # On one shared core a step that starts while the other worker is busy takes twice as
+    # long: the first worker starts alone (0.1 s), the second while it runs (0.2 s); the
+    # first's decode step starts while the second is busy (0.02 s), the second's after the
+    # first has finished (0.01 s).
+    shared = Simulator(profile, ClusterShape(num_colocated=2), RouterModel(), shared_cores=1)
+    result = shared.run(requests, [0.0, 0.0])
+    assert result.records[0].chunk_times_s == pytest.approx([0.1, 0.12])
+    assert result.records[1].chunk_times_s == pytest.approx([0.2, 0.21])
+    with pytest.raises(ValueError, match="shared_cores"):
+        Simulator(profile, ClusterShape(num_colocated=1), RouterModel(), shared_cores=0)

@@ -61,6 +61,10 @@ def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--prefill-policy", default="cache_aware",
              choices=("cache_aware", "least_loaded"))  # fmt: skip
     add_flag(parser, "--local-prefill-tokens", type=int, default=32)
+    add_flag(
+        parser, "--shared-cores", type=int, default=None,
+        help="every worker shares this many CPU cores (one host; default: own hardware each)",
+    )  # fmt: skip
 
 
 def _slo_s(ms: float | None) -> float | None:
@@ -126,7 +130,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     shape = ClusterShape(args.prefill, args.decode, args.colocated)
     profile = profile_io.load(args.profile)
     requests, arrivals_s = workload(args)
-    result = Simulator(profile, shape, _router_model(args)).run(requests, arrivals_s)
+    simulator = Simulator(profile, shape, _router_model(args), args.shared_cores)
+    result = simulator.run(requests, arrivals_s)
     summary = summarize(
         result.records, result.duration_s, _slo_s(args.slo_ttft_ms), _slo_s(args.slo_tpot_ms)
     )
@@ -152,7 +157,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profile = profile_io.load(args.profile)
     requests, arrivals_s = workload(args)
     slo_ttft_s, slo_tpot_s = args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
-    candidates = search(profile, requests, arrivals_s, slo_ttft_s, slo_tpot_s, args.max_workers)
+    candidates = search(
+        profile, requests, arrivals_s, slo_ttft_s, slo_tpot_s, args.max_workers,
+        _router_model(args), args.shared_cores,
+    )  # fmt: skip
     best, closest = recommend(candidates, args.attainment)
     print(f"{'config':<14}{'workers':>8}{'goodput':>10}{'/worker':>9}{'in SLO':>8}"
           f"{'TTFT p90':>11}{'TPOT p90':>11}")  # fmt: skip

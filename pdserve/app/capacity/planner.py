@@ -87,8 +87,10 @@ def simulate_shape(
     slo_ttft_s: float | None,
     slo_tpot_s: float | None,
     router: RouterModel | None = None,
+    shared_cores: int | None = None,
 ) -> Summary:
-    result = Simulator(profile, shape, router or RouterModel()).run(requests, arrivals_s)
+    simulator = Simulator(profile, shape, router or RouterModel(), shared_cores)
+    result = simulator.run(requests, arrivals_s)
     return summarize(result.records, result.duration_s, slo_ttft_s, slo_tpot_s)
 
 
@@ -100,11 +102,14 @@ def search(
     slo_tpot_s: float,
     max_workers: int,
     router: RouterModel | None = None,
+    shared_cores: int | None = None,
 ) -> list[Candidate]:
+    """``shared_cores``: the candidates share one host's cores (``Simulator``)."""
+    slos = (slo_ttft_s, slo_tpot_s)
     return [
         candidate_of(
             shape,
-            simulate_shape(profile, shape, requests, arrivals_s, slo_ttft_s, slo_tpot_s, router),
+            simulate_shape(profile, shape, requests, arrivals_s, *slos, router, shared_cores),
         )
         for shape in candidate_shapes(max_workers)
     ]

@@ -83,9 +83,23 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, profile: Profile, shape: ClusterShape, router: RouterModel) -> None:
+    """``shared_cores``: every worker shares that many CPU cores (one host, as on a development
+    box) instead of having its own hardware (a GPU each): a step that starts while ``k``
+    workers are busy (itself included) takes ``max(1, k / shared_cores)`` times its profiled
+    time, the share fixed when the step starts (a coarse processor-sharing model)."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        shape: ClusterShape,
+        router: RouterModel,
+        shared_cores: int | None = None,
+    ) -> None:
+        if shared_cores is not None and shared_cores < 1:
+            raise ValueError(f"shared_cores must be >= 1, got {shared_cores}")
         self.profile = profile
         self.router = router
+        self.shared_cores = shared_cores
         root = root_hash(profile.model_fingerprint or "pdserve-sim")
         make = lambda role, i: SimWorker(f"{role.value}-{i}", role, profile, root)  # noqa: E731
         self.prefill = [make(Role.PREFILL, i) for i in range(shape.num_prefill)]
@@ -131,8 +145,12 @@ class Simulator:
         if worker.busy:
             return
         duration_s = worker.begin_step()
-        if duration_s is not None:
-            self.at(self.now_s + duration_s, lambda: self._end_step(worker))
+        if duration_s is None:
+            return
+        if self.shared_cores is not None:
+            busy = sum(w.busy for w in [*self.prefill, *self.decode])  # this one included
+            duration_s *= max(1.0, busy / self.shared_cores)
+        self.at(self.now_s + duration_s, lambda: self._end_step(worker))
 
     def _end_step(self, worker: SimWorker) -> None:
         for result in worker.end_step():
