@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 VICTIM_COST = "-1000"  # below every other pod's (0 when unset): deleted first
+SCALE_TIMEOUT_S = 600.0  # a scale-up waits for new workers to load their model
+API_TIMEOUT_S = 30.0  # every API server call is bounded; a failed round is retried next interval
 LOAD_GAUGES = ("pdserve_running_requests", "pdserve_queue_depth", "pdserve_leased_requests")
 
 
@@ -78,7 +80,7 @@ class KubernetesTarget(ScaleTarget):
 
     def replicas(self, pool: Pool) -> int:
         scale = self.apps.read_namespaced_deployment_scale(
-            self.pools[pool].deployment, self.namespace
+            self.pools[pool].deployment, self.namespace, _request_timeout=API_TIMEOUT_S
         )
         return int(scale.spec.replicas or 0)
 
@@ -88,11 +90,15 @@ class KubernetesTarget(ScaleTarget):
         if replicas < current:
             self._mark_victims(ref, current - replicas)
         body = {"spec": {"replicas": replicas}}
-        self.apps.patch_namespaced_deployment_scale(ref.deployment, self.namespace, body)
+        self.apps.patch_namespaced_deployment_scale(
+            ref.deployment, self.namespace, body, _request_timeout=API_TIMEOUT_S
+        )
         logger.info("%s: %s replicas %d -> %d", pool.value, ref.deployment, current, replicas)
 
     def _running(self, label_selector: str) -> list[Any]:
-        pods = self.core.list_namespaced_pod(self.namespace, label_selector=label_selector).items
+        pods = self.core.list_namespaced_pod(
+            self.namespace, label_selector=label_selector, _request_timeout=API_TIMEOUT_S
+        ).items
         return [
             p for p in pods
             if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
@@ -112,10 +118,14 @@ class KubernetesTarget(ScaleTarget):
                 # "0": the cost of an unmarked pod (a merge patch's null is not a valid string
                 # in the Pod model the client and the API server validate against).
                 unmark: dict[str, Any] = {"metadata": {"annotations": {DELETION_COST: "0"}}}
-                self.core.patch_namespaced_pod(pod.metadata.name, self.namespace, unmark)
+                self.core.patch_namespaced_pod(
+                    pod.metadata.name, self.namespace, unmark, _request_timeout=API_TIMEOUT_S
+                )
         for name in victims:
             body: dict[str, Any] = {"metadata": {"annotations": {DELETION_COST: VICTIM_COST}}}
-            self.core.patch_namespaced_pod(name, self.namespace, body)
+            self.core.patch_namespaced_pod(
+                name, self.namespace, body, _request_timeout=API_TIMEOUT_S
+            )
             logger.info("pod %s (load %g) marked to go first", name, loads[name])
 
 
@@ -123,7 +133,7 @@ class LocalTarget(ScaleTarget):
     """A ``pdserve up`` cluster, through its supervisor's control RPC (``--control-port``):
     the supervisor picks and drains the least-loaded workers itself."""
 
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, address: str, timeout_s: float = SCALE_TIMEOUT_S) -> None:
         import grpc
 
         from pdserve.v1 import control_pb2_grpc
@@ -169,7 +179,7 @@ class RayTarget(ScaleTarget):
     def scale(self, pool: Pool, replicas: int) -> None:
         from pdserve.app.ray_deploy import deployment
 
-        deployment.scale(self.namespace, pool.value, replicas)
+        deployment.scale(self.namespace, pool.value, replicas, timeout_s=SCALE_TIMEOUT_S)
         logger.info(
             "%s: set to %d replicas (ray namespace %s)", pool.value, replicas, self.namespace
         )

@@ -104,8 +104,12 @@ def up(spec: DeploymentSpec, namespace: str) -> list[ServiceInfo]:
         raise
 
 
-def scale(namespace: str, role: str, count: int) -> list[ServiceInfo]:
-    return list(ray.get(controller(namespace).scale.remote(role, count)))
+def scale(
+    namespace: str, role: str, count: int, timeout_s: float | None = None
+) -> list[ServiceInfo]:
+    """``timeout_s``: how long to wait for new workers to serve (None: the controller's own
+    ready and drain bounds only)."""
+    return list(ray.get(controller(namespace).scale.remote(role, count), timeout=timeout_s))
 
 
 def status(namespace: str) -> list[ServiceInfo]:
