@@ -112,7 +112,9 @@ def test_transfer_is_lossless_and_decodes_like_one_engine(
                 assert stats.num_bytes == len(block_ids) * decode.kv_layout.block_bytes
                 assert await _release(stub, response)
                 assert _finish(decode, prefilled) == expected.token_ids
-            assert await all_blocks_free(stub)
+            # Released leases free at once, except where a sender still reads the blocks
+            # (NIXL records the digest in a thread as the handle is issued): bounded.
+            await wait_for(lambda: all_blocks_free(stub), 30, "prefill blocks freed")
             decode.block_manager.check_no_leaks()
         finally:
             await receiver.close()
@@ -136,7 +138,7 @@ def test_layout_mismatch_names_both_layouts(backend: str, llama_dir: Path) -> No
             assert err.value.code is TransferErrorCode.LAYOUT_MISMATCH
             assert "bs16" in str(err.value) and "bs8" in str(err.value)
             assert await _release(stub, response)
-            assert await all_blocks_free(stub)
+            await wait_for(lambda: all_blocks_free(stub), 30, "prefill blocks freed")
         finally:
             await receiver.close()
             await server.shutdown()
