@@ -283,7 +283,8 @@ class AsyncEngine:
     def _deliver(self, updates: list[RequestUpdate]) -> None:
         """Queues each update for its consumer (under the lock, right after the step), and
         pauses a request whose consumer has let ``max_buffered_tokens`` pile up: one step adds
-        at most one token per request, so its queue never holds more than the bound."""
+        at most 1 + k tokens per request (k: speculative tokens, 0 without speculation), so its
+        queue never holds more than the bound + k."""
         for update in updates:
             stream = self._streams.get(update.request_id)
             if stream is None:

@@ -160,6 +160,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the tail blocks ``seq`` holds beyond its first ``num_tokens`` tokens
+        (speculative slots of rejected tokens). Such blocks were allocated for this step only:
+        never hashed, never shared."""
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            if block.ref_count != 1 or block.block_hash is not None:
+                raise RuntimeError(f"block {block.block_id} trimmed while shared or cached")
+            block.ref_count = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+        seq.num_registered_blocks = min(seq.num_registered_blocks, len(seq.block_table))
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (the blocks stay where they are)."""
         for block in self.blocks:

@@ -54,6 +54,49 @@ class SchedulerConfig:
             )
 
 
+class SpecMethod(enum.Enum):
+    """Where speculative tokens come from (verification is the same for both)."""
+
+    NGRAM = "ngram"  # prompt lookup: the continuation of the last n tokens seen earlier
+    DRAFT = "draft"  # a smaller checkpoint with the same vocabulary, run by this engine's code
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding. Output is token for token what plain decoding gives: a proposed
+    token is kept only if it is the token the request's own sampler picks at its position."""
+
+    method: SpecMethod
+    num_speculative_tokens: int = 3  # k: proposed per request and step
+    ngram_min: int = 2  # n-gram lengths matched, longest first
+    ngram_max: int = 4
+    draft_model: str | None = None
+    # Adaptivity (always on): a request whose recent acceptance falls below this skips
+    # speculation for a doubling number of steps, then tries again.
+    min_acceptance: float = 0.3
+    # Batches with more decoding requests than this do not speculate (verification costs
+    # k extra tokens per request; past a point the step is compute-bound and it does not pay).
+    max_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(
+                "spec_ngram_min/spec_ngram_max must satisfy 1 <= min <= max <= 16, got "
+                f"{self.ngram_min}/{self.ngram_max}"
+            )
+        if (self.method is SpecMethod.DRAFT) != (self.draft_model is not None):
+            raise ValueError(
+                "spec_draft_model is required with speculative_method 'draft' and only with it"
+            )
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"spec_min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"spec_max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -64,6 +107,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     # None: TRITON on CUDA, CPU on CPU float32 (falls back to TORCH if it cannot be built).
     attention_backend: AttentionBackend | None = None
+    speculative: SpeculativeConfig | None = None  # None: no speculation
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    AttentionBackend,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecMethod,
+    SpeculativeConfig,
+)
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -24,7 +31,27 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         attention_backend: str | None = None,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = 3,
+        spec_draft_model: str | None = None,
+        spec_ngram_min: int = 2,
+        spec_ngram_max: int = 4,
+        spec_min_acceptance: float = 0.3,
+        spec_max_batch_size: int = 16,
     ) -> None:
+        speculative = None
+        if speculative_method is not None:
+            speculative = SpeculativeConfig(
+                method=SpecMethod(speculative_method),
+                num_speculative_tokens=num_speculative_tokens,
+                ngram_min=spec_ngram_min,
+                ngram_max=spec_ngram_max,
+                draft_model=str(spec_draft_model) if spec_draft_model is not None else None,
+                min_acceptance=spec_min_acceptance,
+                max_batch_size=spec_max_batch_size,
+            )
+        elif spec_draft_model is not None:
+            raise ValueError("spec_draft_model needs speculative_method 'draft'")
         self.engine = LLMEngine(
             EngineConfig(
                 model=str(model),
@@ -42,6 +69,7 @@ class LLM:
                 attention_backend=(
                     AttentionBackend(attention_backend) if attention_backend else None
                 ),
+                speculative=speculative,
             )
         )
 

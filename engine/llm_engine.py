@@ -21,10 +21,12 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loaded_model import LoadedModel
+from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams, check_continuation
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.speculator import draft_block_bytes, make_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.loaded = LoadedModel(config)
+        self.loaded = LoadedModel(config, draft_block_bytes(config))
         loaded = self.loaded
         # Fixed once loaded; read by the loop and by the services through AsyncEngine.
         self.model_config, self.tokenizer = loaded.model_config, loaded.tokenizer
@@ -56,12 +58,16 @@ class LLMEngine:
             self.num_blocks, self.block_size, self.config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.speculator = make_speculator(
+            config, self.block_manager, self.model_config.vocab_size, self.max_model_len
+        )
         self._requests: dict[str, _Request] = {}
         self.pinned: dict[str, Sequence] = {}
         self._reserved: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_prefix_hit_tokens = 0
+        self.num_steps = 0  # steps that ran the model
         # True when the last step found nothing it could run (e.g. no free blocks for waiting
         # requests); stepping again changes nothing until a request is added, freed or aborted.
         self.last_step_idle = False
@@ -127,6 +133,8 @@ class LLMEngine:
         req.seq.status = SequenceStatus.FINISHED_ABORTED
         self.scheduler.remove(req.seq)
         self.block_manager.free(req.seq)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -150,45 +158,63 @@ class LLMEngine:
         self.last_step_idle = out.is_empty and not updates
         if out.is_empty:
             return updates
-        samplers, samples = self.runner.execute(out.scheduled)
-        for s in out.scheduled:
+        scheduled = out.scheduled
+        if self.speculator is not None:
+            budget = self.config.scheduler.max_num_batched_tokens - out.num_batched_tokens
+            scheduled = self.speculator.plan(scheduled, budget)
+        results = self.runner.execute(scheduled)
+        self.num_steps += 1
+        accepted = {id(r.scheduled): self._num_accepted(r) for r in results}
+        for s in scheduled:
             seq = s.seq
             self.num_prompt_tokens_computed += max(
                 0,
                 min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens)
                 - seq.num_computed_tokens,
             )
-            seq.num_computed_tokens += s.num_new_tokens
+            if s.spec_token_ids:
+                # Only the last token and the accepted guesses are in the cache for good;
+                # the rejected guesses' slots go back (their KV is never read).
+                seq.num_computed_tokens += 1 + accepted[id(s)]
+                self.block_manager.trim(seq, seq.num_computed_tokens)
+            else:
+                seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed_blocks(seq)
-        for s, token_id, logprobs in zip(
-            samplers, samples.token_ids, samples.logprobs, strict=True
-        ):
-            update = self._append_token(self._requests[s.seq.request_id], token_id, logprobs)
+        for r in results:
+            n = 1 + accepted[id(r.scheduled)]
+            tokens = list(zip(r.token_ids[:n], r.logprobs[:n], strict=True))
+            update = self._append_tokens(self._requests[r.scheduled.seq.request_id], tokens)
             if update is not None:
                 updates.append(update)
         return updates
 
-    def _append_token(
-        self, req: _Request, token_id: int, logprobs: TokenLogprobs | None
+    def _num_accepted(self, result: SeqSamples) -> int:
+        return self.speculator.accept(result) if self.speculator is not None else 0
+
+    def _append_tokens(
+        self, req: _Request, tokens: list[tuple[int, TokenLogprobs | None]]
     ) -> RequestUpdate | None:
+        """Appends one step's tokens (several when guesses were accepted), stopping at the
+        first that ends the request exactly as if they had come one step at a time."""
         seq = req.seq
         if not req.reported_cached:
             self.num_prefix_hit_tokens += max(seq.num_cached_tokens, 0)
-        seq.token_ids.append(token_id)
-        self._hash(seq)
-        req.pending_ids.append(token_id)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-            req.pending_logprobs.append(logprobs)
-        stop_token = seq.params.is_stop_token(token_id, self.model_config.eos_token_ids)
-        stop_string = False
-        # A stop token ends the request but, as in vLLM, its text is not part of the output.
-        if req.detokenizer is not None and not stop_token:
-            text, stop_string = req.detokenizer.add_token(token_id)
-            req.pending_text += text
-        status = self._stop_status(seq, stop_token or stop_string)
-        if status is not None:
-            return self._finish(req, status)
+        for token_id, logprobs in tokens:
+            seq.token_ids.append(token_id)
+            self._hash(seq)
+            req.pending_ids.append(token_id)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+                req.pending_logprobs.append(logprobs)
+            stop_token = seq.params.is_stop_token(token_id, self.model_config.eos_token_ids)
+            stop_string = False
+            # A stop token ends the request but, as in vLLM, its text is not part of the output.
+            if req.detokenizer is not None and not stop_token:
+                text, stop_string = req.detokenizer.add_token(token_id)
+                req.pending_text += text
+            status = self._stop_status(seq, stop_token or stop_string)
+            if status is not None:
+                return self._finish(req, status)
         if seq.prefill_only:
             return self._pin(req)
         return self._flush(req, None)
@@ -210,6 +236,8 @@ class LLMEngine:
                 # The stop string completed inside the last, held-back characters.
                 status = seq.status = SequenceStatus.FINISHED_STOPPED
         del self._requests[seq.request_id]
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
         # Finished at its first token: the caller still owns a free_pinned() of the blocks.
         pinned = seq.prefill_only and seq.num_output_tokens > 0
         if pinned:
@@ -306,7 +334,7 @@ class LLMEngine:
         self.block_manager.register_computed_blocks(seq)
         self._requests[seq.request_id] = req
         self.scheduler.add_ready(seq)  # it takes a decode seat when one is free
-        return self._append_token(req, request.first_token_id, request.first_token_logprobs)
+        return self._append_tokens(req, [(request.first_token_id, request.first_token_logprobs)])
 
     # ---- validation and introspection ------------------------------------------------------
     def validate_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -331,4 +359,17 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_steps=self.num_steps,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int]:
+        spec = self.speculator
+        if spec is None:
+            return {}
+        return {
+            "num_spec_proposed_tokens": spec.num_proposed_tokens,
+            "num_spec_accepted_tokens": spec.num_accepted_tokens,
+            "num_spec_verifications": spec.num_verifications,
+            "num_draft_prompt_tokens_computed": spec.proposer.num_prompt_tokens_computed,
+        }

@@ -29,8 +29,11 @@ _GPU_MEMORY_FRACTION = 0.85
 
 
 class LoadedModel:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, extra_block_bytes: int = 0) -> None:
+        """``extra_block_bytes``: memory another cache spends per block of this one (a draft
+        model's, holding as many blocks): the memory budget pays for both."""
         self.config = config
+        self._extra_block_bytes = extra_block_bytes
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -113,7 +116,7 @@ class LoadedModel:
                 budget = int(free_bytes * _GPU_MEMORY_FRACTION)
             else:
                 budget = _CPU_KV_CACHE_BYTES
-        by_memory = budget // self.kv_layout.block_bytes
+        by_memory = budget // (self.kv_layout.block_bytes + self._extra_block_bytes)
         # More than every admitted sequence at full length can use is wasted memory.
         per_seq = -(-self.max_model_len // self.block_size)
         wanted = self.config.scheduler.max_num_seqs * per_seq

@@ -2,10 +2,13 @@
 
 Per-step host work is the enemy of decode throughput, so inputs are built with a handful of
 list operations and one tensor conversion each; the logits are computed only for the rows that
-sample (the last token of sequences whose known tokens are all computed after this step).
+sample: the last token of sequences whose known tokens are all computed after this step, and
+every row of a verified one (its last token and each guess: ``engine/speculator.py``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +16,18 @@ from engine.attention import AttentionMetadata, PrefillSpan, decode_gather_input
 from engine.config import AttentionBackend
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaFamilyForCausalLM
-from engine.sampler import Sampler, SampleRequest, SamplerOutput
+from engine.sampler import Sampler, SampleRequest
 from engine.scheduler import ScheduledSeq
+from engine.sequence import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SeqSamples:
+    """What one scheduled sequence sampled this step, one entry per sampled row."""
+
+    scheduled: ScheduledSeq
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 class ModelRunner:
@@ -33,27 +46,40 @@ class ModelRunner:
         self.backend = backend
         self.sampler = Sampler(device, seed)
 
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SamplerOutput]:
-        """Runs the step; returns the sequences that sampled, in row order, and their samples.
+    def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqSamples]:
+        """Runs the step; returns, in row order, the samples of each sequence that sampled:
+        one for a plain step, ``1 + len(spec_token_ids)`` for a verified one (the token after
+        each of its positions, each from the request's own sampler at its output index).
 
         Reads each sequence's ``num_computed_tokens`` as it was *before* this step.
         """
         ordered, hidden = self._forward(scheduled)
         sample_rows: list[int] = []
+        requests: list[SampleRequest] = []
         samplers: list[ScheduledSeq] = []
         row = 0
         for s in ordered:
             row += s.num_new_tokens
-            if s.completes_sequence:
-                sample_rows.append(row - 1)
-                samplers.append(s)
+            num_sampled = s.num_sampled
+            if not num_sampled:
+                continue
+            samplers.append(s)
+            sample_rows.extend(range(row - num_sampled, row))
+            first = s.seq.num_output_tokens  # the output index of the first sampled row
+            requests.extend(SampleRequest(s.seq.params, first + i) for i in range(num_sampled))
         if not samplers:
-            return [], SamplerOutput([], [])
+            return []
         with torch.inference_mode():
             rows = torch.tensor(sample_rows, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])  # [num_samplers, vocab]
-            requests = [SampleRequest(s.seq.params, s.seq.num_output_tokens) for s in samplers]
-            return samplers, self.sampler(logits, requests)
+            logits = self.model.compute_logits(hidden[rows])  # [num_sample_rows, vocab]
+            out = self.sampler(logits, requests)
+        results: list[SeqSamples] = []
+        start = 0
+        for s in samplers:
+            end = start + s.num_sampled
+            results.append(SeqSamples(s, out.token_ids[start:end], out.logprobs[start:end]))
+            start = end
+        return results
 
     def forward_logits(
         self, scheduled: list[ScheduledSeq]
@@ -64,9 +90,12 @@ class ModelRunner:
             return ordered, self.model.compute_logits(hidden)  # [num_tokens, vocab]
 
     def _forward(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        # Prefill chunks first, then single-token steps: the decode part is one batched call.
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        # Prefill chunks first, then decode rows: the decode part is one batched call. A
+        # verified sequence is 1 + k decode rows, row i seeing the first num_computed + 1 + i
+        # cache slots: every new K/V is stored before attention, so that is exactly causal
+        # attention, through the same kernel (and numerics) as plain decoding.
+        prefills = [s for s in scheduled if s.num_new_tokens > 1 and not s.spec_token_ids]
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
         ordered = prefills + decodes
         input_ids, positions, slots = self._flatten(ordered)
         meta = self._metadata(prefills, decodes, slots)
@@ -83,7 +112,9 @@ class ModelRunner:
         for s in ordered:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            ids.extend(seq.token_ids[start:end])
+            # The uncomputed known tokens, then the guesses at the positions after them.
+            ids.extend(seq.token_ids[start : end - len(s.spec_token_ids)])
+            ids.extend(s.spec_token_ids)
             if s.num_new_tokens == 1:
                 pos.append(start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
@@ -116,15 +147,21 @@ class ModelRunner:
                 )
             )
             start += s.num_new_tokens
-        context_lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        # (sequence, context length) per decode row
+        rows = [
+            (s.seq, s.seq.num_computed_tokens + 1 + i)
+            for s in decodes
+            for i in range(s.num_new_tokens)
+        ]
+        context_lens = [context_len for _, context_len in rows]
         max_context = max(context_lens, default=0)
         width = max(-(-max_context // self.block_size), 1)
         tables = [
-            s.seq.block_table[:width] + [0] * (width - len(s.seq.block_table[:width]))
-            for s in decodes
+            seq.block_table[:width] + [0] * (width - len(seq.block_table[:width]))
+            for seq, _ in rows
         ]
         block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device).view(
-            len(decodes), width
+            len(rows), width
         )
         lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)
         gather_table = mask = None

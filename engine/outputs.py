@@ -72,3 +72,11 @@ class EngineStats:
     num_prefix_hit_tokens: int
     # Requests whose consumer stopped reading: blocks kept, no seat, not scheduled.
     num_paused: int = 0
+    num_steps: int = 0  # engine steps that ran the model
+    # Speculative decoding: guesses verified and kept, and (request, step) verifications;
+    # tokens per verifying step = (accepted + verifications) / verifications.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_verifications: int = 0
+    # Prompt tokens the draft model computed (the target's count stays apart).
+    num_draft_prompt_tokens_computed: int = 0

@@ -30,12 +30,23 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
+    # Tokens run this step: uncomputed ones of ``seq.token_ids``, then ``spec_token_ids``.
     num_new_tokens: int
+    # Proposed continuation to verify (speculative decoding; ``engine/speculator.py``): every
+    # one of these positions samples, and only the agreeing prefix is kept.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def completes_sequence(self) -> bool:
         """After this step every known token is computed, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + len(
+            self.spec_token_ids
+        )
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows of this step that sample: the last token's, plus one per proposed token."""
+        return 1 + len(self.spec_token_ids) if self.completes_sequence else 0
 
 
 @dataclass

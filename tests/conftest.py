@@ -67,6 +67,9 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
     for llm in engines:
         assert not llm.engine.pinned, f"pinned requests left: {list(llm.engine.pinned)}"
         llm.engine.block_manager.check_no_leaks()
+        draft = getattr(llm.engine.speculator, "proposer", None)
+        if draft is not None and hasattr(draft, "block_manager"):  # a draft model's own cache
+            draft.block_manager.check_no_leaks()
 
 
 @pytest.fixture(scope="session")

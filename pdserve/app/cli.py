@@ -76,6 +76,14 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     transfer: tuple[str, ...] = ("--kv-backend", args.transfer)
     if args.transfer == "ray":
         transfer += ("--ray-address", args.ray_address)
+    decode_args = (
+        *layout,
+        *transfer,
+        *settings.decode_passthrough(args),
+        *shlex.split(args.decode_args),
+    )
+    # Refused by name here (the workers would only crash-loop on them).
+    settings.parse_service_flags("decode", ["--model", args.model, *decode_args])
     return ClusterConfig(
         model=args.model,
         num_prefill=0 if args.colocated else args.prefill,
@@ -84,7 +92,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         router_http_port=args.http_port,
         redis_url=args.redis_url,
         prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
-        decode_args=(*layout, *transfer, *shlex.split(args.decode_args)),
+        decode_args=decode_args,
         router_args=(
             *layout,
             *keys,
@@ -102,6 +110,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.app.local_cluster import LocalCluster
 
     _check_model(args.model)  # before anything is started
+    args.redis_url = args.redis
+    _cluster_config(args)  # bad worker flags are refused by name before anything starts, too
     if args.transfer == "ray":
         args.ray_address = _local_ray(args.ray_address)
     stop = threading.Event()

@@ -70,6 +70,26 @@ PROMPT_TOKENS_COMPUTED = Gauge(
     "Prompt tokens this worker ran through the model (on decode: should stay 0)",
 )
 
+# Workers: speculative decoding (decode pool; zero unless --speculative-method is set).
+SPEC_PROPOSED = Counter("pdserve_spec_proposed_tokens_total", "Speculative tokens verified")
+SPEC_ACCEPTED = Counter(
+    "pdserve_spec_accepted_tokens_total", "Speculative tokens kept (the model agreed)"
+)
+SPEC_VERIFICATIONS = Counter(
+    "pdserve_spec_verifications_total", "Request-steps that verified speculative tokens"
+)
+SPEC_ACCEPTANCE = Gauge(
+    "pdserve_spec_acceptance_rate", "Accepted / proposed speculative tokens since start"
+)
+SPEC_TOKENS_PER_STEP = Gauge(
+    "pdserve_spec_tokens_per_step",
+    "Tokens a verifying request-step emits on average (1 + accepted guesses)",
+)
+DRAFT_PROMPT_TOKENS = Counter(
+    "pdserve_draft_prompt_tokens_total", "Prompt tokens the draft model computed"
+)
+ENGINE_STEPS = Counter("pdserve_engine_steps_total", "Engine steps that ran the model")
+
 # Faults (router): streams moved to another worker, and what it cost the client.
 MIGRATIONS = Counter(
     "pdserve_migrations_total",
@@ -108,14 +128,35 @@ TRANSFER_S = Histogram(
 TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV pulls", ["reason"])
 
 
-def observe_engine(stats: EngineStats, num_buffered_tokens: int = 0) -> None:
-    QUEUE_DEPTH.set(stats.num_waiting)
-    RUNNING.set(stats.num_running)
-    PAUSED.set(stats.num_paused)
-    OUTPUT_BUFFERED.set(num_buffered_tokens)
-    KV_BLOCKS_USED.set(stats.num_blocks - stats.num_free_blocks)
-    KV_BLOCKS_FREE.set(stats.num_free_blocks)
-    PROMPT_TOKENS_COMPUTED.set(stats.num_prompt_tokens_computed)
+class EngineObserver:
+    """Publishes one engine's stats after each step (its worker service owns one): gauges are
+    set, counters move by what this engine added since its last report (engines count from
+    their start; a process may run several, as tests do)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def __call__(self, stats: EngineStats, num_buffered_tokens: int = 0) -> None:
+        QUEUE_DEPTH.set(stats.num_waiting)
+        RUNNING.set(stats.num_running)
+        PAUSED.set(stats.num_paused)
+        OUTPUT_BUFFERED.set(num_buffered_tokens)
+        KV_BLOCKS_USED.set(stats.num_blocks - stats.num_free_blocks)
+        KV_BLOCKS_FREE.set(stats.num_free_blocks)
+        PROMPT_TOKENS_COMPUTED.set(stats.num_prompt_tokens_computed)
+        self._advance(ENGINE_STEPS, "steps", stats.num_steps)
+        self._advance(SPEC_PROPOSED, "proposed", stats.num_spec_proposed_tokens)
+        self._advance(SPEC_ACCEPTED, "accepted", stats.num_spec_accepted_tokens)
+        self._advance(SPEC_VERIFICATIONS, "verifications", stats.num_spec_verifications)
+        self._advance(DRAFT_PROMPT_TOKENS, "draft_prompt", stats.num_draft_prompt_tokens_computed)
+        if stats.num_spec_verifications:
+            SPEC_ACCEPTANCE.set(stats.num_spec_accepted_tokens / stats.num_spec_proposed_tokens)
+            accepted_per_step = stats.num_spec_accepted_tokens / stats.num_spec_verifications
+            SPEC_TOKENS_PER_STEP.set(1 + accepted_per_step)
+
+    def _advance(self, counter: Counter, key: str, total: int) -> None:
+        counter.inc(max(total - self._last.get(key, 0), 0))
+        self._last[key] = total
 
 
 def start_metrics_server(host: str, port: int, serving: Callable[[], bool] | None = None) -> int:

@@ -49,6 +49,7 @@ class WorkerService(Service):
         self._engine: AsyncEngine | None = None
         self._inflight = 0
         self._membership: Membership | None = None
+        self._observer = metrics.EngineObserver()
 
     @property
     def membership(self) -> Membership | None:
@@ -70,7 +71,7 @@ class WorkerService(Service):
             heartbeat_s=self.heartbeat_s,
         )
         self._engine.start()
-        metrics.observe_engine(self._engine.stats)
+        self._observer(self._engine.stats)
         await self.prepare()
         if self.redis is not None:
             self._membership = Membership(
@@ -84,7 +85,7 @@ class WorkerService(Service):
         return None
 
     def _observe(self, stats: EngineStats) -> None:
-        metrics.observe_engine(stats, self.engine.num_buffered_tokens)
+        self._observer(stats, self.engine.num_buffered_tokens)
 
     def record(self) -> WorkerRecord:
         """This worker as the registry shows it."""

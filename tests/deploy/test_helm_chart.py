@@ -412,3 +412,39 @@ def test_the_openai_http_api_port_service_and_probe(helm: str) -> None:
     assert "PDSERVE_HTTP_PORT" not in env(c) and "grpc" in c["readinessProbe"]
     ports = find(off, "Service", "rel-pdserve-router")["spec"]["ports"]
     assert all(p["name"] != "http" for p in ports)
+
+
+def test_speculative_decoding_reaches_the_decode_pool_only(helm: str) -> None:
+    values = ["--set", "decode.speculative.method=draft"]
+    values += ["--set", "decode.speculative.draftModel=/models/draft"]
+    values += ["--set", "decode.speculative.numSpeculativeTokens=4"]
+    manifests = render(helm, *values)
+    assert not [n for n in env(container(manifests, "prefill")) if "SPEC" in n]
+    variables = {k: v for k, v in env(container(manifests, "decode")).items() if isinstance(v, str)}
+    parser = argparse.ArgumentParser()
+    settings.add_service_flags(parser, "decode", env=variables)
+    spec = settings.service_config("decode", parser.parse_args([])).engine.speculative
+    assert spec is not None and spec.method.value == "draft"
+    assert (spec.draft_model, spec.num_speculative_tokens) == ("/models/draft", 4)
+    # Ray mode: the same values become `pdserve ray up` flags.
+    ray = render(helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"), *values)
+    args = find(ray, "Job", "rel-pdserve-ray-up")["spec"]["template"]["spec"]["containers"][0]
+    flags = dict(zip(args["args"][4::2], args["args"][5::2], strict=True))
+    assert flags["--speculative-method"] == "draft"
+    assert flags["--spec-draft-model"] == "/models/draft"
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        (["decode.speculative.method=draft"], "draftModel"),
+        (["prefill.speculative.method=ngram"], "prefill"),
+        (["decode.speculative.method=eagle"], "method"),
+    ],
+)
+def test_bad_speculative_values_are_refused(helm: str, values: list[str], named: str) -> None:
+    args = [a for v in values for a in ("--set", v)]
+    done = subprocess.run(
+        [helm, "template", "rel", str(CHART), *args], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and named in done.stderr, done.stderr

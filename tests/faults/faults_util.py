@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import LLM, SamplingParams
-from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
 from engine.outputs import RequestOutput
 from pdserve.app.client import router_channel
 from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.identical import same_or_near_tie
 
 
 @dataclass
@@ -86,23 +86,17 @@ def compare(
     references: list[RequestOutput],
     params: list[SamplingParams],
 ) -> list[str]:
-    """Every stream must equal its reference; a first difference where the reference's own
-    choice was a near-tie (margin <= NEAR_TIE) is reported, not failed. Returns the reports."""
+    """Every stream must equal its reference (``tests/identical.py``). Returns the reports."""
     reports = []
     for i, (stream, ref, p) in enumerate(zip(streams, references, params, strict=True)):
         assert stream.error is None, f"stream {i}: {stream.error}"
-        if stream.token_ids == ref.token_ids:
-            assert stream.text == ref.text, f"stream {i}: same tokens, different text"
-            assert stream.finish_reason == ref.finish_reason, f"stream {i}: finish reason"
-            continue
-        at = first_difference(stream.token_ids, ref.token_ids)
         prompt = list(stream.request.prompt_token_ids)
-        margin = sampler_choice(llm.engine, prompt, ref.token_ids, at, p).margin
-        assert margin <= NEAR_TIE, (
-            f"stream {i} differs from one engine at output {at} (margin {margin:.3g}): "
-            f"{stream.token_ids[at : at + 5]} vs {ref.token_ids[at : at + 5]}"
-        )
-        reports.append(f"stream {i}: near-tie at output {at} (margin {margin:.2g}), not a bug")
+        report = same_or_near_tie(
+            llm, prompt, stream.token_ids, stream.text, stream.finish_reason, ref, p,
+            f"stream {i}",
+        )  # fmt: skip
+        if report is not None:
+            reports.append(report)
     return reports
 
 

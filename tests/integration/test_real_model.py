@@ -99,3 +99,33 @@ def test_the_openai_api_answers_a_question(
     prompt = hf_prompt(chat_model_dir, QUESTIONS[0])
     (ref,) = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))
     assert r.choices[0].model_extra["token_ids"] == ref.token_ids  # type: ignore[index]
+
+
+def test_ngram_speculation_on_a_copy_answer_keeps_most_guesses(
+    chat_model_dir: Path, engine: LLM
+) -> None:
+    """The answer repeats the prompt's passage: prompt lookup guesses it, most guesses are
+    kept, the engine steps far fewer times than it emits tokens, and the answer is plain
+    decoding's, greedy and seeded."""
+    passage = (
+        "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
+        "with a single step. All that glitters is not gold."
+    )
+    request = f"Repeat the following text word for word:\n\n{passage}"
+    prompt = hf_prompt(chat_model_dir, [{"role": "user", "content": request}])
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.0),
+        SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1),
+    ]
+    spec = LLM(str(chat_model_dir), speculative_method="ngram", num_speculative_tokens=4)
+    for p in params:
+        before = spec.engine.stats()
+        out = spec.generate([prompt], p)[0]
+        stats = spec.engine.stats()
+        assert out.token_ids == engine.generate([prompt], p)[0].token_ids
+        if p.greedy:  # the model copies (most of) the passage: the guesses are right
+            proposed = stats.num_spec_proposed_tokens - before.num_spec_proposed_tokens
+            accepted = stats.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+            assert accepted > 0.5 * proposed
+            assert stats.num_steps - before.num_steps < 0.75 * len(out.token_ids)
+    spec.engine.block_manager.check_no_leaks()

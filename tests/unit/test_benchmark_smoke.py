@@ -123,3 +123,16 @@ def test_planner_accuracy_smoke_run_compares_the_simulator_with_a_real_run(
     assert report["max_rel_error"] == max(row["rel_error"].values())
     assert report["noise"] is not None  # the first real run, repeated
     assert report["profile"]["router_overhead_s"] > 0  # calibrated from idle requests
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
+    report = quick_run("speculative.py", tmp_path / "bench-model")
+    assert report["benchmark"] == "speculative"
+    rows = {(r["method"], r["workload"], r["batch"]) for r in report["rows"]}
+    assert ("ngram", "copy", 1) in rows and ("ngram", "random", 2) in rows
+    assert ("draft(self)", "copy", 1) in rows
+    for row in report["rows"]:  # the benchmark itself asserts the outputs are equal
+        assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
+    self_draft = [r for r in report["rows"] if r["method"] == "draft(self)"]
+    assert all(r["acceptance"] > 0.8 for r in self_draft)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdserve.app.cli import main
 
 
@@ -57,3 +59,26 @@ def test_every_serving_flag_reads_its_environment_variable(monkeypatch) -> None:
     monkeypatch.setenv("PDSERVE_PREFILL", "c:3")
     router = build_parser().parse_args(["router"])
     assert (router.prefill, router.decode) == (("c:3",), ("a:1", "b:2"))
+
+
+def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -> None:
+    from pdserve.app import settings
+    from pdserve.app.cli import _cluster_config, build_parser
+    from pdserve.app.ray_deploy.commands import _deployment_spec
+
+    flags = ["--speculative-method", "draft", "--spec-draft-model", "/d"]
+    flags += ["--num-speculative-tokens", "5"]
+    args = build_parser().parse_args(["up", "--model", "/m", *flags])
+    args.redis_url = "redis://127.0.0.1:1"  # what `pdserve up` sets once Redis is up
+    cluster = _cluster_config(args)
+    decode = settings.parse_service_flags("decode", ["--model", "/m", *cluster.decode_args])
+    spec = decode.engine.speculative  # type: ignore[union-attr]
+    assert spec is not None and (spec.draft_model, spec.num_speculative_tokens) == ("/d", 5)
+    assert not [a for a in cluster.prefill_args if "spec" in a]
+    ray_args = build_parser().parse_args(["ray", "up", "--model", "/m", *flags])
+    assert _deployment_spec(ray_args).decode.engine.speculative == spec
+    # A bad combination is refused by name before anything starts.
+    bad = build_parser().parse_args(["up", "--model", "/m", "--speculative-method", "draft"])
+    bad.redis_url = ""
+    with pytest.raises(ValueError, match="spec_draft_model"):
+        _cluster_config(bad)

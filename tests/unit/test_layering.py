@@ -80,6 +80,10 @@ PURE_CORE = [
     "engine.kv_layout",
     "engine.prompt",
     "engine.kv_events",
+    # Speculative decoding's decisions: proposals by lookup, when to speculate.
+    "engine.proposer",
+    "engine.ngram_proposer",
+    "engine.spec_policy",
     "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",

@@ -302,6 +302,7 @@ spec:
             {{- else }}
             - name: PDSERVE_TRANSFER_TIMEOUT_S
               value: {{ $root.Values.kvTransfer.timeoutSeconds | quote }}
+            {{- include "pdserve.speculativeEnv" $pool.speculative | nindent 12 }}
             {{- end }}
             {{- with $pool.env }}
             {{- toYaml . | nindent 12 }}
@@ -385,4 +386,48 @@ spec:
     secretKeyRef:
       name: {{ .Values.ray.auth.existingSecret | default (printf "%s-ray-auth" (include "pdserve.fullname" .)) }}
       key: auth_token
+{{- end }}
+
+{{/* Speculative decoding of a decode pool, as PDSERVE_* flags (nothing when method is null). */}}
+{{- define "pdserve.speculativeEnv" -}}
+{{- if and . .method }}
+- name: PDSERVE_SPECULATIVE_METHOD
+  value: {{ .method | quote }}
+- name: PDSERVE_NUM_SPECULATIVE_TOKENS
+  value: {{ .numSpeculativeTokens | quote }}
+- name: PDSERVE_SPEC_NGRAM_MIN
+  value: {{ .ngramMin | quote }}
+- name: PDSERVE_SPEC_NGRAM_MAX
+  value: {{ .ngramMax | quote }}
+- name: PDSERVE_SPEC_MAX_BATCH_SIZE
+  value: {{ .maxBatchSize | quote }}
+- name: PDSERVE_SPEC_MIN_ACCEPTANCE
+  value: {{ .minAcceptance | quote }}
+{{- with .draftModel }}
+- name: PDSERVE_SPEC_DRAFT_MODEL
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The same, as `pdserve ray up` flags. */}}
+{{- define "pdserve.speculativeArgs" -}}
+{{- if and . .method }}
+- --speculative-method
+- {{ .method | quote }}
+- --num-speculative-tokens
+- {{ .numSpeculativeTokens | quote }}
+- --spec-ngram-min
+- {{ .ngramMin | quote }}
+- --spec-ngram-max
+- {{ .ngramMax | quote }}
+- --spec-max-batch-size
+- {{ .maxBatchSize | quote }}
+- --spec-min-acceptance
+- {{ .minAcceptance | quote }}
+{{- with .draftModel }}
+- --spec-draft-model
+- {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- end }}

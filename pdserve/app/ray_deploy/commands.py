@@ -6,8 +6,17 @@ import argparse
 import shlex
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from pdserve.app.settings import add_cluster_flags, add_flag, router_passthrough
+from pdserve.app.settings import (
+    add_cluster_flags,
+    add_flag,
+    decode_passthrough,
+    router_passthrough,
+)
+
+if TYPE_CHECKING:
+    from pdserve.app.ray_deploy.spec import DeploymentSpec
 
 
 def _run(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -39,11 +48,10 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--namespace", default="pdserve", help="Ray namespace of the deployment")
 
 
-def _cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.app.ray_deploy import deployment
+def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
     from pdserve.app.ray_deploy.spec import deployment_spec
 
-    spec = deployment_spec(
+    return deployment_spec(
         model=args.model,
         num_prefill=args.prefill,
         num_decode=args.decode,
@@ -56,9 +64,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
         prefill_args=shlex.split(args.prefill_args),
-        decode_args=shlex.split(args.decode_args),
+        decode_args=[*decode_passthrough(args), *shlex.split(args.decode_args)],
         router_args=[*router_passthrough(args), *shlex.split(args.router_args)],
     )
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.app.ray_deploy import deployment
+
+    spec = _deployment_spec(args)
     deployment.connect(args.address, args.namespace, start_head=True)
     infos = deployment.up(spec, args.namespace)
     print(deployment.table(infos))

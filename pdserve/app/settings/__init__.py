@@ -18,6 +18,7 @@ from pdserve.app.settings.clients import (
     ROUTER_FAULT_FLAGS,
     add_client_flags,
     add_cluster_flags,
+    decode_passthrough,
     router_passthrough,
 )
 from pdserve.app.settings.flags import (
@@ -48,6 +49,7 @@ __all__ = [
     "add_flag",
     "add_server_flags",
     "add_service_flags",
+    "decode_passthrough",
     "engine_config",
     "env_name",
     "parse_service_flags",

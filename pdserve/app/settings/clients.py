@@ -49,17 +49,37 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
     add_flag(parser, "--router-args", default="", help="extra flags for the router")
     for flag in ROUTER_FAULT_FLAGS:  # the router's, passed through (it has the defaults)
         add_flag(parser, flag, default=None, help=f"the router's {flag}")
+    for flag in DECODE_SPEC_FLAGS:  # every decode worker's (speculative decoding)
+        add_flag(parser, flag, default=None, help=f"every decode worker's {flag}")
 
 
-# Router flags `pdserve up` and `pdserve ray up` take themselves and pass through.
+# Flags `pdserve up` and `pdserve ray up` take themselves and pass through to one role.
 ROUTER_FAULT_FLAGS = ("--migration-limit", "--stall-timeout-s", "--client-idle-timeout-s")
+DECODE_SPEC_FLAGS = (
+    "--speculative-method",
+    "--num-speculative-tokens",
+    "--spec-ngram-min",
+    "--spec-ngram-max",
+    "--spec-draft-model",
+    "--spec-max-batch-size",
+    "--spec-min-acceptance",
+)
 
 
-def router_passthrough(args: argparse.Namespace) -> list[str]:
-    """The pass-through router flags that were given, as router argv."""
+def _passthrough(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
     out: list[str] = []
-    for flag in ROUTER_FAULT_FLAGS:
+    for flag in flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
     return out
+
+
+def router_passthrough(args: argparse.Namespace) -> list[str]:
+    """The pass-through router flags that were given, as router argv."""
+    return _passthrough(args, ROUTER_FAULT_FLAGS)
+
+
+def decode_passthrough(args: argparse.Namespace) -> list[str]:
+    """The pass-through decode-worker flags that were given, as decode-worker argv."""
+    return _passthrough(args, DECODE_SPEC_FLAGS)

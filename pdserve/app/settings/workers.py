@@ -4,6 +4,7 @@ configs. Part of ``pdserve.app.settings``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 
 from decode_service.config import DecodeConfig
@@ -13,6 +14,8 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SpecMethod,
+    SpeculativeConfig,
 )
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
@@ -129,6 +132,55 @@ def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         default=1.0,
         help="a quiet stream sends an empty message this often (router stall detection)",
     )
+    add_spec_flags(parser, env)
+
+
+def add_spec_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """Speculative decoding on a decode worker (off unless --speculative-method is set)."""
+    add_flag(
+        parser,
+        "--speculative-method",
+        env,
+        default=None,
+        choices=[m.value for m in SpecMethod],
+        help="propose tokens by n-gram lookup or with a draft model; output is unchanged",
+    )
+    add_flag(parser, "--num-speculative-tokens", env, type=int, default=3)
+    add_flag(parser, "--spec-ngram-min", env, type=int, default=2)
+    add_flag(parser, "--spec-ngram-max", env, type=int, default=4)
+    add_flag(parser, "--spec-draft-model", env, default=None, help="draft checkpoint directory")
+    add_flag(
+        parser,
+        "--spec-max-batch-size",
+        env,
+        type=int,
+        default=16,
+        help="steps decoding more requests than this do not speculate",
+    )
+    add_flag(
+        parser,
+        "--spec-min-acceptance",
+        env,
+        type=float,
+        default=0.3,
+        help="a request whose recent acceptance is below this sits out (doubling) steps",
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.speculative_method is None:
+        if args.spec_draft_model is not None:
+            raise ValueError("--spec-draft-model needs --speculative-method draft")
+        return None
+    return SpeculativeConfig(
+        method=SpecMethod(args.speculative_method),
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.spec_ngram_min,
+        ngram_max=args.spec_ngram_max,
+        draft_model=args.spec_draft_model,
+        max_batch_size=args.spec_max_batch_size,
+        min_acceptance=args.spec_min_acceptance,
+    )
 
 
 def prefill_config(args: argparse.Namespace) -> PrefillConfig:
@@ -149,7 +201,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
 
 def decode_config(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(
-        engine=engine_config(args),
+        engine=dataclasses.replace(engine_config(args), speculative=speculative_config(args)),
         server=server_config(args),
         kv_backend=args.kv_backend,
         ray_address=args.ray_address,
