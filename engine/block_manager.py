@@ -20,6 +20,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
+from engine.host_index import HostIndex
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
@@ -32,7 +33,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        host_index: HostIndex | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -44,6 +51,12 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self.num_evicted_blocks = 0
         self.kv_events = KVEventLog()
+        # The host tier (``engine/host_tier.py``): which hashes it holds, and the copy work
+        # the engine owes it: blocks that became cached-free (to store) and blocks handed
+        # out again (whose pending stores must finish before anything overwrites them).
+        self.host_index = host_index
+        self._to_store: list[tuple[int, BlockHash]] = []
+        self._reused: list[int] = []
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -80,6 +93,20 @@ class BlockManager:
         """
         return self.find_cached_prefix(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
 
+    def host_prefix(self, seq: Sequence, num_device_hits: int) -> list[int]:
+        """Host-tier slots of the blocks right after ``num_device_hits`` device hits, as far
+        as the host tier holds them (leaving a token to compute, as ``cached_prefix`` does)."""
+        if self.host_index is None:
+            return []
+        end = (seq.num_tokens - 1) // self.block_size
+        return self.host_index.lookup(seq.block_hashes[num_device_hits:end])
+
+    def drain_host_work(self) -> tuple[list[tuple[int, BlockHash]], list[int]]:
+        """(blocks to copy to the host tier, blocks handed out since the last drain)."""
+        work = (self._to_store, self._reused)
+        self._to_store, self._reused = [], []
+        return work
+
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()
@@ -114,6 +141,8 @@ class BlockManager:
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
+        if self.host_index is not None:
+            self._reused.append(block_id)
         if block.block_hash is not None:
             # Evicted from the prefix cache: its contents are about to be overwritten.
             if self._cached.get(block.block_hash) == block_id:
@@ -157,6 +186,8 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+                elif self.host_index is not None:  # evictable from here on: keep a copy
+                    self._to_store.append((block_id, block.block_hash))
         seq.block_table = []
         seq.num_registered_blocks = 0
 

@@ -29,6 +29,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # Host-memory tier for evicted prefix blocks (0: off); needs prefix caching.
+    host_cache_gib: float = 0.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -37,6 +39,10 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not self.host_cache_gib >= 0:
+            raise ValueError(f"host_cache_gib must be >= 0, got {self.host_cache_gib}")
+        if self.host_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("host_cache_gib needs prefix caching (the tier holds its blocks)")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ emit only the difference once it no longer ends in U+FFFD.
 
 from __future__ import annotations
 
+from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 
 # Tokens of left context kept so that merges/spaces across the boundary decode correctly.
@@ -30,6 +31,18 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
         self.text = ""
+
+    @classmethod
+    def for_sequence(
+        cls, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...]
+    ) -> IncrementalDetokenizer:
+        """A sequence's detokenizer. A continued request replays its earlier output, so that a
+        stop string spanning the handover is found exactly where one engine would find it."""
+        detokenizer = cls(tokenizer, seq.prompt_token_ids, seq.params.stop_strings)
+        for token_id in seq.output_token_ids:
+            if not seq.params.is_stop_token(token_id, eos_token_ids):
+                detokenizer.add_token(token_id)
+        return detokenizer
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Append one token; returns (text ready to emit, a stop string was hit)."""

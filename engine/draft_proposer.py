@@ -100,10 +100,8 @@ class DraftProposer(Proposer):
     def _run(self, scheduled: list[ScheduledSeq]) -> None:
         results = self.loaded.runner.execute(scheduled)
         for s in scheduled:
-            seq = s.seq
-            done = min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens)
-            self.num_prompt_tokens_computed += max(0, done - seq.num_computed_tokens)
-            seq.num_computed_tokens += s.num_new_tokens
+            self.num_prompt_tokens_computed += s.seq.num_prompt_tokens_in(s.num_new_tokens)
+            s.seq.num_computed_tokens += s.num_new_tokens
         for result in results:
             result.scheduled.seq.token_ids.append(result.token_ids[0])
 

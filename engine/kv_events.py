@@ -7,9 +7,18 @@ last operation on a hash wins, which is exactly the state a per-worker set needs
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
+
+
+class CacheTier(enum.Enum):
+    """Where a worker holds a block: reused as is, or copied back in first (cheaper than a
+    recompute, dearer than a device hit)."""
+
+    DEVICE = "device"
+    HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -18,6 +27,7 @@ class KVEvents:
     removed: list[BlockHash]
     # The cache was cleared before ``stored``: consumers drop everything they had first.
     cleared: bool = False
+    tier: CacheTier = CacheTier.DEVICE
 
     @property
     def empty(self) -> bool:
@@ -39,11 +49,12 @@ class KVEventLog:
         self._present.clear()
         self._cleared = True
 
-    def drain(self) -> KVEvents:
+    def drain(self, tier: CacheTier = CacheTier.DEVICE) -> KVEvents:
         events = KVEvents(
             stored=[h for h, present in self._present.items() if present],
             removed=[h for h, present in self._present.items() if not present],
             cleared=self._cleared,
+            tier=tier,
         )
         self._present, self._cleared = {}, False
         return events

@@ -27,6 +27,7 @@ class LLM:
         num_blocks: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        host_cache_gib: float = 0.0,
         device: str | None = None,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
@@ -62,6 +63,7 @@ class LLM:
                     block_size=block_size,
                     num_blocks=num_blocks,
                     enable_prefix_caching=enable_prefix_caching,
+                    host_cache_gib=host_cache_gib,
                 ),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens

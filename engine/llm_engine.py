@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.host_loads import HostLoads
+from engine.host_tier import make_host_tier
 from engine.loaded_model import LoadedModel
 from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
@@ -54,10 +57,23 @@ class LLMEngine:
         self.num_blocks, self.fingerprint = loaded.num_blocks, loaded.fingerprint
         self.kv_cache, self.kv_layout = loaded.kv_cache, loaded.kv_layout
         self.runner = loaded.runner
+        self.host_tier = make_host_tier(config.cache, self.kv_cache)
         self.block_manager = BlockManager(
-            self.num_blocks, self.block_size, self.config.cache.enable_prefix_caching
+            self.num_blocks,
+            self.block_size,
+            self.config.cache.enable_prefix_caching,
+            self.host_tier.index if self.host_tier is not None else None,
         )
+        # Nothing to run but a host-tier copy in flight: offline, the step waits for it; an
+        # async driver sets this False and awaits ``copy_wait`` itself, outside its lock.
+        self.wait_for_copies_in_step = True
+        self.copy_wait: Future[None] | None = None
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self.host_loads = (
+            HostLoads(self.host_tier, self.block_manager, self.scheduler)
+            if self.host_tier is not None
+            else None
+        )
         self.speculator = make_speculator(
             config, self.block_manager, self.model_config.vocab_size, self.max_model_len
         )
@@ -67,6 +83,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_prefix_hit_tokens = 0
+        self.num_host_hit_tokens = 0
         self.num_steps = 0  # steps that ran the model
         # True when the last step found nothing it could run (e.g. no free blocks for waiting
         # requests); stepping again changes nothing until a request is added, freed or aborted.
@@ -132,13 +149,15 @@ class LLMEngine:
             return False
         req.seq.status = SequenceStatus.FINISHED_ABORTED
         self.scheduler.remove(req.seq)
-        self.block_manager.free(req.seq)
+        # A copy may still write its blocks: then they are freed once it lands.
+        if self.host_loads is None or not self.host_loads.abandon(request_id):
+            self.block_manager.free(req.seq)
         if self.speculator is not None:
             self.speculator.release(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests or (self.host_loads and self.host_loads.abandoned))
 
     def pause(self, request_id: str) -> bool:
         """Its consumer stopped reading: the request keeps its blocks but stops being scheduled
@@ -153,25 +172,33 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
+        if self.host_loads is not None:
+            self.host_loads.finish()
         out = self.scheduler.schedule()
         updates = [self._finish(self._requests[s.request_id], s.status) for s in out.dropped]
-        self.last_step_idle = out.is_empty and not updates
+        pending: list[Future[None]] = []
+        if self.host_loads is not None:
+            self.host_loads.start(out.loads)
+            pending = self.host_loads.pending()
+        self.last_step_idle = out.is_empty and not updates and not pending
         if out.is_empty:
+            if pending and not updates:  # nothing to run until a copy lands
+                if self.wait_for_copies_in_step:
+                    pending[0].result()
+                else:
+                    self.copy_wait = pending[0]
             return updates
         scheduled = out.scheduled
         if self.speculator is not None:
             budget = self.config.scheduler.max_num_batched_tokens - out.num_batched_tokens
             scheduled = self.speculator.plan(scheduled, budget)
+        self._sync_host_tier()
         results = self.runner.execute(scheduled)
         self.num_steps += 1
         accepted = {id(r.scheduled): self._num_accepted(r) for r in results}
         for s in scheduled:
             seq = s.seq
-            self.num_prompt_tokens_computed += max(
-                0,
-                min(seq.num_prompt_tokens, seq.num_computed_tokens + s.num_new_tokens)
-                - seq.num_computed_tokens,
-            )
+            self.num_prompt_tokens_computed += seq.num_prompt_tokens_in(s.num_new_tokens)
             if s.spec_token_ids:
                 # Only the last token and the accepted guesses are in the cache for good;
                 # the rejected guesses' slots go back (their KV is never read).
@@ -188,6 +215,10 @@ class LLMEngine:
                 updates.append(update)
         return updates
 
+    def _sync_host_tier(self) -> None:
+        if self.host_loads is not None:
+            self.host_loads.sync()
+
     def _num_accepted(self, result: SeqSamples) -> int:
         return self.speculator.accept(result) if self.speculator is not None else 0
 
@@ -199,6 +230,7 @@ class LLMEngine:
         seq = req.seq
         if not req.reported_cached:
             self.num_prefix_hit_tokens += max(seq.num_cached_tokens, 0)
+            self.num_host_hit_tokens += seq.num_host_cached_tokens
         for token_id, logprobs in tokens:
             seq.token_ids.append(token_id)
             self._hash(seq)
@@ -272,16 +304,9 @@ class LLMEngine:
     def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, seq.params.stop_strings
+        return IncrementalDetokenizer.for_sequence(
+            self.tokenizer, seq, self.model_config.eos_token_ids
         )
-        # A continued request: replay its earlier output, so that a stop string spanning the
-        # handover is found exactly where one engine would have found it.
-        eos = self.model_config.eos_token_ids
-        for token_id in seq.output_token_ids:
-            if not seq.params.is_stop_token(token_id, eos):
-                detokenizer.add_token(token_id)
-        return detokenizer
 
     def _hash(self, seq: Sequence) -> None:
         if self.config.cache.enable_prefix_caching:
@@ -318,6 +343,7 @@ class LLMEngine:
         )
         if not self.block_manager.allocate_slots(seq, len(prompt)):
             return None
+        self._sync_host_tier()  # the KV receiver writes these blocks from its own thread
         seq.num_cached_tokens = 0
         self._reserved[request.request_id] = _Request(seq, self._detokenizer(seq))
         return list(seq.block_table)
@@ -360,16 +386,7 @@ class LLMEngine:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
             num_steps=self.num_steps,
-            **self._spec_stats(),
+            num_host_hit_tokens=self.num_host_hit_tokens,
+            **(self.host_tier.stats_fields() if self.host_tier else {}),
+            **(self.speculator.stats_fields() if self.speculator else {}),
         )
-
-    def _spec_stats(self) -> dict[str, int]:
-        spec = self.speculator
-        if spec is None:
-            return {}
-        return {
-            "num_spec_proposed_tokens": spec.num_proposed_tokens,
-            "num_spec_accepted_tokens": spec.num_accepted_tokens,
-            "num_spec_verifications": spec.num_verifications,
-            "num_draft_prompt_tokens_computed": spec.proposer.num_prompt_tokens_computed,
-        }

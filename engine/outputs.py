@@ -73,6 +73,11 @@ class EngineStats:
     # Requests whose consumer stopped reading: blocks kept, no seat, not scheduled.
     num_paused: int = 0
     num_steps: int = 0  # engine steps that ran the model
+    # The host tier: prompt tokens loaded from it (part of num_prefix_hit_tokens), its size
+    # and fill, in blocks.
+    num_host_hit_tokens: int = 0
+    num_host_blocks: int = 0
+    num_host_cached_blocks: int = 0
     # Speculative decoding: guesses verified and kept, and (request, step) verifications;
     # tokens per verifying step = (accepted + verifications) / verifications.
     num_spec_proposed_tokens: int = 0

@@ -53,6 +53,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Admitted with a host-tier hit: (sequence, [(host slot, device block), ...]) to copy in;
+    # the sequence waits in ``loading`` until the engine calls ``loaded``.
+    loads: list[tuple[Sequence, list[tuple[int, int]]]] = field(default_factory=list)
     # Sequences that can never fit in the cache; finished with reason "length".
     dropped: list[Sequence] = field(default_factory=list)
 
@@ -73,11 +76,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.ready: deque[Sequence] = deque()  # KV in the cache, waiting for a seat
         self.paused: list[Sequence] = []  # blocks kept, no seat, not scheduled
+        self.loading: list[Sequence] = []  # blocks being copied in from the host tier
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.ready)
+        return bool(self.waiting or self.running or self.ready or self.loading)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -100,6 +104,11 @@ class Scheduler:
             return seq in self.paused
         self.paused.append(seq)
         return True
+
+    def loaded(self, seq: Sequence) -> None:
+        """Its host-tier blocks are in the device cache: it takes a seat like imported KV."""
+        self.loading.remove(seq)
+        self.ready.append(seq)
 
     def resume(self, seq: Sequence) -> None:
         if seq in self.paused:
@@ -131,6 +140,8 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.block_manager.cached_prefix(seq)
             num_computed = len(hits) * self.block_manager.block_size
+            if self._admit_loading(seq, hits, out):
+                continue
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(seq, num_new, hits):
                 if self._never_fits(seq):
@@ -152,6 +163,28 @@ class Scheduler:
             )
             seq.status = SequenceStatus.FINISHED_LENGTH
         return out
+
+    def _admit_loading(self, seq: Sequence, hits: list[int], out: SchedulerOutput) -> bool:
+        """A prefix that continues in the host tier: blocks for it are taken now and filled by
+        copies, and ``seq`` waits in ``loading`` (no seat, no tokens of this step) until they
+        are in. Its tokens count as computed: nothing recomputes them. False: no host hit, or
+        no room (then it is admitted as usual, or waits)."""
+        slots = self.block_manager.host_prefix(seq, len(hits))
+        if not slots:
+            return False
+        bs = self.block_manager.block_size
+        if not self.block_manager.allocate_slots(seq, len(slots) * bs, hits):
+            return False
+        self.waiting.popleft()
+        first = len(hits)
+        seq.num_computed_tokens += len(slots) * bs
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_host_cached_tokens = len(slots) * bs
+        seq.status = SequenceStatus.RUNNING
+        self.loading.append(seq)
+        out.loads.append((seq, list(zip(slots, seq.block_table[first:], strict=False))))
+        return True
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for ``seq``, preempting as needed: first the newest ``ready`` sequence
@@ -180,7 +213,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Stop scheduling a sequence; the caller owns freeing (or pinning) its blocks."""
-        for queue in (self.running, self.waiting, self.ready, self.paused):
+        for queue in (self.running, self.waiting, self.ready, self.paused, self.loading):
             if seq in queue:
                 queue.remove(seq)
                 return

@@ -52,8 +52,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache (prefix hits included).
     num_computed_tokens: int = 0
-    # Prompt tokens served from the prefix cache at first admission.
+    # Prompt tokens served from the prefix cache at first admission (both tiers), and of
+    # them those loaded from the host tier.
     num_cached_tokens: int = -1
+    num_host_cached_tokens: int = 0
     # Chained hashes of every full block of token_ids (computed eagerly as tokens arrive).
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Blocks of block_table already published to the prefix cache.
@@ -78,6 +80,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    def num_prompt_tokens_in(self, num_new_tokens: int) -> int:
+        """How many of the next ``num_new_tokens`` tokens to compute are prompt tokens."""
+        done = min(self.num_prompt_tokens, self.num_computed_tokens + num_new_tokens)
+        return max(0, done - self.num_computed_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:

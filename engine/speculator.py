@@ -117,6 +117,15 @@ class Speculator:
             state.verified(len(guesses), num_accepted, self.config.min_acceptance)
         return num_accepted
 
+    def stats_fields(self) -> dict[str, int]:
+        """This speculator's part of ``EngineStats``."""
+        return {
+            "num_spec_proposed_tokens": self.num_proposed_tokens,
+            "num_spec_accepted_tokens": self.num_accepted_tokens,
+            "num_spec_verifications": self.num_verifications,
+            "num_draft_prompt_tokens_computed": self.proposer.num_prompt_tokens_computed,
+        }
+
     def release(self, request_id: str) -> None:
         """The request finished or was aborted (called exactly once per request)."""
         self._states.pop(request_id, None)

@@ -14,9 +14,11 @@ from redis.exceptions import RedisError
 
 from engine.block_hash import hash_blocks, root_hash
 from pdserve.cluster.config import RedisConfig, connect
+from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
 from pdserve.common import metrics
+from router.policy import host_credited_tokens
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -95,18 +97,27 @@ class ClusterState:
 
     async def cached_tokens(self, prompt_ids: list[int], workers: list[Worker]) -> dict[str, int]:
         """Predicted prefix-cache hit tokens per worker address, or {} without an index.
-        Like the engine, the last prompt token is never counted: it must be computed."""
+        Like the engine, the last prompt token is never counted: it must be computed. A block
+        a worker holds only in its host tier counts ``HOST_HIT_CREDIT`` of a device hit: it is
+        copied back rather than recomputed (cheaper than a miss, dearer than a device hit)."""
         if self.index is None or not workers or not self._up:
             return {}  # while Redis is down, discovery (every 0.5 s) notices its return
         usable = (len(prompt_ids) - 1) // self.block_size * self.block_size
         hashes = hash_blocks(self.root, prompt_ids[:usable], self.block_size)
         try:
-            blocks = await self.index.longest_prefixes(hashes, [w.worker_id for w in workers])
+            ids = [w.worker_id for w in workers]
+            device = await self.index.longest_prefixes(hashes, ids)
+            either = await self.index.longest_prefixes(hashes, ids, ANY_TIER)
         except (RedisError, OSError) as exc:
             self._set_up(False, exc)
             return {}
         self._set_up(True)
-        return {w.address: blocks[w.worker_id] * self.block_size for w in workers}
+        return {
+            w.address: host_credited_tokens(
+                device[w.worker_id], either[w.worker_id], self.block_size
+            )
+            for w in workers
+        }
 
     async def close(self) -> None:
         # Stopped by flag, not cancel: a cancel can be lost inside redis-py's wait_for on 3.11.

@@ -90,6 +90,19 @@ def rank_round_robin(workers: list[WorkerLoad], turn: int = 0) -> list[str]:
     return healthy[k:] + healthy[:k]
 
 
+# A block a worker holds only in its host tier is copied back, not recomputed: it is worth this
+# share of a device hit in the cache-aware score (a copy costs far less than a prefill, but
+# more than nothing).
+HOST_HIT_CREDIT = 0.5
+
+
+def host_credited_tokens(num_device_blocks: int, num_any_tier_blocks: int, block_size: int) -> int:
+    """Cache credit, in tokens, of a worker holding ``num_device_blocks`` leading blocks in its
+    device cache and ``num_any_tier_blocks`` in device and host tier together."""
+    num_host = max(num_any_tier_blocks - num_device_blocks, 0)
+    return int((num_device_blocks + HOST_HIT_CREDIT * num_host) * block_size)
+
+
 @dataclass(frozen=True)
 class CacheAwareChoice:
     order: list[str]

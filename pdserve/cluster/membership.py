@@ -79,9 +79,9 @@ class Membership:
         while not self._stopping:
             try:
                 if need_snapshot:
-                    await self.index.replace(
-                        self.worker_id, await self.engine.snapshot_cached_hashes()
-                    )
+                    snapshot = await self.engine.snapshot_cached_hashes()
+                    for tier, hashes in snapshot.items():
+                        await self.index.replace(self.worker_id, hashes, tier)
                     need_snapshot = False
                 for events in self.engine.take_kv_events():
                     await self.index.apply(self.worker_id, events)

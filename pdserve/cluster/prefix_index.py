@@ -1,10 +1,12 @@
 """The cluster prefix-cache index: for each worker, the block hashes its prefix cache holds.
 
 Who calls what:
-- A worker calls ``apply`` with the KV events it drained from its engine (batched), and
-  ``replace`` with a full snapshot when it (re)connects, so the index heals after a restart.
+- A worker calls ``apply`` with the KV events it drained from its engine (batched; each batch
+  names its tier: the device cache or the host tier), and ``replace`` with a full snapshot of a
+  tier when it (re)connects, so the index heals after a restart.
 - The router calls ``longest_prefixes`` with a prompt's chained block hashes (the engine's own
-  hasher, ``engine.block_hash``) and the live candidate workers.
+  hasher, ``engine.block_hash``) and the live candidate workers, for the device tier and for
+  both tiers together (a block in either can be reused: the host tier's after a copy).
 - Whoever sees a worker leave (deregistration, heartbeat expiry) calls ``remove_worker``.
 The index holds no blocks and frees nothing: a stale entry costs a routing miss, never
 correctness, and the worker's own prefix cache decides what is really reused.
@@ -16,7 +18,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from engine.block_hash import BlockHash
-from engine.kv_events import KVEvents
+from engine.kv_events import CacheTier, KVEvents
+
+DEVICE_ONLY = (CacheTier.DEVICE,)
+ANY_TIER = (CacheTier.DEVICE, CacheTier.HOST)
 
 
 class PrefixIndex(ABC):
@@ -24,17 +29,26 @@ class PrefixIndex(ABC):
     async def apply(self, worker_id: str, events: KVEvents) -> None: ...
 
     @abstractmethod
-    async def replace(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None: ...
+    async def replace(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        tier: CacheTier = CacheTier.DEVICE,
+    ) -> None: ...
 
     @abstractmethod
     async def remove_worker(self, worker_id: str) -> None: ...
 
     @abstractmethod
     async def longest_prefixes(
-        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+        self,
+        block_hashes: Sequence[BlockHash],
+        worker_ids: Sequence[str],
+        tiers: Sequence[CacheTier] = DEVICE_ONLY,
     ) -> dict[str, int]:
-        """For each worker, how many leading blocks of ``block_hashes`` it holds (it stops at
-        the first missing block: later hits cannot be reused without it)."""
+        """For each worker, how many leading blocks of ``block_hashes`` it holds in any of
+        ``tiers`` (it stops at the first missing block: later hits cannot be reused without
+        it)."""
 
     async def close(self) -> None:
         return None
@@ -53,23 +67,34 @@ class InMemoryPrefixIndex(PrefixIndex):
     """One process's index (tests, single-router setups without Redis)."""
 
     def __init__(self) -> None:
-        self._held: dict[str, set[BlockHash]] = {}
+        self._held: dict[tuple[str, CacheTier], set[BlockHash]] = {}
 
     async def apply(self, worker_id: str, events: KVEvents) -> None:
-        held = self._held.setdefault(worker_id, set())
+        held = self._held.setdefault((worker_id, events.tier), set())
         if events.cleared:
             held.clear()
         held.update(events.stored)
         held.difference_update(events.removed)
 
-    async def replace(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        self._held[worker_id] = set(block_hashes)
+    async def replace(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        tier: CacheTier = CacheTier.DEVICE,
+    ) -> None:
+        self._held[worker_id, tier] = set(block_hashes)
 
     async def remove_worker(self, worker_id: str) -> None:
-        self._held.pop(worker_id, None)
+        for tier in CacheTier:
+            self._held.pop((worker_id, tier), None)
 
     async def longest_prefixes(
-        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+        self,
+        block_hashes: Sequence[BlockHash],
+        worker_ids: Sequence[str],
+        tiers: Sequence[CacheTier] = DEVICE_ONLY,
     ) -> dict[str, int]:
-        empty: frozenset[BlockHash] = frozenset()
-        return {w: leading_hits(self._held.get(w, empty), block_hashes) for w in worker_ids}
+        def held(worker_id: str) -> set[BlockHash]:
+            return set().union(*(self._held.get((worker_id, t), set()) for t in tiers))
+
+        return {w: leading_hits(held(w), block_hashes) for w in worker_ids}

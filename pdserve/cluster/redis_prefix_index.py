@@ -1,4 +1,4 @@
-"""The prefix index in Redis: one set of raw 16-byte block hashes per worker.
+"""The prefix index in Redis: one set of raw 16-byte block hashes per worker and tier.
 
 ``longest_prefixes`` is one round trip for any prompt length and any number of workers (a Lua
 script walks each worker's set in prompt order); ``apply`` and ``replace`` are one pipelined
@@ -12,19 +12,27 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 
 from engine.block_hash import BlockHash
-from engine.kv_events import KVEvents
+from engine.kv_events import CacheTier, KVEvents
 from pdserve.cluster.config import connect
-from pdserve.cluster.prefix_index import PrefixIndex
+from pdserve.cluster.prefix_index import DEVICE_ONLY, PrefixIndex
 
-# KEYS: one set per worker. ARGV: the prompt's block hashes, in order.
-# Returns, per worker, the number of leading hashes its set holds.
+# KEYS: per worker, one set per tier asked about. ARGV[1]: how many tiers; then the prompt's
+# block hashes, in order. Returns, per worker, the number of leading hashes any of its sets holds.
 _LONGEST_PREFIXES = """
+local per = tonumber(ARGV[1])
 local out = {}
-for i, key in ipairs(KEYS) do
+for i = 1, #KEYS / per do
   local n = 0
-  for j = 1, #ARGV do
-    if redis.call('SISMEMBER', key, ARGV[j]) == 0 then break end
-    n = j
+  for j = 2, #ARGV do
+    local found = false
+    for t = 1, per do
+      if redis.call('SISMEMBER', KEYS[(i - 1) * per + t], ARGV[j]) == 1 then
+        found = true
+        break
+      end
+    end
+    if not found then break end
+    n = j - 1
   end
   out[i] = n
 end
@@ -42,13 +50,15 @@ class RedisPrefixIndex(PrefixIndex):
     def from_url(cls, url: str, namespace: str = "pdserve") -> RedisPrefixIndex:
         return cls(connect(url), namespace)
 
-    def _key(self, worker_id: str) -> str:
-        return f"{self.namespace}:prefix:{worker_id}"
+    def _key(self, worker_id: str, tier: CacheTier = CacheTier.DEVICE) -> str:
+        # The device tier keeps the key it always had: an index written before tiers reads on.
+        suffix = "" if tier is CacheTier.DEVICE else f":{tier.value}"
+        return f"{self.namespace}:prefix:{worker_id}{suffix}"
 
     async def apply(self, worker_id: str, events: KVEvents) -> None:
         if events.empty:
             return
-        key = self._key(worker_id)
+        key = self._key(worker_id, events.tier)
         async with self.redis.pipeline(transaction=True) as pipe:
             if events.cleared:
                 pipe.delete(key)
@@ -58,8 +68,13 @@ class RedisPrefixIndex(PrefixIndex):
                 pipe.srem(key, *events.removed)
             await pipe.execute()
 
-    async def replace(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        key = self._key(worker_id)
+    async def replace(
+        self,
+        worker_id: str,
+        block_hashes: Sequence[BlockHash],
+        tier: CacheTier = CacheTier.DEVICE,
+    ) -> None:
+        key = self._key(worker_id, tier)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)
             if block_hashes:
@@ -67,25 +82,29 @@ class RedisPrefixIndex(PrefixIndex):
             await pipe.execute()
 
     async def remove_worker(self, worker_id: str) -> None:
-        await self.redis.delete(self._key(worker_id))
+        await self.redis.delete(*(self._key(worker_id, t) for t in CacheTier))
 
     async def longest_prefixes(
-        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+        self,
+        block_hashes: Sequence[BlockHash],
+        worker_ids: Sequence[str],
+        tiers: Sequence[CacheTier] = DEVICE_ONLY,
     ) -> dict[str, int]:
         if not worker_ids:
             return {}
         if not block_hashes:
             return dict.fromkeys(worker_ids, 0)
-        counts = await self._lookup(
-            keys=[self._key(w) for w in worker_ids], args=list(block_hashes)
-        )
+        keys = [self._key(w, t) for w in worker_ids for t in tiers]
+        counts = await self._lookup(keys=keys, args=[len(tiers), *block_hashes])
         return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
 
     async def keep_alive(self, worker_id: str, ttl_s: float) -> bool:
         """Entries of a worker that dies without deregistering expire after ``ttl_s`` (routers
         already ignore them: they only ask about live workers). False when the worker has no
         entries at all (e.g. Redis restarted empty)."""
-        return bool(await self.redis.pexpire(self._key(worker_id), int(ttl_s * 1000)))
+        ttl_ms = int(ttl_s * 1000)
+        await self.redis.pexpire(self._key(worker_id, CacheTier.HOST), ttl_ms)
+        return bool(await self.redis.pexpire(self._key(worker_id), ttl_ms))
 
     async def num_blocks(self, worker_id: str) -> int:
         return int(await self.redis.scard(self._key(worker_id)))

@@ -90,6 +90,16 @@ DRAFT_PROMPT_TOKENS = Counter(
 )
 ENGINE_STEPS = Counter("pdserve_engine_steps_total", "Engine steps that ran the model")
 
+# Workers: the host-memory KV tier (--host-cache-gib).
+HOST_HIT_TOKENS = Counter(
+    "pdserve_host_hit_tokens_total",
+    "Prompt tokens loaded from the host tier instead of recomputed (part of the prefix hits)",
+)
+WORKER_PREFIX_HIT_TOKENS = Counter(
+    "pdserve_worker_prefix_hit_tokens_total", "Prompt tokens this worker reused, both tiers"
+)
+HOST_KV_BLOCKS = Gauge("pdserve_host_kv_blocks", "Blocks the host tier holds", ["state"])
+
 # Faults (router): streams moved to another worker, and what it cost the client.
 MIGRATIONS = Counter(
     "pdserve_migrations_total",
@@ -149,6 +159,11 @@ class EngineObserver:
         self._advance(SPEC_ACCEPTED, "accepted", stats.num_spec_accepted_tokens)
         self._advance(SPEC_VERIFICATIONS, "verifications", stats.num_spec_verifications)
         self._advance(DRAFT_PROMPT_TOKENS, "draft_prompt", stats.num_draft_prompt_tokens_computed)
+        self._advance(HOST_HIT_TOKENS, "host_hits", stats.num_host_hit_tokens)
+        self._advance(WORKER_PREFIX_HIT_TOKENS, "prefix_hits", stats.num_prefix_hit_tokens)
+        if stats.num_host_blocks:
+            HOST_KV_BLOCKS.labels("used").set(stats.num_host_cached_blocks)
+            HOST_KV_BLOCKS.labels("free").set(stats.num_host_blocks - stats.num_host_cached_blocks)
         if stats.num_spec_verifications:
             SPEC_ACCEPTANCE.set(stats.num_spec_accepted_tokens / stats.num_spec_proposed_tokens)
             accepted_per_step = stats.num_spec_accepted_tokens / stats.num_spec_verifications

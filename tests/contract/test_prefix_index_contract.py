@@ -12,10 +12,10 @@ import pytest
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.block_manager import BlockManager
-from engine.kv_events import KVEvents
+from engine.kv_events import CacheTier, KVEvents
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from pdserve.cluster.prefix_index import InMemoryPrefixIndex, PrefixIndex
+from pdserve.cluster.prefix_index import ANY_TIER, InMemoryPrefixIndex, PrefixIndex
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 
 BS = 4
@@ -53,6 +53,30 @@ def test_lookup_counts_leading_blocks_per_worker(make_index: Callable[[], Prefix
         assert await index.longest_prefixes(H[:2], ["b"]) == {"b": 2}
         assert await index.longest_prefixes([], ["a"]) == {"a": 0}
         assert await index.longest_prefixes(H, []) == {}
+
+    _run(make_index, body)
+
+
+def test_host_tier_blocks_extend_a_prefix_only_when_asked(
+    make_index: Callable[[], PrefixIndex],
+) -> None:
+    """A worker holding H0..H1 on its device and H2..H4 in its host tier: device-only lookups
+    see 2 blocks, lookups over both tiers see 5; tiers are replaced and removed apart."""
+    host = CacheTier.HOST
+
+    async def body(index: PrefixIndex) -> None:
+        await index.apply("a", KVEvents(stored=H[:2], removed=[]))
+        await index.apply("a", KVEvents(stored=H[2:5], removed=[], tier=host))
+        await index.apply("b", KVEvents(stored=H[1:4], removed=[], tier=host))  # no H0: useless
+        assert await index.longest_prefixes(H, ["a", "b"]) == {"a": 2, "b": 0}
+        assert await index.longest_prefixes(H, ["a", "b"], ANY_TIER) == {"a": 5, "b": 0}
+        assert await index.longest_prefixes(H, ["b"], (host,)) == {"b": 0}
+        await index.apply("a", KVEvents(stored=[], removed=[H[3]], tier=host))
+        assert await index.longest_prefixes(H, ["a"], ANY_TIER) == {"a": 3}
+        await index.replace("a", [H[0]], host)  # the device tier is untouched
+        assert await index.longest_prefixes(H, ["a"], ANY_TIER) == {"a": 2}
+        await index.remove_worker("a")
+        assert await index.longest_prefixes(H, ["a"], ANY_TIER) == {"a": 0}
 
     _run(make_index, body)
 

@@ -448,3 +448,12 @@ def test_bad_speculative_values_are_refused(helm: str, values: list[str], named:
         [helm, "template", "rel", str(CHART), *args], capture_output=True, text=True, timeout=60
     )
     assert done.returncode != 0 and named in done.stderr, done.stderr
+
+
+def test_the_host_tier_size_reaches_the_worker_config(helm: str) -> None:
+    manifests = render(helm, "--set", "decode.engine.hostCacheGib=8")
+    variables = {k: v for k, v in env(container(manifests, "decode")).items() if isinstance(v, str)}
+    parser = argparse.ArgumentParser()
+    settings.add_service_flags(parser, "decode", env=variables)
+    assert settings.service_config("decode", parser.parse_args([])).engine.cache.host_cache_gib == 8
+    assert "PDSERVE_HOST_CACHE_GIB" not in env(container(manifests, "prefill"))  # 0: off

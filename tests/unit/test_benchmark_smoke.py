@@ -136,3 +136,11 @@ def test_speculative_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> 
         assert row["plain_tok_s"] > 0 and row["spec_tok_s"] > 0
     self_draft = [r for r in report["rows"] if r["method"] == "draft(self)"]
     assert all(r["acceptance"] > 0.8 for r in self_draft)
+
+
+@pytest.mark.slow
+def test_kv_tiers_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
+    report = quick_run("kv_tiers.py", tmp_path / "bench-model")
+    assert report["benchmark"] == "kv_tiers" and report["same_tokens"] is True
+    assert report["off"]["host_hit_tokens"] == 0 and report["host"]["host_hit_tokens"] > 0
+    assert report["host"]["prompt_tokens_computed"] < report["off"]["prompt_tokens_computed"]

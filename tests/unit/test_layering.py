@@ -84,6 +84,7 @@ PURE_CORE = [
     "engine.proposer",
     "engine.ngram_proposer",
     "engine.spec_policy",
+    "engine.host_index",
     "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.policy import WorkerLoad, rank_decode, rank_prefill
+from router.policy import WorkerLoad, rank_cache_aware, rank_decode, rank_prefill
 
 
 def _w(address: str, inflight: int, free: int, total: int = 100, **kw: object) -> WorkerLoad:
@@ -93,3 +93,16 @@ def test_decode_round_robin_keeps_capacity_rules() -> None:
     # Rotation ignores load, but workers with room still come first and "tiny" never fits.
     assert rank_decode(workers, 70, turn=0, policy=rr) == ["a", "b", "c"]
     assert rank_decode(workers, 70, turn=1, policy=rr) == ["b", "a", "c"]
+
+
+def test_a_host_tier_hit_is_credited_between_a_miss_and_a_device_hit() -> None:
+    from router.policy import HOST_HIT_CREDIT, host_credited_tokens
+
+    assert HOST_HIT_CREDIT == 0.5
+    assert host_credited_tokens(4, 4, 16) == 64  # all on the device
+    assert host_credited_tokens(0, 4, 16) == 32  # all in the host tier: half
+    assert host_credited_tokens(2, 6, 16) == 64  # 2 device + 4 host blocks
+    assert host_credited_tokens(3, 1, 16) == 48  # never below the device hits
+    workers = [WorkerLoad("host-hit", 0, 10, 100), WorkerLoad("miss", 0, 90, 100)]
+    credit = {"host-hit": host_credited_tokens(0, 4, 16), "miss": 0}
+    assert rank_cache_aware(workers, credit, 0.0, 10_000).order == ["host-hit", "miss"]

@@ -283,6 +283,10 @@ spec:
             - name: PDSERVE_MAX_MODEL_LEN
               value: {{ . | quote }}
             {{- end }}
+            {{- with $pool.engine.hostCacheGib }}
+            - name: PDSERVE_HOST_CACHE_GIB
+              value: {{ . | quote }}
+            {{- end }}
             {{- if eq $root.Values.kvTransfer.backend "nixl" }}
             {{- $nixl := $root.Values.kvTransfer.nixl }}
             {{- with $nixl.ucxTls }}

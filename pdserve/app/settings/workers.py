@@ -33,6 +33,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(parser, "--kv-cache-bytes", env, type=int, default=None)
     add_flag(parser, "--no-prefix-caching", env, action="store_true")
+    add_flag(
+        parser,
+        "--host-cache-gib",
+        env,
+        type=float,
+        default=0.0,
+        help="host-memory tier for evicted prefix blocks, GiB (0: off)",
+    )
     add_flag(parser, "--max-num-seqs", env, type=int, default=128)
     add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
     add_flag(parser, "--device", env, default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
@@ -84,6 +92,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             num_blocks=args.num_blocks,
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=not args.no_prefix_caching,
+            host_cache_gib=args.host_cache_gib,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

@@ -1,0 +1,63 @@
+"""Which full blocks the host-memory tier holds, and where (pure Python, no torch).
+
+A fixed number of host slots, keyed by block hash, least recently used first out. The engine's
+host tier (``engine/host_tier.py``) copies the bytes; this decides which slot. KV events of
+this tier are recorded apart from the device cache's, so a cluster index can tell them apart.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from engine.block_hash import BlockHash
+from engine.kv_events import KVEventLog
+
+
+class HostIndex:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs >= 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
+        self._free = list(range(num_slots - 1, -1, -1))  # slot 0 handed out first
+        self.kv_events = KVEventLog()
+        self.num_evicted = 0
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._slots
+
+    def hashes(self) -> list[BlockHash]:
+        return list(self._slots)
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Slots of the longest run of ``block_hashes`` held here, from its start (each made
+        most recently used)."""
+        slots: list[int] = []
+        for block_hash in block_hashes:
+            slot = self._slots.get(block_hash)
+            if slot is None:
+                break
+            self._slots.move_to_end(block_hash)
+            slots.append(slot)
+        return slots
+
+    def reserve(self, block_hash: BlockHash) -> int | None:
+        """The slot to copy a block with this hash into; None when it is held already (then
+        it is made most recently used). A full pool gives up its least recently used slot."""
+        if block_hash in self._slots:
+            self._slots.move_to_end(block_hash)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            old_hash, slot = self._slots.popitem(last=False)
+            self.kv_events.removed(old_hash)
+            self.num_evicted += 1
+        self._slots[block_hash] = slot
+        self.kv_events.stored(block_hash)
+        return slot

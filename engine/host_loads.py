@@ -1,0 +1,62 @@
+"""The engine's side of the host tier: the copy work it owes each step, and the requests
+whose prefix is being copied in (``engine/host_tier.py`` owns the copies themselves).
+
+``LLMEngine`` calls ``sync`` before anything may overwrite a block (a model step, a KV
+receiver's writes), ``start`` with the scheduler's new loads, ``finish`` at the start of every
+step, and ``abandon`` when a request is aborted: a loading request's blocks are freed only
+once the copy into them has landed, and never by blocking the caller.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from engine.block_manager import BlockManager
+from engine.host_tier import HostTier
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+class HostLoads:
+    def __init__(self, tier: HostTier, block_manager: BlockManager, scheduler: Scheduler) -> None:
+        self.tier = tier
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.loading: dict[str, tuple[Sequence, Future[None]]] = {}
+        self.abandoned: list[tuple[Sequence, Future[None]]] = []  # freed once their copy lands
+
+    def sync(self) -> None:
+        """Copies blocks that became cached-free to the host tier, then waits for pending
+        copies of blocks handed out again (before anything overwrites them)."""
+        to_store, reused = self.block_manager.drain_host_work()
+        self.tier.store(to_store)
+        self.tier.before_reuse(reused)
+
+    def start(self, loads: list[tuple[Sequence, list[tuple[int, int]]]]) -> None:
+        if loads:
+            self.sync()  # stores first: a load may read a slot a store is filling
+        for seq, pairs in loads:
+            self.loading[seq.request_id] = (seq, self.tier.load(pairs))
+
+    def finish(self) -> None:
+        """Requests whose blocks are in join the device prefix cache and take a seat;
+        abandoned ones give their blocks back."""
+        for request_id, (seq, future) in list(self.loading.items()):
+            if future.done():
+                future.result()  # a failed copy is an engine failure, as a failed step is
+                del self.loading[request_id]
+                self.block_manager.register_computed_blocks(seq)
+                self.scheduler.loaded(seq)
+        for entry in [a for a in self.abandoned if a[1].done()]:
+            self.abandoned.remove(entry)
+            self.block_manager.free(entry[0])
+
+    def abandon(self, request_id: str) -> bool:
+        """The request was aborted: True if it was loading (its blocks are freed later)."""
+        entry = self.loading.pop(request_id, None)
+        if entry is not None:
+            self.abandoned.append(entry)
+        return entry is not None
+
+    def pending(self) -> list[Future[None]]:
+        return [f for _, f in self.loading.values()] + [f for _, f in self.abandoned]

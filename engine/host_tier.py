@@ -1,0 +1,122 @@
+"""The host-memory KV tier: a fixed pool of host blocks and one copy thread.
+
+Who calls what (``LLMEngine`` only, from its step loop and its hooks):
+- ``store`` after blocks became cached-free on the device (their last reference dropped; they
+  stay findable there until handed out again): each is copied to the host, once per hash,
+  queued on the copy thread. ``HostIndex`` picks the slot (least recently used first out).
+- ``before_reuse`` with the device blocks just handed out again (by the scheduler, a
+  speculative fit, a decode reservation): it waits for their pending copies, so no step or
+  transfer overwrites a block that is still being read. Usually they finished long ago.
+- ``load`` with (host slot, device block) pairs of a prompt whose prefix missed the device
+  cache but hit this tier: returns a future; the scheduler holds the request in ``loading``
+  until it is done (the engine checks every step), so no step reads a block being written.
+One thread runs every copy in order, so a load from a slot always follows the store that
+filled it, and a store into an evicted slot always follows the loads queued before it.
+On CUDA the copies run on their own stream (after the work queued so far on the compute
+stream), pinned host memory; on CPU both tiers are DRAM: the gain is prompt tokens not
+recomputed.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.block_hash import BlockHash
+from engine.config import CacheConfig
+from engine.host_index import HostIndex
+from engine.kv_cache import KVCache
+
+
+class HostTier:
+    def __init__(self, cache: KVCache, num_slots: int) -> None:
+        self.cache = cache
+        self.index = HostIndex(num_slots)
+        shape = cache.tensor.shape  # [layers, 2, num_blocks, block_size, heads, head_dim]
+        device = cache.tensor.device
+        self.pool = torch.zeros(
+            (num_slots, shape[0], shape[1], *shape[3:]),
+            dtype=cache.tensor.dtype,
+            pin_memory=device.type == "cuda",
+        )  # [slots, layers, 2, block_size, heads, head_dim]
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-host-tier")
+        self._stores: dict[int, Future[None]] = {}  # device block -> its pending copy out
+        self.num_stored_blocks = 0
+        self.num_loaded_blocks = 0
+
+    def store(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        pairs = [(b, slot) for b, h in blocks if (slot := self.index.reserve(h)) is not None]
+        if not pairs:
+            return
+        ready = self._compute_done()
+        future = self._thread.submit(self._copy_out, pairs, ready)
+        for block_id, _ in pairs:
+            self._stores[block_id] = future
+        self.num_stored_blocks += len(pairs)
+
+    def before_reuse(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            future = self._stores.pop(block_id, None)
+            if future is not None:
+                future.result()  # a memcpy queued earlier: bounded by the copy itself
+
+    def load(self, pairs: list[tuple[int, int]]) -> Future[None]:
+        """Copies host slots into device blocks: ``[(slot, block_id), ...]``."""
+        self.num_loaded_blocks += len(pairs)
+        return self._thread.submit(self._copy_in, pairs)
+
+    def stats_fields(self) -> dict[str, int]:
+        """This tier's part of ``EngineStats``."""
+        return {
+            "num_host_blocks": self.index.num_slots,
+            "num_host_cached_blocks": self.index.num_used,
+        }
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def _compute_done(self) -> torch.cuda.Event | None:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()  # the blocks' last writes are on the compute stream, before this
+        return event
+
+    def _copy_out(self, pairs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
+        blocks = torch.tensor([b for b, _ in pairs], device=self.cache.tensor.device)
+        slots = torch.tensor([s for _, s in pairs])
+        if self._stream is None:
+            self.pool[slots] = self.cache.tensor.index_select(2, blocks).movedim(2, 0)
+            return
+        assert ready is not None
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            data = self.cache.tensor.index_select(2, blocks).movedim(2, 0).to("cpu")
+            self._stream.synchronize()
+        self.pool[slots] = data
+
+    def _copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        slots = torch.tensor([s for s, _ in pairs])
+        blocks = torch.tensor([b for _, b in pairs], device=self.cache.tensor.device)
+        data = self.pool[slots].movedim(0, 2)  # [layers, 2, n, block_size, heads, head_dim]
+        if self._stream is None:
+            self.cache.tensor.index_copy_(2, blocks, data)
+            return
+        with torch.cuda.stream(self._stream):
+            self.cache.tensor.index_copy_(2, blocks, data.to(self.cache.tensor.device))
+            self._stream.synchronize()
+
+
+def make_host_tier(cache_config: CacheConfig, cache: KVCache) -> HostTier | None:
+    """The tier ``host_cache_gib`` asks for (None when 0): as many host blocks as fit."""
+    if not cache_config.host_cache_gib:
+        return None
+    num_slots = int(cache_config.host_cache_gib * 2**30) // cache.layout.block_bytes
+    if num_slots < 1:
+        raise ValueError(
+            f"host_cache_gib {cache_config.host_cache_gib} holds no block of "
+            f"{cache.layout.block_bytes} bytes"
+        )
+    return HostTier(cache, num_slots)
