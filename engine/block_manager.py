@@ -101,10 +101,14 @@ class BlockManager:
         end = (seq.num_tokens - 1) // self.block_size
         return self.host_index.lookup(seq.block_hashes[num_device_hits:end])
 
-    def drain_host_work(self) -> tuple[list[tuple[int, BlockHash]], list[int]]:
-        """(blocks to copy to the host tier, blocks handed out since the last drain)."""
-        work = (self._to_store, self._reused)
-        self._to_store, self._reused = [], []
+    def drain_to_store(self) -> list[tuple[int, BlockHash]]:
+        """Blocks that became cached-free since the last drain: (block id, hash) to copy."""
+        work, self._to_store = self._to_store, []
+        return work
+
+    def drain_reused(self) -> list[int]:
+        """Blocks handed out since the last drain (their pending copies must finish first)."""
+        work, self._reused = self._reused, []
         return work
 
     # ---- allocation ----------------------------------------------------------------------

@@ -39,7 +39,7 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
-        if not self.host_cache_gib >= 0:
+        if not 0 <= self.host_cache_gib < 1 << 20:
             raise ValueError(f"host_cache_gib must be >= 0, got {self.host_cache_gib}")
         if self.host_cache_gib and not self.enable_prefix_caching:
             raise ValueError("host_cache_gib needs prefix caching (the tier holds its blocks)")

@@ -36,6 +36,7 @@ def sampler_choice(
     seq = Sequence("winning-margin", tokens, params)
     if not engine.block_manager.allocate_slots(seq, len(tokens)):
         raise RuntimeError("no free KV blocks for the margin check")
+    engine.sync_host_tier()  # pending host-tier copies of these blocks finish first
     try:
         _, logits = engine.runner.forward_logits([ScheduledSeq(seq, len(tokens))])
     finally:

@@ -8,7 +8,7 @@ this tier are recorded apart from the device cache's, so a cluster index can tel
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEventLog
@@ -28,6 +28,12 @@ class HostIndex:
     def num_used(self) -> int:
         return len(self._slots)
 
+    def check(self) -> None:
+        """Raise unless every slot is either held by one hash or free (tests)."""
+        held = sorted(self._slots.values())
+        if sorted(held + self._free) != list(range(self.num_slots)):
+            raise AssertionError(f"host slots inconsistent: {held} held, {self._free} free")
+
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._slots
 
@@ -46,17 +52,22 @@ class HostIndex:
             slots.append(slot)
         return slots
 
-    def reserve(self, block_hash: BlockHash) -> int | None:
+    def reserve(self, block_hash: BlockHash, protected: Collection[int] = ()) -> int | None:
         """The slot to copy a block with this hash into; None when it is held already (then
-        it is made most recently used). A full pool gives up its least recently used slot."""
+        it is made most recently used) or when every slot is ``protected`` (read by a copy
+        queued after this one: it must not be overwritten first). A full pool gives up its
+        least recently used unprotected slot."""
         if block_hash in self._slots:
             self._slots.move_to_end(block_hash)
             return None
         if self._free:
             slot = self._free.pop()
         else:
-            old_hash, slot = self._slots.popitem(last=False)
-            self.kv_events.removed(old_hash)
+            victim = next((h for h, s in self._slots.items() if s not in protected), None)
+            if victim is None:
+                return None
+            slot = self._slots.pop(victim)
+            self.kv_events.removed(victim)
             self.num_evicted += 1
         self._slots[block_hash] = slot
         self.kv_events.stored(block_hash)

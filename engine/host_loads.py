@@ -9,6 +9,7 @@ once the copy into them has landed, and never by blocking the caller.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from concurrent.futures import Future
 
 from engine.block_manager import BlockManager
@@ -25,22 +26,29 @@ class HostLoads:
         self.loading: dict[str, tuple[Sequence, Future[None]]] = {}
         self.abandoned: list[tuple[Sequence, Future[None]]] = []  # freed once their copy lands
 
-    def sync(self) -> None:
+    def sync(self, protected: Collection[int] = ()) -> None:
         """Copies blocks that became cached-free to the host tier, then waits for pending
         copies of blocks handed out again (before anything overwrites them)."""
-        to_store, reused = self.block_manager.drain_host_work()
-        self.tier.store(to_store)
-        self.tier.before_reuse(reused)
+        self.store_freed(protected)
+        self.tier.before_reuse(self.block_manager.drain_reused())
+
+    def store_freed(self, protected: Collection[int] = ()) -> None:
+        """Queues the copies of blocks that became cached-free (none waits)."""
+        self.tier.store(self.block_manager.drain_to_store(), protected)
 
     def start(self, loads: list[tuple[Sequence, list[tuple[int, int]]]]) -> None:
-        if loads:
-            self.sync()  # stores first: a load may read a slot a store is filling
+        if not loads:
+            return
+        # Pending stores into the loads' target blocks finish first (they run before the
+        # loads, in order); the slots the loads read are kept from being evicted by them.
+        self.sync(protected={slot for _, pairs in loads for slot, _ in pairs})
         for seq, pairs in loads:
             self.loading[seq.request_id] = (seq, self.tier.load(pairs))
 
     def finish(self) -> None:
         """Requests whose blocks are in join the device prefix cache and take a seat;
         abandoned ones give their blocks back."""
+        self.tier.raise_if_failed()
         for request_id, (seq, future) in list(self.loading.items()):
             if future.done():
                 future.result()  # a failed copy is an engine failure, as a failed step is

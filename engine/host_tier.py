@@ -19,6 +19,7 @@ recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -43,11 +44,16 @@ class HostTier:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-host-tier")
         self._stores: dict[int, Future[None]] = {}  # device block -> its pending copy out
+        self._failure: BaseException | None = None
         self.num_stored_blocks = 0
         self.num_loaded_blocks = 0
 
-    def store(self, blocks: list[tuple[int, BlockHash]]) -> None:
-        pairs = [(b, slot) for b, h in blocks if (slot := self.index.reserve(h)) is not None]
+    def store(self, blocks: list[tuple[int, BlockHash]], protected: Collection[int] = ()) -> None:
+        """``protected``: slots a load queued after these stores reads (never evicted here)."""
+        self.raise_if_failed()
+        pairs = [
+            (b, slot) for b, h in blocks if (slot := self.index.reserve(h, protected)) is not None
+        ]
         if not pairs:
             return
         ready = self._compute_done()
@@ -55,6 +61,12 @@ class HostTier:
         for block_id, _ in pairs:
             self._stores[block_id] = future
         self.num_stored_blocks += len(pairs)
+
+    def raise_if_failed(self) -> None:
+        """A store that failed left its hash indexed over stale bytes: the tier (and so the
+        engine) is not to be trusted any more; the step that sees it fails."""
+        if self._failure is not None:
+            raise RuntimeError("a host-tier copy failed") from self._failure
 
     def before_reuse(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -81,30 +93,38 @@ class HostTier:
         if self._stream is None:
             return None
         event = torch.cuda.Event()
-        event.record()  # the blocks' last writes are on the compute stream, before this
+        # The blocks' last writes are on the compute stream of the cache's device, before this.
+        event.record(torch.cuda.current_stream(self.cache.tensor.device))
         return event
 
     def _copy_out(self, pairs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
-        blocks = torch.tensor([b for b, _ in pairs], device=self.cache.tensor.device)
+        try:
+            self._copy_out_now(pairs, ready)
+        except BaseException as exc:
+            self._failure = exc
+            raise
+
+    def _copy_out_now(self, pairs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
         slots = torch.tensor([s for _, s in pairs])
         if self._stream is None:
+            blocks = torch.tensor([b for b, _ in pairs])
             self.pool[slots] = self.cache.tensor.index_select(2, blocks).movedim(2, 0)
             return
         assert ready is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
+            blocks = torch.tensor([b for b, _ in pairs], device=self.cache.tensor.device)
             data = self.cache.tensor.index_select(2, blocks).movedim(2, 0).to("cpu")
-            self._stream.synchronize()
         self.pool[slots] = data
 
     def _copy_in(self, pairs: list[tuple[int, int]]) -> None:
         slots = torch.tensor([s for s, _ in pairs])
-        blocks = torch.tensor([b for _, b in pairs], device=self.cache.tensor.device)
         data = self.pool[slots].movedim(0, 2)  # [layers, 2, n, block_size, heads, head_dim]
         if self._stream is None:
-            self.cache.tensor.index_copy_(2, blocks, data)
+            self.cache.tensor.index_copy_(2, torch.tensor([b for _, b in pairs]), data)
             return
         with torch.cuda.stream(self._stream):
+            blocks = torch.tensor([b for _, b in pairs], device=self.cache.tensor.device)
             self.cache.tensor.index_copy_(2, blocks, data.to(self.cache.tensor.device))
             self._stream.synchronize()
 

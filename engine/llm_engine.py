@@ -192,7 +192,7 @@ class LLMEngine:
         if self.speculator is not None:
             budget = self.config.scheduler.max_num_batched_tokens - out.num_batched_tokens
             scheduled = self.speculator.plan(scheduled, budget)
-        self._sync_host_tier()
+        self.sync_host_tier()
         results = self.runner.execute(scheduled)
         self.num_steps += 1
         accepted = {id(r.scheduled): self._num_accepted(r) for r in results}
@@ -213,9 +213,12 @@ class LLMEngine:
             update = self._append_tokens(self._requests[r.scheduled.seq.request_id], tokens)
             if update is not None:
                 updates.append(update)
+        if self.host_loads is not None:  # finished requests' blocks head for the tier now
+            self.host_loads.store_freed()
         return updates
 
-    def _sync_host_tier(self) -> None:
+    def sync_host_tier(self) -> None:
+        """Before freshly handed-out blocks are written: their host-tier copies finish."""
         if self.host_loads is not None:
             self.host_loads.sync()
 
@@ -331,6 +334,8 @@ class LLMEngine:
         """Free a pinned request's blocks. Raises KeyError if not pinned (a second free)."""
         seq = self.pinned.pop(request_id)
         self.block_manager.free(seq)
+        if self.host_loads is not None:  # a prefill worker's blocks reach the tier at once
+            self.host_loads.store_freed()
 
     # ---- disaggregation: decode side -------------------------------------------------------
     def reserve_prefilled(self, request: PrefilledRequest) -> list[int] | None:
@@ -343,7 +348,11 @@ class LLMEngine:
         )
         if not self.block_manager.allocate_slots(seq, len(prompt)):
             return None
-        self._sync_host_tier()  # the KV receiver writes these blocks from its own thread
+        try:
+            self.sync_host_tier()  # the KV receiver writes these blocks from its own thread
+        except BaseException:
+            self.block_manager.free(seq)
+            raise
         seq.num_cached_tokens = 0
         self._reserved[request.request_id] = _Request(seq, self._detokenizer(seq))
         return list(seq.block_table)
@@ -375,7 +384,9 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.ready),
+            num_waiting=len(self.scheduler.waiting)
+            + len(self.scheduler.ready)
+            + len(self.scheduler.loading),
             num_running=len(self.scheduler.running),
             num_paused=len(self.scheduler.paused),
             num_pinned=len(self.pinned),

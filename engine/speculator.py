@@ -168,7 +168,10 @@ def make_speculator(
             max_model_len=max_model_len,
             # As many tokens as the target's cache holds: any sequence it runs fits the draft.
             cache=dataclasses.replace(
-                config.cache, num_blocks=block_manager.num_blocks, enable_prefix_caching=False
+                config.cache,
+                num_blocks=block_manager.num_blocks,
+                enable_prefix_caching=False,
+                host_cache_gib=0.0,  # the draft's own cache has no host tier
             ),
             speculative=None,
         )

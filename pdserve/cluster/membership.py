@@ -91,7 +91,8 @@ class Membership:
                     index_ttl_s = _INDEX_TTL_FACTOR * self.config.ttl_s
                     alive = await self.index.keep_alive(self.worker_id, index_ttl_s)
                     next_beat = loop.time() + self.config.heartbeat_s
-                    if not alive and self.engine.stats.num_cached_blocks > 0:
+                    stats = self.engine.stats
+                    if not alive and stats.num_cached_blocks + stats.num_host_cached_blocks > 0:
                         # Our entries vanished (Redis restarted empty): publish them again.
                         need_snapshot = True
                     if await self.registry.drain_requested(self.worker_id):

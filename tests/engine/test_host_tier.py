@@ -48,6 +48,7 @@ def test_a_second_turn_loads_evicted_prefixes_from_the_host_tier(
     assert sum(o.num_cached_tokens for o in tier_two) > sum(o.num_cached_tokens for o in plain_two)
     assert with_tier.num_prefix_hit_tokens >= with_tier.num_host_hit_tokens
     assert not tiered.engine.host_loads.loading and with_tier.num_host_cached_blocks > 0
+    tiered.engine.host_tier.index.check()  # every host slot held once or free
 
 
 def test_an_aborted_load_frees_its_blocks_once_the_copy_lands(
@@ -73,3 +74,39 @@ def test_an_aborted_load_frees_its_blocks_once_the_copy_lands(
 def test_the_host_tier_needs_prefix_caching(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="host_cache_gib"):
         LLM(str(llama_dir), host_cache_gib=1.0, enable_prefix_caching=False)
+
+
+def test_a_host_pool_about_the_device_caches_size_still_gives_the_same_tokens(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """Few host slots, constant evictions from both pools: stores queued ahead of a load must
+    not take the slots it reads (else it copies another block's bytes and tokens differ)."""
+    plain = make_llm(llama_dir, **SMALL_CACHE)
+    block_bytes = plain.engine.kv_layout.block_bytes
+    tiered = make_llm(llama_dir, host_cache_gib=28 * block_bytes / 2**30, **SMALL_CACHE)
+    assert tiered.engine.stats().num_host_blocks == 28  # barely more than the device's 24
+    for seed in (0, 4):
+        firsts = _conversations(seed)
+        plain_turns, tier_turns = _two_turns(plain, firsts), _two_turns(tiered, firsts)
+        assert not compare_outputs(plain, [*tier_turns[0], *tier_turns[1]],
+                                   [*plain_turns[0], *plain_turns[1]], [PARAMS] * 12)  # fmt: skip
+    assert tiered.engine.stats().num_host_hit_tokens > 0
+    assert tiered.engine.host_tier is not None
+    tiered.engine.host_tier.index.check()
+
+
+def test_the_host_tier_and_a_draft_model_together(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    firsts = _conversations(5)
+    reference = _two_turns(make_llm(llama_dir, **SMALL_CACHE), firsts)
+    both = make_llm(
+        llama_dir, host_cache_gib=0.05, speculative_method="draft",
+        spec_draft_model=str(llama_dir), **SMALL_CACHE,
+    )  # fmt: skip
+    got = _two_turns(both, firsts)
+    assert not compare_outputs(
+        both, [*got[0], *got[1]], [*reference[0], *reference[1]], [PARAMS] * 12
+    )
+    stats = both.engine.stats()
+    assert stats.num_host_hit_tokens > 0 and stats.num_spec_accepted_tokens > 0

@@ -58,7 +58,7 @@ def test_a_host_hit_is_admitted_into_loading_then_takes_a_seat() -> None:
     bm.register_computed_blocks(seq)
     scheduler.remove(seq)
     bm.free(seq)
-    to_store, reused = bm.drain_host_work()
+    to_store, reused = bm.drain_to_store(), bm.drain_reused()
     # Every full block became cached-free (to store); blocks 0..3 were handed out.
     assert [b for b, _ in to_store] == [2, 1, 0] and reused == [0, 1, 2, 3]
     bm.check_no_leaks()
@@ -71,4 +71,14 @@ def test_without_a_host_tier_nothing_is_tracked() -> None:
     seq.num_computed_tokens = 9
     bm.register_computed_blocks(seq)
     bm.free(seq)
-    assert bm.drain_host_work() == ([], []) and bm.host_prefix(seq, 0) == []
+    assert bm.drain_to_store() == bm.drain_reused() == [] and bm.host_prefix(seq, 0) == []
+
+
+def test_protected_slots_are_never_evicted() -> None:
+    index = HostIndex(2)
+    a, b, c, d = (root_hash(x) for x in "abcd")
+    index.reserve(a)  # slot 0
+    index.reserve(b)  # slot 1
+    assert index.reserve(c, protected={0}) == 1 and a in index and b not in index
+    assert index.reserve(d, protected={0, 1}) is None and d not in index  # nothing to give
+    index.check()
