@@ -91,7 +91,12 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         router_port=args.port,
         router_http_port=args.http_port,
         redis_url=args.redis_url,
-        prefill_args=(*layout, *transfer, *shlex.split(args.prefill_args)),
+        prefill_args=(
+            *layout,
+            *transfer,
+            *settings.worker_passthrough(args),
+            *shlex.split(args.prefill_args),
+        ),
         decode_args=decode_args,
         router_args=(
             *layout,

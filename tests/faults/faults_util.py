@@ -4,6 +4,7 @@ near-tie check for migrated streams, metric scrapes, and leak checks on the surv
 from __future__ import annotations
 
 import asyncio
+import signal
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.identical import same_or_near_tie
+from tests.services.harness import wait_for
 
 
 @dataclass
@@ -140,3 +142,33 @@ async def survivors_hold_nothing(cluster: LocalCluster) -> bool:
         ):  # fmt: skip
             return False
     return True
+
+
+def kill_a_decode_worker_mid_stream(
+    cluster: LocalCluster, prompts: list[list[int]], llm: LLM, max_tokens: int = 160
+) -> Component:
+    """kill -9 of the decode worker with the most streams once every stream has tokens: each
+    stream must still give one engine's tokens (migration), the supervisor restarts the
+    worker, and afterwards nobody holds anything. Returns the killed worker."""
+    params = mixed_params(len(prompts), max_tokens=max_tokens)
+    references = llm.generate(prompts, params)
+
+    async def run() -> Component:
+        streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
+
+        async def all_streaming() -> bool:
+            return all(len(s.token_ids) >= 8 for s in streams)
+
+        await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
+        running = [(await stats(c)).num_running for c in cluster.decode]
+        victim = cluster.decode[running.index(max(running))]
+        assert max(running) > 0  # streams were on it
+        victim.process.send_signal(signal.SIGKILL)
+        await asyncio.gather(*tasks)
+        print("\n".join(compare(llm, streams, references, params)))
+        assert metric(cluster.router, "pdserve_migrations_total") >= 1
+        await wait_for(lambda: restarted(cluster, victim), 120.0, "the killed worker restarted")
+        await wait_for(lambda: survivors_hold_nothing(cluster), 30.0, "survivors hold nothing")
+        return victim
+
+    return asyncio.run(run())

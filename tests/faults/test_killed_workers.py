@@ -15,10 +15,9 @@ from engine import LLM, SamplingParams
 from pdserve.app.local_cluster import ClusterConfig, Component, LocalCluster
 from tests.faults.faults_util import (
     compare,
+    kill_a_decode_worker_mid_stream,
     metric,
-    mixed_params,
     requests_for,
-    restarted,
     run_streams,
     stats,
     survivors_hold_nothing,
@@ -53,7 +52,7 @@ def test_decode_killed_mid_stream_every_stream_completes_exactly(
     cluster: LocalCluster, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
     prompts = [[3 + i, *range(40, 40 + 10 + 3 * i)] for i in range(16)]
-    _kill_a_decode_worker_mid_stream(cluster, prompts, make_llm(llama_dir))
+    kill_a_decode_worker_mid_stream(cluster, prompts, make_llm(llama_dir))
 
 
 @pytest.mark.parametrize("mode", ["colocated", "local-prefill"])
@@ -73,37 +72,9 @@ def test_streams_on_the_local_paths_migrate_too(
     )
     prompts = [[3 + i, *range(50, 50 + 8 + i)] for i in range(8)]  # short: prefilled locally
     with LocalCluster(config) as cluster:
-        _kill_a_decode_worker_mid_stream(cluster, prompts, make_llm(llama_dir))
+        kill_a_decode_worker_mid_stream(cluster, prompts, make_llm(llama_dir))
         decisions = metric(cluster.router, "pdserve_routing_decisions_total", 'pool="decode"')
         assert decisions >= len(prompts)  # they did take the local path
-
-
-def _kill_a_decode_worker_mid_stream(
-    cluster: LocalCluster, prompts: list[list[int]], llm: LLM
-) -> None:
-    params = mixed_params(len(prompts), max_tokens=160)
-    references = llm.generate(prompts, params)
-
-    async def run() -> None:
-        streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
-
-        async def all_streaming() -> bool:
-            return all(len(s.token_ids) >= 8 for s in streams)
-
-        await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
-        running = [(await stats(c)).num_running for c in cluster.decode]
-        victim = cluster.decode[running.index(max(running))]
-        assert max(running) > 0  # streams were on it
-        _kill(victim)
-        await asyncio.gather(*tasks)
-        reports = compare(llm, streams, references, params)
-        print("\n".join(reports))
-        assert metric(cluster.router, "pdserve_migrations_total") >= 1
-        # The supervisor brings the killed worker back; then nobody holds anything.
-        await wait_for(lambda: restarted(cluster, victim), 120.0, "the killed worker restarted")
-        await wait_for(lambda: survivors_hold_nothing(cluster), 30.0, "survivors hold nothing")
-
-    asyncio.run(run())
 
 
 def test_prefill_killed_in_a_long_chunked_prefill_is_retried(

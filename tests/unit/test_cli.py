@@ -82,3 +82,15 @@ def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -
     bad.redis_url = ""
     with pytest.raises(ValueError, match="spec_draft_model"):
         _cluster_config(bad)
+
+
+def test_up_passes_the_host_tier_to_every_worker() -> None:
+    from pdserve.app import settings
+    from pdserve.app.cli import _cluster_config, build_parser
+
+    args = build_parser().parse_args(["up", "--model", "/m", "--host-cache-gib", "2"])
+    args.redis_url = ""
+    cluster = _cluster_config(args)
+    for role, argv in (("prefill", cluster.prefill_args), ("decode", cluster.decode_args)):
+        config = settings.parse_service_flags(role, ["--model", "/m", *argv])
+        assert config.engine.cache.host_cache_gib == 2.0  # type: ignore[union-attr]

@@ -13,6 +13,7 @@ from pdserve.app.settings import (
     add_flag,
     decode_passthrough,
     router_passthrough,
+    worker_passthrough,
 )
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         max_restarts=args.max_restarts,
         dtype=args.dtype,
         block_size=args.block_size,
-        prefill_args=shlex.split(args.prefill_args),
+        prefill_args=[*worker_passthrough(args), *shlex.split(args.prefill_args)],
         decode_args=[*decode_passthrough(args), *shlex.split(args.decode_args)],
         router_args=[*router_passthrough(args), *shlex.split(args.router_args)],
     )

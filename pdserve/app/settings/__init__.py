@@ -20,6 +20,7 @@ from pdserve.app.settings.clients import (
     add_cluster_flags,
     decode_passthrough,
     router_passthrough,
+    worker_passthrough,
 )
 from pdserve.app.settings.flags import (
     add_flag,
@@ -59,6 +60,7 @@ __all__ = [
     "server_config",
     "service_config",
     "tls_config",
+    "worker_passthrough",
 ]
 
 ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig

@@ -51,6 +51,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
         add_flag(parser, flag, default=None, help=f"the router's {flag}")
     for flag in DECODE_SPEC_FLAGS:  # every decode worker's (speculative decoding)
         add_flag(parser, flag, default=None, help=f"every decode worker's {flag}")
+    for flag in WORKER_FLAGS:  # every worker's, prefill and decode
+        add_flag(parser, flag, default=None, help=f"every worker's {flag}")
 
 
 # Flags `pdserve up` and `pdserve ray up` take themselves and pass through to one role.
@@ -64,6 +66,9 @@ DECODE_SPEC_FLAGS = (
     "--spec-max-batch-size",
     "--spec-min-acceptance",
 )
+
+
+WORKER_FLAGS = ("--host-cache-gib",)
 
 
 def _passthrough(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
@@ -82,4 +87,9 @@ def router_passthrough(args: argparse.Namespace) -> list[str]:
 
 def decode_passthrough(args: argparse.Namespace) -> list[str]:
     """The pass-through decode-worker flags that were given, as decode-worker argv."""
-    return _passthrough(args, DECODE_SPEC_FLAGS)
+    return _passthrough(args, DECODE_SPEC_FLAGS) + worker_passthrough(args)
+
+
+def worker_passthrough(args: argparse.Namespace) -> list[str]:
+    """The pass-through flags of every worker (prefill and decode) that were given."""
+    return _passthrough(args, WORKER_FLAGS)
