@@ -24,7 +24,6 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.host_loads import HostLoads
 from engine.host_tier import make_host_tier
 from engine.loaded_model import LoadedModel
-from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams, check_continuation
 from engine.scheduler import Scheduler
@@ -57,23 +56,18 @@ class LLMEngine:
         self.num_blocks, self.fingerprint = loaded.num_blocks, loaded.fingerprint
         self.kv_cache, self.kv_layout = loaded.kv_cache, loaded.kv_layout
         self.runner = loaded.runner
-        self.host_tier = make_host_tier(config.cache, self.kv_cache)
+        self.host_tier = tier = make_host_tier(config.cache, self.kv_cache)
+        prefix_caching = self.config.cache.enable_prefix_caching
+        host_index = tier.index if tier is not None else None
         self.block_manager = BlockManager(
-            self.num_blocks,
-            self.block_size,
-            self.config.cache.enable_prefix_caching,
-            self.host_tier.index if self.host_tier is not None else None,
+            self.num_blocks, self.block_size, prefix_caching, host_index
         )
         # Nothing to run but a host-tier copy in flight: offline, the step waits for it; an
         # async driver sets this False and awaits ``copy_wait`` itself, outside its lock.
         self.wait_for_copies_in_step = True
         self.copy_wait: Future[None] | None = None
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
-        self.host_loads = (
-            HostLoads(self.host_tier, self.block_manager, self.scheduler)
-            if self.host_tier is not None
-            else None
-        )
+        self.host_loads = HostLoads(tier, self.block_manager, self.scheduler) if tier else None
         self.speculator = make_speculator(
             config, self.block_manager, self.model_config.vocab_size, self.max_model_len
         )
@@ -195,7 +189,8 @@ class LLMEngine:
         self.sync_host_tier()
         results = self.runner.execute(scheduled)
         self.num_steps += 1
-        accepted = {id(r.scheduled): self._num_accepted(r) for r in results}
+        spec = self.speculator
+        accepted = {id(r.scheduled): spec.accept(r) if spec else 0 for r in results}
         for s in scheduled:
             seq = s.seq
             self.num_prompt_tokens_computed += seq.num_prompt_tokens_in(s.num_new_tokens)
@@ -221,9 +216,6 @@ class LLMEngine:
         """Before freshly handed-out blocks are written: their host-tier copies finish."""
         if self.host_loads is not None:
             self.host_loads.sync()
-
-    def _num_accepted(self, result: SeqSamples) -> int:
-        return self.speculator.accept(result) if self.speculator is not None else 0
 
     def _append_tokens(
         self, req: _Request, tokens: list[tuple[int, TokenLogprobs | None]]
