@@ -84,6 +84,9 @@ class HostTier:
         return {
             "num_host_blocks": self.index.num_slots,
             "num_host_cached_blocks": self.index.num_used,
+            "num_host_stored_blocks": self.num_stored_blocks,
+            "num_host_loaded_blocks": self.num_loaded_blocks,
+            "num_host_evicted_blocks": self.index.num_evicted,
         }
 
     def close(self) -> None:

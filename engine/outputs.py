@@ -78,6 +78,10 @@ class EngineStats:
     num_host_hit_tokens: int = 0
     num_host_blocks: int = 0
     num_host_cached_blocks: int = 0
+    # Host-tier copies so far: blocks copied out, copied back in, and slots given up (LRU).
+    num_host_stored_blocks: int = 0
+    num_host_loaded_blocks: int = 0
+    num_host_evicted_blocks: int = 0
     # Speculative decoding: guesses verified and kept, and (request, step) verifications;
     # tokens per verifying step = (accepted + verifications) / verifications.
     num_spec_proposed_tokens: int = 0

@@ -99,6 +99,11 @@ WORKER_PREFIX_HIT_TOKENS = Counter(
     "pdserve_worker_prefix_hit_tokens_total", "Prompt tokens this worker reused, both tiers"
 )
 HOST_KV_BLOCKS = Gauge("pdserve_host_kv_blocks", "Blocks the host tier holds", ["state"])
+HOST_COPIES = Counter(
+    "pdserve_host_kv_copies_total",
+    "Host-tier block copies (stored: out of the device cache, loaded: back in) and evictions",
+    ["kind"],
+)
 
 # Faults (router): streams moved to another worker, and what it cost the client.
 MIGRATIONS = Counter(
@@ -161,6 +166,9 @@ class EngineObserver:
         self._advance(DRAFT_PROMPT_TOKENS, "draft_prompt", stats.num_draft_prompt_tokens_computed)
         self._advance(HOST_HIT_TOKENS, "host_hits", stats.num_host_hit_tokens)
         self._advance(WORKER_PREFIX_HIT_TOKENS, "prefix_hits", stats.num_prefix_hit_tokens)
+        self._advance(HOST_COPIES.labels("stored"), "host_stored", stats.num_host_stored_blocks)
+        self._advance(HOST_COPIES.labels("loaded"), "host_loaded", stats.num_host_loaded_blocks)
+        self._advance(HOST_COPIES.labels("evicted"), "host_evicted", stats.num_host_evicted_blocks)
         if stats.num_host_blocks:
             HOST_KV_BLOCKS.labels("used").set(stats.num_host_cached_blocks)
             HOST_KV_BLOCKS.labels("free").set(stats.num_host_blocks - stats.num_host_cached_blocks)

@@ -47,6 +47,10 @@ def test_a_second_turn_loads_evicted_prefixes_from_the_host_tier(
     # num_cached_tokens counts both tiers, request by request.
     assert sum(o.num_cached_tokens for o in tier_two) > sum(o.num_cached_tokens for o in plain_two)
     assert with_tier.num_prefix_hit_tokens >= with_tier.num_host_hit_tokens
+    # Every host hit was a block copied out, then back in.
+    assert with_tier.num_host_stored_blocks >= with_tier.num_host_loaded_blocks > 0
+    # (a request preempted and readmitted may load again; its hits count once)
+    assert with_tier.num_host_loaded_blocks * 8 >= with_tier.num_host_hit_tokens
     assert not tiered.engine.host_loads.loading and with_tier.num_host_cached_blocks > 0
     tiered.engine.host_tier.index.check()  # every host slot held once or free
 
