@@ -189,8 +189,11 @@ class LLMEngine:
         self.sync_host_tier()
         results = self.runner.execute(scheduled)
         self.num_steps += 1
-        spec = self.speculator
-        accepted = {id(r.scheduled): spec.accept(r) if spec else 0 for r in results}
+        accepted: dict[int, int] = {}  # guesses kept, per verified sequence
+        if (spec := self.speculator) is not None:
+            accepted = {
+                id(r.scheduled): spec.accept(r) for r in results if r.scheduled.spec_token_ids
+            }
         for s in scheduled:
             seq = s.seq
             self.num_prompt_tokens_computed += seq.num_prompt_tokens_in(s.num_new_tokens)
@@ -203,7 +206,7 @@ class LLMEngine:
                 seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed_blocks(seq)
         for r in results:
-            n = 1 + accepted[id(r.scheduled)]
+            n = 1 + accepted.get(id(r.scheduled), 0)
             tokens = list(zip(r.token_ids[:n], r.logprobs[:n], strict=True))
             update = self._append_tokens(self._requests[r.scheduled.seq.request_id], tokens)
             if update is not None:
