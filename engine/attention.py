@@ -6,6 +6,11 @@ attention, so a sequence's keys are always read from the cache, never from a sid
 
 The torch path runs anywhere; on CUDA the Triton kernels in ``engine.kernels`` replace the KV store
 and the decode attention (prefill stays on ``scaled_dot_product_attention``).
+
+A quantized cache (``engine.kv_quant``) is written by one torch store on every backend, and every
+attention (prefill included) reads the keys and values back from the cache: a token attends to
+the same dequantized K/V whether its context was computed in this chunk, an earlier one, or
+another worker, so chunking, prefix hits and transfers never change a result.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import AttentionBackend
+from engine.kv_cache import LayerCache
+from engine.kv_quant import dequantize, store_quantized
 
 
 @dataclass(frozen=True)
@@ -71,20 +78,35 @@ def decode_gather_inputs(
     return table, mask[:, None, None, :]
 
 
+def gather_blocks(
+    cache: LayerCache, block_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of ``block_ids`` (any shape ``[...]``) as ``[..., block_size,
+    num_kv_heads, head_dim]`` of ``dtype``, dequantized when the cache is quantized."""
+    if not cache.quantized:
+        return cache.k[block_ids], cache.v[block_ids]
+    assert cache.k_scales is not None and cache.v_scales is not None
+    assert cache.codebook is not None
+    return (
+        dequantize(cache.k[block_ids], cache.k_scales[block_ids], cache.codebook, dtype),
+        dequantize(cache.v[block_ids], cache.v_scales[block_ids], cache.codebook, dtype),
+    )
+
+
 def paged_decode_attention_torch(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     table: torch.Tensor,  # [num_seqs, num_ctx_blocks] int64
     mask: torch.Tensor,  # [num_seqs, 1, 1, num_ctx_blocks * block_size] bool
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     num_seqs, num_q_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = cache.k.shape[2]
     padded_len = mask.shape[-1]
     # Gathering whole blocks copies contiguous runs of block_size * heads * head_dim elements.
-    keys = k_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim)
-    values = v_cache[table].view(num_seqs, padded_len, num_kv_heads, head_dim)
+    k_blocks, v_blocks = gather_blocks(cache, table, query.dtype)
+    keys = k_blocks.view(num_seqs, padded_len, num_kv_heads, head_dim)
+    values = v_blocks.view(num_seqs, padded_len, num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2),  # [num_seqs, num_q_heads, 1, head_dim]
         keys.transpose(1, 2),  # [num_seqs, num_kv_heads, padded_len, head_dim]
@@ -100,23 +122,23 @@ def prefill_attention(
     query: torch.Tensor,  # [query_len, num_q_heads, head_dim]
     key: torch.Tensor,  # [query_len, num_kv_heads, head_dim] (this chunk's keys)
     value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_q_heads, head_dim]
     # 4-D inputs: torch's fused CPU attention kernel does not take 3-D ones (math fallback).
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
     q = query.transpose(0, 1)[None]  # [1, num_q_heads, query_len, head_dim]
-    if span.context_len == span.query_len:
+    if span.context_len == span.query_len and not cache.quantized:
         # No cached context: the chunk's own K/V are the whole sequence.
         k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=num_q_heads != num_kv_heads
         )[0].transpose(0, 1)
     head_dim = key.shape[2]
-    k = k_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
-    v = v_cache[span.block_ids].view(-1, num_kv_heads, head_dim)[: span.context_len]
+    k_blocks, v_blocks = gather_blocks(cache, span.block_ids, query.dtype)
+    k = k_blocks.view(-1, num_kv_heads, head_dim)[: span.context_len]
+    v = v_blocks.view(-1, num_kv_heads, head_dim)[: span.context_len]
     # Query i sits at absolute position (context_len - query_len + i) and sees keys up to it.
     offset = span.context_len - span.query_len
     rows = torch.arange(span.query_len, device=query.device)[:, None] + offset
@@ -135,17 +157,28 @@ def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    if meta.backend is AttentionBackend.TRITON:
+    if cache.quantized:
+        assert cache.k_scales is not None and cache.v_scales is not None
+        store_quantized(
+            key,
+            value,
+            cache.k,
+            cache.v,
+            cache.k_scales,
+            cache.v_scales,
+            meta.slot_mapping,
+            cache.kind,
+        )
+    elif meta.backend is AttentionBackend.TRITON:
         from engine.kernels import store_kv
 
-        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        store_kv(key, value, cache.k, cache.v, meta.slot_mapping)
     else:
-        store_kv_torch(key, value, k_cache, v_cache, meta.slot_mapping)
+        store_kv_torch(key, value, cache.k, cache.v, meta.slot_mapping)
     outputs: list[torch.Tensor] = []
     for span in meta.prefills:
         end = span.query_start + span.query_len
@@ -154,23 +187,19 @@ def paged_attention(
                 query[span.query_start : end],
                 key[span.query_start : end],
                 value[span.query_start : end],
-                k_cache,
-                v_cache,
+                cache,
                 span,
                 scale,
             )
         )
     if meta.num_decodes:
-        outputs.append(
-            _decode_attention(query[meta.num_prefill_tokens :], k_cache, v_cache, meta, scale)
-        )
+        outputs.append(_decode_attention(query[meta.num_prefill_tokens :], cache, meta, scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
 def _decode_attention(
     query: torch.Tensor,  # [num_decodes, num_q_heads, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -178,15 +207,31 @@ def _decode_attention(
         from engine.kernels import paged_decode_attention
 
         return paged_decode_attention(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            query,
+            cache.k,
+            cache.v,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            cache.k_scales,
+            cache.v_scales,
+            cache.codebook,
         )
     if meta.backend is AttentionBackend.CPU:
         from engine.kernels.cpu import paged_decode_attention_cpu
 
         return paged_decode_attention_cpu(
-            query, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            query,
+            cache.k,
+            cache.v,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            cache.k_scales,
+            cache.v_scales,
+            cache.codebook,
         )
     assert meta.decode_gather_table is not None and meta.decode_mask is not None
     return paged_decode_attention_torch(
-        query, k_cache, v_cache, meta.decode_gather_table, meta.decode_mask, scale
+        query, cache, meta.decode_gather_table, meta.decode_mask, scale
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.kv_layout import KVCacheDtype
 from engine.model_config import DTYPE_NAMES
 
 # Output tokens one request may have waiting for its reader before the engine pauses it.
@@ -31,8 +32,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host-memory tier for evicted prefix blocks (0: off); needs prefix caching.
     host_cache_gib: float = 0.0
+    # How keys and values are stored (engine/kv_quant.py): the model's dtype, or int8 / fp8
+    # codes with a float32 scale per token and kv head (about half the bytes of bf16).
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_cache_dtype, KVCacheDtype):
+            raise ValueError(f"kv_cache_dtype must be a KVCacheDtype, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.llm_engine import LLMEngine
 from engine.sampler import SampleRequest, filtered_probs, seeded_noise
 from engine.sampling_params import SamplingParams
@@ -32,16 +34,7 @@ def sampler_choice(
     and how far it beats the runner-up, in log space: the logit gap for greedy, the gap of the
     exponential race's log scores (log p - log q) for seeded sampling. Uses free blocks of
     ``engine`` and gives them back."""
-    tokens = [*prompt, *output[:index]]
-    seq = Sequence("winning-margin", tokens, params)
-    if not engine.block_manager.allocate_slots(seq, len(tokens)):
-        raise RuntimeError("no free KV blocks for the margin check")
-    engine.sync_host_tier()  # pending host-tier copies of these blocks finish first
-    try:
-        _, logits = engine.runner.forward_logits([ScheduledSeq(seq, len(tokens))])
-    finally:
-        engine.block_manager.free(seq)
-    row = logits[-1:].float()  # [1, vocab]
+    row = sequence_logits(engine, [*prompt, *output[:index]], params)[-1:]  # [1, vocab]
     if params.greedy:
         scores = row[0].double()
     else:
@@ -51,6 +44,56 @@ def sampler_choice(
         scores = probs.double().log() - noise.double().log()
     top = scores.topk(2)
     return Choice(int(top.indices[0]), float(top.values[0] - top.values[1]))
+
+
+def sequence_logits(
+    engine: LLMEngine, token_ids: list[int], params: SamplingParams | None = None
+) -> torch.Tensor:  # [len(token_ids), vocab] float32
+    """The logits after every position of ``token_ids``, from one prefill through the engine's
+    own cache (so a quantized cache's reads are in them). Uses free blocks of ``engine`` and
+    gives them back."""
+    seq = Sequence("diagnostics", token_ids, params or SamplingParams(max_tokens=1))
+    if not engine.block_manager.allocate_slots(seq, len(token_ids)):
+        raise RuntimeError("no free KV blocks for the diagnostic forward pass")
+    engine.sync_host_tier()  # pending host-tier copies of these blocks finish first
+    try:
+        _, logits = engine.runner.forward_logits([ScheduledSeq(seq, len(token_ids))])
+    finally:
+        engine.block_manager.free(seq)
+    return logits.float()
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Teacher-forced greedy agreement of one engine with a reference's greedy output."""
+
+    num_positions: int
+    num_matching: int  # positions whose argmax is the reference's token
+    first_divergence: int  # the first position that differs (num_positions when none)
+    max_logit_error: float  # the largest |logit - reference logit| over those positions
+
+    @property
+    def rate(self) -> float:
+        return self.num_matching / self.num_positions
+
+
+def teacher_forced_agreement(
+    reference: LLMEngine, engine: LLMEngine, prompt: list[int], output: list[int]
+) -> Agreement:
+    """Feeds both engines the prompt plus the reference's greedy ``output`` and compares, at
+    each of ``len(output)`` positions, ``engine``'s argmax with the reference's token (how a
+    quantized cache is judged: one early flip must not count every later token as wrong)."""
+    tokens = [*prompt, *output[:-1]]
+    start = len(prompt) - 1  # the row whose logits chose output[0]
+    ours = sequence_logits(engine, tokens)[start:]  # [len(output), vocab]
+    theirs = sequence_logits(reference, tokens)[start:]
+    matches = [int(i) == t for i, t in zip(ours.argmax(dim=-1).tolist(), output, strict=True)]
+    return Agreement(
+        num_positions=len(output),
+        num_matching=sum(matches),
+        first_divergence=matches.index(False) if not all(matches) else len(output),
+        max_logit_error=float((ours - theirs).abs().max()),
+    )
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from engine.kv_layout import KVCacheDtype
 from engine.model_config import ModelConfig
 
 __all__ = ["checkpoint_files", "fingerprint_of", "model_fingerprint", "weights_identity"]
@@ -49,13 +50,31 @@ def weights_identity(model_dir: Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def model_fingerprint(config: ModelConfig, weights_id: str, dtype: str, block_size: int) -> str:
-    """Names the exact KV layout and contents a block holds; seeds every block hash."""
-    return f"{config.architecture}:{weights_id}:{dtype}:bs{block_size}"
+def model_fingerprint(
+    config: ModelConfig,
+    weights_id: str,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+) -> str:
+    """Names the exact KV layout and contents a block holds; seeds every block hash. A quantized
+    cache adds its dtype, so its blocks never hash like full-precision ones (the full-precision
+    fingerprint is unchanged from before quantization existed)."""
+    kv = f":kv-{kv_cache_dtype.value}" if kv_cache_dtype.quantized else ""
+    return f"{config.architecture}:{weights_id}:{dtype}:bs{block_size}{kv}"
 
 
-def fingerprint_of(model_dir: str | Path, dtype: str, block_size: int) -> str:
+def fingerprint_of(
+    model_dir: str | Path,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+) -> str:
     model_dir = Path(model_dir)
     return model_fingerprint(
-        ModelConfig.from_dir(model_dir), weights_identity(model_dir), dtype, block_size
+        ModelConfig.from_dir(model_dir),
+        weights_identity(model_dir),
+        dtype,
+        block_size,
+        kv_cache_dtype,
     )

@@ -34,11 +34,12 @@ class HostTier:
     def __init__(self, cache: KVCache, num_slots: int) -> None:
         self.cache = cache
         self.index = HostIndex(num_slots)
-        shape = cache.tensor.shape  # [layers, 2, num_blocks, block_size, heads, head_dim]
+        # [layers, 2, num_blocks, *slab]: the cache as copies move it (int32 words if quantized)
+        shape = cache.words.shape
         device = cache.tensor.device
         self.pool = torch.zeros(
             (num_slots, shape[0], shape[1], *shape[3:]),
-            dtype=cache.tensor.dtype,
+            dtype=cache.words.dtype,
             pin_memory=device.type == "cuda",
         )  # [slots, layers, 2, block_size, heads, head_dim]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -111,24 +112,24 @@ class HostTier:
         slots = torch.tensor([s for _, s in pairs])
         if self._stream is None:
             blocks = torch.tensor([b for b, _ in pairs])
-            self.pool[slots] = self.cache.tensor.index_select(2, blocks).movedim(2, 0)
+            self.pool[slots] = self.cache.words.index_select(2, blocks).movedim(2, 0)
             return
         assert ready is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             blocks = torch.tensor([b for b, _ in pairs], device=self.cache.tensor.device)
-            data = self.cache.tensor.index_select(2, blocks).movedim(2, 0).to("cpu")
+            data = self.cache.words.index_select(2, blocks).movedim(2, 0).to("cpu")
         self.pool[slots] = data
 
     def _copy_in(self, pairs: list[tuple[int, int]]) -> None:
         slots = torch.tensor([s for s, _ in pairs])
         data = self.pool[slots].movedim(0, 2)  # [layers, 2, n, block_size, heads, head_dim]
         if self._stream is None:
-            self.cache.tensor.index_copy_(2, torch.tensor([b for _, b in pairs]), data)
+            self.cache.words.index_copy_(2, torch.tensor([b for _, b in pairs]), data)
             return
         with torch.cuda.stream(self._stream):
             blocks = torch.tensor([b for _, b in pairs], device=self.cache.tensor.device)
-            self.cache.tensor.index_copy_(2, blocks, data.to(self.cache.tensor.device))
+            self.cache.words.index_copy_(2, blocks, data.to(self.cache.tensor.device))
             self._stream.synchronize()
 
 

@@ -1,23 +1,49 @@
 """The paged KV cache: one preallocated tensor, plus block-level reads and writes.
 
-Layout: ``[num_layers, 2 (k|v), num_blocks, block_size, num_kv_heads, head_dim]``. Layer-major,
-so one layer's blocks can be read, shipped and written while the next layer is in flight, and
-``tensor[layer, 0]`` is a contiguous per-layer key cache for the kernels.
+Layout: ``[num_layers, 2 (k|v), num_blocks, *slab_shape]``. Layer-major, so one layer's blocks
+can be read, shipped and written while the next layer is in flight. In full precision the slab
+is ``[block_size, num_kv_heads, head_dim]`` and ``tensor[layer, 0]`` is a contiguous per-layer
+key cache for the kernels; quantized, the slab is bytes (codes, then scales: see
+``engine.kv_layout``) and ``layers`` holds the typed views the kernels read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.kv_layout import KVCacheLayout
+from engine.kv_layout import KVCacheDtype, KVCacheLayout
+from engine.kv_quant import codebook
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "uint8": torch.uint8,
+}
 
-__all__ = ["KVCache", "KVCacheLayout", "torch_dtype"]
+__all__ = ["KVCache", "KVCacheLayout", "LayerCache", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's keys and values, as views of the cache tensor (built once)."""
+
+    k: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]: dtype, or uint8 codes
+    v: torch.Tensor
+    kind: KVCacheDtype = KVCacheDtype.AUTO
+    k_scales: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] f32 (quantized)
+    v_scales: torch.Tensor | None = None
+    codebook: torch.Tensor | None = None  # [256] f32: the value of each code (quantized)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind.quantized
 
 
 class KVCache:
@@ -28,30 +54,49 @@ class KVCache:
             layout.num_layers,
             2,
             num_blocks,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-            dtype=_DTYPES[layout.dtype],
+            *layout.slab_shape,
+            dtype=_DTYPES[layout.storage_dtype],
             device=device,
         )
+        # What block copies move: a quantized cache as int32 words (its slabs are a multiple
+        # of 4 bytes), since torch's index kernels copy uint8 rows a byte at a time (~8x slower).
+        self.words = self.tensor.view(torch.int32) if layout.quantized else self.tensor
+        self.layers = [self._layer(i) for i in range(layout.num_layers)]
+
+    def _layer(self, layer: int) -> LayerCache:
+        lo = self.layout
+        if not lo.quantized:
+            return LayerCache(self.tensor[layer, 0], self.tensor[layer, 1])
+        heads = (lo.block_size, lo.num_kv_heads)
+        slabs = self.tensor[layer]  # [2, num_blocks, slab_block_bytes]
+        codes = slabs[..., : lo.num_codes_per_slab].unflatten(-1, (*heads, lo.head_dim))
+        scales = slabs[..., lo.num_codes_per_slab :].view(torch.float32).unflatten(-1, heads)
+        book = codebook(lo.kv_cache_dtype, self.tensor.device)
+        return LayerCache(codes[0], codes[1], lo.kv_cache_dtype, scales[0], scales[1], book)
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"block_ids out of range [0, {self.num_blocks}): {block_ids}")
         return torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
 
+    def _storage(self, words: torch.Tensor) -> torch.Tensor:
+        return words.view(self.tensor.dtype)
+
+    def _words(self, data: torch.Tensor) -> torch.Tensor:
+        return data.view(self.words.dtype)
+
     def read_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """``[2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
-        return self.tensor[layer][:, self._index(block_ids)]
+        """``[2, num_blocks, *slab_shape]``, a contiguous copy."""
+        return self._storage(self.words[layer][:, self._index(block_ids)])
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Every layer of the given blocks:
-        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, a contiguous copy."""
-        return self.tensor.index_select(2, self._index(block_ids))
+        """Every layer of the given blocks: ``[num_layers, 2, num_blocks, *slab_shape]``, a
+        contiguous copy."""
+        return self._storage(self.words.index_select(2, self._index(block_ids)))
 
     def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
-        """Keys (kv 0) or values (kv 1) of one layer: ``[n, block_size, heads, head_dim]``."""
-        return self.tensor[layer, kv].index_select(0, self._index(block_ids))
+        """Keys (kv 0) or values (kv 1) of one layer: ``[n, *slab_shape]``."""
+        return self._storage(self.words[layer, kv].index_select(0, self._index(block_ids)))
 
     def write_slab(self, layer: int, kv: int, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (len(block_ids), *self.tensor.shape[3:])
@@ -60,7 +105,8 @@ class KVCache:
                 f"slab data has shape {tuple(data.shape)} {data.dtype}, "
                 f"expected {expected} {self.tensor.dtype}"
             )
-        self.tensor[layer, kv].index_copy_(0, self._index(block_ids), data.to(self.tensor.device))
+        rows = self._words(data.to(self.tensor.device))
+        self.words[layer, kv].index_copy_(0, self._index(block_ids), rows)
 
     def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (2, len(block_ids), *self.tensor.shape[3:])
@@ -69,4 +115,4 @@ class KVCache:
                 f"layer data has shape {tuple(data.shape)} {data.dtype}, "
                 f"expected {expected} {self.tensor.dtype}"
             )
-        self.tensor[layer][:, self._index(block_ids)] = data.to(self.tensor.device)
+        self.words[layer][:, self._index(block_ids)] = self._words(data.to(self.tensor.device))

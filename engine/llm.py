@@ -12,6 +12,7 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
 )
+from engine.kv_layout import KVCacheDtype
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -25,9 +26,11 @@ class LLM:
         dtype: str = "float32",
         block_size: int = 16,
         num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         host_cache_gib: float = 0.0,
+        kv_cache_dtype: str = "auto",
         device: str | None = None,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
@@ -62,8 +65,10 @@ class LLM:
                 cache=CacheConfig(
                     block_size=block_size,
                     num_blocks=num_blocks,
+                    kv_cache_bytes=kv_cache_bytes,
                     enable_prefix_caching=enable_prefix_caching,
                     host_cache_gib=host_cache_gib,
+                    kv_cache_dtype=KVCacheDtype.parse(kv_cache_dtype),
                 ),
                 scheduler=SchedulerConfig(
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens

@@ -42,7 +42,8 @@ class LoadedModel:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.fingerprint = fingerprint_of(model_dir, config.dtype, self.block_size)
+        kv_cache_dtype = config.cache.kv_cache_dtype
+        self.fingerprint = fingerprint_of(model_dir, config.dtype, self.block_size, kv_cache_dtype)
         self.root_hash = root_hash(self.fingerprint)
         self.model = build_model(
             self.model_config,
@@ -59,6 +60,7 @@ class LoadedModel:
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.num_blocks = self._num_blocks()
         self.kv_cache = KVCache(self.kv_layout, self.num_blocks, self.device)

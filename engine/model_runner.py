@@ -100,7 +100,7 @@ class ModelRunner:
         input_ids, positions, slots = self._flatten(ordered)
         meta = self._metadata(prefills, decodes, slots)
         with torch.inference_mode():
-            return ordered, self.model(input_ids, positions, self.kv_cache.tensor, meta)
+            return ordered, self.model(input_ids, positions, self.kv_cache.layers, meta)
 
     def _flatten(
         self, ordered: list[ScheduledSeq]

@@ -145,7 +145,8 @@ def draft_block_bytes(config: EngineConfig) -> int:
     except (OSError, ValueError) as exc:
         raise ValueError(f"spec_draft_model {spec.draft_model}: {exc}") from exc
     layout = KVCacheLayout("draft", config.dtype, config.cache.block_size, draft.num_layers,
-                           draft.num_kv_heads, draft.head_dim)  # fmt: skip
+                           draft.num_kv_heads, draft.head_dim,
+                           config.cache.kv_cache_dtype)  # fmt: skip
     return layout.block_bytes
 
 

@@ -89,5 +89,5 @@ class ChunkChecker:
             # Read-only view of the message bytes; the cache copy is the only write.
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(data, dtype=torch.uint8)
-        shape = (spec.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        return raw.view(torch_dtype(layout.dtype)).reshape(shape)
+        shape = (spec.num_blocks, *layout.slab_shape)
+        return raw.view(torch_dtype(layout.storage_dtype)).reshape(shape)

@@ -34,7 +34,7 @@ from kvtransfer.codec import (
     tensor_bytes,
 )
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
-from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -89,7 +89,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
     async def Pull(  # type: ignore[override]  # writes with context.write, bounded in time
         self, request: kv_transfer_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        mismatch = self.cache.layout.mismatch(layout_from_proto(request.receiver_layout))
+        mismatch = remote_layout_mismatch(self.cache.layout, request.receiver_layout)
         if mismatch is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
@@ -195,7 +195,7 @@ class GrpcKVReceiver(KVReceiver):
         self.cache.write_slab(spec.layer, spec.kv, ids, data)
 
     def _check_header(self, header: kv_transfer_pb2.KVHeader, handle: KVHandle) -> ChunkChecker:
-        mismatch = self.cache.layout.mismatch(layout_from_proto(header.layout))
+        mismatch = remote_layout_mismatch(self.cache.layout, header.layout)
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         layout = self.cache.layout

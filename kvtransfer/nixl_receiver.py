@@ -38,7 +38,7 @@ from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.nixl_plan import Region, Row, plan_read
 from pdserve.common.channels import ChannelPool
-from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig
 from pdserve.v1 import nixl_pb2, nixl_pb2_grpc
 
@@ -190,7 +190,7 @@ class NixlKVReceiver(KVReceiver):
                 receiver_layout=layout_to_proto(self.cache.layout)
             )
             response = await _call(self._stub(address).Handshake, request, deadline_s)
-            mismatch = self.cache.layout.mismatch(layout_from_proto(response.layout))
+            mismatch = remote_layout_mismatch(self.cache.layout, response.layout)
             if mismatch is not None:
                 raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
             try:

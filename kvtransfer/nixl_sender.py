@@ -28,7 +28,7 @@ from kvtransfer.base import BlockLeases, KVHandle, KVSender
 from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
 from pdserve.common.channels import SERVER_OPTIONS
-from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
 from pdserve.v1 import nixl_pb2, nixl_pb2_grpc
 
@@ -151,7 +151,7 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
     async def Handshake(
         self, request: nixl_pb2.NixlHandshakeRequest, context: grpc.aio.ServicerContext
     ) -> nixl_pb2.NixlHandshakeResponse:
-        mismatch = self.cache.layout.mismatch(layout_from_proto(request.receiver_layout))
+        mismatch = remote_layout_mismatch(self.cache.layout, request.receiver_layout)
         if mismatch is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         agent = self.agent

@@ -199,9 +199,9 @@ class RayKVSender(KVSender):
     def _stage(self, block_ids: list[int], layers: LayerRange) -> tuple[Payload, tuple[int, ...]]:
         """The range's layers of the blocks as one host buffer ``[layers.count, ...]`` (a view
         of the reused buffer: valid until the next call) and each layer's digest."""
-        source = self.cache.tensor[layers.first : layers.first + layers.count]
+        source = self.cache.words[layers.first : layers.first + layers.count]
         index = torch.tensor(block_ids, dtype=torch.long, device=source.device)
-        # [count, 2, n, block_size, heads, head_dim]
+        # [count, 2, n, *slab] (int32 words when quantized)
         shape = (layers.count, 2, len(block_ids), *source.shape[3:])
         num_bytes = math.prod(shape) * source.element_size()
         if self._buffer.numel() < num_bytes:
@@ -329,7 +329,7 @@ class RayKVReceiver(KVReceiver):
                 TransferErrorCode.CORRUPTED,
                 f"payload {payload.shape} {payload.dtype}, expected {expected} uint8",
             )
-        shape = (2, len(block_ids), layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (2, len(block_ids), *layout.slab_shape)
         for i, digest in enumerate(digests):
             layer = layers.first + i
             # Checked and written one layer at a time, while the layer is still in cache.
@@ -342,6 +342,6 @@ class RayKVReceiver(KVReceiver):
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.frombuffer(memoryview(payload[i]), dtype=torch.uint8)
             self.cache.write_layer(
-                layer, block_ids, raw.view(torch_dtype(layout.dtype)).view(shape)
+                layer, block_ids, raw.view(torch_dtype(layout.storage_dtype)).view(shape)
             )
         return None

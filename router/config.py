@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_layout import KVCacheDtype
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from router.limits import RequestLimits
@@ -20,6 +21,7 @@ class RouterConfig:
     # The workers' KV layout: discovered workers with another fingerprint are refused.
     dtype: str = "float32"
     block_size: int = 16
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     prefill_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # Decode placement follows free KV blocks; the decode pool's cache is used by conditional
     # disaggregation (choosing where to prefill locally), so cache_aware is not a decode policy.

@@ -137,7 +137,7 @@ class RouterService(Service):
             tls=config.server.tls,
         )
         fingerprint = await asyncio.to_thread(
-            fingerprint_of, config.model, config.dtype, config.block_size
+            fingerprint_of, config.model, config.dtype, config.block_size, config.kv_cache_dtype
         )
         self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
         dispatch = Dispatcher(config, self._pool, self._cluster)

@@ -13,6 +13,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_triton_kernels.py
 TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_kv_cache_paths.py \
   tests/engine/test_hf_parity.py -k "llama and not sharded"
+# The quantized cache on CUDA (Triton decode kernel with codes, the torch store); the backend
+# comparison test pins the CPU kernel, so it stays on CPU runs.
+TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_kv_quant.py \
+  -k "not torch_cpu_and_triton"
 .venv/bin/python benchmarks/engine_decode.py --device cuda --dtype bfloat16
 # NIXL with the KV caches in VRAM (the tests' engines pick CUDA when it is there): the contract
 # suite's nixl cases and the two-process test (a restarted peer, kill -9, SIGSTOP).

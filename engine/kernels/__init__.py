@@ -50,12 +50,18 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of query `[num_seqs, num_q_heads, head_dim]` over each sequence's
     first `context_lens[s]` cached tokens, found via `block_tables`; GQA-aware. Returns
-    `[num_seqs, num_q_heads, head_dim]` in query's dtype. See
+    `[num_seqs, num_q_heads, head_dim]` in query's dtype. A quantized cache passes uint8 codes
+    with their scales and codebook (see `engine.kv_quant`). See
     `decode_attention.paged_decode_attention`."""
     _require_triton()
     from engine.kernels.decode_attention import paged_decode_attention as impl
 
-    return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return impl(
+        query, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales, codebook
+    )

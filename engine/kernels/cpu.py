@@ -59,13 +59,25 @@ def load_cpu_kernels() -> bool:
 
 def paged_decode_attention_cpu(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] fp32
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or uint8 codes
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    k_scales: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32: codes only
+    v_scales: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,  # [256] f32: the value of each code
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    out: torch.Tensor = torch.ops.pdserve_cpu.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, context_lens, scale
+    """Full precision, or (with scales and codebook) a quantized cache decoded as it is read:
+    row = codebook[code] * scale, exactly as ``engine.kv_quant.dequantize``."""
+    ops = torch.ops.pdserve_cpu
+    if codebook is None:
+        out: torch.Tensor = ops.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale
+        )
+        return out
+    assert k_scales is not None and v_scales is not None
+    quantized: torch.Tensor = ops.paged_decode_attention_quantized(
+        query, k_cache, v_cache, k_scales, v_scales, codebook, block_tables, context_lens, scale
     )
-    return out
+    return quantized

@@ -5,6 +5,10 @@ heads that share that kv head (GQA) so each K/V block is read from memory once p
 rather than once per query head. It walks the sequence's block table one cache block at a
 time and keeps an online (flash-decoding style) softmax in fp32.
 
+A quantized cache (uint8 codes plus float32 scales per token and kv head) is decoded as it is
+loaded: `codebook[code] * scale`, the same table lookup as the torch path and the CPU kernel, so
+fp8 codes need no native fp8 type (the interpreter has none).
+
 The dot products use broadcast-multiply + `tl.sum` instead of `tl.dot`: decode tiles are far
 below the 16x16 minimum of `tl.dot`, and it keeps the kernel exact under TRITON_INTERPRET.
 """
@@ -22,6 +26,9 @@ def _paged_decode_kernel(
     v_cache_ptr: tl.tensor,
     block_tables_ptr: tl.tensor,
     context_lens_ptr: tl.tensor,
+    k_scales_ptr: tl.tensor,  # quantized only (else any tensor, never read)
+    v_scales_ptr: tl.tensor,
+    codebook_ptr: tl.tensor,
     scale: float,
     q_stride_s: int,
     q_stride_h: int,
@@ -30,12 +37,15 @@ def _paged_decode_kernel(
     cache_stride_b: int,
     cache_stride_t: int,
     cache_stride_h: int,
+    scales_stride_b: int,
+    scales_stride_t: int,
     block_tables_stride_s: int,
     GROUP_SIZE: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # next_power_of_2(GROUP_SIZE)
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # next_power_of_2(HEAD_DIM)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
+    QUANTIZED: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -72,8 +82,17 @@ def _paged_decode_kernel(
             + d[None, :]
         )  # [T, D]
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
+        if QUANTIZED:
+            k_codes = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0).to(tl.int32)
+            v_codes = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0).to(tl.int32)
+            s_offs = block_id * scales_stride_b + t * scales_stride_t + kv_head  # [T]
+            k_s = tl.load(k_scales_ptr + s_offs, mask=t_mask, other=0.0)
+            v_s = tl.load(v_scales_ptr + s_offs, mask=t_mask, other=0.0)
+            k = tl.load(codebook_ptr + k_codes) * k_s[:, None]  # [T, D]
+            v = tl.load(codebook_ptr + v_codes) * v_s[:, None]
+        else:
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
 
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, T]
         scores = tl.where(t_mask[None, :], scores, float("-inf"))
@@ -98,6 +117,9 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q·k * scale) · v over each sequence's cached tokens; returns query's dtype.
 
@@ -108,6 +130,8 @@ def paged_decode_attention(
         `ceil(context_lens[s] / block_size)` are ignored.
     context_lens: `[num_seqs]` int32, each >= 1 (includes the current token).
     Query head h reads kv head `h // (num_q_heads // num_kv_heads)`.
+    Quantized: k_cache/v_cache are uint8 codes, k_scales/v_scales `[num_blocks, block_size,
+        num_kv_heads]` float32 with a unit last stride, codebook `[256]` float32.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_seqs, num_q_heads, head_dim], got {query.shape}")
@@ -130,6 +154,16 @@ def paged_decode_attention(
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {block_tables.shape}")
     if context_lens.shape != (num_seqs,):
         raise ValueError(f"context_lens must be [{num_seqs}], got {tuple(context_lens.shape)}")
+    quantized = codebook is not None
+    if codebook is not None:
+        if k_scales is None or v_scales is None or k_cache.dtype != torch.uint8:
+            raise ValueError("a quantized cache needs uint8 codes, k_scales and v_scales")
+        if k_scales.shape != k_cache.shape[:3] or k_scales.stride() != v_scales.stride():
+            raise ValueError(f"scales must be {tuple(k_cache.shape[:3])} with equal strides")
+        if k_scales.stride(2) != 1 or codebook.shape != (256,) or not codebook.is_contiguous():
+            raise ValueError("scales need a unit last stride and codebook must be [256]")
+    else:
+        k_scales = v_scales = codebook = context_lens  # placeholders the kernel never reads
 
     # The kernel indexes head_dim with unit stride.
     query = query if query.stride(2) == 1 else query.contiguous()
@@ -147,6 +181,9 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         context_lens,
+        k_scales,
+        v_scales,
+        codebook,
         float(scale),
         query.stride(0),
         query.stride(1),
@@ -155,11 +192,14 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scales.stride(0) if quantized else 0,
+        k_scales.stride(1) if quantized else 0,
         block_tables.stride(0),
         GROUP_SIZE=group_size,
         GROUP_PAD=triton.next_power_of_2(group_size),
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        QUANTIZED=quantized,
     )
     return out

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.kv_cache import LayerCache
 from engine.model_config import ModelConfig
 from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.models.linear import Linear
@@ -38,8 +39,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         cfg = self.config
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        out = paged_attention(q, k, v.contiguous(), k_cache, v_cache, meta, self.scale)
+        out = paged_attention(q, k, v.contiguous(), cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
 
@@ -68,11 +68,10 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,13 +105,13 @@ class LlamaFamilyForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_cache: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: list[LayerCache],  # one per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] (final-normed)
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+            x = layer(x, rope, kv_cache[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]

@@ -66,6 +66,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
     # One KV layout for every component: the router refuses workers whose layout differs.
     layout: tuple[str, ...] = ("--dtype", args.dtype, "--block-size", str(args.block_size))
+    layout += ("--kv-cache-dtype", args.kv_cache_dtype)
     tls: tuple[str, ...] = ()
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))

@@ -7,7 +7,7 @@ Validation errors raise ``ValueError`` whose message names the field; servicers 
 
 from __future__ import annotations
 
-from engine.kv_layout import KVCacheLayout
+from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
@@ -89,6 +89,7 @@ def layout_to_proto(layout: KVCacheLayout) -> common_pb2.KVCacheLayout:
         num_layers=layout.num_layers,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
+        kv_cache_dtype=layout.kv_cache_dtype.value,
     )
 
 
@@ -100,6 +101,7 @@ def layout_from_proto(msg: common_pb2.KVCacheLayout) -> KVCacheLayout:
         num_layers=msg.num_layers,
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
+        kv_cache_dtype=KVCacheDtype.parse(msg.kv_cache_dtype or "auto"),
     )
 
 
@@ -128,3 +130,13 @@ def stats_to_proto(
         draining=draining,
         layout=layout_to_proto(layout),
     )
+
+
+def remote_layout_mismatch(local: KVCacheLayout, msg: common_pb2.KVCacheLayout) -> str | None:
+    """None when a peer's layout matches ours, else why not (a layout that cannot even be
+    read, such as an unknown cache dtype, is a mismatch too, never an exception)."""
+    try:
+        remote = layout_from_proto(msg)
+    except ValueError as exc:
+        return f"remote layout refused: {exc}"
+    return local.mismatch(remote)

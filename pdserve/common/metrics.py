@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
+from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -141,6 +142,20 @@ TRANSFER_S = Histogram(
     "pdserve_kv_transfer_seconds", "Duration of one request's KV pull", buckets=_LATENCY_BUCKETS_S
 )
 TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV pulls", ["reason"])
+
+
+KV_BYTES_PER_TOKEN = Gauge(
+    "pdserve_kv_cache_bytes_per_token",
+    "KV cache bytes one token takes (all layers, keys and values, scales included)",
+    ["kv_cache_dtype"],
+)
+
+
+def observe_kv_layout(layout: KVCacheLayout) -> None:
+    """Once per engine: what a token costs in this worker's cache (int8/fp8 vs the model dtype)."""
+    KV_BYTES_PER_TOKEN.labels(layout.kv_cache_dtype.value).set(
+        layout.block_bytes / layout.block_size
+    )
 
 
 class EngineObserver:

@@ -165,12 +165,15 @@ class KVCacheLayout(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
+    KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     model_fingerprint: _builtins.str
     dtype: _builtins.str
     block_size: _builtins.int
     num_layers: _builtins.int
     num_kv_heads: _builtins.int
     head_dim: _builtins.int
+    kv_cache_dtype: _builtins.str
+    """"auto" | "int8" | "fp8_e4m3" (empty: "auto")"""
     def __init__(
         self,
         *,
@@ -180,10 +183,11 @@ class KVCacheLayout(_message.Message):
         num_layers: _builtins.int = ...,
         num_kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
+        kv_cache_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "model_fingerprint", b"model_fingerprint", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "model_fingerprint", b"model_fingerprint", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

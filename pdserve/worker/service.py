@@ -63,6 +63,7 @@ class WorkerService(Service):
 
     async def load(self) -> None:
         llm_engine = await asyncio.to_thread(LLMEngine, self.engine_config)
+        metrics.observe_kv_layout(llm_engine.kv_layout)
         self._engine = AsyncEngine(
             llm_engine,
             on_stats=self._observe,

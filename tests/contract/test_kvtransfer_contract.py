@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import LLM, PrefilledRequest, SamplingParams
+from engine.kv_layout import KVCacheDtype
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import KVHandle, KVTransferError, TransferErrorCode, make_receiver
@@ -84,16 +85,22 @@ def _finish(engine: LLMEngine, prefilled: PrefilledRequest) -> list[int]:
     return out.token_ids
 
 
+@pytest.mark.parametrize("kv_cache_dtype", [KVCacheDtype.AUTO, KVCacheDtype.INT8])
 def test_transfer_is_lossless_and_decodes_like_one_engine(
-    backend: str, llama_dir: Path, make_llm: Callable[..., LLM]
+    backend: str, kv_cache_dtype: KVCacheDtype, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
+    """Quantized (int8) too: the codes and their scales arrive bit for bit, and the decode
+    worker continues exactly as one int8 engine does."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1024) for _ in range(n)] for n in (1, 16, 17, 45)]
-    reference = make_llm(llama_dir).generate(prompts, GREEDY)
-    decode = LLMEngine(engine_config(llama_dir))
+    reference = make_llm(llama_dir, kv_cache_dtype=kv_cache_dtype.value).generate(prompts, GREEDY)
+    decode = LLMEngine(engine_config(llama_dir, kv_cache_dtype=kv_cache_dtype))
+    assert decode.kv_layout.kv_cache_dtype is kv_cache_dtype
 
     async def run() -> None:
-        service, server = await start_prefill(llama_dir, kv_backend=backend)
+        service, server = await start_prefill(
+            llama_dir, kv_backend=backend, kv_cache_dtype=kv_cache_dtype
+        )
         stub = prefill_stub(server)
         receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
         try:
@@ -139,6 +146,32 @@ def test_layout_mismatch_names_both_layouts(backend: str, llama_dir: Path) -> No
             assert "bs16" in str(err.value) and "bs8" in str(err.value)
             assert await _release(stub, response)
             await wait_for(lambda: all_blocks_free(stub), 30, "prefill blocks freed")
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_cache_dtype_mismatch_is_refused_by_name(backend: str, llama_dir: Path) -> None:
+    """An int8 decode worker never accepts a full-precision sender's blocks (nor the reverse):
+    same model, same block size, different bytes per block."""
+    decode = LLMEngine(engine_config(llama_dir, kv_cache_dtype=KVCacheDtype.INT8))
+
+    async def run() -> None:
+        _, server = await start_prefill(llama_dir, kv_backend=backend)
+        stub = prefill_stub(server)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        try:
+            response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
+            handle = handle_from_proto(response.handle)
+            with pytest.raises(KVTransferError) as err:
+                await receiver.pull(handle, list(range(handle.num_blocks)))
+            assert err.value.code is TransferErrorCode.LAYOUT_MISMATCH
+            assert "kv-int8" in str(err.value) and "KVCacheDtype.AUTO" in str(err.value)
+            assert await _release(stub, response)
+            await wait_for(lambda: all_blocks_free(stub), 30, "prefill blocks freed")
+            decode.block_manager.check_no_leaks()
         finally:
             await receiver.close()
             await server.shutdown()

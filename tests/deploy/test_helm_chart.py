@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from engine.kv_layout import KVCacheDtype
 from pdserve.app import settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -457,3 +458,28 @@ def test_the_host_tier_size_reaches_the_worker_config(helm: str) -> None:
     settings.add_service_flags(parser, "decode", env=variables)
     assert settings.service_config("decode", parser.parse_args([])).engine.cache.host_cache_gib == 8
     assert "PDSERVE_HOST_CACHE_GIB" not in env(container(manifests, "prefill"))  # 0: off
+
+
+def test_the_kv_cache_dtype_reaches_every_component(helm: str) -> None:
+    """One value for the router (its fingerprint) and both pools (their caches and layouts);
+    the Ray-mode driver reads the same environment."""
+    manifests = render(helm, "--set", "kvCacheDtype=int8")
+    for role in ("router", "prefill", "decode"):
+        variables = {k: v for k, v in env(container(manifests, role)).items() if isinstance(v, str)}
+        parser = argparse.ArgumentParser()
+        settings.add_service_flags(parser, role, env=variables)
+        config = settings.service_config(role, parser.parse_args([]))
+        kind = config.kv_cache_dtype if role == "router" else config.engine.cache.kv_cache_dtype  # type: ignore[union-attr]
+        assert kind is KVCacheDtype.INT8, role
+    ray = render(
+        helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"), "--set", "kvCacheDtype=int8"
+    )
+    job = find(ray, "Job", "rel-pdserve-ray-up")["spec"]["template"]["spec"]["containers"][0]
+    assert env(job)["PDSERVE_KV_CACHE_DTYPE"] == "int8"
+    done = subprocess.run(
+        [helm, "template", "rel", str(CHART), "--set", "kvCacheDtype=int4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0 and "kvCacheDtype" in done.stderr, done.stderr

@@ -12,6 +12,7 @@ import grpc
 from decode_service.config import DecodeConfig
 from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_layout import KVCacheDtype
 from pdserve.common.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
@@ -21,11 +22,17 @@ WorkerStub = prefill_pb2_grpc.PrefillWorkerStub | decode_pb2_grpc.DecodeWorkerSt
 
 
 def engine_config(
-    model: Path, block_size: int = 16, num_blocks: int = 256, max_num_batched_tokens: int = 2048
+    model: Path,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    max_num_batched_tokens: int = 2048,
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
 ) -> EngineConfig:
     return EngineConfig(
         model=str(model),
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+        ),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
     )
 
@@ -38,10 +45,17 @@ async def start(service: Service) -> ServiceServer:
 
 
 async def start_prefill(
-    model: Path, max_num_batched_tokens: int = 2048, num_blocks: int = 256, **kwargs: object
+    model: Path,
+    max_num_batched_tokens: int = 2048,
+    num_blocks: int = 256,
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    **kwargs: object,
 ) -> tuple[PrefillService, ServiceServer]:
     engine = engine_config(
-        model, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens
+        model,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_dtype=kv_cache_dtype,
     )
     service = PrefillService(PrefillConfig(engine=engine, **kwargs))  # type: ignore[arg-type]
     return service, await start(service)
@@ -52,12 +66,13 @@ async def start_decode(
     block_size: int = 16,
     num_blocks: int = 256,
     peers: Sequence[ServiceServer] = (),
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
     **kwargs: object,
 ) -> tuple[DecodeService, ServiceServer]:
     """``peers``: the prefill servers it may pull from (without a registry to learn them)."""
     prefill_peers = tuple(server.service.address for server in peers)
     config = DecodeConfig(
-        engine=engine_config(model, block_size, num_blocks),
+        engine=engine_config(model, block_size, num_blocks, kv_cache_dtype=kv_cache_dtype),
         prefill_peers=prefill_peers,
         **kwargs,  # type: ignore[arg-type]
     )

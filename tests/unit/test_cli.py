@@ -94,3 +94,29 @@ def test_up_passes_the_host_tier_to_every_worker() -> None:
     for role, argv in (("prefill", cluster.prefill_args), ("decode", cluster.decode_args)):
         config = settings.parse_service_flags(role, ["--model", "/m", *argv])
         assert config.engine.cache.host_cache_gib == 2.0  # type: ignore[union-attr]
+
+
+def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
+    """The router computes the workers' fingerprint itself: it must get the same dtype."""
+    from engine.kv_layout import KVCacheDtype
+    from pdserve.app import settings
+    from pdserve.app.cli import _cluster_config, build_parser
+    from pdserve.app.ray_deploy.commands import _deployment_spec
+
+    args = build_parser().parse_args(["up", "--model", "/m", "--kv-cache-dtype", "int8"])
+    args.redis_url = ""
+    cluster = _cluster_config(args)
+    for role, argv in (("prefill", cluster.prefill_args), ("decode", cluster.decode_args)):
+        config = settings.parse_service_flags(role, ["--model", "/m", *argv])
+        assert config.engine.cache.kv_cache_dtype is KVCacheDtype.INT8  # type: ignore[union-attr]
+    router_argv = ["--model", "/m", "--redis", "redis://127.0.0.1:1", *cluster.router_args]
+    router = settings.parse_service_flags("router", router_argv)
+    assert router.kv_cache_dtype is KVCacheDtype.INT8  # type: ignore[union-attr]
+    ray = _deployment_spec(
+        build_parser().parse_args(["ray", "up", "--model", "/m", "--kv-cache-dtype", "fp8_e4m3"])
+    )
+    assert ray.router.kv_cache_dtype is KVCacheDtype.FP8_E4M3
+    for worker in (ray.prefill, ray.decode):
+        assert worker.engine.cache.kv_cache_dtype is KVCacheDtype.FP8_E4M3
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args(["up", "--model", "/m", "--kv-cache-dtype", "int4"])

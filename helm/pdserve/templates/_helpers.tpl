@@ -85,6 +85,8 @@ podSelector:
   value: {{ .Values.model.dtype | quote }}
 - name: PDSERVE_BLOCK_SIZE
   value: {{ .Values.blockSize | quote }}
+- name: PDSERVE_KV_CACHE_DTYPE
+  value: {{ .Values.kvCacheDtype | quote }}
 - name: PDSERVE_HOST
   value: "0.0.0.0"
 - name: PDSERVE_ADVERTISE_HOST

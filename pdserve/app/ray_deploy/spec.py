@@ -83,6 +83,7 @@ def deployment_spec(
     max_restarts: int = 3,
     dtype: str = "float32",
     block_size: int = 16,
+    kv_cache_dtype: str = "auto",
     drain_timeout_s: float = 30.0,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
@@ -96,6 +97,7 @@ def deployment_spec(
     ``--host`` becomes the node's address (peers on other nodes must reach it)."""
     common = ["--model", model, "--redis", redis_url or EMBEDDED_REDIS_URL, "--dtype", dtype]
     common += ["--block-size", str(block_size), "--drain-timeout-s", str(drain_timeout_s)]
+    common += ["--kv-cache-dtype", kv_cache_dtype]
     # Actors bind their node's address in plaintext: a Ray cluster's own traffic is not
     # encrypted either, and its token auth and network isolation are what protect both
     # (docs/security.md).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
+from engine.kv_layout import KV_CACHE_DTYPE_NAMES, KVCacheDtype
 from engine.model_config import DTYPE_NAMES
 from pdserve.app.settings.flags import add_flag, add_server_flags, csv, redis_config, server_config
 from router.config import RouterConfig
@@ -21,6 +22,14 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         parser, "--dtype", env, default="float32", choices=DTYPE_NAMES, help="the workers' dtype"
     )
     add_flag(parser, "--block-size", env, type=int, default=16, help="the workers' block size")
+    add_flag(
+        parser,
+        "--kv-cache-dtype",
+        env,
+        default="auto",
+        choices=KV_CACHE_DTYPE_NAMES,
+        help="the workers' KV cache dtype (part of the fingerprint)",
+    )
     add_flag(
         parser,
         "--prefill-policy",
@@ -116,6 +125,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         redis=redis_config(args),
         dtype=args.dtype,
         block_size=args.block_size,
+        kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         prefill_policy=RoutingPolicy(args.prefill_policy),
         decode_policy=RoutingPolicy(args.decode_policy),
         cache_alpha=args.cache_alpha,

@@ -17,6 +17,7 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
 )
+from engine.kv_layout import KV_CACHE_DTYPE_NAMES, KVCacheDtype
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.app.settings.flags import add_flag, add_server_flags, csv, redis_config, server_config
@@ -40,6 +41,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         type=float,
         default=0.0,
         help="host-memory tier for evicted prefix blocks, GiB (0: off)",
+    )
+    add_flag(
+        parser,
+        "--kv-cache-dtype",
+        env,
+        default="auto",
+        choices=KV_CACHE_DTYPE_NAMES,
+        help="KV cache storage: the model dtype, or int8 / fp8_e4m3 codes with scales",
     )
     add_flag(parser, "--max-num-seqs", env, type=int, default=128)
     add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
@@ -93,6 +102,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=not args.no_prefix_caching,
             host_cache_gib=args.host_cache_gib,
+            kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
