@@ -86,10 +86,9 @@ def gather_blocks(
     if not cache.quantized:
         return cache.k[block_ids], cache.v[block_ids]
     assert cache.k_scales is not None and cache.v_scales is not None
-    assert cache.codebook is not None
     return (
-        dequantize(cache.k[block_ids], cache.k_scales[block_ids], cache.codebook, dtype),
-        dequantize(cache.v[block_ids], cache.v_scales[block_ids], cache.codebook, dtype),
+        dequantize(cache.k[block_ids], cache.k_scales[block_ids], cache.kind, dtype),
+        dequantize(cache.v[block_ids], cache.v_scales[block_ids], cache.kind, dtype),
     )
 
 

@@ -41,7 +41,7 @@ class HostTier:
             (num_slots, shape[0], shape[1], *shape[3:]),
             dtype=cache.words.dtype,
             pin_memory=device.type == "cuda",
-        )  # [slots, layers, 2, block_size, heads, head_dim]
+        )  # [slots, layers, 2, *slab]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-host-tier")
         self._stores: dict[int, Future[None]] = {}  # device block -> its pending copy out
@@ -123,7 +123,7 @@ class HostTier:
 
     def _copy_in(self, pairs: list[tuple[int, int]]) -> None:
         slots = torch.tensor([s for s, _ in pairs])
-        data = self.pool[slots].movedim(0, 2)  # [layers, 2, n, block_size, heads, head_dim]
+        data = self.pool[slots].movedim(0, 2)  # [layers, 2, n, *slab]
         if self._stream is None:
             self.cache.words.index_copy_(2, torch.tensor([b for _, b in pairs]), data)
             return

@@ -97,5 +97,17 @@ class KVCacheLayout:
         return 2 * self.num_layers * self.slab_block_bytes
 
     def mismatch(self, other: KVCacheLayout) -> str | None:
-        """None when compatible, else a message naming both layouts."""
-        return None if self == other else f"local layout {self} != remote layout {other}"
+        """None when compatible, else a message naming the fields that differ and both
+        layouts."""
+        if self == other:
+            return None
+        differ = [
+            f"{name} {_show(getattr(self, name))} != {_show(getattr(other, name))}"
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return f"{'; '.join(differ)} (local layout {self} != remote layout {other})"
+
+
+def _show(value: object) -> str:
+    return value.value if isinstance(value, enum.Enum) else str(value)

@@ -1,14 +1,15 @@
 """KV quantization: one-byte codes with a float32 scale per token and kv head.
 
 Every path (the torch path, the native CPU kernel, the Triton kernels) stores with ``quantize``
-below and decodes a code through the same 256-entry *codebook* (the float32 value of each byte),
-times its scale, so the three paths read back exactly the same keys and values:
+below and reads a key or value back as
 
-    value = codebook[code] * scale        # scale = absmax(token, kv head) / QMAX
+    value = round_to_model_dtype(float32(code) * scale)   # scale = absmax(token, kv head) / QMAX
 
-int8 codes are two's-complement bytes (codebook[b] = b - 256 * (b >= 128)); fp8_e4m3 codes are
-float8 e4m3fn bit patterns, decoded by table, so no kernel needs a native fp8 type (the Triton
-interpreter has none). The codebook entries 0x7f / 0xff of e4m3fn are NaN and never stored: the
+so the three read exactly the same keys and values. The kernels decode a code through a
+256-entry *codebook* (the float32 value of each byte: int8 codes are two's-complement bytes,
+fp8_e4m3 codes float8 e4m3fn bit patterns), so no kernel needs a native fp8 type (the Triton
+interpreter has none); the torch path reinterprets the bytes, which gives the same values
+without a gather. The codebook entries 0x7f / 0xff of e4m3fn are NaN and never stored: the
 quantized values are clamped to +-448 first.
 """
 
@@ -59,10 +60,12 @@ def quantize(
 def dequantize(
     codes: torch.Tensor,  # [..., head_dim] uint8
     scales: torch.Tensor,  # [...] float32
-    book: torch.Tensor,  # [256] float32
+    kind: KVCacheDtype,
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [..., head_dim] of dtype
-    return (book[codes.long()] * scales[..., None]).to(dtype)
+    """``codebook(kind)[codes] * scales``, by reinterpreting the bytes (no int64 gather index)."""
+    values = codes.view(torch.int8 if kind is KVCacheDtype.INT8 else torch.float8_e4m3fn)
+    return (values.float() * scales[..., None]).to(dtype)
 
 
 def store_quantized(

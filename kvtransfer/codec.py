@@ -57,7 +57,7 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 class ChunkChecker:
     """Receiver side: each chunk must be the next one planned, of the right size, and match its
-    checksum; returns it as a tensor ``[n, block_size, heads, head_dim]`` over ``data``."""
+    checksum; returns it as a tensor ``[n, *layout.slab_shape]`` over ``data``."""
 
     def __init__(self, layout: KVCacheLayout, num_blocks: int, plan: list[ChunkSpec]) -> None:
         self.layout = layout

@@ -1,12 +1,13 @@
 """Where a request's blocks lie in two KV caches, as NIXL descriptor rows for one READ (pure:
 no NIXL, no torch; unit-tested with exact values).
 
-A cache is one registered tensor ``[num_layers, 2, num_blocks, block_size, heads, head_dim]``
-(``engine.kv_cache.KVCache``), so the keys (kv 0) or values (kv 1) of one layer for one block
-are ``layout.slab_block_bytes`` contiguous bytes at ``base + ((layer * 2 + kv) * num_blocks +
-block) * slab_block_bytes``. The sender and the receiver have the same layout but not the same
-number of blocks, so each side's addresses come from its own region. Blocks consecutive on both
-sides are merged into one row: the fewer the rows, the fewer the transfer's work items.
+A cache is one registered tensor ``[num_layers, 2, num_blocks, *slab]``
+(``engine.kv_cache.KVCache``; a quantized slab is its codes, then its scales), so the keys
+(kv 0) or values (kv 1) of one layer for one block are ``layout.slab_block_bytes`` contiguous
+bytes at ``base + ((layer * 2 + kv) * num_blocks + block) * slab_block_bytes``. The sender
+and the receiver have the same layout but not the same number of blocks, so each side's
+addresses come from its own region. Blocks consecutive on both sides are merged into one row:
+the fewer the rows, the fewer the transfer's work items.
 """
 
 from __future__ import annotations

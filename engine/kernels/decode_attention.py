@@ -6,8 +6,9 @@ rather than once per query head. It walks the sequence's block table one cache b
 time and keeps an online (flash-decoding style) softmax in fp32.
 
 A quantized cache (uint8 codes plus float32 scales per token and kv head) is decoded as it is
-loaded: `codebook[code] * scale`, the same table lookup as the torch path and the CPU kernel, so
-fp8 codes need no native fp8 type (the interpreter has none).
+loaded: `codebook[code] * scale`, rounded to the query's dtype, the values the torch path and
+the CPU kernel read (`engine.kv_quant`), so fp8 codes need no native fp8 type (the interpreter
+has none).
 
 The dot products use broadcast-multiply + `tl.sum` instead of `tl.dot`: decode tiles are far
 below the 16x16 minimum of `tl.dot`, and it keeps the kernel exact under TRITON_INTERPRET.
@@ -88,8 +89,11 @@ def _paged_decode_kernel(
             s_offs = block_id * scales_stride_b + t * scales_stride_t + kv_head  # [T]
             k_s = tl.load(k_scales_ptr + s_offs, mask=t_mask, other=0.0)
             v_s = tl.load(v_scales_ptr + s_offs, mask=t_mask, other=0.0)
+            # Rounded to the model dtype as the torch path rounds them: the same K/V.
             k = tl.load(codebook_ptr + k_codes) * k_s[:, None]  # [T, D]
             v = tl.load(codebook_ptr + v_codes) * v_s[:, None]
+            k = k.to(out_ptr.dtype.element_ty).to(tl.float32)
+            v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
         else:
             k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]
             v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [T, D]

@@ -45,8 +45,7 @@ def test_int8_codes_and_scales_exact_values() -> None:
     assert scales.tolist() == [[pytest.approx(4.0 / 127)], [1.0]]  # an all-zero row keeps 1
     # 31.75 -> 32, -63.5 -> -64 (half to even), 15.875 -> 16, 127.
     assert codes.view(torch.int8).tolist() == [[[32, -64, 16, 127]], [[0, 0, 0, 0]]]
-    book = codebook(KVCacheDtype.INT8, torch.device("cpu"))
-    back = dequantize(codes, scales, book, torch.float32)
+    back = dequantize(codes, scales, KVCacheDtype.INT8, torch.float32)
     assert (back - x).abs().max() <= 4.0 / 254 + 1e-7  # half a step
 
 
@@ -55,9 +54,17 @@ def test_fp8_codes_round_trip_representable_values() -> None:
     codes, scales = quantize(x, KVCacheDtype.FP8_E4M3)
     assert scales.tolist() == [[1.0]]
     assert codes.tolist() == [[[0x7E, 0xB8, 0x00, 0x08]]]
+    assert torch.equal(dequantize(codes, scales, KVCacheDtype.FP8_E4M3, torch.float32), x)
     book = codebook(KVCacheDtype.FP8_E4M3, torch.device("cpu"))
-    assert torch.equal(dequantize(codes, scales, book, torch.float32), x)
     assert book.isnan().nonzero().flatten().tolist() == [0x7F, 0xFF]  # never stored (clamped)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_the_kernels_codebook_is_what_the_torch_path_decodes(kind: KVCacheDtype) -> None:
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None]  # [256 codes, 1]
+    book = codebook(kind, torch.device("cpu"))
+    decoded = dequantize(every, torch.ones(256), kind, torch.float32)[:, 0]
+    assert torch.equal(decoded.nan_to_num(7.0), book.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("kind", QUANTIZED)
@@ -206,17 +213,19 @@ def test_the_three_decode_kernels_read_the_same_codes(kind: KVCacheDtype) -> Non
     # The dequantized cache, as a full-precision one: the same attention, to rounding.
     full = KVCache(KVCacheLayout("fp", "float32", 8, 1, 2, 16), 12, torch.device("cpu"))
     assert layer.codebook is not None
-    full.layers[0].k.copy_(dequantize(layer.k, layer.k_scales, layer.codebook, torch.float32))
-    full.layers[0].v.copy_(dequantize(layer.v, layer.v_scales, layer.codebook, torch.float32))
+    full.layers[0].k.copy_(dequantize(layer.k, layer.k_scales, kind, torch.float32))
+    full.layers[0].v.copy_(dequantize(layer.v, layer.v_scales, kind, torch.float32))
     exact = paged_decode_attention_torch(query, full.layers[0], table, mask, 0.25)
     torch.testing.assert_close(want, exact, rtol=0, atol=1e-6)
     args = (layer.k_scales, layer.v_scales, layer.codebook)
     assert load_cpu_kernels()
     cpu = paged_decode_attention_cpu(query, layer.k, layer.v, tables, lens, 0.25, *args)
     torch.testing.assert_close(cpu, want, rtol=0, atol=1e-5)
-    if triton_available():
-        triton = paged_decode_attention(query, layer.k, layer.v, tables, lens, 0.25, *args)
-        torch.testing.assert_close(triton, want, rtol=0, atol=1e-5)
+    if triton_available():  # the interpreter on CPU; compiled (scripts/gpu_check.sh) on CUDA
+        device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+        on = [t.to(device) for t in (query, layer.k, layer.v, tables, lens)]
+        triton = paged_decode_attention(*on, 0.25, *(t.to(device) for t in args))
+        torch.testing.assert_close(triton.cpu(), want, rtol=0, atol=1e-5)
 
 
 def test_a_bad_kv_cache_dtype_is_refused_by_name(llama_dir: Path) -> None:

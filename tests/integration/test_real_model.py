@@ -143,9 +143,11 @@ LONG_ANSWERS = [
     "Give me a recipe for a simple vegetable soup.",
     "Tell me about the history of the printing press.",
 ]
-# Teacher-forced greedy agreement over 64 positions of each answer, pooled. Measured on these
-# prompts: int8 0.980, fp8_e4m3 0.967 (docs/engine.md "Quantized KV cache").
+# Teacher-forced greedy agreement over 64 positions of each answer, pooled, and the largest
+# logit error. Measured on these prompts: int8 0.980, fp8_e4m3 0.967; max logit error 0.98 and
+# 1.89 (docs/engine.md "Quantized KV cache"), asserted below 4.
 QUANTIZED_FLOOR = {"int8": 0.95, "fp8_e4m3": 0.92}
+MAX_LOGIT_ERROR = 4.0
 
 
 @pytest.mark.parametrize("kind", sorted(QUANTIZED_FLOOR))
@@ -162,7 +164,11 @@ def test_a_quantized_cache_agrees_with_full_precision_greedy(
         for prompt, ref in zip(prompts, references, strict=True)
     ]
     rate = sum(r.num_matching for r in rows) / sum(r.num_positions for r in rows)
-    print(f"{kind}: agreement {rate:.3f}, first divergences {[r.first_divergence for r in rows]}")
+    error = max(r.max_logit_error for r in rows)
+    print(
+        f"{kind}: agreement {rate:.3f}, max logit error {error:.3f}, first divergences "
+        f"{[r.first_divergence for r in rows]}"
+    )
     assert rate >= QUANTIZED_FLOOR[kind], rows
-    assert max(r.max_logit_error for r in rows) < 4.0, rows
+    assert error < MAX_LOGIT_ERROR, rows
     quantized.engine.block_manager.check_no_leaks()
