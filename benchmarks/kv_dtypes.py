@@ -3,7 +3,7 @@
 For each dtype, on one model: bytes per token (scales included) and their ratio to the same
 model's bfloat16 cache; the time to pull a ``--transfer-tokens``-token prompt's blocks over the
 gRPC backend (a real prefill fills the sender's cache; loopback, in process; median of
-``--transfer-repeats``); the most sequences of ``--transfer-tokens`` + 64 tokens that a fixed
+``--transfer-repeats``, after one warm-up); the most sequences of ``--transfer-tokens`` + 64 tokens that a fixed
 ``--cache-mib`` cache holds (the engine's own sizing); and, against the full-precision cache,
 teacher-forced greedy agreement over ``--agreement-tokens`` positions of each of the chat
 prompts (the share of positions where the quantized argmax is the full-precision greedy token),

@@ -46,7 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--part", choices=("a", "b", "all"), default="all")
     p.add_argument("--chat-model", type=Path, default=CHAT_MODEL, help="(b): the real model")
     p.add_argument("--transfer-tokens", type=int, default=2048, help="(b): prompt moved (2048)")
-    p.add_argument("--transfer-repeats", type=int, default=5)
+    p.add_argument("--transfer-repeats", type=int, default=15)
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--cache-mib", type=int, default=512, help="(b): the fixed cache (512 MiB)")
     p.add_argument("--quick", action="store_true")
