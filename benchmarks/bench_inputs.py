@@ -1,4 +1,4 @@
-"""What the benchmarks share: a cached random-init checkpoint and random prompts."""
+"""What the benchmarks share: a cached random-init checkpoint, random prompts, fixed leases."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kvtransfer.base import BlockLeases
 from pdserve.app.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,3 +27,17 @@ def make_prompts(seed: int, batch: int, length: int, vocab: int) -> list[list[in
     gen = torch.Generator().manual_seed(seed)
     ids: list[list[int]] = torch.randint(3, vocab, (batch, length), generator=gen).tolist()
     return ids
+
+
+class FixedLeases(BlockLeases):
+    """A benchmark sender's leases: every request id leases the same blocks, forever; a
+    checkin frees nothing."""
+
+    def __init__(self, block_ids: list[int]) -> None:
+        self.block_ids = block_ids
+
+    def checkout(self, request_id: str, lease_token: str) -> list[int]:
+        return list(self.block_ids)
+
+    async def checkin(self, request_id: str) -> None:
+        return None

@@ -1,13 +1,14 @@
-"""Part (b) of ``kv_tiers.py``: the KV cache dtype, auto vs int8 vs fp8_e4m3, same run.
+"""Part (b) of ``kv_tiers.py``: the KV cache dtype (float32, bfloat16, int8, fp8_e4m3), same run.
 
-For each dtype, on one model: bytes per token (scales included) and their ratio to the same
-model's bfloat16 cache; the time to pull a ``--transfer-tokens``-token prompt's blocks over the
-gRPC backend (a real prefill fills the sender's cache; loopback, in process; median of
-``--transfer-repeats``, after one warm-up); the most sequences of ``--transfer-tokens`` + 64 tokens that a fixed
-``--cache-mib`` cache holds (the engine's own sizing); and, against the full-precision cache,
-teacher-forced greedy agreement over ``--agreement-tokens`` positions of each of the chat
-prompts (the share of positions where the quantized argmax is the full-precision greedy token),
-the first divergence of each and the largest logit error.
+For each, on one model: bytes per token (scales included) and the ratio to the same model's
+bfloat16 cache; the time to pull a ``--transfer-tokens``-token prompt's blocks over the gRPC
+backend (a real prefill fills the sender's cache; loopback, in process; median of
+``--transfer-repeats`` after one warm-up); the most sequences of ``--transfer-tokens`` + 64
+tokens a fixed ``--cache-mib`` cache holds (the engine's own sizing); and, for the quantized
+caches, teacher-forced greedy agreement with the full-precision cache over
+``--agreement-tokens`` positions of each chat answer (the share of positions where the
+quantized argmax is the full-precision greedy token), each answer's first divergence and the
+largest logit error.
 """
 
 from __future__ import annotations
@@ -20,42 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_inputs import FixedLeases  # sibling module
 
 from engine import LLM, SamplingParams
 from engine.diagnostics import teacher_forced_agreement
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVCacheDtype
-from kvtransfer.base import BlockLeases, KVHandle
+from kvtransfer.base import KVHandle
 from kvtransfer.grpc_stream import GrpcKVReceiver, GrpcKVSender
+from pdserve.app.bench.workload import OPEN_ENDED_QUESTIONS
 
-QUESTIONS = [
-    "Explain how a refrigerator keeps food cold.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What are the main differences between a violin and a cello?",
-    "Describe the water cycle to a ten-year-old.",
-    "Write a letter to a friend describing your favourite city.",
-    "Explain why the sky is blue, step by step.",
-    "Give me a recipe for a simple vegetable soup.",
-    "Tell me about the history of the printing press.",
-]
 OUTPUT_ALLOWANCE = 64  # tokens each sequence of the capacity count may generate
 
 
-class _Leases(BlockLeases):
-    """The sender's one prompt: every request id leases its blocks; a checkin frees nothing."""
-
-    def __init__(self, block_ids: list[int]) -> None:
-        self.block_ids = block_ids
-
-    def checkout(self, request_id: str, lease_token: str) -> list[int]:
-        return list(self.block_ids)
-
-    async def checkin(self, request_id: str) -> None:
-        return None
-
-
 async def _time_pulls(cache: KVCache, block_ids: list[int], repeats: int) -> tuple[float, bool]:
-    sender = GrpcKVSender(cache, _Leases(block_ids))
+    sender = GrpcKVSender(cache, FixedLeases(block_ids))
     await sender.start()
     destination = KVCache(cache.layout, len(block_ids), cache.tensor.device)
     receiver = GrpcKVReceiver(destination, timeout_s=120)
@@ -89,7 +69,7 @@ def _chat_prompts(llm: LLM) -> list[list[int]]:
     assert tokenizer is not None
     return [
         tokenizer.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
-        for q in QUESTIONS
+        for q in OPEN_ENDED_QUESTIONS
     ]
 
 
@@ -99,7 +79,7 @@ def measure_dtypes(model: Path, args: Any) -> dict[str, Any]:
     reference = LLM(str(model))
     vocab = reference.engine.model_config.vocab_size
     prompts = _chat_prompts(reference) if args.chat else [
-        [rng.randrange(3, vocab) for _ in range(24)] for _ in QUESTIONS
+        [rng.randrange(3, vocab) for _ in range(24)] for _ in OPEN_ENDED_QUESTIONS
     ]  # fmt: skip
     greedy = SamplingParams(max_tokens=args.agreement_tokens, temperature=0.0, ignore_eos=True)
     references = [out.token_ids for out in reference.generate(prompts, greedy)]

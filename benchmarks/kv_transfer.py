@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from nixl_transfer import available as nixl_available  # sibling modules: on sys.path
+from bench_inputs import FixedLeases  # sibling modules: on sys.path
+from nixl_transfer import available as nixl_available
 from nixl_transfer import measure_nixl, serve
 from ray_transfer import RAY_GOAL, measure_ray
 from ttft_split import measure_ttft
 
 from engine.kv_cache import KVCache, KVCacheLayout
-from kvtransfer.base import BlockLeases, KVHandle
+from kvtransfer.base import KVHandle
 from kvtransfer.codec import DEFAULT_CHUNK_BYTES
 from kvtransfer.grpc_stream import GrpcKVReceiver, GrpcKVSender
 
@@ -115,19 +116,6 @@ def filled_cache(num_blocks: int) -> KVCache:
 
 
 # ---------------------------------------------------------------- part 1: child processes
-
-
-class FixedLeases(BlockLeases):
-    """Every request id leases the same blocks, forever; a checkin frees nothing."""
-
-    def __init__(self, block_ids: list[int]) -> None:
-        self.block_ids = block_ids
-
-    def checkout(self, request_id: str, lease_token: str) -> list[int]:
-        return list(self.block_ids)
-
-    async def checkin(self, request_id: str) -> None:
-        return None
 
 
 async def serve_sender(num_blocks: int, chunk_bytes: int) -> None:

@@ -42,7 +42,8 @@ def verified_tags(repeats: int) -> list[str]:
 async def serve(num_blocks: int, repeats: int) -> None:
     """The sender child: issues the verified pulls' handles (their digests recorded, as a
     prefill worker does), prints its control address, serves until stdin closes."""
-    from kv_transfer import LAYOUT, FixedLeases, filled_cache, sender_block_ids
+    from bench_inputs import FixedLeases
+    from kv_transfer import LAYOUT, filled_cache, sender_block_ids
 
     from kvtransfer.nixl_sender import NixlKVSender
 

@@ -32,7 +32,8 @@ RAY_GOAL = 0.8  # Ray backend throughput / raw put+get throughput, at least
 
 class _SenderActor:
     async def start(self, num_blocks: int) -> str:
-        from kv_transfer import FixedLeases, filled_cache, sender_block_ids
+        from bench_inputs import FixedLeases
+        from kv_transfer import filled_cache, sender_block_ids
 
         leases: BlockLeases = FixedLeases(sender_block_ids(num_blocks))
         self.sender = RayKVSender(filled_cache(num_blocks), leases)

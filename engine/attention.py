@@ -202,24 +202,13 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    if meta.backend is AttentionBackend.TRITON:
-        from engine.kernels import paged_decode_attention
-
-        return paged_decode_attention(
-            query,
-            cache.k,
-            cache.v,
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            scale,
-            cache.k_scales,
-            cache.v_scales,
-            cache.codebook,
-        )
-    if meta.backend is AttentionBackend.CPU:
-        from engine.kernels.cpu import paged_decode_attention_cpu
-
-        return paged_decode_attention_cpu(
+    if meta.backend is not AttentionBackend.TORCH:
+        # The two kernels take the same arguments (codes with scales when quantized).
+        if meta.backend is AttentionBackend.TRITON:
+            from engine.kernels import paged_decode_attention as kernel
+        else:
+            from engine.kernels.cpu import paged_decode_attention_cpu as kernel
+        return kernel(
             query,
             cache.k,
             cache.v,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine import LLM, SamplingParams
 from engine.diagnostics import teacher_forced_agreement
 from engine.tokenizer import Tokenizer
+from pdserve.app.bench.workload import OPEN_ENDED_QUESTIONS
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from router.openai.chat_template import ChatTemplate
 
@@ -132,17 +133,6 @@ def test_ngram_speculation_on_a_copy_answer_keeps_most_guesses(
     spec.engine.block_manager.check_no_leaks()
 
 
-# Open-ended requests whose greedy answers run past 64 tokens (no EOS inside the window).
-LONG_ANSWERS = [
-    "Explain how a refrigerator keeps food cold.",
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "What are the main differences between a violin and a cello?",
-    "Describe the water cycle to a ten-year-old.",
-    "Write a letter to a friend describing your favourite city.",
-    "Explain why the sky is blue, step by step.",
-    "Give me a recipe for a simple vegetable soup.",
-    "Tell me about the history of the printing press.",
-]
 # Teacher-forced greedy agreement over 64 positions of each answer, pooled, and the largest
 # logit error. Measured on these prompts: int8 0.980, fp8_e4m3 0.967; max logit error 0.98 and
 # 1.89 (docs/engine.md "Quantized KV cache"), asserted below 4.
@@ -154,7 +144,9 @@ MAX_LOGIT_ERROR = 4.0
 def test_a_quantized_cache_agrees_with_full_precision_greedy(
     chat_model_dir: Path, engine: LLM, kind: str
 ) -> None:
-    prompts = [hf_prompt(chat_model_dir, [{"role": "user", "content": q}]) for q in LONG_ANSWERS]
+    prompts = [
+        hf_prompt(chat_model_dir, [{"role": "user", "content": q}]) for q in OPEN_ENDED_QUESTIONS
+    ]
     greedy = SamplingParams(max_tokens=64, temperature=0.0)
     references = engine.generate(prompts, greedy)
     assert all(len(ref.token_ids) == 64 for ref in references)  # no EOS in the window

@@ -13,6 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TOKEN_LOW, TOKEN_HIGH = 16, 1000
+# Chat requests whose greedy answers (SmolLM2-135M-Instruct) run past 64 tokens with no EOS:
+# what quantized-cache agreement is judged on (benchmarks/kv_tiers.py, the real-model tests).
+OPEN_ENDED_QUESTIONS = (
+    "Explain how a refrigerator keeps food cold.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main differences between a violin and a cello?",
+    "Describe the water cycle to a ten-year-old.",
+    "Write a letter to a friend describing your favourite city.",
+    "Explain why the sky is blue, step by step.",
+    "Give me a recipe for a simple vegetable soup.",
+    "Tell me about the history of the printing press.",
+)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from engine.kv_layout import KV_CACHE_DTYPE_NAMES
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
-from pdserve.app.settings.flags import add_flag
+from pdserve.app.settings.flags import add_flag, add_kv_cache_dtype_flag
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,12 +37,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
     add_flag(parser, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
     add_flag(parser, "--dtype", default="float32", choices=DTYPE_NAMES)
     add_flag(parser, "--block-size", type=int, default=16, help="KV block size (all components)")
-    add_flag(
-        parser,
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPE_NAMES,
-        help="KV cache storage (all components: part of the layout and fingerprint)",
+    add_kv_cache_dtype_flag(
+        parser, None, "KV cache storage (all components: part of the layout and fingerprint)"
     )
     add_flag(
         parser,

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from engine.kv_layout import KV_CACHE_DTYPE_NAMES
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from pdserve.common.tls import DEFAULT_SERVER_NAME, TlsConfig
@@ -41,6 +42,16 @@ def add_flag(
         kwargs["default"] = value  # argparse applies `type` to string defaults
         kwargs.pop("required", None)
     parser.add_argument(flag, **kwargs)
+
+
+def add_kv_cache_dtype_flag(
+    parser: argparse.ArgumentParser, env: Mapping[str, str] | None, help: str
+) -> None:
+    """``--kv-cache-dtype``: part of the KV layout and fingerprint, so every component (router,
+    prefill and decode workers, the cluster commands) takes the same flag."""
+    add_flag(
+        parser, "--kv-cache-dtype", env, default="auto", choices=KV_CACHE_DTYPE_NAMES, help=help
+    )
 
 
 def csv(value: str) -> tuple[str, ...]:

@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from engine.kv_layout import KV_CACHE_DTYPE_NAMES, KVCacheDtype
+from engine.kv_layout import KVCacheDtype
 from engine.model_config import DTYPE_NAMES
-from pdserve.app.settings.flags import add_flag, add_server_flags, csv, redis_config, server_config
+from pdserve.app.settings.flags import (
+    add_flag,
+    add_kv_cache_dtype_flag,
+    add_server_flags,
+    csv,
+    redis_config,
+    server_config,
+)
 from router.config import RouterConfig
 from router.limits import RequestLimits
 from router.policy import DECODE_POLICIES, RoutingPolicy
@@ -22,14 +29,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         parser, "--dtype", env, default="float32", choices=DTYPE_NAMES, help="the workers' dtype"
     )
     add_flag(parser, "--block-size", env, type=int, default=16, help="the workers' block size")
-    add_flag(
-        parser,
-        "--kv-cache-dtype",
-        env,
-        default="auto",
-        choices=KV_CACHE_DTYPE_NAMES,
-        help="the workers' KV cache dtype (part of the fingerprint)",
-    )
+    add_kv_cache_dtype_flag(parser, env, "the workers' KV cache dtype (part of the fingerprint)")
     add_flag(
         parser,
         "--prefill-policy",

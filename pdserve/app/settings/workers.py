@@ -17,10 +17,17 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
 )
-from engine.kv_layout import KV_CACHE_DTYPE_NAMES, KVCacheDtype
+from engine.kv_layout import KVCacheDtype
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
-from pdserve.app.settings.flags import add_flag, add_server_flags, csv, redis_config, server_config
+from pdserve.app.settings.flags import (
+    add_flag,
+    add_kv_cache_dtype_flag,
+    add_server_flags,
+    csv,
+    redis_config,
+    server_config,
+)
 from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
 
 
@@ -42,13 +49,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         default=0.0,
         help="host-memory tier for evicted prefix blocks, GiB (0: off)",
     )
-    add_flag(
-        parser,
-        "--kv-cache-dtype",
-        env,
-        default="auto",
-        choices=KV_CACHE_DTYPE_NAMES,
-        help="KV cache storage: the model dtype, or int8 / fp8_e4m3 codes with scales",
+    add_kv_cache_dtype_flag(
+        parser, env, "KV cache storage: the model dtype, or int8 / fp8_e4m3 codes with scales"
     )
     add_flag(parser, "--max-num-seqs", env, type=int, default=128)
     add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
