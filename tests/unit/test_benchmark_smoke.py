@@ -144,3 +144,10 @@ def test_kv_tiers_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> Non
     assert report["benchmark"] == "kv_tiers" and report["same_tokens"] is True
     assert report["off"]["host_hit_tokens"] == 0 and report["host"]["host_hit_tokens"] > 0
     assert report["host"]["prompt_tokens_computed"] < report["off"]["prompt_tokens_computed"]
+    dtypes = report["kv_cache_dtype"]["dtypes"]
+    assert list(dtypes) == ["float32", "bfloat16", "int8", "fp8_e4m3"]
+    assert all(row["transfer_lossless"] for row in dtypes.values())
+    for kind in ("int8", "fp8_e4m3"):  # one byte per element plus a 4-byte scale per head_dim
+        assert dtypes[kind]["bytes_per_token"] < dtypes["bfloat16"]["bytes_per_token"]
+        assert dtypes[kind]["max_concurrent_seqs"] > dtypes["bfloat16"]["max_concurrent_seqs"]
+        assert 0 < dtypes[kind]["agreement"] <= 1
