@@ -96,17 +96,34 @@ class KVCache:
 
     def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
         """Keys (kv 0) or values (kv 1) of one layer: ``[n, *slab_shape]``."""
-        return self._storage(self.words[layer, kv].index_select(0, self._index(block_ids)))
+        return self.read_slabs(layer * 2 + kv, 1, block_ids)[0]
+
+    def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
+        """Slabs ``first .. first + num_slabs - 1`` in layer-major order (slab ``layer * 2 +
+        kv``) of the given blocks: ``[num_slabs, n, *slab_shape]``, a contiguous copy."""
+        slabs = self.words.flatten(0, 1)[first : first + num_slabs]  # [num_slabs, blocks, ...]
+        return self._storage(slabs.index_select(1, self._index(block_ids)))
 
     def write_slab(self, layer: int, kv: int, block_ids: list[int], data: torch.Tensor) -> None:
+        self.write_slabs(layer * 2 + kv, block_ids, data[None])
+
+    def write_slabs(self, first: int, block_ids: list[int], data: torch.Tensor) -> None:
+        """``data``: ``[num_slabs, n, *slab_shape]`` for slabs ``first`` onwards."""
         expected = (len(block_ids), *self.tensor.shape[3:])
-        if tuple(data.shape) != expected or data.dtype != self.tensor.dtype:
+        num_slabs = data.shape[0] if data.dim() else 0
+        if (
+            tuple(data.shape[1:]) != expected
+            or data.dtype != self.tensor.dtype
+            or not 1 <= num_slabs <= 2 * self.layout.num_layers - first
+        ):
             raise ValueError(
-                f"slab data has shape {tuple(data.shape)} {data.dtype}, "
-                f"expected {expected} {self.tensor.dtype}"
+                f"slab data has shape {tuple(data.shape)} {data.dtype}, expected "
+                f"[1..{2 * self.layout.num_layers - first}, {', '.join(map(str, expected))}] "
+                f"{self.tensor.dtype}"
             )
         rows = self._words(data.to(self.tensor.device))
-        self.words[layer, kv].index_copy_(0, self._index(block_ids), rows)
+        slabs = self.words.flatten(0, 1)[first : first + num_slabs]
+        slabs.index_copy_(1, self._index(block_ids), rows)
 
     def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (2, len(block_ids), *self.tensor.shape[3:])

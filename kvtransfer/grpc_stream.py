@@ -31,6 +31,7 @@ from kvtransfer.codec import (
     blocks_per_chunk,
     checksum,
     plan_chunks,
+    slabs_per_chunk,
     tensor_bytes,
 )
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
@@ -102,11 +103,13 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         try:
             layout = self.cache.layout
             per_chunk = blocks_per_chunk(layout, self.chunk_bytes)
-            plan = plan_chunks(layout, len(block_ids), per_chunk)
+            num_slabs = slabs_per_chunk(layout, len(block_ids), self.chunk_bytes)
+            plan = plan_chunks(layout, len(block_ids), per_chunk, num_slabs)
             header = kv_transfer_pb2.KVHeader(
                 layout=layout_to_proto(layout),
                 num_blocks=len(block_ids),
                 blocks_per_chunk=per_chunk,
+                slabs_per_chunk=num_slabs,
                 total_bytes=len(block_ids) * layout.block_bytes,
             )
             async with asyncio.timeout_at(deadline):
@@ -123,12 +126,13 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
             await self.leases.checkin(request.request_id)
 
     def _encode(self, spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
-        data = tensor_bytes(self.cache.read_slab(spec.layer, spec.kv, block_ids))
+        data = tensor_bytes(self.cache.read_slabs(spec.slab, spec.num_slabs, block_ids))
         message = kv_transfer_pb2.KVMessage()
         # Filled in place: constructing nested messages from kwargs copies the payload twice.
         chunk = message.chunk
         chunk.layer, chunk.kv = spec.layer, spec.kv
         chunk.first_block, chunk.num_blocks = spec.first_block, spec.num_blocks
+        chunk.num_slabs = spec.num_slabs
         chunk.data = data
         chunk.crc32 = checksum(data)
         return message
@@ -189,10 +193,11 @@ class GrpcKVReceiver(KVReceiver):
     def _write_chunk(
         self, checker: ChunkChecker, chunk: kv_transfer_pb2.KVChunk, block_ids: list[int]
     ) -> None:
-        spec = ChunkSpec(chunk.layer, chunk.kv, chunk.first_block, chunk.num_blocks)
+        num_slabs = chunk.num_slabs or 1  # 0: a sender from before multi-slab chunks
+        spec = ChunkSpec(chunk.layer, chunk.kv, chunk.first_block, chunk.num_blocks, num_slabs)
         data = checker.check(spec, chunk.data, chunk.crc32)
         ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
-        self.cache.write_slab(spec.layer, spec.kv, ids, data)
+        self.cache.write_slabs(spec.slab, ids, data)
 
     def _check_header(self, header: kv_transfer_pb2.KVHeader, handle: KVHandle) -> ChunkChecker:
         mismatch = remote_layout_mismatch(self.cache.layout, header.layout)
@@ -206,5 +211,10 @@ class GrpcKVReceiver(KVReceiver):
                 f"header: {header.num_blocks} blocks, {header.total_bytes} bytes, "
                 f"{header.blocks_per_chunk} blocks per chunk; expected (blocks, bytes) {expected}",
             )
-        plan = plan_chunks(layout, handle.num_blocks, header.blocks_per_chunk)
+        try:
+            plan = plan_chunks(
+                layout, handle.num_blocks, header.blocks_per_chunk, header.slabs_per_chunk or 1
+            )
+        except ValueError as exc:
+            raise KVTransferError(TransferErrorCode.CORRUPTED, f"header: {exc}") from None
         return ChunkChecker(layout, handle.num_blocks, plan)

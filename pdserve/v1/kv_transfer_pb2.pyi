@@ -52,10 +52,13 @@ class KVHeader(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCKS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    SLABS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     blocks_per_chunk: _builtins.int
     """every chunk but a (layer, kv) run's last holds this many"""
     total_bytes: _builtins.int
+    slabs_per_chunk: _builtins.int
+    """Whole slabs per chunk when a request's slab is smaller than a chunk (0: 1)."""
     @_builtins.property
     def layout(self) -> _common_pb2.KVCacheLayout: ...
     def __init__(
@@ -65,10 +68,11 @@ class KVHeader(_message.Message):
         num_blocks: _builtins.int = ...,
         blocks_per_chunk: _builtins.int = ...,
         total_bytes: _builtins.int = ...,
+        slabs_per_chunk: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_per_chunk", b"blocks_per_chunk", "layout", b"layout", "num_blocks", b"num_blocks", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_per_chunk", b"blocks_per_chunk", "layout", b"layout", "num_blocks", b"num_blocks", "slabs_per_chunk", b"slabs_per_chunk", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -77,9 +81,11 @@ Global___KVHeader: _TypeAlias = KVHeader  # noqa: Y015
 @_typing.final
 class KVChunk(_message.Message):
     """Keys (kv = 0) or values (kv = 1) of one layer for the request's blocks
-    [first_block, first_block + num_blocks): raw [num_blocks][block_size][num_kv_heads][head_dim]
-    in the cache dtype. Chunks arrive layer-major (layer, then kv, then first_block) so the
-    receiver writes each straight into its cache while later layers are on the wire.
+    [first_block, first_block + num_blocks): raw [num_blocks][slab] (the cache's slab: elements
+    of the model dtype, or a quantized slab's codes then scales). With num_slabs > 1 the chunk
+    holds that many consecutive slabs whole, from (layer, kv) on: [num_slabs][num_blocks][slab].
+    Chunks arrive layer-major (layer, then kv, then first_block) so the receiver writes each
+    straight into its cache while later layers are on the wire.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -90,6 +96,7 @@ class KVChunk(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CRC32_FIELD_NUMBER: _builtins.int
+    NUM_SLABS_FIELD_NUMBER: _builtins.int
     layer: _builtins.int
     kv: _builtins.int
     first_block: _builtins.int
@@ -97,6 +104,8 @@ class KVChunk(_message.Message):
     data: _builtins.bytes
     crc32: _builtins.int
     """zlib.crc32 of data"""
+    num_slabs: _builtins.int
+    """0: 1"""
     def __init__(
         self,
         *,
@@ -106,10 +115,11 @@ class KVChunk(_message.Message):
         num_blocks: _builtins.int = ...,
         data: _builtins.bytes = ...,
         crc32: _builtins.int = ...,
+        num_slabs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "first_block", b"first_block", "kv", b"kv", "layer", b"layer", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["crc32", b"crc32", "data", b"data", "first_block", b"first_block", "kv", b"kv", "layer", b"layer", "num_blocks", b"num_blocks", "num_slabs", b"num_slabs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCache
-from engine.kv_layout import KVCacheLayout
+from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from kvtransfer import KVTransferError, TransferErrorCode
 from kvtransfer.codec import (
     ChunkChecker,
@@ -14,6 +14,7 @@ from kvtransfer.codec import (
     blocks_per_chunk,
     checksum,
     plan_chunks,
+    slabs_per_chunk,
     tensor_bytes,
 )
 
@@ -45,7 +46,7 @@ def test_round_trip_into_other_blocks(chunk_bytes: int) -> None:
         part = slice(spec.first_block, spec.first_block + spec.num_blocks)
         data = tensor_bytes(source.read_slab(spec.layer, spec.kv, src_ids[part]))
         slab = checker.check(spec, data, checksum(data))
-        dest.write_slab(spec.layer, spec.kv, dst_ids[part], slab)
+        dest.write_slabs(spec.slab, dst_ids[part], slab)
     assert checker.complete and checker.num_bytes == 3 * LAYOUT.block_bytes
     for layer in range(2):
         assert torch.equal(dest.read_layer(layer, dst_ids), source.read_layer(layer, src_ids))
@@ -74,3 +75,31 @@ def test_out_of_order_and_wrong_size_chunks_detected() -> None:
     with pytest.raises(KVTransferError, match="has 255 bytes"):
         checker.check(spec, data[:-1], checksum(data[:-1]))
     assert not checker.complete
+
+
+def test_small_requests_carry_several_whole_slabs_per_chunk() -> None:
+    """A request's slab smaller than a chunk: whole slabs, layer-major, a short last chunk."""
+    assert slabs_per_chunk(LAYOUT, 1, chunk_bytes=700) == 2  # 256 bytes per slab
+    assert slabs_per_chunk(LAYOUT, 1, chunk_bytes=1 << 20) == 4  # never more than there are
+    assert slabs_per_chunk(LAYOUT, 3, chunk_bytes=600) == 1
+    assert plan_chunks(LAYOUT, 1, 2, 3) == [ChunkSpec(0, 0, 0, 1, 3), ChunkSpec(1, 1, 0, 1, 1)]
+    with pytest.raises(ValueError, match="slabs_per_chunk 2 does not fit 3 blocks"):
+        plan_chunks(LAYOUT, 3, 2, 2)  # a multi-slab chunk holds every block of each slab
+
+
+@pytest.mark.parametrize("kind", [KVCacheDtype.AUTO, KVCacheDtype.INT8])
+def test_multi_slab_round_trip_into_other_blocks(kind: KVCacheDtype) -> None:
+    layout = KVCacheLayout("fp", "float32", 4, 3, 2, 8, kind)
+    source, dest = (KVCache(layout, 8, torch.device("cpu")) for _ in range(2))
+    source.words.random_(generator=torch.Generator().manual_seed(1))
+    src_ids, dst_ids = [5, 1], [0, 7]
+    num_slabs = slabs_per_chunk(layout, 2, chunk_bytes=4 * 2 * layout.slab_block_bytes)
+    plan = plan_chunks(layout, 2, blocks_per_chunk(layout, 1 << 20), num_slabs)
+    assert [spec.num_slabs for spec in plan] == [4, 2]
+    checker = ChunkChecker(layout, 2, plan)
+    for spec in plan:
+        data = tensor_bytes(source.read_slabs(spec.slab, spec.num_slabs, src_ids))
+        dest.write_slabs(spec.slab, dst_ids, checker.check(spec, data, checksum(data)))
+    assert checker.complete and checker.num_bytes == 2 * layout.block_bytes
+    assert torch.equal(dest.read_blocks(dst_ids), source.read_blocks(src_ids))
+    assert not dest.words[:, :, [1, 2, 3, 4, 5, 6]].any()
