@@ -96,34 +96,35 @@ class KVCache:
 
     def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
         """Keys (kv 0) or values (kv 1) of one layer: ``[n, *slab_shape]``."""
+        _check_kv(kv)
         return self.read_slabs(layer * 2 + kv, 1, block_ids)[0]
 
     def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
         """Slabs ``first .. first + num_slabs - 1`` in layer-major order (slab ``layer * 2 +
         kv``) of the given blocks: ``[num_slabs, n, *slab_shape]``, a contiguous copy."""
-        slabs = self.words.flatten(0, 1)[first : first + num_slabs]  # [num_slabs, blocks, ...]
+        slabs = self._slabs(first, num_slabs)  # [num_slabs, num_blocks, ...]
         return self._storage(slabs.index_select(1, self._index(block_ids)))
 
+    def _slabs(self, first: int, num_slabs: int) -> torch.Tensor:
+        total = 2 * self.layout.num_layers
+        if not (first >= 0 and num_slabs >= 1 and first + num_slabs <= total):
+            raise ValueError(f"slabs [{first}, {first + num_slabs}) out of range [0, {total})")
+        return self.words.view(total, *self.words.shape[2:])[first : first + num_slabs]
+
     def write_slab(self, layer: int, kv: int, block_ids: list[int], data: torch.Tensor) -> None:
+        _check_kv(kv)
         self.write_slabs(layer * 2 + kv, block_ids, data[None])
 
     def write_slabs(self, first: int, block_ids: list[int], data: torch.Tensor) -> None:
         """``data``: ``[num_slabs, n, *slab_shape]`` for slabs ``first`` onwards."""
         expected = (len(block_ids), *self.tensor.shape[3:])
-        num_slabs = data.shape[0] if data.dim() else 0
-        if (
-            tuple(data.shape[1:]) != expected
-            or data.dtype != self.tensor.dtype
-            or not 1 <= num_slabs <= 2 * self.layout.num_layers - first
-        ):
+        if data.dim() < 1 or tuple(data.shape[1:]) != expected or data.dtype != self.tensor.dtype:
             raise ValueError(
                 f"slab data has shape {tuple(data.shape)} {data.dtype}, expected "
-                f"[1..{2 * self.layout.num_layers - first}, {', '.join(map(str, expected))}] "
-                f"{self.tensor.dtype}"
+                f"(num_slabs, {', '.join(map(str, expected))}) {self.tensor.dtype}"
             )
-        rows = self._words(data.to(self.tensor.device))
-        slabs = self.words.flatten(0, 1)[first : first + num_slabs]
-        slabs.index_copy_(1, self._index(block_ids), rows)
+        slabs = self._slabs(first, data.shape[0])
+        slabs.index_copy_(1, self._index(block_ids), self._words(data.to(self.tensor.device)))
 
     def write_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
         expected = (2, len(block_ids), *self.tensor.shape[3:])
@@ -133,3 +134,8 @@ class KVCache:
                 f"expected {expected} {self.tensor.dtype}"
             )
         self.words[layer][:, self._index(block_ids)] = self._words(data.to(self.tensor.device))
+
+
+def _check_kv(kv: int) -> None:
+    if kv not in (0, 1):
+        raise ValueError(f"kv must be 0 (keys) or 1 (values), got {kv}")

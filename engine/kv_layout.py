@@ -12,6 +12,7 @@ buffer. See docs/engine.md "Quantized KV cache" for why the scales are per token
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -102,9 +103,9 @@ class KVCacheLayout:
         if self == other:
             return None
         differ = [
-            f"{name} {_show(getattr(self, name))} != {_show(getattr(other, name))}"
-            for name in self.__dataclass_fields__
-            if getattr(self, name) != getattr(other, name)
+            f"{f.name} {_show(getattr(self, f.name))} != {_show(getattr(other, f.name))}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
         ]
         return f"{'; '.join(differ)} (local layout {self} != remote layout {other})"
 

@@ -64,6 +64,7 @@ def dequantize(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [..., head_dim] of dtype
     """``codebook(kind)[codes] * scales``, by reinterpreting the bytes (no int64 gather index)."""
+    assert kind.quantized, kind
     values = codes.view(torch.int8 if kind is KVCacheDtype.INT8 else torch.float8_e4m3fn)
     return (values.float() * scales[..., None]).to(dtype)
 

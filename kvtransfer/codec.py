@@ -49,10 +49,17 @@ def blocks_per_chunk(layout: KVCacheLayout, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // layout.slab_block_bytes)
 
 
-def slabs_per_chunk(layout: KVCacheLayout, num_blocks: int, chunk_bytes: int) -> int:
-    """How many whole slabs of a ``num_blocks`` request fit one chunk (1 when one does not)."""
-    whole = chunk_bytes // (num_blocks * layout.slab_block_bytes)
-    return max(1, min(2 * layout.num_layers, whole))
+# What a receiver advertises (PullRequest.max_slabs_per_chunk): every slab of any layout.
+MAX_SLABS_PER_CHUNK = 1 << 16
+
+
+def slabs_per_chunk(
+    layout: KVCacheLayout, num_blocks: int, chunk_bytes: int, receiver_max: int
+) -> int:
+    """How many whole slabs of a ``num_blocks`` request fit one chunk (1 when fewer than two
+    do), at most what the receiver takes."""
+    whole = chunk_bytes // (max(num_blocks, 1) * layout.slab_block_bytes)
+    return max(1, min(2 * layout.num_layers, whole, receiver_max))
 
 
 def plan_chunks(
@@ -63,8 +70,13 @@ def plan_chunks(
     if per_chunk < 1:
         raise ValueError(f"blocks_per_chunk must be >= 1, got {per_chunk}")
     total = 2 * layout.num_layers
-    if not 1 <= num_slabs <= total or (num_slabs > 1 and per_chunk < num_blocks):
-        raise ValueError(f"slabs_per_chunk {num_slabs} does not fit {num_blocks} blocks")
+    if not 1 <= num_slabs <= total:
+        raise ValueError(f"slabs_per_chunk must be in [1, {total}], got {num_slabs}")
+    if num_slabs > 1 and per_chunk < num_blocks:
+        raise ValueError(
+            f"slabs_per_chunk {num_slabs} needs whole slabs: blocks_per_chunk {per_chunk} < "
+            f"{num_blocks} blocks"
+        )
     if num_slabs > 1:
         return [
             ChunkSpec(s // 2, s % 2, 0, num_blocks, min(num_slabs, total - s))

@@ -26,6 +26,7 @@ from kvtransfer.base import (
 )
 from kvtransfer.codec import (
     DEFAULT_CHUNK_BYTES,
+    MAX_SLABS_PER_CHUNK,
     ChunkChecker,
     ChunkSpec,
     blocks_per_chunk,
@@ -103,7 +104,9 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         try:
             layout = self.cache.layout
             per_chunk = blocks_per_chunk(layout, self.chunk_bytes)
-            num_slabs = slabs_per_chunk(layout, len(block_ids), self.chunk_bytes)
+            num_slabs = slabs_per_chunk(
+                layout, len(block_ids), self.chunk_bytes, request.max_slabs_per_chunk or 1
+            )
             plan = plan_chunks(layout, len(block_ids), per_chunk, num_slabs)
             header = kv_transfer_pb2.KVHeader(
                 layout=layout_to_proto(layout),
@@ -158,6 +161,7 @@ class GrpcKVReceiver(KVReceiver):
             request_id=handle.request_id,
             receiver_layout=layout_to_proto(self.cache.layout),
             lease_token=handle.lease_token,
+            max_slabs_per_chunk=MAX_SLABS_PER_CHUNK,
         )
         call = kv_transfer_pb2_grpc.KVTransferStub(self._channels.get(handle.address)).Pull(
             request, timeout=self.timeout_s

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"j\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x13\n\x0blease_token\x18\x03 \x01(\t\"\x91\x01\n\x08KVHeader\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fslabs_per_chunk\x18\x05 \x01(\r\"}\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\n\n\x02kv\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x11\n\tnum_slabs\x18\x07 \x01(\r\"a\n\tKVMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x42\x06\n\x04kind2F\n\nKVTransfer\x12\x38\n\x04Pull\x12\x17.pdserve.v1.PullRequest\x1a\x15.pdserve.v1.KVMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x87\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x0freceiver_layout\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x13\n\x0blease_token\x18\x03 \x01(\t\x12\x1b\n\x13max_slabs_per_chunk\x18\x04 \x01(\r\"\x91\x01\n\x08KVHeader\x12)\n\x06layout\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x62locks_per_chunk\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fslabs_per_chunk\x18\x05 \x01(\r\"}\n\x07KVChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\n\n\x02kv\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x06 \x01(\r\x12\x11\n\tnum_slabs\x18\x07 \x01(\r\"a\n\tKVMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KVChunkH\x00\x42\x06\n\x04kind2F\n\nKVTransfer\x12\x38\n\x04Pull\x12\x17.pdserve.v1.PullRequest\x1a\x15.pdserve.v1.KVMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULLREQUEST']._serialized_start=69
-  _globals['_PULLREQUEST']._serialized_end=175
-  _globals['_KVHEADER']._serialized_start=178
-  _globals['_KVHEADER']._serialized_end=323
-  _globals['_KVCHUNK']._serialized_start=325
-  _globals['_KVCHUNK']._serialized_end=450
-  _globals['_KVMESSAGE']._serialized_start=452
-  _globals['_KVMESSAGE']._serialized_end=549
-  _globals['_KVTRANSFER']._serialized_start=551
-  _globals['_KVTRANSFER']._serialized_end=621
+  _globals['_PULLREQUEST']._serialized_start=70
+  _globals['_PULLREQUEST']._serialized_end=205
+  _globals['_KVHEADER']._serialized_start=208
+  _globals['_KVHEADER']._serialized_end=353
+  _globals['_KVCHUNK']._serialized_start=355
+  _globals['_KVCHUNK']._serialized_end=480
+  _globals['_KVMESSAGE']._serialized_start=482
+  _globals['_KVMESSAGE']._serialized_end=579
+  _globals['_KVTRANSFER']._serialized_start=581
+  _globals['_KVTRANSFER']._serialized_end=651
 # @@protoc_insertion_point(module_scope)

@@ -24,9 +24,14 @@ class PullRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RECEIVER_LAYOUT_FIELD_NUMBER: _builtins.int
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
+    MAX_SLABS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     lease_token: _builtins.str
     """from the KVHandle: NOT_FOUND without the right one"""
+    max_slabs_per_chunk: _builtins.int
+    """The most whole slabs per chunk this receiver takes (0, from a receiver older than
+    multi-slab chunks: 1), so a rolling upgrade never sends an old receiver what it cannot read.
+    """
     @_builtins.property
     def receiver_layout(self) -> _common_pb2.KVCacheLayout: ...
     def __init__(
@@ -35,10 +40,11 @@ class PullRequest(_message.Message):
         request_id: _builtins.str = ...,
         receiver_layout: _common_pb2.KVCacheLayout | None = ...,
         lease_token: _builtins.str = ...,
+        max_slabs_per_chunk: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_layout", b"receiver_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "receiver_layout", b"receiver_layout", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "max_slabs_per_chunk", b"max_slabs_per_chunk", "receiver_layout", b"receiver_layout", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -55,7 +61,7 @@ class KVHeader(_message.Message):
     SLABS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     blocks_per_chunk: _builtins.int
-    """every chunk but a (layer, kv) run's last holds this many"""
+    """Every single-slab chunk but a (layer, kv) run's last holds this many blocks."""
     total_bytes: _builtins.int
     slabs_per_chunk: _builtins.int
     """Whole slabs per chunk when a request's slab is smaller than a chunk (0: 1)."""

@@ -8,7 +8,9 @@ import torch
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from kvtransfer import KVTransferError, TransferErrorCode
+from kvtransfer.base import KVHandle
 from kvtransfer.codec import (
+    MAX_SLABS_PER_CHUNK,
     ChunkChecker,
     ChunkSpec,
     blocks_per_chunk,
@@ -17,6 +19,9 @@ from kvtransfer.codec import (
     slabs_per_chunk,
     tensor_bytes,
 )
+from kvtransfer.grpc_stream import GrpcKVReceiver
+from pdserve.common.convert import layout_to_proto
+from pdserve.v1 import kv_transfer_pb2
 
 LAYOUT = KVCacheLayout("fp", "float32", block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -78,13 +83,40 @@ def test_out_of_order_and_wrong_size_chunks_detected() -> None:
 
 
 def test_small_requests_carry_several_whole_slabs_per_chunk() -> None:
-    """A request's slab smaller than a chunk: whole slabs, layer-major, a short last chunk."""
-    assert slabs_per_chunk(LAYOUT, 1, chunk_bytes=700) == 2  # 256 bytes per slab
-    assert slabs_per_chunk(LAYOUT, 1, chunk_bytes=1 << 20) == 4  # never more than there are
-    assert slabs_per_chunk(LAYOUT, 3, chunk_bytes=600) == 1
+    """A request's slab smaller than half a chunk: whole slabs, layer-major, a short last chunk;
+    never more than the receiver takes (an older receiver advertises nothing: one)."""
+    assert slabs_per_chunk(LAYOUT, 1, 700, MAX_SLABS_PER_CHUNK) == 2  # 256 bytes per slab
+    assert slabs_per_chunk(LAYOUT, 1, 1 << 20, MAX_SLABS_PER_CHUNK) == 4  # all there are
+    assert slabs_per_chunk(LAYOUT, 1, 1 << 20, 1) == 1
+    assert slabs_per_chunk(LAYOUT, 3, 600, MAX_SLABS_PER_CHUNK) == 1
     assert plan_chunks(LAYOUT, 1, 2, 3) == [ChunkSpec(0, 0, 0, 1, 3), ChunkSpec(1, 1, 0, 1, 1)]
-    with pytest.raises(ValueError, match="slabs_per_chunk 2 does not fit 3 blocks"):
-        plan_chunks(LAYOUT, 3, 2, 2)  # a multi-slab chunk holds every block of each slab
+
+
+@pytest.mark.parametrize(
+    ("blocks_per_chunk_", "slabs", "named"),
+    [
+        (2, 2, "needs whole slabs: blocks_per_chunk 2 < 3 blocks"),
+        (3, 5, "slabs_per_chunk must be in [1, 4], got 5"),
+        (3, 1 << 31, "slabs_per_chunk must be in [1, 4]"),
+        (0, 1, "0 blocks per chunk"),
+    ],
+)
+def test_a_garbled_header_is_refused_by_name(
+    blocks_per_chunk_: int, slabs: int, named: str
+) -> None:
+    """What a receiver does with a sender's header: a named CORRUPTED, before any write."""
+    receiver = GrpcKVReceiver(KVCache(LAYOUT, 4, torch.device("cpu")))
+    header = kv_transfer_pb2.KVHeader(
+        layout=layout_to_proto(LAYOUT),
+        num_blocks=3,
+        blocks_per_chunk=blocks_per_chunk_,
+        slabs_per_chunk=slabs,
+        total_bytes=3 * LAYOUT.block_bytes,
+    )
+    handle = KVHandle("grpc", "127.0.0.1:1", "r", 3, LAYOUT, 30.0)
+    with pytest.raises(KVTransferError) as err:
+        receiver._check_header(header, handle)
+    assert err.value.code is TransferErrorCode.CORRUPTED and named in str(err.value)
 
 
 @pytest.mark.parametrize("kind", [KVCacheDtype.AUTO, KVCacheDtype.INT8])
@@ -93,7 +125,7 @@ def test_multi_slab_round_trip_into_other_blocks(kind: KVCacheDtype) -> None:
     source, dest = (KVCache(layout, 8, torch.device("cpu")) for _ in range(2))
     source.words.random_(generator=torch.Generator().manual_seed(1))
     src_ids, dst_ids = [5, 1], [0, 7]
-    num_slabs = slabs_per_chunk(layout, 2, chunk_bytes=4 * 2 * layout.slab_block_bytes)
+    num_slabs = slabs_per_chunk(layout, 2, 4 * 2 * layout.slab_block_bytes, MAX_SLABS_PER_CHUNK)
     plan = plan_chunks(layout, 2, blocks_per_chunk(layout, 1 << 20), num_slabs)
     assert [spec.num_slabs for spec in plan] == [4, 2]
     checker = ChunkChecker(layout, 2, plan)
