@@ -170,6 +170,8 @@ class GrpcKVReceiver(KVReceiver):
             num_bytes = await self._receive(call, handle, block_ids)
         except grpc.aio.AioRpcError as exc:
             code = _CODES.get(exc.code(), TransferErrorCode.UNAVAILABLE)
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gone, or restarting: a new channel
+                self._channels.reset(handle.address)
             raise KVTransferError(code, f"{handle.address}: {exc.details()}") from None
         finally:
             call.cancel()

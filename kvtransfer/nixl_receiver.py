@@ -206,6 +206,9 @@ class NixlKVReceiver(KVReceiver):
             return peer
 
     async def _forget_address(self, address: str) -> None:
+        """The peer at ``address`` failed: its agent and its channel go (``ChannelPool.reset``),
+        so a successor at the same address is reached at once and handshaken anew."""
+        self._channels.reset(address)
         peer = self._peers.get(address)
         if peer is not None:
             await self._forget(peer)

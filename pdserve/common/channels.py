@@ -28,6 +28,10 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Each channel owns its connections: gRPC otherwise shares subchannels process-wide between
+# channels with the same target and arguments, and a new channel after ``ChannelPool.reset``
+# would inherit the failed one's reconnect backoff.
+CLIENT_OPTIONS = [*KEEPALIVE_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
 # Servers accept those pings (gRPC's default answers frequent pings with GOAWAY).
 SERVER_OPTIONS = [
     *GRPC_OPTIONS,
@@ -40,12 +44,12 @@ SERVER_OPTIONS = [
 # few hundred tokens, and the worker's bounded output buffer pauses the request.
 CONTROL_OPTIONS = [
     *GRPC_OPTIONS,
-    *KEEPALIVE_OPTIONS,
+    *CLIENT_OPTIONS,
     ("grpc.http2.bdp_probe", 0),
     ("grpc.http2.lookahead_bytes", 16 << 10),
 ]
 # KV transfer streams want the large windows bandwidth probing gives them.
-TRANSFER_OPTIONS = [*GRPC_OPTIONS, *KEEPALIVE_OPTIONS]
+TRANSFER_OPTIONS = [*GRPC_OPTIONS, *CLIENT_OPTIONS]
 
 
 Options = list[tuple[str, int | str]]
@@ -66,7 +70,7 @@ def peer_channel(address: str, tls: TlsConfig | None, options: Options) -> grpc.
 
 class ChannelPool:
     """Channels to peers, created on first use and closed together at shutdown (or once
-    their peer has left: ``retain``).
+    their peer has left: ``retain``; or once it failed: ``reset``).
 
     With TLS, a change of the certificate files (a cert-manager renewal) retires every channel:
     new calls get new channels presenting the new certificate, and calls in flight on the old
@@ -113,9 +117,21 @@ class ChannelPool:
         logger.info("tls files changed: %d channels retired", len(self._channels))
         retired, self._channels = self._channels, {}
         for channel in retired.values():
-            task = asyncio.get_running_loop().create_task(channel.close(grace=self.retired_grace_s))
-            self._retired[channel] = task
-            task.add_done_callback(functools.partial(self._closed, channel))
+            self._retire(channel)
+
+    def reset(self, address: str) -> None:
+        """Retires the channel to ``address`` after a call on it failed UNAVAILABLE: the next
+        call gets a fresh channel. gRPC backs a failing channel's reconnects off exponentially
+        (up to two minutes), so a peer restarted at the same address would otherwise stay
+        unreachable long after it is back. Calls still in flight keep ``retired_grace_s``."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._retire(channel)
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close(grace=self.retired_grace_s))
+        self._retired[channel] = task
+        task.add_done_callback(functools.partial(self._closed, channel))
 
     def _closed(self, channel: grpc.aio.Channel, _: asyncio.Task[None]) -> None:
         self._retired.pop(channel, None)

@@ -79,7 +79,7 @@ def test_pulls_across_processes_survive_a_killed_and_restarted_sender(llama_dir:
 
     async def run() -> None:
         nonlocal process
-        receiver = make_receiver("nixl", decode.kv_cache, timeout_s=5.0, verify=True)
+        receiver = make_receiver("nixl", decode.kv_cache, timeout_s=10.0, verify=True)
         try:
             # A verified pull: every byte as the sender holds it; then one engine's tokens.
             prefilled, block_ids, handle = await prefill("r0")
@@ -108,7 +108,7 @@ def test_pulls_across_processes_survive_a_killed_and_restarted_sender(llama_dir:
                 with pytest.raises(KVTransferError) as err:
                     await receiver.pull(handle, block_ids)  # type: ignore[arg-type]
                 assert err.value.code is TransferErrorCode.UNAVAILABLE
-                assert time.monotonic() - start < 30  # timeout_s (5 s) bounds it, loosely
+                assert time.monotonic() - start < 60  # timeout_s (10 s) bounds it, loosely
             finally:
                 os.kill(process.pid, signal.SIGCONT)
             decode.abort("r4")
