@@ -206,11 +206,13 @@ class LLMEngine:
                 seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed_blocks(seq)
         for r in results:
-            n = 1 + accepted.get(id(r.scheduled), 0)
+            seq, n = r.scheduled.seq, 1 + accepted.get(id(r.scheduled), 0)
+            num_output_tokens = seq.num_output_tokens
             tokens = list(zip(r.token_ids[:n], r.logprobs[:n], strict=True))
-            update = self._append_tokens(self._requests[r.scheduled.seq.request_id], tokens)
-            if update is not None:
+            if (update := self._append_tokens(self._requests[seq.request_id], tokens)) is not None:
                 updates.append(update)
+            if spec is not None and r.scheduled.spec_token_ids:  # what it output, less its own
+                spec.record(r.scheduled, seq.num_output_tokens - num_output_tokens - 1)
         if self.host_loads is not None:  # finished requests' blocks head for the tier now
             self.host_loads.store_freed()
         return updates

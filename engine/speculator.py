@@ -11,6 +11,8 @@ Per step (``LLMEngine.step``), after the scheduler and before the model:
    produced one step at a time (the sampler is a pure function of logits, seed and output
    index). The engine then counts only kept tokens as computed and ``trim``s the slots of the
    rejected ones, so prefix-cache hashes only ever cover accepted tokens.
+4. ``record``: once appended (a stop may end the request inside the kept run), the kept guesses
+   actually output count as accepted.
 """
 
 from __future__ import annotations
@@ -100,22 +102,26 @@ class Speculator:
         return max(0, min(num_tokens, room))
 
     def accept(self, result: SeqSamples) -> int:
-        """How many of the verified guesses are kept (the longest prefix the sampler agrees
-        with); records it for the request's adaptivity and the metrics."""
+        """How many of the verified guesses are kept: the longest prefix the sampler agrees
+        with. The engine appends them, then ``record``s how many it output."""
         guesses = result.scheduled.spec_token_ids
-        if not guesses:
-            return 0
-        sampled = result.token_ids
         num_accepted = 0
-        while num_accepted < len(guesses) and sampled[num_accepted] == guesses[num_accepted]:
+        while (
+            num_accepted < len(guesses) and result.token_ids[num_accepted] == guesses[num_accepted]
+        ):
             num_accepted += 1
-        self.num_proposed_tokens += len(guesses)
+        return num_accepted
+
+    def record(self, scheduled: ScheduledSeq, num_accepted: int) -> None:
+        """One verification, for the request's adaptivity and the metrics: ``num_accepted``
+        counts the kept guesses the request output, so not those after a stop (a guess kept
+        past the end was verified but is not a token anyone gets)."""
+        self.num_proposed_tokens += len(scheduled.spec_token_ids)
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
-        state = self._states.get(result.scheduled.seq.request_id)
+        state = self._states.get(scheduled.seq.request_id)  # None once finished
         if state is not None:
-            state.verified(len(guesses), num_accepted, self.config.min_acceptance)
-        return num_accepted
+            state.verified(len(scheduled.spec_token_ids), num_accepted, self.config.min_acceptance)
 
     def stats_fields(self) -> dict[str, int]:
         """This speculator's part of ``EngineStats``."""

@@ -93,6 +93,15 @@ def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(
         stats = spec.engine.stats()
         # Runs of accepted tokens, so the stops fall inside them.
         assert stats.num_spec_accepted_tokens > (stats.num_spec_verifications if k > 1 else 0)
+        # Guesses kept past a stop are not output, so not counted as accepted: one request at
+        # a time, each step outputs one token of its own plus the accepted guesses it used.
+        for p in params:
+            before = spec.engine.stats()
+            out = spec.generate([prompt], p)[0]
+            after = spec.engine.stats()
+            num_steps = after.num_steps - before.num_steps
+            num_accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+            assert len(out.token_ids) == num_steps + num_accepted, (p, k)
 
 
 def test_a_self_draft_decodes_in_fewer_steps_than_tokens(
