@@ -28,10 +28,17 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-# Each channel owns its connections: gRPC otherwise shares subchannels process-wide between
-# channels with the same target and arguments, and a new channel after ``ChannelPool.reset``
-# would inherit the failed one's reconnect backoff.
-CLIENT_OPTIONS = [*KEEPALIVE_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+# Reconnects to a lost peer back off exponentially from 1 s, capped at 5 s rather than gRPC's
+# 120 s: a worker restarted in place (a container restart keeps its pod's IP) is reached
+# within seconds of coming back, by the router's stats calls too. And each channel owns its
+# connections: gRPC otherwise shares subchannels process-wide between channels with the same
+# target and arguments, so a new channel after ``ChannelPool.reset`` would inherit the failed
+# one's backoff.
+CLIENT_OPTIONS = [
+    *KEEPALIVE_OPTIONS,
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+    ("grpc.use_local_subchannel_pool", 1),
+]
 # Servers accept those pings (gRPC's default answers frequent pings with GOAWAY).
 SERVER_OPTIONS = [
     *GRPC_OPTIONS,
