@@ -11,8 +11,8 @@ Per step (``LLMEngine.step``), after the scheduler and before the model:
    produced one step at a time (the sampler is a pure function of logits, seed and output
    index). The engine then counts only kept tokens as computed and ``trim``s the slots of the
    rejected ones, so prefix-cache hashes only ever cover accepted tokens.
-4. ``record``: once appended (a stop may end the request inside the kept run), the kept guesses
-   actually output count as accepted.
+4. ``record``: once appended (a stop may end the request inside the kept run), the tokens the
+   step output beyond its first count as accepted.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class Speculator:
 
     def record(self, scheduled: ScheduledSeq, num_accepted: int) -> None:
         """One verification, for the request's adaptivity and the metrics: ``num_accepted``
-        counts the kept guesses the request output, so not those after a stop (a guess kept
-        past the end was verified but is not a token anyone gets)."""
+        is how many tokens the step output beyond its first, so a guess kept past a stop
+        (verified, but not a token anyone gets) is not counted."""
         self.num_proposed_tokens += len(scheduled.spec_token_ids)
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1

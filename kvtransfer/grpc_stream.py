@@ -163,15 +163,14 @@ class GrpcKVReceiver(KVReceiver):
             lease_token=handle.lease_token,
             max_slabs_per_chunk=MAX_SLABS_PER_CHUNK,
         )
-        call = kv_transfer_pb2_grpc.KVTransferStub(self._channels.get(handle.address)).Pull(
-            request, timeout=self.timeout_s
-        )
+        channel = self._channels.get(handle.address)
+        call = kv_transfer_pb2_grpc.KVTransferStub(channel).Pull(request, timeout=self.timeout_s)
         try:
             num_bytes = await self._receive(call, handle, block_ids)
         except grpc.aio.AioRpcError as exc:
             code = _CODES.get(exc.code(), TransferErrorCode.UNAVAILABLE)
             if exc.code() is grpc.StatusCode.UNAVAILABLE:  # gone, or restarting: a new channel
-                self._channels.reset(handle.address)
+                self._channels.reset(handle.address, channel)
             raise KVTransferError(code, f"{handle.address}: {exc.details()}") from None
         finally:
             call.cancel()

@@ -96,6 +96,7 @@ class NixlKVReceiver(KVReceiver):
         self.check_handle(handle, block_ids)
         start = time.perf_counter()
         deadline_s = time.monotonic() + self.timeout_s
+        channel = self._channels.get(handle.address)  # what a failure below retires
         try:
             async with asyncio.timeout(self.timeout_s):
                 peer = await self._peer(handle.address, deadline_s)
@@ -108,10 +109,10 @@ class NixlKVReceiver(KVReceiver):
         except grpc.aio.AioRpcError as exc:
             code = _CODES.get(exc.code(), TransferErrorCode.UNAVAILABLE)
             if code is TransferErrorCode.UNAVAILABLE:  # gone or restarting: handshake anew
-                await self._forget_address(handle.address)
+                await self._forget_address(handle.address, channel)
             raise KVTransferError(code, f"{handle.address}: {exc.details()}") from None
         except TimeoutError:
-            await self._forget_address(handle.address)
+            await self._forget_address(handle.address, channel)
             raise KVTransferError(
                 TransferErrorCode.UNAVAILABLE, f"{handle.address}: no checkout in time"
             ) from None
@@ -205,10 +206,11 @@ class NixlKVReceiver(KVReceiver):
             logger.info("nixl peer %s: agent %s", address, name)
             return peer
 
-    async def _forget_address(self, address: str) -> None:
-        """The peer at ``address`` failed: its agent and its channel go (``ChannelPool.reset``),
-        so a successor at the same address is reached at once and handshaken anew."""
-        self._channels.reset(address)
+    async def _forget_address(self, address: str, channel: grpc.aio.Channel) -> None:
+        """The peer at ``address`` looks gone: its agent and ``channel`` go
+        (``ChannelPool.reset``), so a successor at the same address is reached at once and
+        handshaken anew."""
+        self._channels.reset(address, channel)
         peer = self._peers.get(address)
         if peer is not None:
             await self._forget(peer)

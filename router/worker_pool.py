@@ -36,7 +36,7 @@ __all__ = ["Role", "Worker", "WorkerPool"]
 class Worker:
     address: str
     role: Role
-    channel: grpc.aio.Channel
+    channels: ChannelPool  # stubs follow the pool's channel (renewed certificates, resets)
     worker_id: str = ""  # registry id (the prefix index key); the address for static workers
     num_inflight: int = 0
     queued_prefill_tokens: int = 0
@@ -50,14 +50,37 @@ class Worker:
     departed: bool = False  # gone from the pool (its channel closes once nothing is in flight)
     # Set while the worker is unhealthy: calls in flight to it give up (and are retried).
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    prefill: prefill_pb2_grpc.PrefillWorkerStub = field(init=False)
-    decode: decode_pb2_grpc.DecodeWorkerStub = field(init=False)
+    _channel: grpc.aio.Channel | None = field(default=None, init=False, repr=False)
+    _stubs: tuple[prefill_pb2_grpc.PrefillWorkerStub, decode_pb2_grpc.DecodeWorkerStub] = field(
+        init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.worker_id = self.worker_id or self.address
-        self.prefill = prefill_pb2_grpc.PrefillWorkerStub(self.channel)
-        self.decode = decode_pb2_grpc.DecodeWorkerStub(self.channel)
         self.set_healthy(self.healthy)
+
+    def _current_stubs(
+        self,
+    ) -> tuple[prefill_pb2_grpc.PrefillWorkerStub, decode_pb2_grpc.DecodeWorkerStub]:
+        """Stubs on the pool's current channel: a retired one (after a certificate renewal)
+        closes after its grace, so none is kept past it."""
+        channel = self.channels.get(self.address)
+        if channel is not self._channel:
+            self._channel = channel
+            stubs = (
+                prefill_pb2_grpc.PrefillWorkerStub(channel),
+                decode_pb2_grpc.DecodeWorkerStub(channel),
+            )
+            self._stubs = stubs
+        return self._stubs
+
+    @property
+    def prefill(self) -> prefill_pb2_grpc.PrefillWorkerStub:
+        return self._current_stubs()[0]
+
+    @property
+    def decode(self) -> decode_pb2_grpc.DecodeWorkerStub:
+        return self._current_stubs()[1]
 
     def load(self) -> WorkerLoad:
         stats = self.stats
@@ -121,7 +144,7 @@ class WorkerPool:
         self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             for address in addresses:
-                self.pools[role][address] = Worker(address, role, self.channels.get(address))
+                self.pools[role][address] = Worker(address, role, self.channels)
         self._static = {*prefill, *decode}
         self._refused: set[str] = set()
         self._departed: list[Worker] = []  # their channels close once nothing is in flight
@@ -156,10 +179,9 @@ class WorkerPool:
             seen.add(record.address)
             worker = pool.get(record.address)
             if worker is None:
-                channel = self.channels.get(record.address)
                 # It heartbeats; stats follow at the next refresh.
                 worker = Worker(
-                    record.address, record.role, channel, record.worker_id, healthy=True
+                    record.address, record.role, self.channels, record.worker_id, healthy=True
                 )
                 pool[record.address] = worker
                 logger.info("%s worker %s joined", record.role.value, record.address)

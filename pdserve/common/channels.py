@@ -77,7 +77,8 @@ def peer_channel(address: str, tls: TlsConfig | None, options: Options) -> grpc.
 
 class ChannelPool:
     """Channels to peers, created on first use and closed together at shutdown (or once
-    their peer has left: ``retain``; or once it failed: ``reset``).
+    their peer has left: ``retain``; or once it failed: ``reset``). Callers ``get`` a channel
+    for each call and keep none between calls: a retired one closes after its grace.
 
     With TLS, a change of the certificate files (a cert-manager renewal) retires every channel:
     new calls get new channels presenting the new certificate, and calls in flight on the old
@@ -126,19 +127,26 @@ class ChannelPool:
         for channel in retired.values():
             self._retire(channel)
 
-    def reset(self, address: str) -> None:
-        """Retires the channel to ``address`` after a call on it failed UNAVAILABLE: the next
-        call gets a fresh channel. gRPC backs a failing channel's reconnects off exponentially
-        (up to two minutes), so a peer restarted at the same address would otherwise stay
-        unreachable long after it is back. Calls still in flight keep ``retired_grace_s``."""
-        channel = self._channels.pop(address, None)
-        if channel is not None:
+    def reset(self, address: str, channel: grpc.aio.Channel) -> None:
+        """Retires ``channel``, to a peer that just looked gone (a call on it failed
+        UNAVAILABLE, or got no answer in time), unless the pool has replaced it already: the
+        next call to ``address`` gets a fresh channel. gRPC backs a failing channel's reconnects
+        off, so a peer restarted at the same address would otherwise wait out that backoff."""
+        if self._channels.get(address) is channel:
+            del self._channels[address]
             self._retire(channel)
 
     def _retire(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close(grace=self.retired_grace_s))
+        task = asyncio.get_running_loop().create_task(self._close_later(channel))
         self._retired[channel] = task
         task.add_done_callback(functools.partial(self._closed, channel))
+
+    async def _close_later(self, channel: grpc.aio.Channel) -> None:
+        """A retired channel keeps working for ``retired_grace_s`` (calls in flight finish, a
+        retry still gets through), then closes. Not ``close(grace)``: that refuses new calls
+        at once, and once cancelled (at ``close``) leaves the channel closing for ever."""
+        await asyncio.sleep(self.retired_grace_s)
+        await channel.close()
 
     def _closed(self, channel: grpc.aio.Channel, _: asyncio.Task[None]) -> None:
         self._retired.pop(channel, None)
@@ -154,5 +162,6 @@ class ChannelPool:
         retired, self._retired = self._retired, {}
         for task in retired.values():
             task.cancel()
+        await asyncio.gather(*retired.values(), return_exceptions=True)
         for channel in [*channels.values(), *retired]:
             await channel.close()

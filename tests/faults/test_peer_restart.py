@@ -9,12 +9,15 @@ import asyncio
 import socket
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine import LLM
 from engine.llm_engine import LLMEngine
 from kvtransfer import KVTransferError, TransferErrorCode, make_receiver
 from kvtransfer.wire import handle_from_proto
+from pdserve.common.channels import ChannelPool
 from pdserve.common.server import ServiceServer
 from tests.contract.test_kvtransfer_contract import (
     GREEDY,
@@ -83,5 +86,36 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
             decode.block_manager.check_no_leaks()
         finally:
             await receiver.close()
+
+    asyncio.run(run())
+
+
+def test_a_reset_channel_is_replaced_and_still_finishes_what_it_carries() -> None:
+    async def check(channel: grpc.aio.Channel) -> None:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        pool = ChannelPool()
+        try:
+            first = pool.get(address)
+            await check(first)
+            pool.reset(address, pool.get("127.0.0.1:1"))  # another address's channel: no-op
+            assert pool.get(address) is first
+            pool.reset(address, first)
+            second = pool.get(address)
+            assert second is not first
+            pool.reset(address, first)  # a late failure on the retired one: keeps the new one
+            assert pool.get(address) is second
+            await check(first)  # retired, within its grace: a retry on it still gets through
+            await check(second)
+        finally:
+            await pool.close()
+            await server.stop(None)
+        with pytest.raises(grpc.aio.UsageError):  # closed with the pool
+            await check(first)
 
     asyncio.run(run())

@@ -1,5 +1,6 @@
 """Client certificates rotate without a restart: once the files change, a ``ChannelPool``
-presents the new certificate on new calls (servers already reload theirs on change)."""
+presents the new certificate on new calls (servers already reload theirs on change), and the
+router's workers follow it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.common.channels import ChannelPool
+from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.common.tls import TlsConfig
+from prefill_service.config import PrefillConfig
+from prefill_service.service import PrefillService
+from router.worker_pool import WorkerPool
 from tests.security.tls_util import make_pki
+from tests.services.harness import engine_config
 
 
 async def _check(pool: ChannelPool, address: str) -> grpc.StatusCode:
@@ -71,5 +77,38 @@ def test_unchanged_files_keep_the_channel(tmp_path: Path) -> None:
         first = pool.get("127.0.0.1:1")
         assert pool.get("127.0.0.1:1") is first
         await pool.close()
+
+    asyncio.run(run())
+
+
+def test_router_worker_stubs_follow_the_pool_across_a_renewal(
+    tmp_path: Path, llama_dir: Path
+) -> None:
+    """The router's workers call through the pool's current channel: once a renewal retires
+    the channels (any call may notice it: a new worker joining, a lease release) and their
+    grace is over, a worker's next call still works, on a new channel."""
+    pki = make_pki(tmp_path / "pki")
+    tls = TlsConfig(str(pki.cert), str(pki.key), str(pki.ca))
+
+    async def run() -> None:
+        config = PrefillConfig(engine=engine_config(llama_dir), server=ServerConfig(tls=tls))
+        server = ServiceServer(PrefillService(config), config.server)
+        await server.start()
+        await server.ready()
+        pool = WorkerPool(prefill=(server.address,), tls=tls)
+        pool.channels.recheck_s = pool.channels.retired_grace_s = 0.0
+        worker = pool.prefill[server.address]
+        try:
+            await worker.refresh()
+            assert worker.healthy
+            later_ns = os.stat(pki.cert).st_mtime_ns + 1_000_000_000
+            os.utime(pki.cert, ns=(later_ns, later_ns))
+            pool.channels.get("127.0.0.1:1")  # notices the renewal: every channel retired
+            await asyncio.gather(*pool.channels._retired.values())  # and closed (no grace)
+            await worker.refresh()
+            assert worker.healthy, "the worker's stats call failed after the renewal"
+        finally:
+            await pool.close()
+            await server.shutdown()
 
     asyncio.run(run())

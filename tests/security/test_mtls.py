@@ -6,7 +6,9 @@ present no certificate."""
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -157,3 +159,37 @@ def test_the_openai_api_serves_https_with_the_same_certificate(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     with pytest.raises(httpx2.HTTPError):  # plaintext to the TLS port: no answer
         httpx2.post(f"http://{cluster.router.http_address}/v1/completions", json=body, timeout=10)
+
+
+def test_requests_keep_working_across_a_certificate_renewal(
+    cluster: LocalCluster, pki: Pki, llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """cert-manager renews the files in place: the services' channels move to the new
+    certificate (the decode worker's at its next lease release, its KV receiver's at its next
+    pull) while requests keep their exact output. The router's part: test_cert_rotation.py."""
+    prompt = list(range(9, 40))
+    reference = make_llm(llama_dir).generate([prompt], PARAMS)[0].token_ids
+
+    async def run() -> int:
+        async with router_channel(cluster.address, tls_ca=str(pki.ca)) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            request = router_pb2.GenerateRequest(
+                prompt_token_ids=prompt, sampling=sampling_to_proto(PARAMS)
+            )
+            assert (await generate(stub, request)).token_ids == reference
+            # The renewal: the same files, a later modification time (the services recheck
+            # every second, on their next call).
+            for path in (pki.cert, pki.key):
+                later_ns = path.stat().st_mtime_ns + 1_000_000_000
+                os.utime(path, ns=(later_ns, later_ns))
+            renewed = time.monotonic()
+            num_requests = 0
+            # Past the recheck interval, then two more: requests both sides of the retirement.
+            while time.monotonic() - renewed < 3.0 or num_requests < 3:
+                assert (await generate(stub, request)).token_ids == reference
+                num_requests += 1
+            for _ in range(2):
+                assert (await generate(stub, request)).token_ids == reference
+            return num_requests + 2
+
+    assert asyncio.run(run()) >= 5

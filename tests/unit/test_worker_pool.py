@@ -95,6 +95,7 @@ def test_refusals_and_channels_of_departed_workers_are_forgotten() -> None:
         bad = _record("bad", Role.DECODE, 5, model_fingerprint="other:fp")
         pool.sync([_record("d1", Role.DECODE, 3), bad], FP, 16)
         assert pool._refused == {"bad"}
+        assert pool.decode["127.0.0.1:3"].decode is not None  # its first call opens a channel
         pool.channels.get("127.0.0.1:9")  # e.g. a release to a prefill worker that left
         await pool.close_unused_channels()
         assert set(pool.channels._channels) == {"127.0.0.1:3"}
