@@ -14,7 +14,6 @@ from redis.exceptions import RedisError
 
 from engine.block_hash import hash_blocks, root_hash
 from pdserve.cluster.config import RedisConfig, connect
-from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
 from pdserve.common import metrics
@@ -106,15 +105,16 @@ class ClusterState:
         hashes = hash_blocks(self.root, prompt_ids[:usable], self.block_size)
         try:
             ids = [w.worker_id for w in workers]
-            device = await self.index.longest_prefixes(hashes, ids)
-            either = await self.index.longest_prefixes(hashes, ids, ANY_TIER)
+            hits = await self.index.prefix_hits(hashes, ids)
         except (RedisError, OSError) as exc:
             self._set_up(False, exc)
             return {}
         self._set_up(True)
         return {
             w.address: host_credited_tokens(
-                device[w.worker_id], either[w.worker_id], self.block_size
+                hits[w.worker_id].num_device_blocks,
+                hits[w.worker_id].num_any_tier_blocks,
+                self.block_size,
             )
             for w in workers
         }

@@ -4,9 +4,10 @@ Who calls what:
 - A worker calls ``apply`` with the KV events it drained from its engine (batched; each batch
   names its tier: the device cache or the host tier), and ``replace`` with a full snapshot of a
   tier when it (re)connects, so the index heals after a restart.
-- The router calls ``longest_prefixes`` with a prompt's chained block hashes (the engine's own
-  hasher, ``engine.block_hash``) and the live candidate workers, for the device tier and for
-  both tiers together (a block in either can be reused: the host tier's after a copy).
+- The router calls ``prefix_hits`` with a prompt's chained block hashes (the engine's own
+  hasher, ``engine.block_hash``) and the live candidate workers: in one lookup, the leading
+  blocks in the device tier and in both tiers together (a block in either can be reused: the
+  host tier's after a copy). ``longest_prefixes`` asks about any one set of tiers.
 - Whoever sees a worker leave (deregistration, heartbeat expiry) calls ``remove_worker``.
 The index holds no blocks and frees nothing: a stale entry costs a routing miss, never
 correctness, and the worker's own prefix cache decides what is really reused.
@@ -16,12 +17,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
 from engine.kv_events import CacheTier, KVEvents
 
 DEVICE_ONLY = (CacheTier.DEVICE,)
 ANY_TIER = (CacheTier.DEVICE, CacheTier.HOST)
+
+
+@dataclass(frozen=True)
+class PrefixHits:
+    """One worker's leading blocks of a prompt: on its device, and counting its host tier."""
+
+    num_device_blocks: int
+    num_any_tier_blocks: int  # >= num_device_blocks
 
 
 class PrefixIndex(ABC):
@@ -49,6 +59,13 @@ class PrefixIndex(ABC):
         """For each worker, how many leading blocks of ``block_hashes`` it holds in any of
         ``tiers`` (it stops at the first missing block: later hits cannot be reused without
         it)."""
+
+    @abstractmethod
+    async def prefix_hits(
+        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+    ) -> dict[str, PrefixHits]:
+        """For each worker, ``longest_prefixes`` over the device tier and over both tiers, in
+        one lookup (the router's, once per request)."""
 
     async def close(self) -> None:
         return None
@@ -98,3 +115,10 @@ class InMemoryPrefixIndex(PrefixIndex):
             return set().union(*(self._held.get((worker_id, t), set()) for t in tiers))
 
         return {w: leading_hits(held(w), block_hashes) for w in worker_ids}
+
+    async def prefix_hits(
+        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+    ) -> dict[str, PrefixHits]:
+        device = await self.longest_prefixes(block_hashes, worker_ids)
+        either = await self.longest_prefixes(block_hashes, worker_ids, ANY_TIER)
+        return {w: PrefixHits(device[w], either[w]) for w in worker_ids}

@@ -1,8 +1,8 @@
 """The prefix index in Redis: one set of raw 16-byte block hashes per worker and tier.
 
-``longest_prefixes`` is one round trip for any prompt length and any number of workers (a Lua
-script walks each worker's set in prompt order); ``apply`` and ``replace`` are one pipelined
-transaction each.
+``longest_prefixes`` and ``prefix_hits`` are one round trip each for any prompt length and
+any number of workers (a Lua script walks each worker's sets in prompt order); ``apply`` and
+``replace`` are one pipelined transaction each.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from engine.block_hash import BlockHash
 from engine.kv_events import CacheTier, KVEvents
 from pdserve.cluster.config import connect
-from pdserve.cluster.prefix_index import DEVICE_ONLY, PrefixIndex
+from pdserve.cluster.prefix_index import DEVICE_ONLY, PrefixHits, PrefixIndex
 
 # KEYS: per worker, one set per tier asked about. ARGV[1]: how many tiers; then the prompt's
 # block hashes, in order. Returns, per worker, the number of leading hashes any of its sets holds.
@@ -39,12 +39,32 @@ end
 return out
 """
 
+# KEYS: per worker, its device set then its host set. ARGV: the prompt's block hashes, in
+# order. Returns, per worker, the leading hashes its device set holds, then those either holds.
+_PREFIX_HITS = """
+local out = {}
+for i = 1, #KEYS / 2 do
+  local device, host = KEYS[2 * i - 1], KEYS[2 * i]
+  local num_device, num_any = 0, 0
+  for j = 1, #ARGV do
+    local on_device = redis.call('SISMEMBER', device, ARGV[j]) == 1
+    if not on_device and redis.call('SISMEMBER', host, ARGV[j]) == 0 then break end
+    if on_device and num_device == j - 1 then num_device = j end
+    num_any = j
+  end
+  out[2 * i - 1] = num_device
+  out[2 * i] = num_any
+end
+return out
+"""
+
 
 class RedisPrefixIndex(PrefixIndex):
     def __init__(self, redis: Redis, namespace: str = "pdserve") -> None:
         self.redis = redis
         self.namespace = namespace
         self._lookup = redis.register_script(_LONGEST_PREFIXES)
+        self._hits = redis.register_script(_PREFIX_HITS)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "pdserve") -> RedisPrefixIndex:
@@ -97,6 +117,17 @@ class RedisPrefixIndex(PrefixIndex):
         keys = [self._key(w, t) for w in worker_ids for t in tiers]
         counts = await self._lookup(keys=keys, args=[len(tiers), *block_hashes])
         return {w: int(n) for w, n in zip(worker_ids, counts, strict=True)}
+
+    async def prefix_hits(
+        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+    ) -> dict[str, PrefixHits]:
+        if not block_hashes:
+            return {w: PrefixHits(0, 0) for w in worker_ids}
+        if not worker_ids:
+            return {}
+        keys = [self._key(w, t) for w in worker_ids for t in (CacheTier.DEVICE, CacheTier.HOST)]
+        counts = [int(n) for n in await self._hits(keys=keys, args=list(block_hashes))]
+        return {w: PrefixHits(*counts[2 * i : 2 * i + 2]) for i, w in enumerate(worker_ids)}
 
     async def keep_alive(self, worker_id: str, ttl_s: float) -> bool:
         """Entries of a worker that dies without deregistering expire after ``ttl_s`` (routers

@@ -15,7 +15,7 @@ from engine.block_manager import BlockManager
 from engine.kv_events import CacheTier, KVEvents
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from pdserve.cluster.prefix_index import ANY_TIER, InMemoryPrefixIndex, PrefixIndex
+from pdserve.cluster.prefix_index import ANY_TIER, InMemoryPrefixIndex, PrefixHits, PrefixIndex
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 
 BS = 4
@@ -73,6 +73,10 @@ def test_host_tier_blocks_extend_a_prefix_only_when_asked(
         assert await index.longest_prefixes(H, ["b"], (host,)) == {"b": 0}
         await index.apply("a", KVEvents(stored=[], removed=[H[3]], tier=host))
         assert await index.longest_prefixes(H, ["a"], ANY_TIER) == {"a": 3}
+        hits = await index.prefix_hits(H, ["a", "b", "c"])  # both lookups in one
+        assert hits == {"a": PrefixHits(2, 3), "b": PrefixHits(0, 0), "c": PrefixHits(0, 0)}
+        assert await index.prefix_hits([], ["a"]) == {"a": PrefixHits(0, 0)}
+        assert await index.prefix_hits(H, []) == {}
         await index.replace("a", [H[0]], host)  # the device tier is untouched
         assert await index.longest_prefixes(H, ["a"], ANY_TIER) == {"a": 2}
         await index.remove_worker("a")
@@ -132,5 +136,27 @@ def test_index_tracks_a_real_block_manager_exactly(make_index: Callable[[], Pref
         await index.remove_worker("w0")
         probe = hash_blocks(ROOT, prefixes[0], BS)
         assert (await index.longest_prefixes(probe, ["w0"]))["w0"] == 0
+
+    _run(make_index, body)
+
+
+def test_prefix_hits_are_both_lookups(make_index: Callable[[], PrefixIndex]) -> None:
+    """Random device and host sets (holes included): ``prefix_hits`` is exactly the device-only
+    and the both-tiers ``longest_prefixes``, for every worker."""
+    rng = random.Random(5)
+    hashes = hash_blocks(ROOT, list(range(12 * BS)), BS)
+    workers = [f"w{i}" for i in range(8)]
+
+    async def body(index: PrefixIndex) -> None:
+        for w in workers:
+            for tier in CacheTier:
+                held = [h for h in hashes if rng.random() < 0.7]
+                await index.apply(w, KVEvents(stored=held, removed=[], tier=tier))
+        for n in (1, 5, 12):
+            device = await index.longest_prefixes(hashes[:n], workers)
+            either = await index.longest_prefixes(hashes[:n], workers, ANY_TIER)
+            expected = {w: PrefixHits(device[w], either[w]) for w in workers}
+            assert await index.prefix_hits(hashes[:n], workers) == expected
+        assert any(e.num_any_tier_blocks > e.num_device_blocks for e in expected.values())
 
     _run(make_index, body)
