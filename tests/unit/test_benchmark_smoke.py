@@ -63,6 +63,9 @@ def test_prefix_routing_benchmark_quick_run_emits_a_json_report(tmp_path: Path) 
         assert run["requests"] == 12 and run["prefill_tokens"] >= run["ideal_tokens"]
         assert run["ttft_p50_s"] > 0
     assert report["cache_aware_over_ideal"] == by_policy["cache_aware"]["over_ideal"]
+    lookup = report["index_lookup"]
+    assert lookup["prefix_hits_s"] > 0 and lookup["two_lookups_s"] > 0
+    assert lookup["ratio"] == lookup["prefix_hits_s"] / lookup["two_lookups_s"]
 
 
 @pytest.mark.slow
