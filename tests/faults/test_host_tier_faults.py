@@ -72,7 +72,7 @@ def test_redis_restarted_empty_gets_the_host_tier_republished(
 
         try:
             await _evict_to_host(service, prefix, rng)
-            await wait_for(in_the_host_tier, 10.0, "the host tier published")
+            await wait_for(in_the_host_tier, 30.0, "the host tier published")
             redis.stop()
             redis.start()  # empty, same port
             await wait_for(in_the_host_tier, 30.0, "the host tier republished after the restart")
@@ -113,11 +113,11 @@ def test_a_client_gone_while_its_prompt_loads_frees_every_block(llama_dir: Path)
             async def loading() -> bool:
                 return "gone" in llm_engine.host_loads.loading
 
-            await wait_for(loading, 10.0, "the prompt loading from the host tier")
+            await wait_for(loading, 30.0, "the prompt loading from the host tier")
             client.cancel()  # the client leaves mid-load
             await asyncio.gather(client, return_exceptions=True)
             gate.set()
-            await wait_for(lambda: all_blocks_free(prefill_stub(server)), 10.0, "blocks freed")
+            await wait_for(lambda: all_blocks_free(prefill_stub(server)), 30.0, "blocks freed")
             assert not llm_engine.host_loads.loading and not llm_engine.has_unfinished_requests()
         finally:
             await server.shutdown()

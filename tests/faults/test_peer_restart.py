@@ -63,7 +63,7 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
         return _finish(decode, prefilled)
 
     async def run() -> None:
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=5.0)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=10.0)
         try:
             _, old = await start_prefill(llama_dir, kv_backend=backend, kv_port=kv_port)
             assert await pull(prefill_stub(old), "r0", receiver) == reference["r0"]

@@ -216,4 +216,4 @@ def test_invalid_utf8_is_invalid_argument_naming_the_field(cluster: LocalCluster
         err = _refusal(cluster.address, bad)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
         assert err.details() == f"{field} is not valid UTF-8"  # type: ignore[attr-defined]
-    asyncio.run(wait_for(lambda: survivors_hold_nothing(cluster), 10.0, "nothing held"))
+    asyncio.run(wait_for(lambda: survivors_hold_nothing(cluster), 30.0, "nothing held"))

@@ -104,7 +104,7 @@ async def all_blocks_free(stub: WorkerStub) -> bool:
 
 
 async def both_sides_freed(
-    prefill_server: ServiceServer, decode_server: ServiceServer, timeout_s: float = 5.0
+    prefill_server: ServiceServer, decode_server: ServiceServer, timeout_s: float = 30.0
 ) -> None:
     """Waits (bounded) until the prefill and the decode worker hold no block or request."""
     decode, prefill = decode_stub(decode_server), prefill_stub(prefill_server)

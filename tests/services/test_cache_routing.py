@@ -61,7 +61,7 @@ async def _prefill_tokens(policy: RoutingPolicy, llama_dir: Path, redis_url: str
                         found = await index.longest_prefixes(keys, worker_ids)
                         return max(found.values()) == len(keys)
 
-                    await wait_for(indexed, 5.0, "prefix published to the index")
+                    await wait_for(indexed, 30.0, "prefix published to the index")
         total = 0
         for _, server in prefills:
             stats = await prefill_stub(server).GetStats(common_pb2.GetStatsRequest())

@@ -114,7 +114,7 @@ def test_colocated_router_takes_a_request_turned_away_to_the_next_worker(
         async def first_round_done() -> bool:
             return watched.stats is not loaded_stats
 
-        await wait_for(first_round_done, 10.0, "the router's first stats round")
+        await wait_for(first_round_done, 30.0, "the router's first stats round")
         draining.draining = True  # refuses new work with UNAVAILABLE; the router cannot know
         sampling = common_pb2.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         before = decisions._value.get()

@@ -67,7 +67,7 @@ async def _scenario(llama_dir: Path, redis_url: str) -> None:
             either = await index.longest_prefixes(keys, [a], ANY_TIER)
             return device[a] < len(keys) and either[a] == len(keys)
 
-        await wait_for(only_in_the_host_tier, 10.0, "the prefix published in A's host tier")
+        await wait_for(only_in_the_host_tier, 30.0, "the prefix published in A's host tier")
         before = service_a.engine.stats.num_host_hit_tokens
         sampling = common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         request = router_pb2.GenerateRequest(prompt_token_ids=[*prefix, 9, 10], sampling=sampling)

@@ -33,7 +33,7 @@ def test_worker_registers_publishes_and_heals_after_redis_loses_data(
             async def registered() -> bool:
                 return bool(await registry.workers())
 
-            await wait_for(registered, 5.0, "first heartbeat")
+            await wait_for(registered, 30.0, "first heartbeat")
             records = await registry.workers()
             assert [(r.worker_id, r.role, r.state) for r in records] == [
                 (service.worker_id, Role.PREFILL, WorkerState.SERVING)
@@ -52,9 +52,9 @@ def test_worker_registers_publishes_and_heals_after_redis_loses_data(
             async def indexed() -> bool:
                 return await index.num_blocks(service.worker_id) == 4
 
-            await wait_for(indexed, 5.0, "KV events published")
+            await wait_for(indexed, 30.0, "KV events published")
             await redis.flushall()  # Redis restarted empty; the worker's connection never broke
-            await wait_for(indexed, 5.0, "snapshot republished")
+            await wait_for(indexed, 30.0, "snapshot republished")
             assert "prefill" in await status_table(config)
         finally:
             await server.shutdown()

@@ -86,7 +86,7 @@ def test_a_failed_pull_prefills_again_on_another_worker(
                     if server in (broken_server, good_server)
                     else decode_stub(server)
                 )
-                await wait_for(lambda s=stub: all_blocks_free(s), 5.0, "blocks freed")
+                await wait_for(lambda s=stub: all_blocks_free(s), 30.0, "blocks freed")
         finally:
             await router.shutdown()
             for _, server in decodes:
