@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -96,7 +96,6 @@ class NixlKVReceiver(KVReceiver):
         self.check_handle(handle, block_ids)
         start = time.perf_counter()
         deadline_s = time.monotonic() + self.timeout_s
-        channel = self._channels.get(handle.address)  # what a failure below retires
         try:
             async with asyncio.timeout(self.timeout_s):
                 peer = await self._peer(handle.address, deadline_s)
@@ -105,14 +104,14 @@ class NixlKVReceiver(KVReceiver):
                     lease_token=handle.lease_token,
                     want_digest=self.verify,
                 )
-                checkout = await _call(self._stub(handle.address).Checkout, request, deadline_s)
+                checkout = await self._call(handle.address, _checkout, request, deadline_s)
         except grpc.aio.AioRpcError as exc:
             code = _CODES.get(exc.code(), TransferErrorCode.UNAVAILABLE)
             if code is TransferErrorCode.UNAVAILABLE:  # gone or restarting: handshake anew
-                await self._forget_address(handle.address, channel)
+                await self._forget_address(handle.address)
             raise KVTransferError(code, f"{handle.address}: {exc.details()}") from None
         except TimeoutError:
-            await self._forget_address(handle.address, channel)
+            await self._forget_address(handle.address)
             raise KVTransferError(
                 TransferErrorCode.UNAVAILABLE, f"{handle.address}: no checkout in time"
             ) from None
@@ -190,7 +189,7 @@ class NixlKVReceiver(KVReceiver):
             request = nixl_pb2.NixlHandshakeRequest(
                 receiver_layout=layout_to_proto(self.cache.layout)
             )
-            response = await _call(self._stub(address).Handshake, request, deadline_s)
+            response = await self._call(address, _handshake, request, deadline_s)
             mismatch = remote_layout_mismatch(self.cache.layout, response.layout)
             if mismatch is not None:
                 raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
@@ -206,11 +205,7 @@ class NixlKVReceiver(KVReceiver):
             logger.info("nixl peer %s: agent %s", address, name)
             return peer
 
-    async def _forget_address(self, address: str, channel: grpc.aio.Channel) -> None:
-        """The peer at ``address`` looks gone: its agent and ``channel`` go
-        (``ChannelPool.reset``), so a successor at the same address is reached at once and
-        handshaken anew."""
-        self._channels.reset(address, channel)
+    async def _forget_address(self, address: str) -> None:
         peer = self._peers.get(address)
         if peer is not None:
             await self._forget(peer)
@@ -222,6 +217,41 @@ class NixlKVReceiver(KVReceiver):
             if known is peer:
                 del self._peers[address]
                 await asyncio.to_thread(self.agent.remove_remote, peer.agent_name)
+
+    async def _call(
+        self,
+        address: str,
+        method: Callable[[nixl_pb2_grpc.NixlControlStub], Callable[..., Awaitable[T]]],
+        request: object,
+        deadline_s: float,
+    ) -> T:
+        """A control RPC, failing fast; when the channel was down, once more on a fresh channel
+        (``ChannelPool.reset``), failing fast too. A channel that saw its peer die fails at
+        once even when a successor at the same address is up already: the fresh one reaches a
+        restarted peer at once, and a dead one is known at once (connection refused), not at
+        the deadline. Only once: a checkout is held until its checkin or ``hold_s``."""
+        try:
+            return await self._call_once(address, method, request, deadline_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+        return await self._call_once(address, method, request, deadline_s)
+
+    async def _call_once(
+        self,
+        address: str,
+        method: Callable[[nixl_pb2_grpc.NixlControlStub], Callable[..., Awaitable[T]]],
+        request: object,
+        deadline_s: float,
+    ) -> T:
+        channel = self._channels.get(address)
+        rpc = method(nixl_pb2_grpc.NixlControlStub(channel))
+        try:
+            return await rpc(request, timeout=max(0.01, deadline_s - time.monotonic()))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._channels.reset(address, channel)
+            raise
 
     def _checkin_later(self, handle: KVHandle, checkout_id: str) -> None:
         """Ends the hold without making the pull (or its cancellation) wait for it; a lost
@@ -241,14 +271,9 @@ class NixlKVReceiver(KVReceiver):
         task.add_done_callback(self._checkins.discard)
 
 
-async def _call(rpc: Callable[..., Awaitable[T]], request: object, deadline_s: float) -> T:
-    """A control RPC: fail fast, and once more, until the pull's deadline, when the channel was
-    down (a peer restarted at the same address: its channel may still be backing off from the
-    dead one, for seconds). Only once: a checkout is held until its checkin or ``hold_s``."""
-    try:
-        return await rpc(request)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() != grpc.StatusCode.UNAVAILABLE:
-            raise
-    timeout_s = max(0.01, deadline_s - time.monotonic())
-    return await rpc(request, timeout=timeout_s, wait_for_ready=True)
+def _checkout(stub: nixl_pb2_grpc.NixlControlStub) -> Callable[..., Awaitable[Any]]:
+    return stub.Checkout
+
+
+def _handshake(stub: nixl_pb2_grpc.NixlControlStub) -> Callable[..., Awaitable[Any]]:
+    return stub.Handshake

@@ -1,12 +1,14 @@
 """A prefill worker's KV sender restarted at the same address (a pod restarted in place, a
 supervisor's restart): the decode side's pulls from the old one fail UNAVAILABLE, and its
 pulls from the new one work at once, not after gRPC's reconnect backoff (which grows to two
-minutes) for the channel that saw the old one die. Both address-based backends."""
+minutes) for the channel that saw the old one die; and a pull from the dead one fails at once,
+not at its deadline. Both address-based backends."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -28,6 +30,7 @@ from tests.contract.test_kvtransfer_contract import (
 )
 from tests.services.harness import engine_config, prefill_stub, start_prefill
 
+TIMEOUT_S = 60.0
 PROMPTS = {f"r{i}": [3 + i] * (21 + 9 * i) for i in range(3)}
 
 
@@ -63,7 +66,7 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
         return _finish(decode, prefilled)
 
     async def run() -> None:
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=10.0)
+        receiver = make_receiver(backend, decode.kv_cache, timeout_s=TIMEOUT_S)
         try:
             _, old = await start_prefill(llama_dir, kv_backend=backend, kv_port=kv_port)
             assert await pull(prefill_stub(old), "r0", receiver) == reference["r0"]
@@ -72,9 +75,12 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
             block_ids = decode.reserve_prefilled(_prefilled(response, PROMPTS["r1"]))
             assert block_ids is not None
             await _crash(old)
+            start = time.monotonic()
             with pytest.raises(KVTransferError) as err:
                 await receiver.pull(handle_from_proto(response.handle), block_ids)
             assert err.value.code is TransferErrorCode.UNAVAILABLE
+            # Known at once (connection refused on a fresh channel), not at the pull's deadline.
+            assert time.monotonic() - start < TIMEOUT_S
             decode.abort("r1")
             # Its successor at the same KV address: the first pull from it works.
             service, new = await start_prefill(llama_dir, kv_backend=backend, kv_port=kv_port)
