@@ -76,14 +76,18 @@ def peer_channel(address: str, tls: TlsConfig | None, options: Options) -> grpc.
 
 
 class ChannelPool:
-    """Channels to peers, created on first use and closed together at shutdown (or once
-    their peer has left: ``retain``; or once it failed: ``reset``). Callers ``get`` a channel
-    for each call and keep none between calls: a retired one closes after its grace.
+    """Channels to peers, created on first use and closed together at shutdown, or retired
+    once their peer has left (``retain``) or failed (``reset``). Callers ``get`` a channel for
+    each call and keep none between calls. A retired channel keeps working for its grace
+    (calls in flight finish; a caller between ``get`` and its call still gets through), then
+    closes: ``retired_grace_s`` after a certificate change, ``left_grace_s`` after a peer left
+    or failed (only stragglers are on it; and a dead peer's channel keeps redialling until
+    it closes).
 
-    With TLS, a change of the certificate files (a cert-manager renewal) retires every channel:
-    new calls get new channels presenting the new certificate, and calls in flight on the old
-    ones get ``retired_grace_s`` to finish. Without that, a long-running client would present
-    its first certificate until it expired."""
+    With TLS, a change of the certificate files (a cert-manager renewal), seen at the first
+    ``get`` after it (looked for at most every ``recheck_s``), retires every channel: new calls
+    get new channels presenting the new certificate. Without that, a long-running client would
+    present its first certificate until it expired."""
 
     def __init__(
         self,
@@ -92,11 +96,13 @@ class ChannelPool:
         *,
         recheck_s: float = 1.0,  # how often the certificate files are looked at
         retired_grace_s: float = 600.0,
+        left_grace_s: float = 30.0,
     ) -> None:
         self.options = options
         self.tls = tls
         self.recheck_s = recheck_s
         self.retired_grace_s = retired_grace_s
+        self.left_grace_s = left_grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._mtimes = tls.mtimes() if tls is not None else ()
         self._checked_s = time.monotonic()
@@ -125,37 +131,30 @@ class ChannelPool:
         logger.info("tls files changed: %d channels retired", len(self._channels))
         retired, self._channels = self._channels, {}
         for channel in retired.values():
-            self._retire(channel)
+            self._retire(channel, self.retired_grace_s)
 
     def reset(self, address: str, channel: grpc.aio.Channel) -> None:
-        """Retires ``channel``, to a peer that just looked gone (a call on it failed
-        UNAVAILABLE, or got no answer in time), unless the pool has replaced it already: the
-        next call to ``address`` gets a fresh channel. gRPC backs a failing channel's reconnects
-        off, so a peer restarted at the same address would otherwise wait out that backoff."""
+        """Retires ``channel``, on which a call to ``address`` just failed UNAVAILABLE, unless
+        the pool has replaced it already: the next call gets a fresh channel. gRPC backs a
+        failing channel's reconnects off, so a peer restarted at the same address would
+        otherwise wait out that backoff."""
         if self._channels.get(address) is channel:
             del self._channels[address]
-            self._retire(channel)
+            self._retire(channel, self.left_grace_s)
 
-    def _retire(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(self._close_later(channel))
+    def _retire(self, channel: grpc.aio.Channel, grace_s: float) -> None:
+        task = asyncio.get_running_loop().create_task(_close_later(channel, grace_s))
         self._retired[channel] = task
         task.add_done_callback(functools.partial(self._closed, channel))
-
-    async def _close_later(self, channel: grpc.aio.Channel) -> None:
-        """A retired channel keeps working for ``retired_grace_s`` (calls in flight finish, a
-        retry still gets through), then closes. Not ``close(grace)``: that refuses new calls
-        at once, and once cancelled (at ``close``) leaves the channel closing for ever."""
-        await asyncio.sleep(self.retired_grace_s)
-        await channel.close()
 
     def _closed(self, channel: grpc.aio.Channel, _: asyncio.Task[None]) -> None:
         self._retired.pop(channel, None)
 
     async def retain(self, addresses: set[str]) -> None:
-        """Closes the channels to every other address (peers that left)."""
+        """Retires the channels to every other address (peers that left)."""
         gone = [a for a in self._channels if a not in addresses]
         for address in gone:
-            await self._channels.pop(address).close()
+            self._retire(self._channels.pop(address), self.left_grace_s)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
@@ -165,3 +164,10 @@ class ChannelPool:
         await asyncio.gather(*retired.values(), return_exceptions=True)
         for channel in [*channels.values(), *retired]:
             await channel.close()
+
+
+async def _close_later(channel: grpc.aio.Channel, grace_s: float) -> None:
+    """Not ``channel.close(grace)``: that refuses new calls at once, and once cancelled (at
+    ``ChannelPool.close``) leaves the channel closing for ever."""
+    await asyncio.sleep(grace_s)
+    await channel.close()
