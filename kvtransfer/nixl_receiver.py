@@ -230,28 +230,18 @@ class NixlKVReceiver(KVReceiver):
         once even when a successor at the same address is up already: the fresh one reaches a
         restarted peer at once, and a dead one is known at once (connection refused), not at
         the deadline. Only once: a checkout is held until its checkin or ``hold_s``."""
-        try:
-            return await self._call_once(address, method, request, deadline_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                raise
-        return await self._call_once(address, method, request, deadline_s)
-
-    async def _call_once(
-        self,
-        address: str,
-        method: Callable[[nixl_pb2_grpc.NixlControlStub], Callable[..., Awaitable[T]]],
-        request: object,
-        deadline_s: float,
-    ) -> T:
-        channel = self._channels.get(address)
-        rpc = method(nixl_pb2_grpc.NixlControlStub(channel))
-        try:
-            return await rpc(request, timeout=max(0.01, deadline_s - time.monotonic()))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        for last in (False, True):
+            channel = self._channels.get(address)
+            rpc = method(nixl_pb2_grpc.NixlControlStub(channel))
+            try:
+                return await rpc(request, timeout=max(0.01, deadline_s - time.monotonic()))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
                 self._channels.reset(address, channel)
-            raise
+                if last:
+                    raise
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _checkin_later(self, handle: KVHandle, checkout_id: str) -> None:
         """Ends the hold without making the pull (or its cancellation) wait for it; a lost
