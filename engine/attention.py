@@ -46,6 +46,8 @@ class AttentionMetadata:
     # Torch decode path, built once per step instead of once per layer:
     decode_gather_table: torch.Tensor | None = None  # [num_decodes, num_ctx_blocks] int64
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, num_ctx_blocks * block_size]
+    # A quantized cache's stores, split once per step: ``kv_quant.slot_positions``.
+    slot_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -162,6 +164,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     if cache.quantized:
         assert cache.k_scales is not None and cache.v_scales is not None
+        assert meta.slot_positions is not None  # the runner splits the slots of a quantized cache
         store_quantized(
             key,
             value,
@@ -169,7 +172,7 @@ def paged_attention(
             cache.v,
             cache.k_scales,
             cache.v_scales,
-            meta.slot_mapping,
+            meta.slot_positions,
             cache.kind,
         )
     elif meta.backend is AttentionBackend.TRITON:

@@ -69,6 +69,16 @@ def dequantize(
     return (values.float() * scales[..., None]).to(dtype)
 
 
+def slot_positions(
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_ids, offsets)`` ``[num_tokens]`` each: where ``store_quantized`` writes. A
+    quantized cache's code and scale views are strided by slab (not one flat slot array), so
+    the slots are split once per step (``AttentionMetadata.slot_positions``), not per layer."""
+    return slot_mapping // block_size, slot_mapping % block_size
+
+
 def store_quantized(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,
@@ -76,14 +86,13 @@ def store_quantized(
     v_codes: torch.Tensor,
     k_scales: torch.Tensor,  # [num_blocks, block_size, num_kv_heads] float32 (a view)
     v_scales: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset
+    positions: tuple[torch.Tensor, torch.Tensor],  # slot_positions(slot_mapping, block_size)
     kind: KVCacheDtype,
 ) -> None:
     """Quantize each new token on its own and write codes and scales at its slot. A token's
     bytes depend only on its own K/V, never on which other tokens shared the write, so chunked
     prefill, speculative verification and a migrated replay store the same bytes."""
-    block_size = k_codes.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    blocks, offsets = positions
     for data, codes_view, scales_view in ((key, k_codes, k_scales), (value, v_codes, v_scales)):
         codes, scales = quantize(data, kind)
         codes_view[blocks, offsets] = codes

@@ -15,6 +15,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
 from engine.config import AttentionBackend
 from engine.kv_cache import KVCache
+from engine.kv_quant import slot_positions
 from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import Sampler, SampleRequest
 from engine.scheduler import ScheduledSeq
@@ -43,6 +44,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.layout.block_size
+        self.quantized = kv_cache.layout.kv_cache_dtype.quantized
         self.backend = backend
         self.sampler = Sampler(device, seed)
 
@@ -178,4 +180,5 @@ class ModelRunner:
             backend=self.backend,
             decode_gather_table=gather_table,
             decode_mask=mask,
+            slot_positions=slot_positions(slots, self.block_size) if self.quantized else None,
         )

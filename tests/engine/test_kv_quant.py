@@ -22,7 +22,7 @@ from engine.diagnostics import first_difference, teacher_forced_agreement
 from engine.fingerprint import fingerprint_of
 from engine.kernels import triton_available
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
-from engine.kv_quant import codebook, dequantize, quantize, store_quantized
+from engine.kv_quant import codebook, dequantize, quantize, slot_positions, store_quantized
 from pdserve.common.convert import layout_from_proto, layout_to_proto, remote_layout_mismatch
 from tests.identical import compare_outputs
 
@@ -80,9 +80,10 @@ def test_a_tokens_bytes_do_not_depend_on_its_batch(kind: KVCacheDtype) -> None:
         ]
 
     together, apart = empty(), empty()
-    store_quantized(key, value, *together, slots, kind)  # type: ignore[misc]
+    store_quantized(key, value, *together, slot_positions(slots, 8), kind)  # type: ignore[misc]
     for i in reversed(range(20)):
-        store_quantized(key[i : i + 1], value[i : i + 1], *apart, slots[i : i + 1], kind)  # type: ignore[misc]
+        one = slot_positions(slots[i : i + 1], 8)
+        store_quantized(key[i : i + 1], value[i : i + 1], *apart, one, kind)  # type: ignore[misc]
     assert all(torch.equal(a, b) for a, b in zip(together, apart, strict=True))
 
 
@@ -204,7 +205,8 @@ def test_the_three_decode_kernels_read_the_same_codes(kind: KVCacheDtype) -> Non
     key, value = torch.randn(2, num_tokens, 2, 16, generator=gen) * 3
     slots = torch.arange(num_tokens)
     assert layer.k_scales is not None and layer.v_scales is not None
-    store_quantized(key, value, layer.k, layer.v, layer.k_scales, layer.v_scales, slots, kind)
+    positions = slot_positions(slots, 8)
+    store_quantized(key, value, layer.k, layer.v, layer.k_scales, layer.v_scales, positions, kind)
     query = torch.randn(3, 6, 16, generator=gen)  # 3 sequences, 6 query heads over 2 kv heads
     tables = torch.tensor([[5, 1, 9, 0], [2, 3, 0, 0], [11, 10, 8, 7]], dtype=torch.int32)
     lens = torch.tensor([29, 9, 32], dtype=torch.int32)

@@ -7,17 +7,42 @@ import asyncio
 import signal
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 from pdserve.app.client import router_channel
-from pdserve.app.local_cluster import Component, LocalCluster
+from pdserve.app.local_cluster import ClusterConfig, Component, LocalCluster
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.identical import same_or_near_tie
 from tests.services.harness import wait_for
+
+
+def two_decode_workers(
+    llama_dir: Path,
+    redis_url: str,
+    tmp_path: Path,
+    *,
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+    router_args: tuple[str, ...] = (),
+) -> ClusterConfig:
+    """One prefill worker and two decode workers on the session's Redis (a namespace of their
+    own), every stream disaggregated: the cluster a decode worker is killed or stopped in."""
+    return ClusterConfig(
+        model=str(llama_dir),
+        num_prefill=1,
+        num_decode=2,
+        redis_url=redis_url,
+        redis_namespace=tmp_path.name,
+        log_dir=tmp_path,
+        prefill_args=prefill_args,
+        decode_args=decode_args,
+        router_args=("--local-prefill-tokens", "0", *router_args),
+    )
 
 
 @dataclass

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
-from tests.faults.faults_util import kill_a_decode_worker_mid_stream, metric
+from pdserve.app.local_cluster import LocalCluster
+from tests.faults.faults_util import kill_a_decode_worker_mid_stream, metric, two_decode_workers
 
 pytestmark = pytest.mark.slow
 
@@ -22,16 +22,8 @@ def test_int8_decode_pool_killed_mid_stream_every_stream_is_one_int8_engines(
     llama_dir: Path, redis_url: str, tmp_path: Path, make_llm: Callable[..., LLM]
 ) -> None:
     int8 = ("--kv-cache-dtype", "int8")
-    config = ClusterConfig(
-        model=str(llama_dir),
-        num_prefill=1,
-        num_decode=2,
-        redis_url=redis_url,
-        redis_namespace=tmp_path.name,
-        log_dir=tmp_path,
-        prefill_args=int8,
-        decode_args=int8,
-        router_args=(*int8, "--local-prefill-tokens", "0"),  # every stream disaggregated
+    config = two_decode_workers(
+        llama_dir, redis_url, tmp_path, prefill_args=int8, decode_args=int8, router_args=int8
     )
     prompts = [[3 + i, *range(60, 60 + 12 + 2 * i)] for i in range(8)]
     with LocalCluster(config) as cluster:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
-from tests.faults.faults_util import kill_a_decode_worker_mid_stream, metric
+from pdserve.app.local_cluster import LocalCluster
+from tests.faults.faults_util import kill_a_decode_worker_mid_stream, metric, two_decode_workers
 
 pytestmark = pytest.mark.slow
 
@@ -21,16 +21,8 @@ def test_speculating_decode_pool_killed_mid_stream_every_stream_is_exact(
     llama_dir: Path, redis_url: str, tmp_path: Path, make_llm: Callable[..., LLM]
 ) -> None:
     spec = ("--speculative-method", "draft", "--spec-draft-model", str(llama_dir))
-    config = ClusterConfig(
-        model=str(llama_dir),
-        num_prefill=1,
-        num_decode=2,
-        redis_url=redis_url,
-        redis_namespace=tmp_path.name,
-        log_dir=tmp_path,
-        decode_args=(*spec, "--num-speculative-tokens", "4"),
-        router_args=("--local-prefill-tokens", "0"),  # every stream disaggregated
-    )
+    decode_args = (*spec, "--num-speculative-tokens", "4")
+    config = two_decode_workers(llama_dir, redis_url, tmp_path, decode_args=decode_args)
     prompts = [[3 + i, *range(60, 60 + 12 + 2 * i)] for i in range(8)]
     with LocalCluster(config) as cluster:
         victim = kill_a_decode_worker_mid_stream(cluster, prompts, make_llm(llama_dir), 300)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import LocalCluster
 from tests.faults.faults_util import (
     compare,
     metric,
@@ -23,6 +23,7 @@ from tests.faults.faults_util import (
     run_streams,
     stats,
     survivors_hold_nothing,
+    two_decode_workers,
 )
 from tests.services.harness import wait_for
 
@@ -32,15 +33,8 @@ STALL_S = 6.0  # well above the 1 s heartbeats, on a loaded machine too
 
 @pytest.fixture
 def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model=str(llama_dir),
-        num_prefill=1,
-        num_decode=2,
-        redis_url=redis_url,
-        redis_namespace=tmp_path.name,
-        log_dir=tmp_path,
-        router_args=("--local-prefill-tokens", "0", "--stall-timeout-s", str(STALL_S)),
-    )
+    stall = ("--stall-timeout-s", str(STALL_S))
+    config = two_decode_workers(llama_dir, redis_url, tmp_path, router_args=stall)
     with LocalCluster(config) as c:
         try:
             yield c

@@ -13,8 +13,10 @@ from decode_service.config import DecodeConfig
 from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_layout import KVCacheDtype
+from engine.sampling_params import SamplingParams
+from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, Service, ServiceServer
-from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_service.config import PrefillConfig
 from prefill_service.service import PrefillService
 
@@ -118,3 +120,31 @@ def prefill_stub(server: ServiceServer) -> prefill_pb2_grpc.PrefillWorkerStub:
 
 def decode_stub(server: ServiceServer) -> decode_pb2_grpc.DecodeWorkerStub:
     return decode_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(server.address))
+
+
+async def failed_decode(
+    prefill_server: ServiceServer,
+    decode_server: ServiceServer,
+    prompt: list[int],
+    params: SamplingParams,
+) -> grpc.aio.AioRpcError:
+    """Prefills ``prompt`` on one worker and decodes its handle on the other, which must fail:
+    the decode stream's error (a test of a refused or failed pull)."""
+    sampling = sampling_to_proto(params)
+    prefilled = await prefill_stub(prefill_server).Prefill(
+        prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling)
+    )
+    request = decode_pb2.DecodeRequest(
+        request_id="r",
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        first_token_id=prefilled.first_token_id,
+        handle=prefilled.handle,
+        prefill_address=prefill_server.address,
+    )
+    try:
+        async for _ in decode_stub(decode_server).Decode(request):
+            pass
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the decode stream ended without the error it must end with")

@@ -1,7 +1,7 @@
 """A quantized KV cache across services, on real gRPC and Redis: an int8 cluster (router,
 prefill and decode workers all int8) answers exactly as one int8 engine does; a worker whose
-cache dtype differs is refused by the router (its fingerprint differs), and a decode worker
-that pulls from a sender of another cache dtype fails the request by name, freeing both sides."""
+cache dtype differs is refused by the router (its fingerprint differs). A decode worker that
+pulls from a sender of another cache dtype: tests/services/test_transfer_failures.py."""
 
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ from engine.kv_layout import KVCacheDtype
 from pdserve.app.client import generate
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.convert import sampling_to_proto
-from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService
 from tests.services.harness import (
-    both_sides_freed,
-    decode_stub,
     prefill_stub,
     start,
     start_decode,
@@ -75,43 +73,5 @@ def test_an_int8_cluster_answers_as_one_int8_engine_and_refuses_other_dtypes(
             await router.shutdown()
             for server in (int8_decode, int8_prefill, full_prefill):
                 await server.shutdown()
-
-    asyncio.run(run())
-
-
-def test_an_int8_decode_worker_refuses_a_full_precision_sender_by_name(llama_dir: Path) -> None:
-    async def run() -> None:
-        _, prefill_server = await start_prefill(llama_dir)
-        _, decode_server = await start_decode(
-            llama_dir, peers=[prefill_server], kv_cache_dtype=INT8
-        )
-        try:
-            prompt = list(range(1, 40))
-            sampling = sampling_to_proto(PARAMS)
-            prefilled = await prefill_stub(prefill_server).Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id="mixed", prompt_token_ids=prompt, sampling=sampling
-                )
-            )
-            request = decode_pb2.DecodeRequest(
-                request_id="mixed",
-                prompt_token_ids=prompt,
-                sampling=sampling,
-                first_token_id=prefilled.first_token_id,
-                handle=prefilled.handle,
-                prefill_address=prefill_server.address,
-            )
-            try:
-                async for _ in decode_stub(decode_server).Decode(request):
-                    pass
-                raise AssertionError("a mixed-dtype pull must fail")
-            except grpc.aio.AioRpcError as err:
-                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
-                details = err.details() or ""
-                assert "kv_cache_dtype int8 != auto" in details or "auto != int8" in details
-            await both_sides_freed(prefill_server, decode_server)
-        finally:
-            await decode_server.shutdown()
-            await prefill_server.shutdown()
 
     asyncio.run(run())

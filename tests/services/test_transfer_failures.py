@@ -11,50 +11,21 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.kv_layout import KVCacheDtype
 from kvtransfer.codec import ChunkSpec
 from kvtransfer.grpc_stream import GrpcKVSender
 from kvtransfer.nixl_sender import NixlKVSender
-from pdserve.common.convert import layout_to_proto, sampling_to_proto
-from pdserve.v1 import decode_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, nixl_pb2, prefill_pb2
+from pdserve.common.convert import layout_to_proto
+from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, nixl_pb2
 from tests.services.harness import (
     both_sides_freed,
+    failed_decode,
     start_decode,
     start_prefill,
 )
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(3, 300))
-
-
-async def _prefill_and_decode(
-    prefill_address: str, decode_address: str, rewrite_handle: str | None = None
-) -> grpc.aio.AioRpcError:
-    async with grpc.aio.insecure_channel(prefill_address) as channel:
-        from pdserve.v1 import prefill_pb2_grpc
-
-        prefilled = await prefill_pb2_grpc.PrefillWorkerStub(channel).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_proto(PARAMS)
-            )
-        )
-    handle = prefilled.handle
-    if rewrite_handle is not None:
-        handle.address = rewrite_handle
-    request = decode_pb2.DecodeRequest(
-        request_id="r",
-        prompt_token_ids=PROMPT,
-        sampling=sampling_to_proto(PARAMS),
-        first_token_id=prefilled.first_token_id,
-        handle=handle,
-        prefill_address=prefill_address,
-    )
-    async with grpc.aio.insecure_channel(decode_address) as channel:
-        from pdserve.v1 import decode_pb2_grpc
-
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request):
-                pass
-    return err.value
 
 
 def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> None:
@@ -78,7 +49,7 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
 
         sender._encode = damaged  # type: ignore[method-assign]
         try:
-            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            error = await failed_decode(prefill_server, decode_server, PROMPT, PARAMS)
             assert error.code() == grpc.StatusCode.DATA_LOSS
             assert "checksum mismatch" in (error.details() or "")
             await both_sides_freed(prefill_server, decode_server)
@@ -111,7 +82,7 @@ def test_a_flipped_bit_after_the_nixl_digest_is_data_loss_and_frees_both_sides(
 
         sender.checkout = damaged  # type: ignore[method-assign]
         try:
-            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            error = await failed_decode(prefill_server, decode_server, PROMPT, PARAMS)
             assert error.code() == grpc.StatusCode.DATA_LOSS
             assert "differ from the sender's digest" in (error.details() or "")
             await both_sides_freed(prefill_server, decode_server)
@@ -122,16 +93,31 @@ def test_a_flipped_bit_after_the_nixl_digest_is_data_loss_and_frees_both_sides(
     asyncio.run(run())
 
 
-def test_layout_mismatch_is_failed_precondition_and_frees_both_sides(llama_dir: Path) -> None:
+# A decode worker whose KV layout differs from the sender's in one field, and what the refusal
+# must name: both layouts, and the field.
+MISMATCHES = [
+    ({"block_size": 8}, ["block_size=8", "block_size=16"]),
+    ({"kv_cache_dtype": KVCacheDtype.INT8}, ["kv_cache_dtype int8 != auto"]),
+]
+
+
+@pytest.mark.parametrize(("differs", "named"), MISMATCHES, ids=["block_size", "kv_cache_dtype"])
+def test_layout_mismatch_is_failed_precondition_and_frees_both_sides(
+    differs: dict[str, object], named: list[str], llama_dir: Path
+) -> None:
     async def run() -> None:
         _, prefill_server = await start_prefill(llama_dir)
-        _, decode_server = await start_decode(llama_dir, block_size=8, peers=[prefill_server])
+        _, decode_server = await start_decode(
+            llama_dir,
+            peers=[prefill_server],
+            **differs,  # type: ignore[arg-type]
+        )
         try:
-            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            error = await failed_decode(prefill_server, decode_server, PROMPT, PARAMS)
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
             details = error.details() or ""
-            assert "local layout" in details and "remote layout" in details
-            assert "block_size=8" in details and "block_size=16" in details
+            for text in ["local layout", "remote layout", *named]:
+                assert text in details, (text, details)
             await both_sides_freed(prefill_server, decode_server)
         finally:
             await decode_server.shutdown()

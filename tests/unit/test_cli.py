@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,34 +85,39 @@ def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -
         _cluster_config(bad)
 
 
-def test_up_passes_the_host_tier_to_every_worker() -> None:
+def _up_configs(*flags: str) -> dict[str, Any]:
+    """The configs ``pdserve up --model /m FLAGS`` gives its prefill, decode and router."""
     from pdserve.app import settings
     from pdserve.app.cli import _cluster_config, build_parser
 
-    args = build_parser().parse_args(["up", "--model", "/m", "--host-cache-gib", "2"])
-    args.redis_url = ""
+    args = build_parser().parse_args(["up", "--model", "/m", *flags])
+    args.redis_url = "redis://127.0.0.1:1"  # what `pdserve up` sets once Redis is up
     cluster = _cluster_config(args)
-    for role, argv in (("prefill", cluster.prefill_args), ("decode", cluster.decode_args)):
-        config = settings.parse_service_flags(role, ["--model", "/m", *argv])
-        assert config.engine.cache.host_cache_gib == 2.0  # type: ignore[union-attr]
+    argv = {"prefill": cluster.prefill_args, "decode": cluster.decode_args}
+    # `pdserve up` gives the router its Redis when it starts it, not in router_args.
+    argv["router"] = ("--redis", args.redis_url, *cluster.router_args)
+    return {
+        role: settings.parse_service_flags(role, ["--model", "/m", *role_argv])
+        for role, role_argv in argv.items()
+    }
+
+
+def test_up_passes_the_host_tier_to_every_worker() -> None:
+    configs = _up_configs("--host-cache-gib", "2")
+    for role in ("prefill", "decode"):
+        assert configs[role].engine.cache.host_cache_gib == 2.0
 
 
 def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
     """The router computes the workers' fingerprint itself: it must get the same dtype."""
     from engine.kv_layout import KVCacheDtype
-    from pdserve.app import settings
-    from pdserve.app.cli import _cluster_config, build_parser
+    from pdserve.app.cli import build_parser
     from pdserve.app.ray_deploy.commands import _deployment_spec
 
-    args = build_parser().parse_args(["up", "--model", "/m", "--kv-cache-dtype", "int8"])
-    args.redis_url = ""
-    cluster = _cluster_config(args)
-    for role, argv in (("prefill", cluster.prefill_args), ("decode", cluster.decode_args)):
-        config = settings.parse_service_flags(role, ["--model", "/m", *argv])
-        assert config.engine.cache.kv_cache_dtype is KVCacheDtype.INT8  # type: ignore[union-attr]
-    router_argv = ["--model", "/m", "--redis", "redis://127.0.0.1:1", *cluster.router_args]
-    router = settings.parse_service_flags("router", router_argv)
-    assert router.kv_cache_dtype is KVCacheDtype.INT8  # type: ignore[union-attr]
+    configs = _up_configs("--kv-cache-dtype", "int8")
+    for role in ("prefill", "decode"):
+        assert configs[role].engine.cache.kv_cache_dtype is KVCacheDtype.INT8
+    assert configs["router"].kv_cache_dtype is KVCacheDtype.INT8
     ray = _deployment_spec(
         build_parser().parse_args(["ray", "up", "--model", "/m", "--kv-cache-dtype", "fp8_e4m3"])
     )
