@@ -28,12 +28,13 @@ from tests.ray_util import no_new_objects
 from tests.services.harness import (
     both_sides_freed,
     engine_config,
+    failed_decode,
     prefill_stub,
     start_decode,
     start_prefill,
     wait_for,
 )
-from tests.services.test_transfer_failures import PROMPT, _prefill_and_decode
+from tests.services.test_transfer_failures import PARAMS, PROMPT
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +69,7 @@ def test_damaged_payload_is_data_loss_and_frees_both_sides(llama_dir: Path) -> N
 
         sender._stage = damaged  # type: ignore[method-assign]
         try:
-            error = await _prefill_and_decode(prefill_server.address, decode_server.address)
+            error = await failed_decode(prefill_server, decode_server, PROMPT, PARAMS)
             assert error.code() == grpc.StatusCode.DATA_LOSS
             assert "digest mismatch in layer 1" in (error.details() or "")
             await both_sides_freed(prefill_server, decode_server)
