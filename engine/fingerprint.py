@@ -7,10 +7,18 @@ import hashlib
 import json
 from pathlib import Path
 
+from engine.checkpoint import CheckpointInfo
+from engine.config import EngineBackend
 from engine.kv_layout import KVCacheDtype
 from engine.model_config import ModelConfig
 
-__all__ = ["checkpoint_files", "fingerprint_of", "model_fingerprint", "weights_identity"]
+__all__ = [
+    "checkpoint_files",
+    "engine_fingerprint",
+    "fingerprint_of",
+    "model_fingerprint",
+    "weights_identity",
+]
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -78,3 +86,21 @@ def fingerprint_of(
         block_size,
         kv_cache_dtype,
     )
+
+
+def engine_fingerprint(
+    model_dir: str | Path,
+    backend: EngineBackend,
+    dtype: str,
+    block_size: int,
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+) -> str:
+    """The fingerprint of a worker of ``backend`` (the router computes it to refuse others).
+    Another engine's blocks hold other numerics (its kernels), so its fingerprint names it and
+    its block hashes never meet the native engine's; which vLLM release, attention backend
+    and page layout is in the KV layout (``page_layout``), checked before any block moves."""
+    if backend is EngineBackend.NATIVE:
+        return fingerprint_of(model_dir, dtype, block_size, kv_cache_dtype)
+    architecture = CheckpointInfo.from_dir(model_dir).architecture
+    identity = weights_identity(Path(model_dir))
+    return f"{architecture}:{identity}:{dtype}:bs{block_size}:{backend.value}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
+from engine.kv_pages import KVPages
 from engine.kv_quant import codebook
 
 _DTYPES = {
@@ -46,7 +47,10 @@ class LayerCache:
         return self.kind.quantized
 
 
-class KVCache:
+class KVCache(KVPages):
+    """The native engine's cache: every layer's blocks in one tensor (``KVPages`` for the
+    transfer backends; NIXL registers the tensor whole)."""
+
     def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
@@ -75,8 +79,7 @@ class KVCache:
         return LayerCache(codes[0], codes[1], lo.kv_cache_dtype, scales[0], scales[1], book)
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"block_ids out of range [0, {self.num_blocks}): {block_ids}")
+        self.check_block_ids(block_ids)
         return torch.tensor(block_ids, dtype=torch.long, device=self.tensor.device)
 
     def _storage(self, words: torch.Tensor) -> torch.Tensor:
@@ -94,29 +97,16 @@ class KVCache:
         contiguous copy."""
         return self._storage(self.words.index_select(2, self._index(block_ids)))
 
-    def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
-        """Keys (kv 0) or values (kv 1) of one layer: ``[n, *slab_shape]``."""
-        _check_kv(kv)
-        return self.read_slabs(layer * 2 + kv, 1, block_ids)[0]
-
     def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
-        """Slabs ``first .. first + num_slabs - 1`` in layer-major order (slab ``layer * 2 +
-        kv``) of the given blocks: ``[num_slabs, n, *slab_shape]``, a contiguous copy."""
         slabs = self._slabs(first, num_slabs)  # [num_slabs, num_blocks, ...]
         return self._storage(slabs.index_select(1, self._index(block_ids)))
 
     def _slabs(self, first: int, num_slabs: int) -> torch.Tensor:
+        self.check_slabs(first, num_slabs)
         total = 2 * self.layout.num_layers
-        if not (first >= 0 and num_slabs >= 1 and first + num_slabs <= total):
-            raise ValueError(f"slabs [{first}, {first + num_slabs}) out of range [0, {total})")
         return self.words.view(total, *self.words.shape[2:])[first : first + num_slabs]
 
-    def write_slab(self, layer: int, kv: int, block_ids: list[int], data: torch.Tensor) -> None:
-        _check_kv(kv)
-        self.write_slabs(layer * 2 + kv, block_ids, data[None])
-
     def write_slabs(self, first: int, block_ids: list[int], data: torch.Tensor) -> None:
-        """``data``: ``[num_slabs, n, *slab_shape]`` for slabs ``first`` onwards."""
         expected = (len(block_ids), *self.tensor.shape[3:])
         if data.dim() < 1 or tuple(data.shape[1:]) != expected or data.dtype != self.tensor.dtype:
             raise ValueError(
@@ -134,8 +124,3 @@ class KVCache:
                 f"expected {expected} {self.tensor.dtype}"
             )
         self.words[layer][:, self._index(block_ids)] = self._words(data.to(self.tensor.device))
-
-
-def _check_kv(kv: int) -> None:
-    if kv not in (0, 1):
-        raise ValueError(f"kv must be 0 (keys) or 1 (values), got {kv}")

@@ -17,6 +17,9 @@ import enum
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What a slab's bytes mean in the native engine's cache (``engine.kv_cache``); another engine
+# names its own arrangement (the vLLM engine: "vllm-<version>/<attention backend>/<layout>").
+NATIVE_PAGE_LAYOUT = "pdserve"
 SCALE_BYTES = 4  # float32
 
 
@@ -56,6 +59,7 @@ class KVCacheLayout:
     num_kv_heads: int
     head_dim: int
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    page_layout: str = NATIVE_PAGE_LAYOUT
 
     def __post_init__(self) -> None:
         if self.quantized and self.num_codes_per_slab % SCALE_BYTES:

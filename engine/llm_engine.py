@@ -16,31 +16,20 @@ from __future__ import annotations
 import itertools
 import logging
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.host_loads import HostLoads
 from engine.host_tier import make_host_tier
 from engine.loaded_model import LoadedModel
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams, check_continuation
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.speculator import draft_block_bytes, make_speculator
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
-    reported_cached: bool = False
-    pending_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
-    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -71,9 +60,9 @@ class LLMEngine:
         self.speculator = make_speculator(
             config, self.block_manager, self.model_config.vocab_size, self.max_model_len
         )
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self.pinned: dict[str, Sequence] = {}
-        self._reserved: dict[str, _Request] = {}
+        self._reserved: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_prefix_hit_tokens = 0
@@ -102,7 +91,7 @@ class LLMEngine:
         token_ids = self.validate_prompt(prompt)
         seq = self._sequence(request_id, token_ids, params, num_generated_tokens, prefill_only)
         self._hash(seq)
-        self._requests[request_id] = _Request(seq, self._detokenizer(seq))
+        self._requests[request_id] = self._state(seq)
         self.scheduler.add(seq)
         return request_id
 
@@ -223,7 +212,7 @@ class LLMEngine:
             self.host_loads.sync()
 
     def _append_tokens(
-        self, req: _Request, tokens: list[tuple[int, TokenLogprobs | None]]
+        self, req: RequestState, tokens: list[tuple[int, TokenLogprobs | None]]
     ) -> RequestUpdate | None:
         """Appends one step's tokens (several when guesses were accepted), stopping at the
         first that ends the request exactly as if they had come one step at a time."""
@@ -232,41 +221,20 @@ class LLMEngine:
             self.num_prefix_hit_tokens += max(seq.num_cached_tokens, 0)
             self.num_host_hit_tokens += seq.num_host_cached_tokens
         for token_id, logprobs in tokens:
-            seq.token_ids.append(token_id)
+            status = req.append(
+                token_id, logprobs, self.model_config.eos_token_ids, self.max_model_len
+            )
             self._hash(seq)
-            req.pending_ids.append(token_id)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-                req.pending_logprobs.append(logprobs)
-            stop_token = seq.params.is_stop_token(token_id, self.model_config.eos_token_ids)
-            stop_string = False
-            # A stop token ends the request but, as in vLLM, its text is not part of the output.
-            if req.detokenizer is not None and not stop_token:
-                text, stop_string = req.detokenizer.add_token(token_id)
-                req.pending_text += text
-            status = self._stop_status(seq, stop_token or stop_string)
             if status is not None:
                 return self._finish(req, status)
         if seq.prefill_only:
             return self._pin(req)
-        return self._flush(req, None)
+        return req.flush(None)
 
-    def _stop_status(self, seq: Sequence, stopped: bool) -> SequenceStatus | None:
-        if stopped:
-            return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
-
-    def _finish(self, req: _Request, status: SequenceStatus) -> RequestUpdate:
+    def _finish(self, req: RequestState, status: SequenceStatus) -> RequestUpdate:
         seq = req.seq
-        seq.status = status
+        status = req.finish(status)
         self.scheduler.remove(seq)
-        if req.detokenizer is not None:
-            req.pending_text += req.detokenizer.finish()
-            if req.detokenizer.stopped and status is SequenceStatus.FINISHED_LENGTH:
-                # The stop string completed inside the last, held-back characters.
-                status = seq.status = SequenceStatus.FINISHED_STOPPED
         del self._requests[seq.request_id]
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
@@ -276,37 +244,17 @@ class LLMEngine:
             self.pinned[seq.request_id] = seq
         else:
             self.block_manager.free(seq)
-        return self._flush(req, status.finish_reason, prefilled=pinned)
+        return req.flush(status.finish_reason, prefilled=pinned)
 
-    def _pin(self, req: _Request) -> RequestUpdate:
+    def _pin(self, req: RequestState) -> RequestUpdate:
         seq = req.seq
         self.scheduler.remove(seq)
         del self._requests[seq.request_id]
         self.pinned[seq.request_id] = seq
-        return self._flush(req, None, prefilled=True)
+        return req.flush(None, prefilled=True)
 
-    def _flush(
-        self, req: _Request, finish_reason: str | None, prefilled: bool = False
-    ) -> RequestUpdate:
-        update = RequestUpdate(
-            request_id=req.seq.request_id,
-            new_token_ids=req.pending_ids,
-            new_text=req.pending_text,
-            new_logprobs=req.pending_logprobs,
-            finish_reason=finish_reason,
-            num_cached_tokens=max(req.seq.num_cached_tokens, 0),
-            prefilled=prefilled,
-        )
-        req.pending_ids, req.pending_text, req.pending_logprobs = [], "", []
-        req.reported_cached = True
-        return update
-
-    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
-        return IncrementalDetokenizer.for_sequence(
-            self.tokenizer, seq, self.model_config.eos_token_ids
-        )
+    def _state(self, seq: Sequence) -> RequestState:
+        return RequestState.create(seq, self.tokenizer, self.model_config.eos_token_ids)
 
     def _hash(self, seq: Sequence) -> None:
         if self.config.cache.enable_prefix_caching:
@@ -351,7 +299,7 @@ class LLMEngine:
             self.block_manager.free(seq)
             raise
         seq.num_cached_tokens = 0
-        self._reserved[request.request_id] = _Request(seq, self._detokenizer(seq))
+        self._reserved[request.request_id] = self._state(seq)
         return list(seq.block_table)
 
     def start_prefilled(self, request: PrefilledRequest) -> RequestUpdate | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.block_hash import root_hash
-from engine.config import AttentionBackend, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, AttentionBackend, EngineConfig
 from engine.fingerprint import fingerprint_of
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
@@ -24,7 +24,6 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_CACHE_BYTES = 2 << 30
 _GPU_MEMORY_FRACTION = 0.85
 
 
@@ -117,7 +116,7 @@ class LoadedModel:
                 free_bytes, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free_bytes * _GPU_MEMORY_FRACTION)
             else:
-                budget = _CPU_KV_CACHE_BYTES
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
         by_memory = budget // (self.kv_layout.block_bytes + self._extra_block_bytes)
         # More than every admitted sequence at full length can use is wasted memory.
         per_seq = -(-self.max_model_len // self.block_size)

@@ -110,9 +110,9 @@ class ModelConfig:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"model: no config.json in {path}")
-        raw = _read_json(config_path)
+        raw = read_json(config_path)
         generation_path = path / "generation_config.json"
-        generation = _read_json(generation_path) if generation_path.is_file() else {}
+        generation = read_json(generation_path) if generation_path.is_file() else {}
         return cls.from_hf_dict(raw, generation)
 
     @classmethod
@@ -137,7 +137,7 @@ class ModelConfig:
             and raw.get("use_sliding_window", architecture == "MistralForCausalLM")
         ):
             sliding_window = int(raw["sliding_window"])
-        eos_ids = _token_ids(raw.get("eos_token_id")) + _token_ids(
+        eos_ids = token_ids_of(raw.get("eos_token_id")) + token_ids_of(
             (generation or {}).get("eos_token_id")
         )
         return cls(
@@ -162,7 +162,7 @@ class ModelConfig:
         )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -198,7 +198,7 @@ def _int(raw: dict[str, Any], key: str) -> int:
     return value
 
 
-def _token_ids(value: Any) -> tuple[int, ...]:
+def token_ids_of(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, int):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.config import EngineBackend
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -19,16 +20,20 @@ from kvtransfer.base import (
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
+    from engine.kv_pages import KVPages
     from pdserve.common.tls import TlsConfig
 
 BACKENDS = ("grpc", "local", "ray", "nixl")
 # The backends that cross processes: what the command line offers (local is in-process only).
 NETWORK_BACKENDS = tuple(b for b in BACKENDS if b != "local")
+# The backends that move any engine's pages (``engine.kv_pages``). Ray and NIXL need the native
+# engine's one-tensor cache: NIXL registers it whole, Ray ships it as int32 words.
+PAGED_BACKENDS = ("grpc", "local")
 
 
 def make_sender(
     backend: str,
-    cache: KVCache,
+    cache: KVPages,
     leases: BlockLeases,
     host: str,
     port: int,
@@ -62,12 +67,12 @@ def make_sender(
     if backend == "ray":
         from kvtransfer.ray_object_store import RayKVSender
 
-        return RayKVSender(cache, leases)
+        return RayKVSender(_native_cache(backend, cache), leases)
     if backend == "nixl":
         from kvtransfer.nixl_sender import NixlKVSender
 
         return NixlKVSender(
-            cache,
+            _native_cache(backend, cache),
             leases,
             host,
             port,
@@ -91,7 +96,7 @@ def require_backend(backend: str) -> None:
 
 def make_receiver(
     backend: str,
-    cache: KVCache,
+    cache: KVPages,
     timeout_s: float,
     tls: TlsConfig | None = None,
     verify: bool = True,
@@ -110,17 +115,40 @@ def make_receiver(
     if backend == "ray":
         from kvtransfer.ray_object_store import RayKVReceiver
 
-        return RayKVReceiver(cache, timeout_s)
+        return RayKVReceiver(_native_cache(backend, cache), timeout_s)
     if backend == "nixl":
         from kvtransfer.nixl_receiver import NixlKVReceiver
 
-        return NixlKVReceiver(cache, timeout_s, tls=tls, verify=verify, ucx_tls=ucx_tls)
+        return NixlKVReceiver(
+            _native_cache(backend, cache), timeout_s, tls=tls, verify=verify, ucx_tls=ucx_tls
+        )
     raise ValueError(f"kv_backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_engine(backend: str, engine: EngineBackend) -> None:
+    """Refuses, by name, a backend that cannot move this engine's pages (a config check)."""
+    if engine is not EngineBackend.NATIVE and backend not in PAGED_BACKENDS:
+        raise ValueError(
+            f"kv_backend {backend!r} needs the native engine's KV cache; the {engine.value} "
+            f"engine's KV moves with {' or '.join(PAGED_BACKENDS)}"
+        )
+
+
+def _native_cache(backend: str, cache: KVPages) -> KVCache:
+    from engine.kv_cache import KVCache
+
+    if not isinstance(cache, KVCache):
+        raise ValueError(
+            f"kv_backend {backend!r} needs the native engine's KV cache; this engine's KV moves "
+            f"with {' or '.join(PAGED_BACKENDS)}"
+        )
+    return cache
 
 
 __all__ = [
     "BACKENDS",
     "NETWORK_BACKENDS",
+    "PAGED_BACKENDS",
     "BlockLeases",
     "KVHandle",
     "KVReceiver",
@@ -128,6 +156,7 @@ __all__ = [
     "KVTransferError",
     "TransferErrorCode",
     "TransferStats",
+    "check_engine",
     "make_receiver",
     "make_sender",
     "require_backend",

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from engine.kv_layout import KVCacheLayout
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVCache
+    from engine.kv_pages import KVPages
 
 
 class TransferErrorCode(enum.Enum):
@@ -111,7 +111,7 @@ class KVSender(ABC):
 
     backend: str
 
-    def __init__(self, cache: KVCache, leases: BlockLeases) -> None:
+    def __init__(self, cache: KVPages, leases: BlockLeases) -> None:
         self.cache = cache
         self.leases = leases
 
@@ -156,7 +156,7 @@ class KVReceiver(ABC):
 
     backend: str
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVPages) -> None:
         self.cache = cache
 
     @abstractmethod

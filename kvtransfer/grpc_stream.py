@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from engine.kv_cache import KVCache
+from engine.kv_pages import KVPages
 from engine.threads import finish_in_thread
 from kvtransfer.base import (
     BlockLeases,
@@ -52,7 +52,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
 
     def __init__(
         self,
-        cache: KVCache,
+        cache: KVPages,
         leases: BlockLeases,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -145,7 +145,7 @@ class GrpcKVReceiver(KVReceiver):
     backend = "grpc"
 
     def __init__(
-        self, cache: KVCache, timeout_s: float = 60.0, tls: TlsConfig | None = None
+        self, cache: KVPages, timeout_s: float = 60.0, tls: TlsConfig | None = None
     ) -> None:
         super().__init__(cache)
         self.timeout_s = timeout_s

@@ -10,7 +10,7 @@ import itertools
 import time
 from typing import ClassVar
 
-from engine.kv_cache import KVCache
+from engine.kv_pages import KVPages
 from engine.threads import finish_in_thread
 from kvtransfer.base import (
     BlockLeases,
@@ -28,7 +28,7 @@ class LocalKVSender(KVSender):
     _registry: ClassVar[dict[str, LocalKVSender]] = {}
     _ids = itertools.count()
 
-    def __init__(self, cache: KVCache, leases: BlockLeases) -> None:
+    def __init__(self, cache: KVPages, leases: BlockLeases) -> None:
         super().__init__(cache, leases)
         self._address = f"local-{next(self._ids)}"
 

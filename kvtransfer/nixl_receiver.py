@@ -64,6 +64,7 @@ class _Peer:
 
 class NixlKVReceiver(KVReceiver):
     backend = "nixl"
+    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
 
     def __init__(
         self,

@@ -44,6 +44,7 @@ class _Checkout:
 
 class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
     backend = "nixl"
+    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
 
     def __init__(
         self,

@@ -78,6 +78,7 @@ def _require_ray() -> None:
 
 class RayKVSender(KVSender):
     backend = "ray"
+    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
 
     def __init__(self, cache: KVCache, leases: BlockLeases) -> None:
         super().__init__(cache, leases)
@@ -217,6 +218,7 @@ class RayKVSender(KVSender):
 
 class RayKVReceiver(KVReceiver):
     backend = "ray"
+    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
 
     def __init__(self, cache: KVCache, timeout_s: float = 60.0) -> None:
         super().__init__(cache)

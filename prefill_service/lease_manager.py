@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 
-from engine.async_engine import AsyncEngine
+from engine.serving_engine import ServingEngine
 from kvtransfer.base import BlockLeases, KVSender, new_lease_token
 from pdserve.common import metrics
 from prefill_service.lease_table import LeaseTable
@@ -28,7 +28,7 @@ class LeaseManager(BlockLeases):
 
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
-        self._engine: AsyncEngine | None = None
+        self._engine: ServingEngine | None = None
         self._sender: KVSender | None = None  # told when a lease ends
         self._table = LeaseTable(lease_s)
         self._changed = asyncio.Event()
@@ -37,7 +37,7 @@ class LeaseManager(BlockLeases):
     def __len__(self) -> int:
         return len(self._table)
 
-    def start(self, engine: AsyncEngine, sender: KVSender) -> None:
+    def start(self, engine: ServingEngine, sender: KVSender) -> None:
         self._engine, self._sender = engine, sender
         self._reaper = asyncio.create_task(self._expire_forever(), name="lease-reaper")
 

@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import grpc
 
-from engine.async_engine import EngineDeadError
 from engine.outputs import RequestUpdate
+from engine.serving_engine import EngineBuilder, EngineDeadError
 from kvtransfer import KVSender, make_sender
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_to_proto
@@ -32,8 +32,8 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     role = Role.PREFILL
     name = "pdserve.v1.PrefillWorker"
 
-    def __init__(self, config: PrefillConfig) -> None:
-        super().__init__(config.engine, config.redis, config.worker_id)
+    def __init__(self, config: PrefillConfig, build_engine: EngineBuilder | None = None) -> None:
+        super().__init__(config.engine, config.redis, config.worker_id, build_engine=build_engine)
         self.config = config
         self.leases = LeaseManager(config.lease_s)
         self._sender: KVSender | None = None
@@ -46,7 +46,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         # decode workers refuse this worker's handles (decode_service/peers.py).
         self._sender = make_sender(
             self.config.kv_backend,
-            self.engine.kv_cache,
+            self.engine.kv_pages,
             self.leases,
             self.config.server.host,
             self.config.kv_port,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import EngineBackend
 from engine.kv_layout import KVCacheDtype
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -22,6 +23,7 @@ class RouterConfig:
     dtype: str = "float32"
     block_size: int = 16
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    engine: EngineBackend = EngineBackend.NATIVE  # the workers' engine (names the fingerprint)
     prefill_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # Decode placement follows free KV blocks; the decode pool's cache is used by conditional
     # disaggregation (choosing where to prefill locally), so cache_aware is not a decode policy.

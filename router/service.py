@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.fingerprint import fingerprint_of
-from engine.model_config import ModelConfig
+from engine.checkpoint import CheckpointInfo
+from engine.fingerprint import engine_fingerprint
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdserve.common import metrics
@@ -75,11 +75,11 @@ class RouterService(Service):
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.checkpoint = CheckpointInfo.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
         self.max_request_bytes = config.limits.max_request_bytes
-        self.prompts = PromptReader(self.tokenizer, self.model_config.vocab_size, config.limits)
+        self.prompts = PromptReader(self.tokenizer, self.checkpoint.vocab_size, config.limits)
         self._pool: WorkerPool | None = None
         self._cluster: ClusterState | None = None
         self._generation: Generation | None = None
@@ -137,11 +137,16 @@ class RouterService(Service):
             tls=config.server.tls,
         )
         fingerprint = await asyncio.to_thread(
-            fingerprint_of, config.model, config.dtype, config.block_size, config.kv_cache_dtype
+            engine_fingerprint,
+            config.model,
+            config.engine,
+            config.dtype,
+            config.block_size,
+            config.kv_cache_dtype,
         )
         self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
         dispatch = Dispatcher(config, self._pool, self._cluster)
-        self._generation = Generation(config, self._pool, dispatch, self.model_config.eos_token_ids)
+        self._generation = Generation(config, self._pool, dispatch, self.checkpoint.eos_token_ids)
         await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)
         self._cluster.start(config.stats_interval_s)
 
@@ -168,7 +173,7 @@ class RouterService(Service):
     def max_model_len(self) -> int:
         """The workers' limit; the model's own until a worker reported one (a bound on what a
         request may carry even then)."""
-        return self.pool.max_model_len or self.model_config.max_position_embeddings
+        return self.pool.max_model_len or self.checkpoint.max_position_embeddings
 
     async def read(
         self, request: router_pb2.GenerateRequest, add_special_tokens: bool = True
@@ -200,7 +205,7 @@ class RouterService(Service):
         clients reuse theirs. Every frontend's (inside its ``track``)."""
         request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
         out = OutputStream(
-            self.tokenizer, prompt_ids, params, self.model_config.eos_token_ids, start_s
+            self.tokenizer, prompt_ids, params, self.checkpoint.eos_token_ids, start_s
         )
         try:
             stream = self.generation.generate(request_id, client_id, prompt_ids, params, out)

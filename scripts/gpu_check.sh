@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU check (< 5 min): Triton kernels on CUDA vs the torch path, the engine benchmark in
-# bf16 on CUDA, then NIXL with VRAM caches. Run from the repository root on an NVIDIA GPU machine.
+# GPU check (< 10 min): Triton kernels on CUDA vs the torch path, the engine benchmark in
+# bf16 on CUDA, NIXL with VRAM caches, then the vLLM engine on CUDA (disaggregated, exact, and
+# against `vllm serve`; TP=2 colocated on two GPUs). Run from the repository root on an NVIDIA
+# GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -22,3 +24,17 @@ TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_kv_quant.py \
 # suite's nixl cases and the two-process test (a restarted peer, kill -9, SIGSTOP).
 .venv/bin/python -m pytest -q tests/contract/test_kvtransfer_contract.py -k nixl \
   tests/nixl/test_nixl_processes.py
+# The vLLM engine on CUDA (docs/engines.md), in an environment of its own (vLLM pins packages
+# below the main one's): the CUDA wheel of the release the CPU build pins.
+if [ ! -x .venv-vllm-cuda/bin/python ]; then
+  $PY -m venv .venv-vllm-cuda
+  .venv-vllm-cuda/bin/pip install --quiet vllm==0.32.0
+  .venv-vllm-cuda/bin/pip install --quiet -e . pytest pytest-timeout openai httpx2 gguf accelerate
+fi
+VPY=.venv-vllm-cuda/bin/python
+$VPY -m pytest -q tests/vllm/test_serving_engine_vllm.py tests/vllm/test_vllm_disaggregation.py
+$VPY benchmarks/engine_backends.py --systems vllm-serve,vllm-colocated,vllm-1p1d --no-vllm-client
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism: colocated workers only
+  $VPY benchmarks/engine_backends.py --systems vllm-serve,vllm-colocated --no-vllm-client \
+    --tensor-parallel-size 2
+fi

@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # The sandbox has no route out; Ray would otherwise try to report usage.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,10 @@ import pytest
 from engine import LLM
 from pdserve.app.make_model import make_model
 
+# tests/vllm run in the environment that has vLLM (`make test-vllm`, .venv-vllm); elsewhere the
+# directory is not collected (vLLM's pins differ from this environment's).
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
+
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
@@ -24,11 +29,11 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
     root = tmp_path_factory.mktemp("models")
     cache: dict[tuple[object, ...], Path] = {}
 
-    def build(arch: str = "llama", **kwargs: object) -> Path:
-        key = (arch, *sorted(kwargs.items()))
+    def build(arch: str = "llama", size: str = "tiny", **kwargs: object) -> Path:
+        key = (arch, size, *sorted(kwargs.items()))
         if key not in cache:
             out = root / f"{arch}-{len(cache)}"
-            cache[key] = make_model(out, arch, "tiny", **kwargs)  # type: ignore[arg-type]
+            cache[key] = make_model(out, arch, size, **kwargs)  # type: ignore[arg-type]
         return cache[key]
 
     return build

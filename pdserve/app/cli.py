@@ -54,8 +54,16 @@ def _cmd_service(args: argparse.Namespace) -> int:
     return 1 if spec.service.failure is not None else code
 
 
-def _check_model(model: str) -> None:
-    """Fail here, with the file named, rather than in every child process."""
+def _check_model(model: str, engine: str) -> None:
+    """Fail here, with the file (or the missing install) named, rather than in every child
+    process."""
+    if engine == "vllm":
+        from engine.checkpoint import CheckpointInfo
+        from vllm_engine import require_vllm
+
+        require_vllm()
+        CheckpointInfo.from_dir(model)
+        return
     from engine.model_config import ModelConfig
 
     ModelConfig.from_dir(model)
@@ -67,6 +75,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     # One KV layout for every component: the router refuses workers whose layout differs.
     layout: tuple[str, ...] = ("--dtype", args.dtype, "--block-size", str(args.block_size))
     layout += ("--kv-cache-dtype", args.kv_cache_dtype)
+    router_engine = ("--engine", args.engine)  # workers get it with their pass-through flags
     tls: tuple[str, ...] = ()
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -83,8 +92,16 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         *settings.decode_passthrough(args),
         *shlex.split(args.decode_args),
     )
+    prefill_args = (
+        *layout,
+        *transfer,
+        *settings.worker_passthrough(args),
+        *shlex.split(args.prefill_args),
+    )
     # Refused by name here (the workers would only crash-loop on them).
     settings.parse_service_flags("decode", ["--model", args.model, *decode_args])
+    if not args.colocated:
+        settings.parse_service_flags("prefill", ["--model", args.model, *prefill_args])
     return ClusterConfig(
         model=args.model,
         num_prefill=0 if args.colocated else args.prefill,
@@ -92,15 +109,11 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         router_port=args.port,
         router_http_port=args.http_port,
         redis_url=args.redis_url,
-        prefill_args=(
-            *layout,
-            *transfer,
-            *settings.worker_passthrough(args),
-            *shlex.split(args.prefill_args),
-        ),
+        prefill_args=prefill_args,
         decode_args=decode_args,
         router_args=(
             *layout,
+            *router_engine,
             *keys,
             *settings.router_passthrough(args),
             *shlex.split(args.router_args),
@@ -115,7 +128,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pdserve.app.embedded_redis import EmbeddedRedis
     from pdserve.app.local_cluster import LocalCluster
 
-    _check_model(args.model)  # before anything is started
+    _check_model(args.model, args.engine)  # before anything is started
     args.redis_url = args.redis
     _cluster_config(args)  # bad worker flags are refused by name before anything starts, too
     if args.transfer == "ray":
@@ -266,8 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make-model", help="write a random-init HF checkpoint + tokenizer")
     make.add_argument("dir")
-    make.add_argument("--arch", choices=("llama", "qwen2", "qwen3"), default="llama")
-    make.add_argument("--size", choices=("tiny", "small"), default="tiny")
+    # make_model.ARCHS and SIZES (spelled out: this module must not import torch). qwen3_moe
+    # and mixtral are for --engine vllm; tiny64 has vLLM's CPU head size (64).
+    make.add_argument(
+        "--arch", choices=("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"), default="llama"
+    )
+    make.add_argument("--size", choices=("tiny", "tiny64", "small"), default="tiny")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     make.set_defaults(func=_cmd_make_model)

@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 
 from decode_service.config import DecodeConfig
+from engine.config import EngineBackend, EngineConfig
+from engine.serving_engine import EngineBuilder
 from kvtransfer import require_backend
 from pdserve.app.settings import ServiceConfig
 from pdserve.common.server import ServerConfig, Service
@@ -35,16 +37,32 @@ def build_service(config: ServiceConfig) -> ServiceSpec:
 
         return ServiceSpec("router", RouterService(config), config.server, reflect=True)
     require_backend(config.kv_backend)  # a missing optional library: refused before the model
+    build_engine = engine_builder(config.engine)
     if config.kv_backend == "ray":
         connect_ray(config.ray_address)
     if isinstance(config, PrefillConfig):
         from prefill_service.service import PrefillService
 
-        return ServiceSpec("prefill", PrefillService(config), config.server)
+        return ServiceSpec("prefill", PrefillService(config, build_engine), config.server)
     assert isinstance(config, DecodeConfig)
     from decode_service.service import DecodeService
 
-    return ServiceSpec("decode", DecodeService(config), config.server)
+    return ServiceSpec("decode", DecodeService(config, build_engine), config.server)
+
+
+def engine_builder(config: EngineConfig) -> EngineBuilder:
+    """The engine a worker runs; a missing vLLM install is refused here, before any model
+    loads, with the command that installs it."""
+    if config.backend is EngineBackend.NATIVE:
+        from engine.async_engine import build_native_engine
+
+        return build_native_engine
+    from vllm_engine import require_vllm
+
+    require_vllm()
+    from vllm_engine.builder import build_vllm_engine
+
+    return build_vllm_engine
 
 
 def connect_ray(address: str) -> None:

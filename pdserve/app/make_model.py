@@ -18,16 +18,19 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-ARCHS = ("llama", "qwen2", "qwen3")
-SIZES = ("tiny", "small")
+# qwen3_moe and mixtral (MoE) are for the vLLM engine (the native engine refuses them by name).
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SIZES = ("tiny", "tiny64", "small")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS_TOKEN = "<|bos|>"
@@ -35,7 +38,7 @@ EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]
 
-TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096}
+TOKENIZER_VOCAB = {"tiny": 1024, "tiny64": 1024, "small": 4096}
 # ChatML, as SmolLM2, Qwen and others use it: the tiny models get a chat template too.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -64,6 +67,15 @@ SHAPES: dict[str, dict[str, int]] = {
         "intermediate_size": 128,
         "max_position_embeddings": 512,
     },
+    # tiny with head_dim 64: vLLM's CPU attention takes head sizes 32, 64, 80, ... only.
+    "tiny64": {
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "max_position_embeddings": 512,
+    },
     "small": {
         "hidden_size": 512,
         "num_hidden_layers": 8,
@@ -75,7 +87,9 @@ SHAPES: dict[str, dict[str, int]] = {
     },
 }
 # qwen3 gets a head_dim != hidden/heads so code that derives head_dim from hidden_size breaks.
-QWEN3_HEAD_DIM = {"tiny": 32, "small": 128}
+QWEN3_HEAD_DIM = {"tiny": 32, "tiny64": 64, "small": 128}
+# Experts per MoE layer, and how many each token uses.
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 4, 2
 
 # Output logit std ~= LOGIT_SCALE: with the 0.02 HF default the tiny model's logits have std
 # ~0.16, a near-uniform distribution where any numeric noise flips greedy choices.
@@ -138,7 +152,7 @@ def build_config(
     shape: dict[str, Any] = dict(SHAPES[size])
     shape.setdefault("vocab_size", -(-tokenizer_vocab_size // 8) * 8)
     if tie_word_embeddings is None:
-        tie_word_embeddings = arch != "llama"
+        tie_word_embeddings = arch in ("qwen2", "qwen3")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": ROPE_THETA}
     if rope_scaling:
         rope.update(LLAMA3_ROPE)
@@ -155,7 +169,16 @@ def build_config(
         return LlamaConfig(**common)
     if arch == "qwen2":
         return Qwen2Config(**common)
-    return Qwen3Config(**common, head_dim=QWEN3_HEAD_DIM[size])
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=QWEN3_HEAD_DIM[size])
+    moe: dict[str, Any] = {"num_experts_per_tok": EXPERTS_PER_TOKEN}
+    moe_size = common["intermediate_size"] // 2
+    if arch == "qwen3_moe":
+        moe.update(num_experts=NUM_EXPERTS, moe_intermediate_size=moe_size)
+        moe["head_dim"] = QWEN3_HEAD_DIM[size]
+        return Qwen3MoeConfig(**common, **moe)
+    moe.update(num_local_experts=NUM_EXPERTS, intermediate_size=moe_size)
+    return MixtralConfig(**{**common, **moe})
 
 
 def _check_args(arch: str, size: str, rope_scaling: bool) -> None:
@@ -185,10 +208,10 @@ def init_weights(model: PreTrainedModel, seed: int) -> None:
         elif "embed_tokens" in name or "lm_head" in name:
             # Final hidden state has RMS ~1, so this gives logits with std ~LOGIT_SCALE.
             value = (LOGIT_SCALE / hidden**0.5) * noise
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            value = (RESIDUAL_OUT_GAIN / p.shape[1] ** 0.5) * noise
-        else:
-            value = noise / p.shape[1] ** 0.5
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            value = (RESIDUAL_OUT_GAIN / p.shape[-1] ** 0.5) * noise
+        else:  # [.., out, in] (a MoE's experts stacked in front): fan-in is the last dim
+            value = noise / p.shape[-1] ** 0.5
         p.copy_(value.to(p.dtype))
 
 

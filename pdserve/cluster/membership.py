@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from engine.async_engine import AsyncEngine
+from engine.serving_engine import ServingEngine
 from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry, WorkerRecord
@@ -31,7 +31,7 @@ class Membership:
     def __init__(
         self,
         config: RedisConfig,
-        engine: AsyncEngine,
+        engine: ServingEngine,
         record: Callable[[], WorkerRecord],
         on_drain_request: Callable[[], None],
     ) -> None:

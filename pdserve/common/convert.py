@@ -7,7 +7,7 @@ Validation errors raise ``ValueError`` whose message names the field; servicers 
 
 from __future__ import annotations
 
-from engine.kv_layout import KVCacheDtype, KVCacheLayout
+from engine.kv_layout import NATIVE_PAGE_LAYOUT, KVCacheDtype, KVCacheLayout
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
@@ -90,6 +90,7 @@ def layout_to_proto(layout: KVCacheLayout) -> common_pb2.KVCacheLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         kv_cache_dtype=layout.kv_cache_dtype.value,
+        page_layout=layout.page_layout,
     )
 
 
@@ -102,6 +103,7 @@ def layout_from_proto(msg: common_pb2.KVCacheLayout) -> KVCacheLayout:
         num_kv_heads=msg.num_kv_heads,
         head_dim=msg.head_dim,
         kv_cache_dtype=KVCacheDtype.parse(msg.kv_cache_dtype or "auto"),
+        page_layout=msg.page_layout or NATIVE_PAGE_LAYOUT,
     )
 
 

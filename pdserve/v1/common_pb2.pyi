@@ -166,6 +166,7 @@ class KVCacheLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
+    PAGE_LAYOUT_FIELD_NUMBER: _builtins.int
     model_fingerprint: _builtins.str
     dtype: _builtins.str
     block_size: _builtins.int
@@ -174,6 +175,10 @@ class KVCacheLayout(_message.Message):
     head_dim: _builtins.int
     kv_cache_dtype: _builtins.str
     """"auto" | "int8" | "fp8_e4m3" (empty: "auto")"""
+    page_layout: _builtins.str
+    """What a slab's bytes mean: "pdserve" (the native engine; empty reads as it), or
+    "vllm-<version>/<attention backend>/<page layout>" for the vLLM engine.
+    """
     def __init__(
         self,
         *,
@@ -184,10 +189,11 @@ class KVCacheLayout(_message.Message):
         num_kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
         kv_cache_dtype: _builtins.str = ...,
+        page_layout: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "model_fingerprint", b"model_fingerprint", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "model_fingerprint", b"model_fingerprint", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_layout", b"page_layout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

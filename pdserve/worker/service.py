@@ -3,7 +3,6 @@ the worker's ``Membership`` in the cluster (registry heartbeats, prefix-index ev
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import uuid
@@ -11,11 +10,10 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineBackend, EngineConfig
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
+from engine.serving_engine import EngineBuilder, EngineHooks, ServingEngine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
@@ -28,7 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerService(Service):
-    """A service around one engine. Subclasses add their RPCs."""
+    """A service around one engine, which it reaches only through ``ServingEngine``.
+    Subclasses add their RPCs. ``build_engine``: given by the component builder
+    (``pdserve.app.components``) for the config's engine backend; the native engine when
+    None."""
 
     role: Role
 
@@ -40,13 +41,24 @@ class WorkerService(Service):
         *,
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         heartbeat_s: float | None = None,
+        build_engine: EngineBuilder | None = None,
     ) -> None:
+        if build_engine is None:
+            if engine_config.backend is not EngineBackend.NATIVE:
+                raise ValueError(
+                    f"the {engine_config.backend.value} engine is built by "
+                    "pdserve.app.components.build_service"
+                )
+            from engine.async_engine import build_native_engine
+
+            build_engine = build_native_engine
+        self._build_engine = build_engine
         self.engine_config = engine_config
         self.max_buffered_tokens = max_buffered_tokens
         self.heartbeat_s = heartbeat_s
         self.redis = redis
         self.worker_id = worker_id or f"{self.role.value}-{uuid.uuid4().hex[:8]}"
-        self._engine: AsyncEngine | None = None
+        self._engine: ServingEngine | None = None
         self._inflight = 0
         self._membership: Membership | None = None
         self._observer = metrics.EngineObserver()
@@ -56,21 +68,20 @@ class WorkerService(Service):
         return self._membership
 
     @property
-    def engine(self) -> AsyncEngine:
+    def engine(self) -> ServingEngine:
         if self._engine is None:
             raise RuntimeError("the engine is not loaded yet")
         return self._engine
 
     async def load(self) -> None:
-        llm_engine = await asyncio.to_thread(LLMEngine, self.engine_config)
-        metrics.observe_kv_layout(llm_engine.kv_layout)
-        self._engine = AsyncEngine(
-            llm_engine,
+        hooks = EngineHooks(
             on_stats=self._observe,
             on_dead=self._on_engine_dead,
             max_buffered_tokens=self.max_buffered_tokens,
             heartbeat_s=self.heartbeat_s,
         )
+        self._engine = await self._build_engine(self.engine_config, hooks)
+        metrics.observe_kv_layout(self._engine.kv_layout)
         self._engine.start()
         self._observer(self._engine.stats)
         await self.prepare()

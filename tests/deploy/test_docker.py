@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.cpu"]
+DOCKERFILES = [ROOT / "docker" / f"Dockerfile{suffix}" for suffix in ("", ".cpu", ".vllm")]
 
 
 def _hadolint() -> str:
@@ -51,6 +51,22 @@ def test_image_copies_every_package_and_installs_with_the_pins(dockerfile: Path)
     # make installs with `-c requirements/constraints-cpu.txt`; the CUDA image drops only the
     # torch and triton pins (its torch comes from the CUDA index).
     assert re.search(r"pip install --no-cache-dir -c \S*constraints\S*\.txt '\.\[ray\]'", text)
+
+
+def test_the_vllm_image_installs_the_pinned_cuda_vllm_on_the_pinned_torch() -> None:
+    """vllm_engine refuses any other vLLM release at start; the torch is make's (vLLM's CPU
+    build installs after that same torch)."""
+    from vllm_engine.install import VLLM_CUDA_REQUIREMENT
+
+    text = (ROOT / "docker" / "Dockerfile.vllm").read_text()
+    torch = next(
+        line.strip()
+        for line in (ROOT / "requirements" / "constraints-cpu.txt").read_text().splitlines()
+        if line.startswith("torch==")
+    )
+    installs = [line for line in text.splitlines() if "pip install" in line]
+    assert installs and all(f"{torch} {VLLM_CUDA_REQUIREMENT}" in line for line in installs)
+    assert "require_vllm()" in text  # the build fails on any other vLLM
 
 
 def test_dockerignore_keeps_the_build_context_small_but_complete() -> None:

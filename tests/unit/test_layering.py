@@ -26,6 +26,8 @@ _WORKER_SERVICE = frozenset(
 # node -> the nodes it may import. Read bottom-up: each layer stands only on those before it.
 LAYERS: dict[str, frozenset[str]] = {
     "engine": frozenset(),
+    # The vLLM engine behind the engine contract: only the component builder imports it.
+    "vllm_engine": frozenset({"engine"}),
     "pdserve.v1": frozenset(),
     "pdserve.common": frozenset({"engine", "pdserve.v1"}),
     "kvtransfer": frozenset({"engine", "pdserve.common", "pdserve.v1"}),
@@ -63,6 +65,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "prefill_service",
             "decode_service",
             "router",
+            "vllm_engine",
         }
     ),
     "pdserve": frozenset({"pdserve.app"}),
@@ -85,6 +88,8 @@ PURE_CORE = [
     "engine.ngram_proposer",
     "engine.spec_policy",
     "engine.host_index",
+    "engine.checkpoint",
+    "engine.serving_engine",
     "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",
@@ -221,6 +226,7 @@ def _graph(edges: dict[tuple[str, str], list[str]]) -> dict[str, set[str]]:
     [
         ("pdserve.common", {"kvtransfer", "pdserve.app", *SERVICES}),
         ("engine", set(LAYERS) - {"engine"}),
+        *((service, {"vllm_engine"}) for service in (*SERVICES, "pdserve.worker")),
         *((service, {"pdserve.app"}) for service in SERVICES),
     ],
 )

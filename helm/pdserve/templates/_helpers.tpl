@@ -29,6 +29,17 @@
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The image of the pods that run the workers' engine (the worker pools; in Ray mode every Ray
+     node and the ray-up client): with engine.backend vllm, docker/Dockerfile.vllm's. */}}
+{{- define "pdserve.workerImage" -}}
+{{- if eq .Values.engine.backend "vllm" -}}
+{{- $image := .Values.engine.vllm.image -}}
+{{- printf "%s:%s" (default .Values.image.repository $image.repository) (default (printf "%s-vllm" .Chart.AppVersion) $image.tag) -}}
+{{- else -}}
+{{- include "pdserve.image" . -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Selector labels of one component: call with (dict "root" $ "role" "prefill"). */}}
 {{- define "pdserve.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "pdserve.name" .root }}
@@ -87,6 +98,8 @@ podSelector:
   value: {{ .Values.blockSize | quote }}
 - name: PDSERVE_KV_CACHE_DTYPE
   value: {{ .Values.kvCacheDtype | quote }}
+- name: PDSERVE_ENGINE
+  value: {{ .Values.engine.backend | quote }}
 - name: PDSERVE_HOST
   value: "0.0.0.0"
 - name: PDSERVE_ADVERTISE_HOST
@@ -177,12 +190,15 @@ readinessProbe:
 {{- end -}}
 
 {{/* With source: download, fetch the weights before the server starts (idempotent: the Hub
-     client skips files already present, so pods sharing a claim download once). */}}
+     client skips files already present, so pods sharing a claim download once). The pod's own
+     image: (dict "root" $ "image" <image>). */}}
 {{- define "pdserve.initContainers" -}}
+{{- $image := .image -}}
+{{- with .root -}}
 {{- if eq .Values.model.source "download" }}
 initContainers:
   - name: download-model
-    image: {{ include "pdserve.image" . }}
+    image: {{ $image }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}
     command: [hf, download]
     args:
@@ -207,6 +223,7 @@ initContainers:
       {{- toYaml .Values.securityContext | nindent 6 }}
     volumeMounts:
       {{- include "pdserve.volumeMounts" . | nindent 6 }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -262,5 +279,25 @@ initContainers:
 - --spec-draft-model
 - {{ . | quote }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The vLLM engine's own options, as PDSERVE_* flags: with engine.backend vllm only (the
+     native engine refuses them). */}}
+{{- define "pdserve.vllmEnv" -}}
+{{- $vllm := .Values.engine.vllm -}}
+- name: PDSERVE_TENSOR_PARALLEL_SIZE
+  value: {{ $vllm.tensorParallelSize | quote }}
+{{- with $vllm.gpuMemoryUtilization }}
+- name: PDSERVE_GPU_MEMORY_UTILIZATION
+  value: {{ . | quote }}
+{{- end }}
+{{- with $vllm.quantization }}
+- name: PDSERVE_QUANTIZATION
+  value: {{ . | quote }}
+{{- end }}
+{{- if $vllm.enforceEager }}
+- name: PDSERVE_ENFORCE_EAGER
+  value: "true"
 {{- end }}
 {{- end }}

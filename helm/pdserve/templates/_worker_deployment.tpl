@@ -37,10 +37,11 @@ spec:
       securityContext:
         {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
       terminationGracePeriodSeconds: {{ $pool.terminationGracePeriodSeconds }}
-      {{- include "pdserve.initContainers" $root | nindent 6 }}
+      {{- $image := include "pdserve.workerImage" $root }}
+      {{- include "pdserve.initContainers" (dict "root" $root "image" $image) | nindent 6 }}
       containers:
         - name: {{ $role }}
-          image: {{ include "pdserve.image" $root }}
+          image: {{ $image }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args:
             - {{ $role }}
@@ -76,6 +77,9 @@ spec:
             {{- with $pool.engine.hostCacheGib }}
             - name: PDSERVE_HOST_CACHE_GIB
               value: {{ . | quote }}
+            {{- end }}
+            {{- if eq $root.Values.engine.backend "vllm" }}
+            {{- include "pdserve.vllmEnv" $root | nindent 12 }}
             {{- end }}
             {{- if eq $root.Values.kvTransfer.backend "nixl" }}
             {{- $nixl := $root.Values.kvTransfer.nixl }}
@@ -138,6 +142,16 @@ spec:
           {{- if and $nixl $root.Values.kvTransfer.nixl.rdmaResources }}
           {{- $limits := merge (deepCopy (default (dict) $resources.limits)) $root.Values.kvTransfer.nixl.rdmaResources }}
           {{- $_ := set $resources "limits" $limits }}
+          {{- end }}
+          {{- $tp := int $root.Values.engine.vllm.tensorParallelSize }}
+          {{- if and (eq $root.Values.engine.backend "vllm") (gt $tp 1) }}
+          {{- /* vLLM shards the model over tensorParallelSize GPUs: at least that many. */}}
+          {{- range $kind := list "requests" "limits" }}
+          {{- $amounts := index $resources $kind }}
+          {{- if and $amounts (hasKey $amounts "nvidia.com/gpu") }}
+          {{- $_ := set $amounts "nvidia.com/gpu" (max (int (index $amounts "nvidia.com/gpu")) $tp) }}
+          {{- end }}
+          {{- end }}
           {{- end }}
           resources:
             {{- toYaml $resources | nindent 12 }}

@@ -4,15 +4,19 @@ capacity planner (measure once, then simulate and search in seconds)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
+from engine.config import EngineBackend
 from pdserve.app.bench.commands import add_workload_flags
 from pdserve.app.capacity.autoscale_command import add_autoscale_command
 from pdserve.app.settings import add_flag
+from pdserve.app.settings.flags import add_engine_flag
+from pdserve.app.settings.workers import add_vllm_flags, vllm_options
 
 RESULTS_NAME = "results.json"
 
@@ -79,6 +83,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         args.model, args.dtype, args.device, args.num_blocks,
         args.max_num_seqs, args.max_num_batched_tokens,
     )  # fmt: skip
+    config = dataclasses.replace(
+        config,
+        backend=EngineBackend(args.engine),
+        cache=dataclasses.replace(config.cache, block_size=args.block_size),
+        vllm=vllm_options(args),
+    )
     print(f"profiling {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     profile = measure(config, args.kv_backend, QUICK if args.quick else ProfilePlan())
     if args.router is not None:
@@ -193,6 +203,9 @@ def add_capacity_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     prof = sub.add_parser("profile", help="measure a worker's step and transfer costs")
     add_flag(prof, "--model", required=True, help="HF checkpoint directory")
     add_flag(prof, "--dtype", default="float32")
+    add_engine_flag(prof, None)
+    add_vllm_flags(prof, None)
+    add_flag(prof, "--block-size", type=int, default=16, help="the workers' block size")
     add_flag(prof, "--device", default=None, help="cpu or cuda (default: cuda when present)")
     add_flag(prof, "--num-blocks", type=int, default=None, help="the workers' KV cache blocks")
     add_flag(prof, "--max-num-seqs", type=int, default=128)

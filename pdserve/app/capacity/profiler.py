@@ -1,7 +1,8 @@
-"""``pdserve profile``: one worker's costs on this hardware, measured with the real engine, in
-minutes. Prefill steps by prompt tokens (no cached prefix, and half the prompt cached), decode
-steps by batch size and context, and KV pulls by size with the configured backend (sender and
-receiver in this process, over loopback): each fitted (``profile.py``) with its residuals.
+"""``pdserve profile``: one worker's costs on this hardware, measured with the real engine
+(native or vLLM, driven through the serving contract as a worker drives it), in minutes.
+Prefill steps by prompt tokens (no cached prefix, and half the prompt cached), decode steps by
+batch size and context, and KV pulls by size with the configured backend (sender and receiver
+in this process, over loopback): each fitted (``profile.py``) with its residuals.
 
 The router's per-request overhead is not measured here (it needs a running router): it is
 ``router_overhead_s`` in the profile, 0 by default, and the planner accuracy benchmark reads it
@@ -11,21 +12,22 @@ from real runs. Every timing is a median of ``repeats`` after one discarded warm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_cache import KVCache
-from engine.llm_engine import LLMEngine
+from engine.outputs import RequestUpdate
 from engine.sampling_params import SamplingParams
+from engine.serving_engine import EngineHooks, ServingEngine
 from kvtransfer import KVHandle, make_receiver, make_sender
-from kvtransfer.base import BlockLeases
+from kvtransfer.base import BlockLeases, TransferStats
 from pdserve.app.capacity.profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
@@ -33,6 +35,7 @@ from pdserve.app.capacity.profile import (
     Profile,
     fit_linear,
 )
+from pdserve.app.components import engine_builder
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,8 @@ class ProfilePlan:
 QUICK = ProfilePlan((16, 64, 128), (1, 2, 4), (32, 96), (2, 8), 2)
 
 
-def _median_s(action: Callable[[], None], repeats: int) -> float:
-    action()  # warm-up: allocator, kernels, caches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 class _Ids:
-    """Fresh prompt ids for every measurement, so no prefix hit is accidental."""
+    """Fresh prompt ids (no prefix hit is accidental) and request ids for every measurement."""
 
     def __init__(self) -> None:
         self.next = 16
@@ -68,63 +61,92 @@ class _Ids:
         self.next += n + 7
         return ids
 
+    def request_id(self) -> str:
+        self.next += 1
+        return f"profile-{self.next}"
 
-def _drain(engine: LLMEngine) -> None:
-    while engine.has_unfinished_requests():
-        engine.step()
+
+async def _generate(
+    engine: ServingEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> None:
+    async for _ in engine.generate(rid, prompt, params):
+        pass
 
 
-def _prefill_samples(
-    engine: LLMEngine, plan: ProfilePlan, ids: _Ids
+async def _prefill_samples(
+    engine: ServingEngine, config: EngineConfig, plan: ProfilePlan, ids: _Ids
 ) -> tuple[list[tuple[float, float]], list[float]]:
     rows, times = [], []
-    limit = min(engine.config.scheduler.max_num_batched_tokens, engine.max_model_len - 1)
+    limit = min(config.scheduler.max_num_batched_tokens, engine.max_model_len - 1)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
 
-    def timed(total: int, cached: int) -> float:
+    async def timed(total: int, cached: int) -> float:
         prompt = ids.take(total)
         if cached:  # the prefix goes into the cache first, untimed
-            engine.add_request(prompt[:cached], one)
-            _drain(engine)
-        engine.add_request(prompt, one)
+            await _generate(engine, ids.request_id(), prompt[:cached], one)
         start = time.perf_counter()
-        _drain(engine)
+        await _generate(engine, ids.request_id(), prompt, one)
         return time.perf_counter() - start
 
     for total in (t for t in plan.prompt_tokens if t <= limit):
         for cached in (0, total // 2 // engine.block_size * engine.block_size):
-            samples = [timed(total, cached) for _ in range(plan.repeats + 1)][1:]  # warm-up out
+            samples = [await timed(total, cached) for _ in range(plan.repeats + 1)][1:]
             new = total - cached
             rows.append((float(new), new * total / 1e3))
             times.append(statistics.median(samples))
     return rows, times
 
 
-def _decode_samples(
-    engine: LLMEngine, plan: ProfilePlan, ids: _Ids
+class _Batch:
+    """Requests decoding together, and how far the slowest one is."""
+
+    def __init__(self, size: int) -> None:
+        self.counts = [0] * size
+        self._moved = asyncio.Condition()
+
+    async def consume(self, i: int, stream: AsyncIterator[RequestUpdate]) -> None:
+        async for update in stream:
+            async with self._moved:
+                self.counts[i] += len(update.new_token_ids)
+                self._moved.notify_all()
+
+    async def all_reach(self, tokens: int) -> None:
+        async with self._moved:
+            await self._moved.wait_for(lambda: min(self.counts) >= tokens)
+
+
+async def _decode_samples(
+    engine: ServingEngine, config: EngineConfig, plan: ProfilePlan, ids: _Ids
 ) -> tuple[list[tuple[float, float]], list[float]]:
+    """Seconds per decode step, by batch size and context: the time every request of the
+    batch took to gain ``steps`` more tokens, over the engine's own count of steps meanwhile."""
     rows, times = [], []
     steps = 4
     for context in (c for c in plan.contexts if c + steps + 2 < engine.max_model_len):
-        for batch in plan.batch_sizes:
-            if batch > engine.config.scheduler.max_num_seqs:
-                continue
-            params = SamplingParams(max_tokens=steps * (plan.repeats + 2), ignore_eos=True)
-            request_ids = [engine.add_request(ids.take(context), params) for _ in range(batch)]
-            while engine.scheduler.waiting or any(  # every prompt prefilled
-                s.num_output_tokens == 0 for s in engine.scheduler.running
-            ):
-                engine.step()
-
-            def decode_steps() -> None:
-                for _ in range(steps):
-                    engine.step()
-
-            per_step = _median_s(decode_steps, plan.repeats) / steps
-            for request_id in request_ids:
-                engine.abort(request_id)
+        for batch in (b for b in plan.batch_sizes if b <= config.scheduler.max_num_seqs):
+            windows = plan.repeats + 1  # the first, a warm-up, is discarded
+            params = SamplingParams(max_tokens=steps * (windows + 1) + 1, ignore_eos=True)
+            running = _Batch(batch)
+            tasks = [
+                asyncio.create_task(
+                    running.consume(i, engine.generate(ids.request_id(), ids.take(context), params))
+                )
+                for i in range(batch)
+            ]
+            samples = []
+            try:
+                await running.all_reach(1)  # every prompt prefilled
+                for window in range(1, windows + 1):
+                    steps_before, start = engine.stats.num_steps, time.perf_counter()
+                    await running.all_reach(1 + window * steps)
+                    done = max(engine.stats.num_steps - steps_before, 1)
+                    samples.append((time.perf_counter() - start) / done)
+            finally:
+                for task in tasks:  # leaving a stream aborts its request
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             rows.append((float(batch), batch * (context + steps) / 1e3))
-            times.append(per_step)
+            times.append(statistics.median(samples[1:]))
     return rows, times
 
 
@@ -140,25 +162,39 @@ class _Leased(BlockLeases):
 
 
 async def _transfer_samples(
-    engine: LLMEngine, backend: str, plan: ProfilePlan
+    engine: ServingEngine, backend: str, plan: ProfilePlan, ids: _Ids
 ) -> tuple[list[tuple[float]], list[float]]:
+    """A pinned prefill pulled, through the backend over loopback, into blocks admitted on the
+    same engine: what a decode worker's admission spends on the KV."""
     leases = _Leased()
-    sender = make_sender(backend, engine.kv_cache, leases, "127.0.0.1", 0)
+    sender = make_sender(backend, engine.kv_pages, leases, "127.0.0.1", 0)
     await sender.start()
-    cache = KVCache(engine.kv_layout, engine.num_blocks, engine.kv_cache.tensor.device)
-    receiver = make_receiver(backend, cache, timeout_s=60.0)
+    receiver = make_receiver(backend, engine.kv_pages, timeout_s=60.0)
     rows, times = [], []
+    first_only = SamplingParams(max_tokens=2, ignore_eos=True)
     try:
-        for num_blocks in (n for n in plan.transfer_blocks if n <= engine.num_blocks):
-            leases.block_ids = list(range(num_blocks))
+        for num_blocks in (n for n in plan.transfer_blocks if n <= engine.num_blocks // 2):
+            source = ids.request_id()
+            prompt = ids.take(min(num_blocks * engine.block_size, engine.max_model_len - 2))
+            async for _ in engine.generate(source, prompt, first_only, prefill_only=True):
+                pass
+            pinned = engine.export_prefilled(source)
+            leases.block_ids = pinned.block_ids
+            handle = KVHandle(
+                backend, sender.address, source, len(pinned.block_ids), engine.kv_layout, 60.0
+            )
             samples = []
-            for i in range(plan.repeats + 1):
-                handle = KVHandle(backend, sender.address, f"p{num_blocks}-{i}", num_blocks,
-                                  engine.kv_layout, 60.0)  # fmt: skip
-                start = time.perf_counter()
-                await receiver.pull(handle, list(range(num_blocks)))
-                samples.append(time.perf_counter() - start)
-            rows.append((float(num_blocks * engine.kv_layout.block_bytes),))
+
+            async def pull(block_ids: list[int], handle: KVHandle = handle) -> TransferStats:
+                return await receiver.pull(handle, block_ids)
+
+            for _ in range(plan.repeats + 1):
+                request = dataclasses.replace(pinned, request_id=ids.request_id(), block_ids=[])
+                pulled = await engine.admit_prefilled(request, pull)
+                await engine.abort(request.request_id)
+                samples.append(pulled.duration_s)
+            await engine.free_pinned(source)
+            rows.append((float(len(pinned.block_ids) * engine.kv_layout.block_bytes),))
             times.append(statistics.median(samples[1:]))
     finally:
         await receiver.close()
@@ -182,11 +218,19 @@ def measure(config: EngineConfig, backend: str, plan: ProfilePlan) -> Profile:
     """Builds one engine from ``config`` and measures it (blocking: minutes)."""
     if backend == "ray":
         raise ValueError("pdserve profile measures grpc, nixl or local transfers, not ray")
-    engine = LLMEngine(config)
-    ids = _Ids()
-    prefill_rows, prefill_times = _prefill_samples(engine, plan, ids)
-    decode_rows, decode_times = _decode_samples(engine, plan, ids)
-    transfer_rows, transfer_times = asyncio.run(_transfer_samples(engine, backend, plan))
+    return asyncio.run(_measure(config, backend, plan))
+
+
+async def _measure(config: EngineConfig, backend: str, plan: ProfilePlan) -> Profile:
+    engine = await engine_builder(config)(config, EngineHooks())
+    engine.start()
+    try:
+        ids = _Ids()
+        prefill_rows, prefill_times = await _prefill_samples(engine, config, plan, ids)
+        decode_rows, decode_times = await _decode_samples(engine, config, plan, ids)
+        transfer_rows, transfer_times = await _transfer_samples(engine, backend, plan, ids)
+    finally:
+        await engine.close()
     layout = engine.kv_layout
     return Profile(
         prefill=fit_linear(PREFILL_FEATURES, prefill_rows, prefill_times),
@@ -202,7 +246,8 @@ def measure(config: EngineConfig, backend: str, plan: ProfilePlan) -> Profile:
         hardware={
             **hardware(),
             "kv_backend": backend,
-            "device": str(engine.kv_cache.tensor.device),
+            "engine": config.backend.value,
+            "device": config.device or ("cuda" if torch.cuda.is_available() else "cpu"),
         },
     )
 

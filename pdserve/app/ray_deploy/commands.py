@@ -65,6 +65,7 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         dtype=args.dtype,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        engine=args.engine,
         prefill_args=[*worker_passthrough(args), *shlex.split(args.prefill_args)],
         decode_args=[*decode_passthrough(args), *shlex.split(args.decode_args)],
         router_args=[*router_passthrough(args), *shlex.split(args.router_args)],

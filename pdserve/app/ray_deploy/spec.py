@@ -84,6 +84,7 @@ def deployment_spec(
     dtype: str = "float32",
     block_size: int = 16,
     kv_cache_dtype: str = "auto",
+    engine: str = "native",
     drain_timeout_s: float = 30.0,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
@@ -97,13 +98,13 @@ def deployment_spec(
     ``--host`` becomes the node's address (peers on other nodes must reach it)."""
     common = ["--model", model, "--redis", redis_url or EMBEDDED_REDIS_URL, "--dtype", dtype]
     common += ["--block-size", str(block_size), "--drain-timeout-s", str(drain_timeout_s)]
-    common += ["--kv-cache-dtype", kv_cache_dtype]
+    common += ["--kv-cache-dtype", kv_cache_dtype, "--engine", engine]
     # Actors bind their node's address in plaintext: a Ray cluster's own traffic is not
     # encrypted either, and its token auth and network isolation are what protect both
     # (docs/security.md).
     common += ["--insecure"]
     workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", transfer]
-    if num_gpus_per_worker > 0:
+    if num_gpus_per_worker > 0 and engine == "native":  # vLLM finds its GPUs itself
         workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
     prefill = parse_service_flags("prefill", [*workers, "--kv-port", "0", *prefill_args])
     decode = parse_service_flags("decode", [*workers, *decode_args])

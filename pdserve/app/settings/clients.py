@@ -7,7 +7,7 @@ import argparse
 
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
-from pdserve.app.settings.flags import add_flag, add_kv_cache_dtype_flag
+from pdserve.app.settings.flags import add_engine_flag, add_flag, add_kv_cache_dtype_flag
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +40,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
     add_kv_cache_dtype_flag(
         parser, None, "KV cache storage (all components: part of the layout and fingerprint)"
     )
+    add_engine_flag(parser, None)
     add_flag(
         parser,
         "--transfer",
@@ -56,6 +57,8 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
         add_flag(parser, flag, default=None, help=f"every decode worker's {flag}")
     for flag in WORKER_FLAGS:  # every worker's, prefill and decode
         add_flag(parser, flag, default=None, help=f"every worker's {flag}")
+    for flag in WORKER_SWITCHES:
+        add_flag(parser, flag, action="store_true", help=f"every worker's {flag}")
 
 
 # Flags `pdserve up` and `pdserve ray up` take themselves and pass through to one role.
@@ -71,7 +74,16 @@ DECODE_SPEC_FLAGS = (
 )
 
 
-WORKER_FLAGS = ("--host-cache-gib",)
+WORKER_FLAGS = (
+    "--host-cache-gib",
+    "--max-model-len",
+    "--kv-cache-bytes",
+    # --engine vllm's own (docs/engines.md)
+    "--tensor-parallel-size",
+    "--gpu-memory-utilization",
+    "--quantization",
+)
+WORKER_SWITCHES = ("--enforce-eager",)
 
 
 def _passthrough(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
@@ -94,5 +106,7 @@ def decode_passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def worker_passthrough(args: argparse.Namespace) -> list[str]:
-    """The pass-through flags of every worker (prefill and decode) that were given."""
-    return _passthrough(args, WORKER_FLAGS)
+    """The pass-through flags of every worker (prefill and decode) that were given, with the
+    engine they all run."""
+    switches = [f for f in WORKER_SWITCHES if getattr(args, f.lstrip("-").replace("-", "_"))]
+    return ["--engine", args.engine, *_passthrough(args, WORKER_FLAGS), *switches]

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from engine.config import ENGINE_BACKEND_NAMES, EngineBackend
 from engine.kv_layout import KV_CACHE_DTYPE_NAMES
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -51,6 +52,19 @@ def add_kv_cache_dtype_flag(
     prefill and decode workers, the cluster commands) takes the same flag."""
     add_flag(
         parser, "--kv-cache-dtype", env, default="auto", choices=KV_CACHE_DTYPE_NAMES, help=help
+    )
+
+
+def add_engine_flag(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """``--engine``: which engine runs the workers' model (docs/engines.md). Part of the
+    fingerprint, so the router and the cluster commands take it too."""
+    add_flag(
+        parser,
+        "--engine",
+        env,
+        default=EngineBackend.NATIVE.value,
+        choices=ENGINE_BACKEND_NAMES,
+        help="the workers' engine: native (exact reference, CPU default) or vllm",
     )
 
 

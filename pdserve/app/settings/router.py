@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
+from engine.config import EngineBackend
 from engine.kv_layout import KVCacheDtype
 from engine.model_config import DTYPE_NAMES
 from pdserve.app.settings.flags import (
+    add_engine_flag,
     add_flag,
     add_kv_cache_dtype_flag,
     add_server_flags,
@@ -30,6 +32,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(parser, "--block-size", env, type=int, default=16, help="the workers' block size")
     add_kv_cache_dtype_flag(parser, env, "the workers' KV cache dtype (part of the fingerprint)")
+    add_engine_flag(parser, env)
     add_flag(
         parser,
         "--prefill-policy",
@@ -126,6 +129,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         dtype=args.dtype,
         block_size=args.block_size,
         kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
+        engine=EngineBackend(args.engine),
         prefill_policy=RoutingPolicy(args.prefill_policy),
         decode_policy=RoutingPolicy(args.decode_policy),
         cache_alpha=args.cache_alpha,

@@ -12,15 +12,18 @@ from engine.config import (
     DEFAULT_MAX_BUFFERED_TOKENS,
     AttentionBackend,
     CacheConfig,
+    EngineBackend,
     EngineConfig,
     SchedulerConfig,
     SpecMethod,
     SpeculativeConfig,
+    VllmOptions,
 )
 from engine.kv_layout import KVCacheDtype
 from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.app.settings.flags import (
+    add_engine_flag,
     add_flag,
     add_kv_cache_dtype_flag,
     add_server_flags,
@@ -33,6 +36,8 @@ from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
 
 def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
+    add_engine_flag(parser, env)
+    add_vllm_flags(parser, env)
     add_flag(parser, "--dtype", env, default="float32", choices=DTYPE_NAMES)
     add_flag(parser, "--max-model-len", env, type=int, default=None)
     add_flag(parser, "--block-size", env, type=int, default=16)
@@ -91,6 +96,42 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
 
 
+def add_vllm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """The options only the vLLM engine has, under vLLM's own names (refused by name with the
+    native engine)."""
+    default = VllmOptions()
+    add_flag(
+        parser,
+        "--tensor-parallel-size",
+        env,
+        type=int,
+        default=default.tensor_parallel_size,
+        help="--engine vllm: GPUs one worker shards its model over",
+    )
+    add_flag(
+        parser,
+        "--gpu-memory-utilization",
+        env,
+        type=float,
+        default=default.gpu_memory_utilization,
+        help="--engine vllm: fraction of GPU memory vLLM may take (on CPU: --kv-cache-bytes)",
+    )
+    add_flag(
+        parser,
+        "--quantization",
+        env,
+        default=default.quantization,
+        help="--engine vllm: weight quantization method (vLLM's names; default: the checkpoint's)",
+    )
+    add_flag(
+        parser,
+        "--enforce-eager",
+        env,
+        action="store_true",
+        help="--engine vllm: no CUDA graphs or torch.compile",
+    )
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     backend = args.attention_backend
     return EngineConfig(
@@ -110,6 +151,18 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         attention_backend=AttentionBackend(backend) if backend else None,
+        backend=EngineBackend(args.engine),
+        vllm=vllm_options(args),
+    )
+
+
+def vllm_options(args: argparse.Namespace) -> VllmOptions:
+    """The flags ``add_vllm_flags`` added, as their config."""
+    return VllmOptions(
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
     )
 
 

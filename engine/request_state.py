@@ -1,0 +1,88 @@
+"""One request's output on its way to its consumer: tokens appended one at a time, detokenized,
+checked against every stop condition, and flushed as ``RequestUpdate``s.
+
+Every engine behind the serving contract uses it (the native ``LLMEngine``, and the vLLM engine
+for the tokens vLLM samples), so stop tokens, stop strings, ``max_tokens``, ``max_model_len``
+and the text of an update follow one rule whatever produced the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import RequestUpdate
+from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(eq=False)
+class RequestState:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    reported_cached: bool = False
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]
+    ) -> RequestState:
+        detokenizer = (
+            IncrementalDetokenizer.for_sequence(tokenizer, seq, eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
+        return cls(seq, detokenizer)
+
+    def append(
+        self,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+    ) -> SequenceStatus | None:
+        """Appends one token; returns the status it ends the request with, or None."""
+        seq = self.seq
+        seq.token_ids.append(token_id)
+        self.pending_ids.append(token_id)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            self.pending_logprobs.append(logprobs)
+        stop_token = seq.params.is_stop_token(token_id, eos_token_ids)
+        stop_string = False
+        # A stop token ends the request but, as in vLLM, its text is not part of the output.
+        if self.detokenizer is not None and not stop_token:
+            text, stop_string = self.detokenizer.add_token(token_id)
+            self.pending_text += text
+        if stop_token or stop_string:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, status: SequenceStatus) -> SequenceStatus:
+        """Ends the request with ``status``: the detokenizer's held-back text is pending, and a
+        stop string completed inside it turns a length finish into a stop."""
+        self.seq.status = status
+        if self.detokenizer is not None:
+            self.pending_text += self.detokenizer.finish()
+            if self.detokenizer.stopped and status is SequenceStatus.FINISHED_LENGTH:
+                status = self.seq.status = SequenceStatus.FINISHED_STOPPED
+        return status
+
+    def flush(self, finish_reason: str | None, prefilled: bool = False) -> RequestUpdate:
+        """What was appended since the last flush, as one update."""
+        update = RequestUpdate(
+            request_id=self.seq.request_id,
+            new_token_ids=self.pending_ids,
+            new_text=self.pending_text,
+            new_logprobs=self.pending_logprobs,
+            finish_reason=finish_reason,
+            num_cached_tokens=max(self.seq.num_cached_tokens, 0),
+            prefilled=prefilled,
+        )
+        self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
+        self.reported_cached = True
+        return update

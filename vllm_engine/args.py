@@ -1,0 +1,66 @@
+"""pdserve's engine config as vLLM's engine arguments (pure: a mapping, tested with exact values).
+
+One name per setting: each pdserve flag maps to the vLLM argument of the same meaning, and the
+options only vLLM has (``VllmOptions``) keep vLLM's names. What is not mapped is refused by
+``EngineConfig`` before anything starts (docs/engines.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+
+# Where vLLM finds pdserve's pieces (it loads them by module path).
+CONNECTOR_MODULE = "vllm_engine.connector"
+CONNECTOR_CLASS = "PdserveConnector"
+SAMPLER_CLASS = "vllm_engine.sampler:PdserveSampler"
+
+
+def engine_args(config: EngineConfig, bridge_id: str, *, on_cpu: bool) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.engine.arg_utils.EngineArgs`` for ``config``.
+
+    vLLM samples every token greedily from logits pdserve's own sampler (the logits processor)
+    has already decided (``vllm_engine/sampler.py``), decodes no text and stops at no token of
+    its own: pdserve applies stop tokens, stop strings and lengths (``engine.request_state``).
+    With tensor parallelism vLLM's workers run in processes of their own, where the connector
+    could not reach the worker's leases: no connector, colocated serving only.
+    """
+    cache, scheduler, options = config.cache, config.scheduler, config.vllm
+    kv_bytes = cache.kv_cache_bytes
+    if kv_bytes is None and on_cpu:
+        kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES  # vLLM would size it from free RAM
+    args: dict[str, Any] = {
+        "model": config.model,
+        "dtype": config.dtype,
+        "max_model_len": config.max_model_len,
+        "block_size": cache.block_size,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        # vLLM keeps block 0 as its null block: ask for one more than pdserve will use.
+        "num_gpu_blocks_override": None if cache.num_blocks is None else cache.num_blocks + 1,
+        "kv_cache_memory_bytes": kv_bytes,
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "quantization": options.quantization,
+        "enforce_eager": options.enforce_eager,
+        # The sampler reads each request's output so far at every step: no step runs ahead.
+        "async_scheduling": False,
+        "logprobs_mode": "raw_logprobs",  # pdserve's logprobs are the raw model's
+        "logits_processors": [SAMPLER_CLASS],
+        "seed": 0,
+        "disable_log_stats": True,
+        "kv_transfer_config": None
+        if options.tensor_parallel_size > 1
+        else {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"pdserve_bridge": bridge_id},
+        },
+        # Events on; the engine replaces the null publisher with its own (vllm_engine.events).
+        "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
+    }
+    if options.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = options.gpu_memory_utilization
+    return args

@@ -1,0 +1,158 @@
+"""What the vLLM engine (on the worker's event loop) and pdserve's KV connector (inside vLLM's
+step, in the step thread) share about each request's blocks. One per engine, in one process:
+vLLM builds the connector itself and finds its bridge by the id in the connector's config.
+
+The block lifecycle is the contract in ``kvtransfer/base.py``; here is only its bookkeeping:
+- prefill: the connector records a finished prefill-only request's blocks as *pinned* (vLLM
+  then keeps them until the request is reported finished sending); ``release`` (the lease ended)
+  queues that report, once.
+- decode: the connector records the blocks vLLM allocated for a request's remote KV and hands
+  them to the waiting ``admit_prefilled``; ``load_finished`` (the pull returned or failed)
+  queues the finished-receiving report (and the failure), once. A request loads at most once:
+  after a preemption vLLM recomputes it.
+Reports reach vLLM at its next step (``take_reports``), which frees or schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_engine.kv_pages import VllmKVPages
+
+_bridges: dict[str, Bridge] = {}
+_ids = itertools.count()
+
+
+def find_bridge(bridge_id: str) -> Bridge:
+    try:
+        return _bridges[bridge_id]
+    except KeyError:
+        # vLLM built the connector in another process (its workers: tensor parallelism).
+        raise RuntimeError(
+            f"pdserve connector: no bridge {bridge_id!r} in this process; KV transfer needs "
+            "vLLM's engine and worker in the worker's process (tensor_parallel_size 1)"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Reports:
+    """What the connector tells vLLM at one step (vLLM's internal request ids)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)  # failed ones included
+    failed_recving: set[str] = field(default_factory=set)
+
+
+class Bridge:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, fingerprint: str, vllm_version: str
+    ) -> None:
+        self.id = f"bridge-{next(_ids)}"
+        self._loop = loop
+        self.fingerprint, self.vllm_version = fingerprint, vllm_version  # name the KV layout
+        self._lock = threading.Lock()
+        self.kv_pages: VllmKVPages | None = None  # set when vLLM registers its KV caches
+        self._pinned: dict[str, tuple[str, list[int]]] = {}  # rid -> (internal id, blocks)
+        self._waiting: dict[str, asyncio.Future[list[int]]] = {}  # rid -> its allocation
+        self._loading: dict[str, str] = {}  # rid -> internal id, allocated, not yet filled
+        self._loaded: set[str] = set()  # rids whose load is over (never loaded again)
+        self._sent: set[str] = set()
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+        # Bumped whenever a step moved a request's blocks along (pinned, allocated, reported):
+        # such a step was not idle, whatever it scheduled.
+        self.events = 0
+        _bridges[self.id] = self
+
+    def close(self) -> None:
+        _bridges.pop(self.id, None)
+
+    # ---- the connector (step thread) --------------------------------------------------------
+    def pin(self, rid: str, internal_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._pinned[rid] = (internal_id, block_ids)
+            self.events += 1
+
+    def should_load(self, rid: str) -> bool:
+        with self._lock:
+            return rid not in self._loaded and rid not in self._loading
+
+    def allocated(self, rid: str, internal_id: str, block_ids: list[int], waits: bool) -> None:
+        """``waits``: vLLM parked the request until told its load finished (else its own
+        prefix cache held every block, and it must not be told)."""
+        with self._lock:
+            if waits:
+                self._loading[rid] = internal_id
+            else:
+                self._loaded.add(rid)
+            future = self._waiting.pop(rid, None)
+            self.events += 1
+        if future is not None:
+            self._loop.call_soon_threadsafe(_resolve, future, block_ids)
+
+    def take_reports(self) -> Reports:
+        with self._lock:
+            reports = Reports(self._sent, self._received, self._failed)
+            self._sent, self._received, self._failed = set(), set(), set()
+            self.events += bool(reports.finished_sending or reports.finished_recving)
+            return reports
+
+    # ---- the engine (event loop) ------------------------------------------------------------
+    def expect_allocation(self, rid: str) -> asyncio.Future[list[int]]:
+        future: asyncio.Future[list[int]] = self._loop.create_future()
+        with self._lock:
+            self._waiting[rid] = future
+        return future
+
+    def pinned(self, rid: str) -> list[int]:
+        with self._lock:
+            return list(self._pinned[rid][1])
+
+    def release(self, rid: str) -> None:
+        """The pinned blocks may go (``KeyError`` when not pinned: a second release)."""
+        with self._lock:
+            internal_id, _ = self._pinned.pop(rid)
+            self._sent.add(internal_id)
+
+    def load_finished(self, rid: str, ok: bool) -> bool:
+        """The fill of ``rid``'s blocks returned (``ok``) or failed; False when it held none
+        (not allocated yet, or already reported)."""
+        with self._lock:
+            self._waiting.pop(rid, None)
+            internal_id = self._loading.pop(rid, None)
+            self._loaded.add(rid)
+            if internal_id is None:
+                return False
+            self._received.add(internal_id)
+            if not ok:
+                self._failed.add(internal_id)
+            return True
+
+    def forget(self, rid: str) -> None:
+        """The request is over on every side."""
+        with self._lock:
+            self._loaded.discard(rid)
+
+    def has_reports(self) -> bool:
+        with self._lock:
+            return bool(self._sent or self._received)
+
+    @property
+    def num_loading(self) -> int:
+        with self._lock:
+            return len(self._loading)
+
+    @property
+    def num_pinned(self) -> int:
+        with self._lock:
+            return len(self._pinned)
+
+
+def _resolve(future: asyncio.Future[list[int]], block_ids: list[int]) -> None:
+    if not future.done():
+        future.set_result(block_ids)

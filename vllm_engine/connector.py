@@ -1,0 +1,163 @@
+"""pdserve's KV connector: vLLM's side of pdserve's block lifecycle (``kvtransfer/base.py``).
+
+vLLM loads it by module path (``vllm_engine.args``) and builds two: one in its scheduler, one in
+its worker, both in the worker service's process; both reach the engine through its ``Bridge``.
+It moves no byte itself: pdserve's own KV sender and receiver (``kvtransfer``, under pdserve's
+leases) read and write vLLM's pages through ``VllmKVPages`` while no step touches them.
+
+- Prefill (a request with mode ``prefill``, one token long): ``request_finished`` keeps its
+  blocks (vLLM frees them only once reported finished sending) and records them as pinned. The
+  lease's end (``Release``, expiry, abort, shutdown) releases them through the bridge, once;
+  the report reaches vLLM at its next step, which frees them.
+- Decode (mode ``remote``): ``get_num_new_matched_tokens`` claims the prompt tokens past vLLM's
+  own (block-aligned) prefix hit as loaded asynchronously, so vLLM allocates their blocks and
+  parks the request; ``update_state_after_alloc`` hands the blocks to ``admit_prefilled``, whose
+  pull fills them (the hit's blocks, shared, are skipped: ``SKIP_BLOCK``).
+  Its outcome is reported as finished receiving (a failure also as failed receiving, vLLM's
+  failure path: the request ends and its blocks are freed). A preempted request recomputes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.request import RequestStatus
+
+from vllm_engine.bridge import find_bridge
+from vllm_engine.kv_pages import SKIP_BLOCK, VllmKVPages, page_halves, vllm_layout
+from vllm_engine.outputs import Mode
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class _NoMetadata(KVConnectorMetadata):
+    """Scheduler and worker share the bridge: nothing travels with a step."""
+
+
+class PdserveConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self._bridge = find_bridge(extra["pdserve_bridge"])
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                f"pdserve moves one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} (hybrid attention is not supported)"
+            )
+        self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
+        self._block_size = vllm_config.cache_config.block_size
+
+    # ---- scheduler side (vLLM's step thread) ------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = _pdserve_params(request)
+        if params is None or params["mode"] != Mode.REMOTE.value:
+            return 0, False
+        if not self._bridge.should_load(params["pdserve_rid"]):
+            return 0, False  # loaded once already: a preempted request recomputes
+        remaining = params["num_tokens"] - num_computed_tokens
+        return remaining, remaining > 0  # 0: vLLM's own prefix cache holds it all
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = _pdserve_params(request)
+        if params is None or params["mode"] != Mode.REMOTE.value:
+            return
+        if not self._bridge.should_load(params["pdserve_rid"]):
+            return  # a later allocation (more blocks, a recompute): nothing to load
+        block_ids = list(blocks.get_block_ids()[0][: params["num_blocks"]])
+        # Leading blocks vLLM's prefix cache already holds (a block-aligned local hit) are
+        # shared: the pull must not write them (VllmKVPages skips SKIP_BLOCK). When it holds
+        # every one, vLLM waits for nothing: the pull only runs its course (and releases).
+        num_local = (params["num_tokens"] - num_external_tokens) // self._block_size
+        block_ids[:num_local] = [SKIP_BLOCK] * num_local
+        self._bridge.allocated(
+            params["pdserve_rid"], request.request_id, block_ids, waits=num_external_tokens > 0
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = _pdserve_params(request)
+        if (
+            params is None
+            or params["mode"] != Mode.PREFILL.value
+            or request.status is not RequestStatus.FINISHED_LENGTH_CAPPED
+        ):
+            return False, None
+        self._bridge.pin(params["pdserve_rid"], request.request_id, list(block_ids))
+        return True, None  # freed once reported finished sending (the lease ended)
+
+    # ---- worker side (vLLM's step thread) ---------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = list(kv_caches.values())
+        self._bridge.kv_pages = VllmKVPages(layers, self._layout(kv_caches), self._num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return None  # pulls run between steps, before the request is scheduled
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None  # prefill blocks are read in place, after the request finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        reports = self._bridge.take_reports()
+        return KVConnectorTransferResults(
+            finished_sending=reports.finished_sending,
+            finished_recving=reports.finished_recving,
+            failed_recving=reports.failed_recving,
+        )
+
+    def _layout(self, kv_caches: dict[str, torch.Tensor]) -> Any:
+        first_name, first = next(iter(kv_caches.items()))
+        _, shape = page_halves(first, self._num_blocks)
+        backend = _backend_name(self._vllm_config, first_name)
+        page_layout = f"vllm-{self._bridge.vllm_version}/{backend}/{shape}"
+        return vllm_layout(self._kv_cache_config, self._bridge.fingerprint, page_layout)
+
+
+def _pdserve_params(request: Request) -> dict[str, Any] | None:
+    params = request.kv_transfer_params
+    if not params or "pdserve_rid" not in params:
+        return None
+    return params
+
+
+def _backend_name(vllm_config: VllmConfig, layer_name: str) -> str:
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    get_backend = getattr(layer, "get_attn_backend", None)
+    return str(get_backend().get_name()) if get_backend is not None else "unknown"

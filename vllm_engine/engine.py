@@ -1,0 +1,320 @@
+"""The vLLM engine behind pdserve's serving contract (``engine/serving_engine.py``).
+
+vLLM's engine core runs in this process (no engine-core process: pdserve's KV connector must
+reach the service's leases and pulls, ``vllm_engine/bridge.py``). Its steps run in a worker
+thread so the event loop keeps serving; every other call into vLLM runs on the event loop
+while no step is in flight (one lock), exactly as the native ``AsyncEngine`` does.
+
+vLLM computes and samples (greedily over what pdserve's sampler decided); pdserve keeps each
+request's text, stop conditions and lengths (``engine.request_state``), so a request ends on
+every engine, and on every path, where the native engine ends it. vLLM has no per-request pause:
+a request whose reader is slow keeps its seat and its output waits in its queue (bounded by its
+``max_tokens``; docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TypeVar
+
+from vllm.outputs import RequestOutput
+from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
+
+from engine.block_hash import BlockHash
+from engine.checkpoint import CheckpointInfo
+from engine.config import EngineConfig
+from engine.kv_events import CacheTier, KVEvents
+from engine.kv_layout import KVCacheLayout
+from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.sampling_params import SamplingParams
+from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
+from engine.threads import finish_in_thread
+from engine.tokenizer import Tokenizer
+from vllm_engine.bridge import Bridge
+from vllm_engine.events import BufferingPublisher, CachedBlocks
+from vllm_engine.kv_pages import VllmKVPages, vllm_layout
+from vllm_engine.outputs import Mode, Request
+from vllm_engine.requests import RequestTable
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# How long an admitted request may wait for vLLM's scheduler to allocate its blocks (it checked
+# there was room; others may take it first): then RESOURCE_EXHAUSTED, and the router retries.
+ALLOCATION_TIMEOUT_S = 10.0
+_NO_CONNECTOR = (
+    "this vLLM worker runs tensor_parallel_size {}: it serves colocated requests only (remote "
+    "KV needs tensor_parallel_size 1; docs/engines.md)"
+)
+
+
+class VllmEngine(ServingEngine):
+    def __init__(
+        self,
+        llm: VllmLLMEngine,
+        bridge: Bridge,
+        config: EngineConfig,
+        hooks: EngineHooks,
+        *,
+        checkpoint: CheckpointInfo,
+        tokenizer: Tokenizer | None,
+        fingerprint: str,
+        max_model_len: int,
+        cached: CachedBlocks,
+    ) -> None:
+        core = llm.engine_core.engine_core  # the in-process client: the engine core itself
+        self._llm, self._bridge, self._config, self._hooks = llm, bridge, config, hooks
+        self._scheduler = core.scheduler
+        self._pool = self._scheduler.kv_cache_manager.block_pool
+        self._publisher = BufferingPublisher()
+        self._scheduler.kv_event_publisher = self._publisher
+        # None with tensor parallelism (no connector: colocated serving only).
+        self._pages: VllmKVPages | None = bridge.kv_pages
+        self._layout = (
+            self._pages.layout
+            if self._pages is not None
+            else vllm_layout(
+                self._scheduler.kv_cache_config,
+                fingerprint,
+                f"vllm-{bridge.vllm_version}/tp{config.vllm.tensor_parallel_size}",
+            )
+        )
+        self._table = RequestTable(llm, bridge, checkpoint, tokenizer, max_model_len)
+        self._fingerprint, self._max_model_len = fingerprint, max_model_len
+        self._cached = cached
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+        self.collect_kv_events = False
+        self._kv_events: list[KVEvents] = []
+        self._num_steps = 0
+        self.stats = self._stats()
+
+    # ---- what the model and cache are ------------------------------------------------------
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        return self._layout
+
+    @property
+    def kv_pages(self) -> VllmKVPages:
+        if self._pages is None:
+            raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
+        return self._pages
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def block_size(self) -> int:
+        return self._layout.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_buffered_tokens(self) -> int:
+        return sum(r.num_buffered_tokens for r in self._table.requests.values())
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="vllm-engine-loop")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._bridge.close()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        num_generated_tokens: int = 0,
+    ) -> AsyncGenerator[RequestUpdate, None]:
+        mode = Mode.PREFILL if prefill_only else Mode.GENERATE
+        return self._stream(
+            request_id,
+            lambda: self._table.add(request_id, prompt_ids, params, mode, num_generated_tokens),
+        )
+
+    def export_prefilled(self, request_id: str) -> PrefilledRequest:
+        return self._table.export(request_id)
+
+    async def free_pinned(self, request_id: str) -> None:
+        await asyncio.shield(self._call(lambda: self._table.release(request_id)))
+
+    async def admit_prefilled(
+        self, request: PrefilledRequest, fill: Callable[[list[int]], Awaitable[T]]
+    ) -> T:
+        rid = request.request_id
+        if self._pages is None:
+            raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
+        needed = self.blocks_for(len(request.prompt_token_ids))
+        allocation = await self._call(
+            lambda: self._table.add_remote(
+                request, needed, self._pool.get_num_free_blocks(), self.num_blocks
+            )
+        )
+        try:
+            try:
+                block_ids = await asyncio.wait_for(allocation, ALLOCATION_TIMEOUT_S)
+            except TimeoutError:  # others took the blocks first
+                raise NoRoomError.of(self.stats.num_free_blocks, self.num_blocks, needed) from None
+            if (admitted := self._table.requests.get(rid)) is None:
+                raise EngineDeadError(f"request {rid!r} was aborted while blocks were allocated")
+            admitted.filling = True
+            result = await fill(block_ids)
+        except BaseException:
+            # fill has stopped writing (its contract): vLLM frees the blocks at its next step.
+            if (req := self._table.requests.get(rid)) is not None:
+                req.filling = False
+            self._bridge.load_finished(rid, ok=False)
+            await self.abort(rid)
+            raise
+        self._bridge.load_finished(rid, ok=True)
+        req = self._table.requests.get(rid)
+        if req is not None:
+            req.filling = False
+            if req.done:  # its first token ended it: vLLM frees the blocks it just got
+                await self._call(lambda: self._llm.abort_request([rid]))
+        self._wakeup.set()
+        return result
+
+    def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
+        # Admitted: its first update (the first token) is already queued.
+        return self._stream(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.shield(self._call(lambda: self._table.abort(request_id)))
+
+    # ---- the prefix index's view ------------------------------------------------------------
+    def take_kv_events(self) -> list[KVEvents]:
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    async def snapshot_cached_hashes(self) -> dict[CacheTier, list[BlockHash]]:
+        def snapshot() -> dict[CacheTier, list[BlockHash]]:
+            self._cached.drain()
+            self._kv_events = []
+            return {CacheTier.DEVICE: self._cached.hashes()}
+
+        return await self._call(snapshot)
+
+    # ---- calls between steps ----------------------------------------------------------------
+    async def _call(self, fn: Callable[[], T]) -> T:
+        self._check_alive()
+        async with self._lock:
+            self._check_alive()
+            try:
+                return fn()
+            finally:
+                self._refresh()
+                self._wakeup.set()
+
+    # ---- streams ----------------------------------------------------------------------------
+    async def _stream(
+        self, rid: str, admit: Callable[[], Request] | None
+    ) -> AsyncGenerator[RequestUpdate, None]:
+        if admit is not None:
+            await self._call(admit)
+        req = self._table.requests.get(rid)
+        if req is None:
+            raise EngineDeadError(f"request {rid!r} is gone")
+        done = False
+        try:
+            while not done:
+                update = await self._next(req)
+                done = update.finished or update.prefilled
+                yield update
+        finally:
+            if done:
+                self._table.requests.pop(rid, None)
+            elif self.error is None:
+                await self.abort(rid)
+
+    async def _next(self, req: Request) -> RequestUpdate:
+        try:
+            async with asyncio.timeout(self._hooks.heartbeat_s):
+                item = await req.queue.get()
+        except TimeoutError:  # nothing new: an empty update tells the reader we are alive
+            return RequestUpdate(req.state.seq.request_id, [], "", [], None)
+        if isinstance(item, BaseException):
+            raise EngineDeadError(f"engine step failed: {item!r}") from item
+        req.num_buffered_tokens -= len(item.new_token_ids)
+        return item
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        running, waiting = self._scheduler.get_request_counts()
+        return running + waiting > self._bridge.num_loading or self._bridge.has_reports()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            async with self._lock:
+                if not self._has_work():
+                    self._wakeup.clear()
+                    continue
+                events = self._bridge.events
+                try:
+                    outputs = await finish_in_thread(self._llm.step)
+                except Exception as exc:
+                    logger.exception("vLLM step failed; failing every request")
+                    self.error = exc
+                    for req in self._table.requests.values():
+                        req.queue.put_nowait(exc)
+                    if self._hooks.on_dead is not None:
+                        self._hooks.on_dead(exc)
+                    return
+                self._num_steps += 1
+                for output in outputs:
+                    if isinstance(output, RequestOutput):
+                        self._table.deliver(output)
+                self._refresh()
+                idle = not outputs and not self._scheduler.running
+                if idle and events == self._bridge.events and not self._bridge.has_reports():
+                    # Nothing could be scheduled, nothing moved: wait for a call to change that.
+                    self._wakeup.clear()
+
+    def _refresh(self) -> None:
+        self._cached.apply(self._publisher.take())
+        events = self._cached.drain()
+        if self.collect_kv_events and not events.empty:
+            self._kv_events.append(events)
+        self.stats = self._stats()
+        if self._hooks.on_stats is not None:
+            self._hooks.on_stats(self.stats)
+
+    def _stats(self) -> EngineStats:
+        running, waiting = self._scheduler.get_request_counts()
+        return EngineStats(
+            num_waiting=waiting,
+            num_running=running,
+            num_pinned=len(self._table.pinned),
+            num_blocks=self.num_blocks,
+            num_free_blocks=self._pool.get_num_free_blocks(),
+            num_cached_blocks=len(self._cached.hashes()),
+            num_preemptions=0,
+            num_prompt_tokens_computed=self._table.num_prompt_tokens_computed,
+            num_prefix_hit_tokens=self._table.num_prefix_hit_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine step failed: {self.error!r}")

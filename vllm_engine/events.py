@@ -1,0 +1,94 @@
+"""vLLM's KV cache events as pdserve's prefix-index events.
+
+vLLM publishes which blocks entered (with their token ids) and left its prefix cache, named by
+its own block hashes. The router looks prefixes up by pdserve's hashes (``engine.block_hash``,
+seeded by the worker's fingerprint): there is one hasher, so each stored block is rehashed
+here from its tokens, chained from its parent's pdserve hash, and vLLM's hash only names the
+block for its removal. A block whose parent this engine never saw stored cannot be named in
+pdserve's chain: it is left out (its prefix is not routable to this worker, which is safe).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventPublisher,
+)
+
+from engine.block_hash import BlockHash, hash_block
+from engine.kv_events import KVEventLog, KVEvents
+
+
+class BufferingPublisher(EventPublisher):
+    """What vLLM's scheduler publishes to (its step thread): batches kept for the engine. vLLM
+    knows only its own publishers by name, so the engine installs this one in place of the
+    null publisher vLLM was configured with."""
+
+    def __init__(self, data_parallel_rank: int = 0, **_config: Any) -> None:
+        super().__init__(data_parallel_rank)
+        self._lock = threading.Lock()
+        self._batches: list[EventBatch] = []
+
+    def publish(self, events: EventBatch) -> None:
+        with self._lock:
+            self._batches.append(events)
+
+    def take(self) -> list[EventBatch]:
+        with self._lock:
+            batches, self._batches = self._batches, []
+            return batches
+
+    def shutdown(self) -> None:
+        return None
+
+
+class CachedBlocks:
+    """The pdserve hashes of every block in vLLM's prefix cache, kept from its events."""
+
+    def __init__(self, root: BlockHash) -> None:
+        self._root = root
+        self._ours: dict[Any, BlockHash] = {}  # vLLM's block hash -> pdserve's
+        self.log = KVEventLog()
+
+    def apply(self, batches: Iterable[EventBatch]) -> None:
+        for batch in batches:
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    self._stored(event)
+                elif isinstance(event, BlockRemoved):
+                    for vllm_hash in event.block_hashes:
+                        ours = self._ours.pop(vllm_hash, None)
+                        if ours is not None:
+                            self.log.removed(ours)
+                elif isinstance(event, AllBlocksCleared):
+                    self._ours.clear()
+                    self.log.cleared()
+
+    def _stored(self, event: BlockStored) -> None:
+        if event.parent_block_hash is None:
+            parent: BlockHash | None = self._root
+        else:
+            parent = self._ours.get(event.parent_block_hash)
+        size = event.block_size
+        for i, vllm_hash in enumerate(event.block_hashes):
+            if parent is None:
+                return
+            tokens = event.token_ids[i * size : (i + 1) * size]
+            if len(tokens) < size:
+                return
+            parent = hash_block(parent, tokens)
+            self._ours[vllm_hash] = parent
+            self.log.stored(parent)
+
+    def hashes(self) -> list[BlockHash]:
+        return list(self._ours.values())
+
+    def drain(self) -> KVEvents:
+        return self.log.drain()

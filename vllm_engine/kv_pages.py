@@ -1,0 +1,115 @@
+"""vLLM's paged KV cache as pdserve's transfer backends see it (``engine.kv_pages``).
+
+vLLM keeps one tensor per attention layer. A block's *page* in a layer holds its keys and
+values: ``[num_kv_heads, block_size, 2 * head_dim]`` per block on vLLM's CPU backend (block
+outermost), ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer on the CUDA
+backends (keys, then values). Either way a page is ``2 * block_size * num_kv_heads * head_dim``
+elements: pdserve's slab ``(layer, 0)`` is its first half, slab ``(layer, 1)`` its second, in the
+page's own element order. The bytes are opaque; the layout's ``page_layout`` names the
+arrangement so that only an identical one ever receives them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.kv_layout import KVCacheLayout
+from engine.kv_pages import KVPages
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+# In ``write_slabs``' block ids: a block the engine already holds (vLLM's own prefix hit,
+# shared with other requests): its slabs are received but not written.
+SKIP_BLOCK = -1
+
+
+class PageShapeError(ValueError):
+    """A KV cache tensor this connector cannot split into pages (named by its shape)."""
+
+
+def page_halves(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, str]:
+    """A ``[num_blocks, 2, half_page]`` view of one layer's cache (writes through it land in
+    the cache), and the arrangement's name."""
+    shape = tuple(tensor.shape)
+    if tensor.is_contiguous() and shape[0] == num_blocks:  # block-major pages
+        return tensor.view(num_blocks, 2, -1), "B" + "x".join(map(str, shape[1:]))
+    if shape[:2] == (2, num_blocks) and tensor[0].is_contiguous() and tensor[1].is_contiguous():
+        keys, values = tensor[0].reshape(num_blocks, -1), tensor[1].reshape(num_blocks, -1)
+        if values.data_ptr() - keys.data_ptr() == keys.numel() * keys.element_size():
+            # keys then values: one [2, num_blocks, page/2] region
+            return tensor.view(2, num_blocks, -1).transpose(0, 1), "2xB" + "x".join(
+                map(str, shape[2:])
+            )
+    raise PageShapeError(
+        f"vLLM KV cache tensor of shape {shape} (stride {tensor.stride()}) for {num_blocks} "
+        "blocks: not one block-major page per block, nor keys-then-values of one"
+    )
+
+
+def vllm_layout(kv_cache_config: Any, fingerprint: str, page_layout: str) -> KVCacheLayout:
+    """The layout of vLLM's cache (one group of attention layers, ``kv_cache_config``'s)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    dtype = _DTYPE_NAMES.get(spec.dtype)
+    if dtype is None:
+        raise ValueError(f"pdserve moves float KV caches; vLLM's is {spec.dtype}")
+    return KVCacheLayout(
+        model_fingerprint=fingerprint,
+        dtype=dtype,
+        block_size=spec.block_size,
+        num_layers=len(group.layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        page_layout=page_layout,
+    )
+
+
+class VllmKVPages(KVPages):
+    def __init__(self, layers: list[torch.Tensor], layout: KVCacheLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self._halves = [page_halves(t, num_blocks)[0] for t in layers]
+        slab = layout.num_codes_per_slab
+        if any(h.shape[-1] != slab for h in self._halves):
+            raise PageShapeError(
+                f"a half page holds {self._halves[0].shape[-1]} elements, a slab of layout "
+                f"{layout} holds {slab}"
+            )
+        self._dtype = layers[0].dtype
+
+    def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
+        self.check_slabs(first, num_slabs)
+        index = self._index(block_ids)
+        out = torch.empty(
+            (num_slabs, len(block_ids), self.layout.num_codes_per_slab),
+            dtype=self._dtype,
+            device=self._halves[0].device,
+        )
+        for i in range(num_slabs):
+            layer, half = divmod(first + i, 2)
+            torch.index_select(self._halves[layer][:, half], 0, index, out=out[i])
+        return out.view(num_slabs, len(block_ids), *self.layout.slab_shape)
+
+    def write_slabs(self, first: int, block_ids: list[int], data: torch.Tensor) -> None:
+        expected = (len(block_ids), *self.layout.slab_shape)
+        if data.dim() < 1 or tuple(data.shape[1:]) != expected or data.dtype != self._dtype:
+            raise ValueError(
+                f"slab data has shape {tuple(data.shape)} {data.dtype}, expected "
+                f"(num_slabs, {', '.join(map(str, expected))}) {self._dtype}"
+            )
+        self.check_slabs(first, data.shape[0])
+        keep = [i for i, b in enumerate(block_ids) if b != SKIP_BLOCK]
+        flat = data.to(self._halves[0].device).reshape(data.shape[0], len(block_ids), -1)
+        if len(keep) < len(block_ids):
+            flat = flat[:, keep]
+            block_ids = [block_ids[i] for i in keep]
+        index = self._index(block_ids)
+        for i in range(data.shape[0]):
+            layer, half = divmod(first + i, 2)
+            self._halves[layer][:, half].index_copy_(0, index, flat[i])
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        self.check_block_ids(block_ids)
+        return torch.tensor(block_ids, dtype=torch.long, device=self._halves[0].device)

@@ -1,0 +1,89 @@
+"""A pdserve request as vLLM runs it: the vLLM request's parameters, and vLLM's per-step output
+turned into pdserve's tokens and logprobs (``engine.request_state`` decides what they mean).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm import SamplingParams as VllmParams
+from vllm.logprobs import Logprob
+from vllm.sampling_params import RequestOutputKind
+
+from engine.outputs import RequestUpdate
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
+from vllm_engine.sampler import EXTRA_ARGS_KEY, sampling_extra_args
+
+# The key vLLM passes on to the connector (``Request.kv_transfer_params``).
+KV_PARAMS_KEY = "kv_transfer_params"
+
+
+class Mode(enum.Enum):
+    """How a request uses the connector."""
+
+    GENERATE = "generate"  # prefill and decode here
+    PREFILL = "prefill"  # first token, then its blocks stay pinned for a pull
+    REMOTE = "remote"  # its prompt's KV is pulled into blocks vLLM allocates for it
+
+
+@dataclass(eq=False)
+class Request:
+    state: RequestState
+    mode: Mode
+    queue: asyncio.Queue[RequestUpdate | BaseException] = field(default_factory=asyncio.Queue)
+    num_buffered_tokens: int = 0
+    counted: bool = False  # its prompt tokens are in the engine's counters
+    filling: bool = False  # REMOTE: the pull is writing its blocks
+    done: bool = False  # pdserve ended it; whatever vLLM still says is dropped
+
+
+def vllm_params(
+    params: SamplingParams, mode: Mode, offset: int, kv_params: dict[str, Any]
+) -> VllmParams:
+    """vLLM's side of a pdserve request: greedy over logits pdserve's sampler decided
+    (``vllm_engine.sampler``), no text, no stop of its own but the length; ``offset``: output
+    tokens the request had before this engine's first."""
+    max_tokens = 1 if mode is Mode.PREFILL else max(params.max_tokens - offset, 1)
+    return VllmParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        logprobs=params.logprobs,
+        extra_args={
+            EXTRA_ARGS_KEY: sampling_extra_args(params, offset),
+            KV_PARAMS_KEY: kv_params,
+        },
+    )
+
+
+def token_logprobs(
+    token_id: int, position: dict[int, Logprob] | None, num_top: int | None
+) -> TokenLogprobs | None:
+    """vLLM's logprobs of one position (the sampled token's and the top ``num_top``, by rank)."""
+    if num_top is None or position is None:
+        return None
+    top = sorted(
+        ((lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None),
+        key=lambda entry: entry[0],
+    )[:num_top]
+    return TokenLogprobs(
+        token_id=token_id,
+        logprob=position[token_id].logprob,
+        top_token_ids=tuple(tid for _, tid, _ in top),
+        top_logprobs=tuple(lp for _, _, lp in top),
+    )
+
+
+def positions(logprobs: Sequence[dict[int, Logprob] | None] | None, n: int) -> list[Any]:
+    """One logprobs entry per new token (None when none were asked for)."""
+    if logprobs is None:
+        return [None] * n
+    return [logprobs[i] for i in range(n)]

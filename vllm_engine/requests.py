@@ -1,0 +1,226 @@
+"""Every request of one vLLM engine, on pdserve's side: its vLLM request, its output state
+(``engine.request_state``: text, stops, lengths), its queue to the consumer, and its pinned
+blocks once prefilled. Called by ``VllmEngine`` on the event loop, between steps only (the
+engine's lock), so it may call into vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from vllm.outputs import RequestOutput
+from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
+
+from engine.checkpoint import CheckpointInfo
+from engine.outputs import PrefilledRequest, RequestUpdate
+from engine.prompt import validate_prompt, validate_token_ids
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams, check_continuation
+from engine.sequence import Sequence, SequenceStatus
+from engine.serving_engine import NoRoomError
+from engine.tokenizer import Tokenizer
+from vllm_engine.bridge import Bridge
+from vllm_engine.outputs import Mode, Request, positions, token_logprobs, vllm_params
+
+
+class RequestTable:
+    def __init__(
+        self,
+        llm: VllmLLMEngine,
+        bridge: Bridge,
+        checkpoint: CheckpointInfo,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+    ) -> None:
+        self._llm, self._bridge = llm, bridge
+        self._checkpoint, self._tokenizer = checkpoint, tokenizer
+        self._max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.pinned: dict[str, Sequence] = {}
+        self.num_prompt_tokens_computed = 0
+        self.num_prefix_hit_tokens = 0
+
+    def add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        mode: Mode,
+        num_generated: int,
+    ) -> Request:
+        seq = self._sequence(rid, prompt_ids, params, num_generated)
+        kv_params = {"pdserve_rid": rid, "mode": mode.value}
+        self._submit(seq, seq.token_ids, params, mode, num_generated, kv_params)
+        return self.requests[rid]
+
+    def add_remote(
+        self, request: PrefilledRequest, num_blocks: int, free: int, total: int
+    ) -> asyncio.Future[list[int]]:
+        """A request prefilled elsewhere, waiting for vLLM to allocate its blocks (the future)
+        and for its pull; its first update (the first token) is queued already."""
+        rid = request.request_id
+        if num_blocks > free:  # fail fast: the router tries another worker
+            raise NoRoomError.of(free, total, num_blocks)
+        validate_token_ids([request.first_token_id], self._checkpoint.vocab_size, "first_token_id")
+        seq = self._sequence(
+            rid, request.prompt_token_ids, request.params, request.num_generated_tokens
+        )
+        seq.num_cached_tokens = 0  # imported KV is not a prefix hit
+        kv_params = {
+            "pdserve_rid": rid,
+            "mode": Mode.REMOTE.value,
+            "num_tokens": len(request.prompt_token_ids),
+            "num_blocks": num_blocks,
+        }
+        tokens = [*request.prompt_token_ids, request.first_token_id]
+        offset = request.num_generated_tokens + 1
+        allocation = self._bridge.expect_allocation(rid)
+        try:
+            req = self._submit(seq, tokens, request.params, Mode.REMOTE, offset, kv_params)
+        except BaseException:
+            self._bridge.load_finished(rid, ok=False)  # drops the wait: nothing was allocated
+            self._bridge.forget(rid)
+            raise
+        # Its first update, queued before vLLM can produce any (it waits for the pull); if it
+        # ends the request, vLLM's copy is aborted once the pull is over.
+        first = [(request.first_token_id, request.first_token_logprobs)]
+        self.accept(rid, req, first, vllm_finished=False, abort_in_vllm=False)
+        return allocation
+
+    def export(self, request_id: str) -> PrefilledRequest:
+        seq = self.pinned[request_id]
+        return PrefilledRequest(
+            request_id=request_id,
+            prompt_token_ids=seq.token_ids[:-1],
+            first_token_id=seq.token_ids[-1],
+            params=seq.params,
+            block_ids=self._bridge.pinned(request_id),
+            first_token_logprobs=seq.logprobs[-1] if seq.logprobs else None,
+            num_generated_tokens=seq.num_output_tokens - 1,
+        )
+
+    def release(self, rid: str) -> None:
+        """A pinned request's blocks go (at vLLM's next step). ``KeyError``: not pinned."""
+        del self.pinned[rid]  # KeyError: not pinned (a second free)
+        self._bridge.release(rid)
+        self._bridge.forget(rid)
+
+    def abort(self, rid: str) -> None:
+        """Stops a request wherever it is; vLLM frees its blocks (an allocated, unfilled
+        request's at its next step, once told its load is over)."""
+        if rid in self.pinned:
+            self.release(rid)
+            return
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        req.done = True
+        if not req.filling:  # an allocated, unfilled request's blocks go at the next step
+            self._bridge.load_finished(rid, ok=False)
+        self._llm.abort_request([rid])
+        self._bridge.forget(rid)
+
+    def deliver(self, output: RequestOutput) -> None:
+        """One step's output of one request."""
+        rid = output.request_id
+        req = self.requests.get(rid)
+        if req is None or req.done:
+            return
+        seq = req.state.seq
+        if not req.counted:
+            req.counted = True
+            if req.mode is not Mode.REMOTE:
+                cached = output.num_cached_tokens or 0
+                seq.num_cached_tokens = cached
+                self.num_prefix_hit_tokens += cached
+                self.num_prompt_tokens_computed += max(seq.num_prompt_tokens - cached, 0)
+        completion = output.outputs[0] if output.outputs else None
+        token_ids = list(completion.token_ids) if completion is not None else []
+        logprobs = positions(completion.logprobs if completion else None, len(token_ids))
+        tokens = [
+            (tid, token_logprobs(tid, lp, seq.params.logprobs))
+            for tid, lp in zip(token_ids, logprobs, strict=True)
+        ]
+        if tokens or output.finished:
+            self.accept(rid, req, tokens, vllm_finished=output.finished)
+
+    def _sequence(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, num_generated: int
+    ) -> Sequence:
+        if rid in self.requests or rid in self.pinned:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        vocab = self._checkpoint.vocab_size
+        token_ids = validate_prompt(prompt_ids, None, vocab, self._max_model_len)
+        validate_token_ids(list(params.stop_ids), vocab, "stop_token_ids")
+        if params.stop_strings and self._tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be <= vocab_size {vocab}")
+        if num_generated:
+            check_continuation(len(token_ids), num_generated, params, self._max_model_len)
+        prompt = token_ids[: len(token_ids) - num_generated]
+        return Sequence(rid, prompt, params, list(token_ids))
+
+    def _submit(
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        params: SamplingParams,
+        mode: Mode,
+        offset: int,
+        kv_params: dict[str, Any],
+    ) -> Request:
+        state = RequestState.create(seq, self._tokenizer, self._checkpoint.eos_token_ids)
+        req = Request(state, mode)
+        self._llm.add_request(
+            seq.request_id,
+            {"prompt_token_ids": tokens},
+            vllm_params(params, mode, offset, kv_params),
+        )
+        self.requests[seq.request_id] = req
+        return req
+
+    def accept(
+        self,
+        rid: str,
+        req: Request,
+        tokens: list[tuple[int, Any]],
+        vllm_finished: bool,
+        abort_in_vllm: bool = True,
+    ) -> None:
+        """Appends tokens, ending the request where pdserve's rules end it, and queues the
+        update."""
+        state, status = req.state, None
+        for token_id, logprobs in tokens:
+            status = state.append(
+                token_id, logprobs, self._checkpoint.eos_token_ids, self._max_model_len
+            )
+            if status is not None:
+                break
+        if req.mode is Mode.PREFILL:
+            if vllm_finished or status is not None:
+                update = self._pin(rid, req, status)
+            else:
+                update = state.flush(None)
+        elif status is not None or vllm_finished:
+            status = state.finish(status or SequenceStatus.FINISHED_LENGTH)
+            req.done = True
+            if not vllm_finished and abort_in_vllm:
+                self._llm.abort_request([rid])
+            self._bridge.forget(rid)
+            update = state.flush(status.finish_reason)
+        else:
+            update = state.flush(None)
+        req.queue.put_nowait(update)
+        req.num_buffered_tokens += len(update.new_token_ids)
+
+    def _pin(self, rid: str, req: Request, status: SequenceStatus | None) -> RequestUpdate:
+        """The first token is out and the connector pinned the blocks (vLLM finished the
+        request at its one token): the lease owns their free now."""
+        req.done = True
+        self.pinned[rid] = req.state.seq
+        if status is None:
+            return req.state.flush(None, prefilled=True)
+        status = req.state.finish(status)
+        return req.state.flush(status.finish_reason, prefilled=True)
