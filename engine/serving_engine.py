@@ -85,9 +85,10 @@ class ServingEngine(ABC):
 
     @property
     @abstractmethod
-    def kv_pages(self) -> KVPages:
+    def kv_pages(self) -> KVPages | None:
         """The cache as the KV transfer backends read and write it (pinned or reserved blocks
-        only, from their own threads: no step touches those)."""
+        only, from their own threads: no step touches those). None when this engine cannot
+        exchange KV at all (it serves colocated requests only)."""
 
     @property
     @abstractmethod

@@ -44,9 +44,12 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     async def prepare(self) -> None:
         # Before the first heartbeat: a record without the KV sender's address would make
         # decode workers refuse this worker's handles (decode_service/peers.py).
+        pages = self.engine.kv_pages
+        if pages is None:  # PrefillConfig refuses the configs that get here
+            raise ValueError("a prefill worker's engine must be able to hand its KV over")
         self._sender = make_sender(
             self.config.kv_backend,
-            self.engine.kv_pages,
+            pages,
             self.leases,
             self.config.server.host,
             self.config.kv_port,

@@ -98,9 +98,7 @@ class VllmEngine(ServingEngine):
         return self._layout
 
     @property
-    def kv_pages(self) -> VllmKVPages:
-        if self._pages is None:
-            raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
+    def kv_pages(self) -> VllmKVPages | None:
         return self._pages
 
     @property

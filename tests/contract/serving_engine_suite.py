@@ -61,6 +61,7 @@ def copy_pages(engine: ServingEngine, source: list[int]) -> Callable[[list[int]]
 
     async def fill(block_ids: list[int]) -> int:
         pages = engine.kv_pages
+        assert pages is not None
         for slab in range(2 * pages.layout.num_layers):
             pages.write_slabs(slab, block_ids, pages.read_slabs(slab, 1, source))
         return len(block_ids)

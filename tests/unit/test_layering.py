@@ -281,3 +281,35 @@ def test_engine_imports_no_service_dependencies() -> None:
         if forbidden.search(path.read_text())
     ]
     assert offenders == []
+
+
+# What a worker service may use of the engine package: the serving contract and the plain data
+# it speaks in (docs/engines.md). The engine's machinery (its loop, scheduler, blocks, cache,
+# model) is reached only through an engine the component builder gives the service; the one
+# exception is the native engine's builder, the default when none is given.
+ENGINE_CONTRACT = frozenset(
+    {
+        "engine.serving_engine",
+        "engine.outputs",
+        "engine.config",
+        "engine.sampling_params",
+        "engine.kv_layout",
+        "engine.kv_events",
+        "engine.block_hash",
+    }
+)
+_DEFAULT_ENGINE = ("pdserve/worker/service.py", "engine.async_engine")
+
+
+def test_services_reach_an_engine_only_through_its_contract() -> None:
+    wrong = []
+    for top in ("prefill_service", "decode_service", "pdserve/worker", "pdserve/cluster"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            package = ".".join(rel.with_suffix("").parts[:-1])
+            for imported, line in _imports(ast.parse(path.read_text()), package):
+                if node_of(imported) != "engine" or imported in ENGINE_CONTRACT:
+                    continue
+                if (str(rel), imported) != _DEFAULT_ENGINE:
+                    wrong.append(f"{rel}:{line} imports {imported}")
+    assert wrong == []

@@ -114,3 +114,43 @@ def test_pdserve_profile_measures_a_vllm_worker(
     assert profile.num_blocks == 64 and profile.block_size == 32
     assert profile.prefill.num_samples >= 4 and profile.decode.num_samples >= 4
     assert profile.transfer.num_samples == 2 and profile.transfer_s(1 << 20) > 0
+
+
+def test_tensor_parallel_colocated_workers_serve_and_refuse_remote_kv_by_name(
+    vllm_model: Callable[[str], Path],
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU build runs TP=2 here: two rank processes, one core each (this box has one
+    NUMA node, so vLLM's automatic thread binding wants the cores named)."""
+    import grpc
+
+    from pdserve.common.convert import sampling_to_proto
+    from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+    model = vllm_model("llama")
+    offline = offline_greedy(model, PROMPTS, GREEDY.max_tokens)  # TP=1
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2 = ("--tensor-parallel-size", "2")
+    with vllm_cluster(model, redis_url, tmp_path, colocated=True, decode_args=tp2) as cluster:
+
+        async def run() -> list[str | None]:
+            reports = [
+                same_or_near_tie(
+                    await through_router(cluster.address, prompt, GREEDY), ref, f"prompt {i}"
+                )
+                for i, (prompt, ref) in enumerate(zip(PROMPTS, offline, strict=True))
+            ]
+            async with grpc.aio.insecure_channel(cluster.decode[0].address) as channel:
+                request = decode_pb2.DecodeRequest(
+                    request_id="r", prompt_token_ids=PROMPTS[0], sampling=sampling_to_proto(GREEDY)
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request):
+                        pass
+            assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "tensor_parallel_size > 1" in (refused.value.details() or "")
+            return reports
+
+        print("\n".join(r for r in asyncio.run(run()) if r))

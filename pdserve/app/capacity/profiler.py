@@ -166,10 +166,13 @@ async def _transfer_samples(
 ) -> tuple[list[tuple[float]], list[float]]:
     """A pinned prefill pulled, through the backend over loopback, into blocks admitted on the
     same engine: what a decode worker's admission spends on the KV."""
+    pages = engine.kv_pages
+    if pages is None:
+        raise ValueError("this engine exchanges no KV (tensor_parallel_size > 1): no transfer")
     leases = _Leased()
-    sender = make_sender(backend, engine.kv_pages, leases, "127.0.0.1", 0)
+    sender = make_sender(backend, pages, leases, "127.0.0.1", 0)
     await sender.start()
-    receiver = make_receiver(backend, engine.kv_pages, timeout_s=60.0)
+    receiver = make_receiver(backend, pages, timeout_s=60.0)
     rows, times = [], []
     first_only = SamplingParams(max_tokens=2, ignore_eos=True)
     try:
