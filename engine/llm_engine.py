@@ -262,18 +262,8 @@ class LLMEngine:
 
     # ---- disaggregation: prefill side ------------------------------------------------------
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
-        """The pinned request as a decode engine resumes it: every token but the one sampled
-        here is in the blocks (prompt, and the earlier output of a continued request)."""
         seq = self.pinned[request_id]
-        return PrefilledRequest(
-            request_id=request_id,
-            prompt_token_ids=seq.token_ids[:-1],
-            first_token_id=seq.token_ids[-1],
-            params=seq.params,
-            block_ids=list(seq.block_table),
-            first_token_logprobs=seq.logprobs[-1] if seq.logprobs else None,
-            num_generated_tokens=seq.num_output_tokens - 1,
-        )
+        return PrefilledRequest.of_pinned(seq, list(seq.block_table))
 
     def free_pinned(self, request_id: str) -> None:
         """Free a pinned request's blocks. Raises KeyError if not pinned (a second free)."""

@@ -7,11 +7,12 @@ Accepts both layouts in the wild: the classic one (``rope_theta``, ``rope_scalin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from engine.checkpoint import eos_token_ids, read_configs
 
 
 class RopeScalingType(Enum):
@@ -106,14 +107,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir)
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"model: no config.json in {path}")
-        raw = read_json(config_path)
-        generation_path = path / "generation_config.json"
-        generation = read_json(generation_path) if generation_path.is_file() else {}
-        return cls.from_hf_dict(raw, generation)
+        return cls.from_hf_dict(*read_configs(model_dir))
 
     @classmethod
     def from_hf_dict(
@@ -137,9 +131,6 @@ class ModelConfig:
             and raw.get("use_sliding_window", architecture == "MistralForCausalLM")
         ):
             sliding_window = int(raw["sliding_window"])
-        eos_ids = token_ids_of(raw.get("eos_token_id")) + token_ids_of(
-            (generation or {}).get("eos_token_id")
-        )
         return cls(
             architecture=architecture,
             vocab_size=_int(raw, "vocab_size"),
@@ -157,19 +148,9 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            eos_token_ids=eos_token_ids(raw, generation),
             sliding_window=sliding_window,
         )
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path.name}: not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path.name}: expected a JSON object")
-    return data
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -196,14 +177,6 @@ def _int(raw: dict[str, Any], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"config.json: {key} must be an integer, got {value!r}")
     return value
-
-
-def token_ids_of(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
 
 
 def _rope(raw: dict[str, Any]) -> RopeConfig:

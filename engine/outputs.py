@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
+from engine.sequence import Sequence, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,21 @@ class PrefilledRequest:
     first_token_logprobs: TokenLogprobs | None = None
     # A continued (migrated) request: the last that many of prompt_token_ids are earlier output.
     num_generated_tokens: int = 0
+
+    @classmethod
+    def of_pinned(cls, seq: Sequence, block_ids: list[int]) -> PrefilledRequest:
+        """A request pinned at its first token, as a decode engine resumes it: every token but
+        the one just sampled is in the blocks (prompt, and a continued request's earlier
+        output)."""
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[:-1],
+            first_token_id=seq.token_ids[-1],
+            params=seq.params,
+            block_ids=block_ids,
+            first_token_logprobs=seq.logprobs[-1] if seq.logprobs else None,
+            num_generated_tokens=seq.num_output_tokens - 1,
+        )
 
 
 @dataclass(frozen=True)

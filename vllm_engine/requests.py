@@ -89,16 +89,7 @@ class RequestTable:
         return allocation
 
     def export(self, request_id: str) -> PrefilledRequest:
-        seq = self.pinned[request_id]
-        return PrefilledRequest(
-            request_id=request_id,
-            prompt_token_ids=seq.token_ids[:-1],
-            first_token_id=seq.token_ids[-1],
-            params=seq.params,
-            block_ids=self._bridge.pinned(request_id),
-            first_token_logprobs=seq.logprobs[-1] if seq.logprobs else None,
-            num_generated_tokens=seq.num_output_tokens - 1,
-        )
+        return PrefilledRequest.of_pinned(self.pinned[request_id], self._bridge.pinned(request_id))
 
     def release(self, rid: str) -> None:
         """A pinned request's blocks go (at vLLM's next step). ``KeyError``: not pinned."""

@@ -177,23 +177,34 @@ def kill_a_decode_worker_mid_stream(
     worker, and afterwards nobody holds anything. Returns the killed worker."""
     params = mixed_params(len(prompts), max_tokens=max_tokens)
     references = llm.generate(prompts, params)
+    streams, victim = asyncio.run(kill_the_busiest_decode_worker(cluster, prompts, params))
+    print("\n".join(compare(llm, streams, references, params)))
+    return victim
 
-    async def run() -> Component:
-        streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
 
-        async def all_streaming() -> bool:
-            return all(len(s.token_ids) >= 8 for s in streams)
+async def kill_the_busiest_decode_worker(
+    cluster: LocalCluster,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    restart_s: float = 120.0,
+) -> tuple[list[Stream], Component]:
+    """Streams ``prompts`` and, once every stream has tokens, kill -9s the decode worker running
+    the most of them. Every stream finishes without error (migration; the caller compares the
+    tokens), the supervisor restarts the worker and afterwards nobody holds anything."""
+    streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
 
-        await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
-        running = [(await stats(c)).num_running for c in cluster.decode]
-        victim = cluster.decode[running.index(max(running))]
-        assert max(running) > 0  # streams were on it
-        victim.process.send_signal(signal.SIGKILL)
-        await asyncio.gather(*tasks)
-        print("\n".join(compare(llm, streams, references, params)))
-        assert metric(cluster.router, "pdserve_migrations_total") >= 1
-        await wait_for(lambda: restarted(cluster, victim), 120.0, "the killed worker restarted")
-        await wait_for(lambda: survivors_hold_nothing(cluster), 30.0, "survivors hold nothing")
-        return victim
+    async def all_streaming() -> bool:
+        return all(len(s.token_ids) >= 8 for s in streams)
 
-    return asyncio.run(run())
+    await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
+    running = [(await stats(c)).num_running for c in cluster.decode]
+    victim = cluster.decode[running.index(max(running))]
+    assert max(running) > 0  # streams were on it
+    victim.process.send_signal(signal.SIGKILL)
+    await asyncio.gather(*tasks)
+    for i, stream in enumerate(streams):
+        assert stream.error is None, f"stream {i}: {stream.error}"
+    assert metric(cluster.router, "pdserve_migrations_total") >= 1
+    await wait_for(lambda: restarted(cluster, victim), restart_s, "the killed worker restarted")
+    await wait_for(lambda: survivors_hold_nothing(cluster), 60.0, "survivors hold nothing")
+    return streams, victim

@@ -127,15 +127,19 @@ async def failed_decode(
     decode_server: ServiceServer,
     prompt: list[int],
     params: SamplingParams,
+    request_id: str = "r",
 ) -> grpc.aio.AioRpcError:
     """Prefills ``prompt`` on one worker and decodes its handle on the other, which must fail:
-    the decode stream's error (a test of a refused or failed pull)."""
+    the decode stream's error (a test of a refused or failed pull). The servers: anything
+    with an ``address`` (in-process servers, a cluster's workers)."""
     sampling = sampling_to_proto(params)
     prefilled = await prefill_stub(prefill_server).Prefill(
-        prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling)
+        prefill_pb2.PrefillRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+        )
     )
     request = decode_pb2.DecodeRequest(
-        request_id="r",
+        request_id=request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
         first_token_id=prefilled.first_token_id,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,15 +30,14 @@ from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.faults.faults_util import (
-    metric,
+    kill_the_busiest_decode_worker,
     mixed_params,
     requests_for,
-    restarted,
     run_streams,
     stats,
     survivors_hold_nothing,
 )
-from tests.services.harness import engine_config, start, wait_for
+from tests.services.harness import engine_config, failed_decode, start, wait_for
 from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
 from tests.vllm.vllm_util import colocated, offline_greedy, same_or_near_tie, through_router
 
@@ -208,7 +206,8 @@ def test_client_cancels_at_each_stage_free_every_block(cluster: LocalCluster) ->
 def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(
     cluster: LocalCluster, vllm_model: Callable[[str], Path], redis_url: str
 ) -> None:
-    """Same checkpoint, same block size: only the engine differs, and the layouts say so."""
+    """Same checkpoint, same block size: only the engine differs, and the layouts say so.
+    (``failed_decode`` takes anything with an address: in-process servers, cluster workers.)"""
     from decode_service.config import DecodeConfig
     from decode_service.service import DecodeService
     from pdserve.cluster.config import RedisConfig
@@ -217,29 +216,7 @@ def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(
 
     model = vllm_model("llama")
     native = engine_config(model, block_size=BLOCK_SIZE, num_blocks=64)
-    prompt, sampling = _prompt(70, 80), sampling_to_proto(GREEDY)
-
-    async def refused(prefill_address: str, decode_address: str) -> grpc.aio.AioRpcError:
-        async with grpc.aio.insecure_channel(prefill_address) as p:
-            prefilled = await _prefill_stub(p).Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id="x", prompt_token_ids=prompt, sampling=sampling
-                ),
-                timeout=60,
-            )
-        request = decode_pb2.DecodeRequest(
-            request_id="x",
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            first_token_id=prefilled.first_token_id,
-            handle=prefilled.handle,
-            prefill_address=prefill_address,
-        )
-        async with grpc.aio.insecure_channel(decode_address) as d:
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
-                async for _ in decode_pb2_grpc.DecodeWorkerStub(d).Decode(request):
-                    pass
-        return failed.value
+    prompt = _prompt(70, 80)
 
     async def run() -> None:
         vllm_prefill, vllm_decode = cluster.prefill[0], cluster.decode[1]
@@ -255,15 +232,16 @@ def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(
         )
         try:
             unknown = grpc.StatusCode.PERMISSION_DENIED  # until the registry names the peer
+            attempts = iter(range(1000))
             async with asyncio.timeout(60):
                 while (
-                    first := await refused(native_prefill.address, vllm_decode.address)
+                    first := await failed_decode(
+                        native_prefill, vllm_decode, prompt, GREEDY, f"x{next(attempts)}"
+                    )
                 ).code() is unknown:
                     await asyncio.sleep(0.5)
-            for error, pair in (
-                (first, "native -> vllm"),
-                (await refused(vllm_prefill.address, native_decode.address), "vllm -> native"),
-            ):
+            back = await failed_decode(vllm_prefill, native_decode, prompt, GREEDY, "y")
+            for error, pair in ((first, "native -> vllm"), (back, "vllm -> native")):
                 details = error.details() or ""
                 assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, (pair, details)
                 assert "page_layout" in details and "vllm-0.32.0/" in details, pair
@@ -331,23 +309,9 @@ def test_a_killed_vllm_decode_worker_mid_stream_loses_no_stream(cluster: LocalCl
             await colocated(cluster.decode[0].address, prompt, p, f"ref{i}")
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
-        streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
-
-        async def all_streaming() -> bool:
-            return all(len(s.token_ids) >= 8 for s in streams)
-
-        await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
-        running = [(await stats(c)).num_running for c in cluster.decode]
-        victim = cluster.decode[running.index(max(running))]
-        assert max(running) > 0
-        victim.process.send_signal(signal.SIGKILL)
-        await asyncio.gather(*tasks)
+        streams, _ = await kill_the_busiest_decode_worker(cluster, prompts, params, 180.0)
         for i, (stream, ref) in enumerate(zip(streams, references, strict=True)):
-            assert stream.error is None, f"stream {i}: {stream.error}"
             assert stream.token_ids == ref.token_ids, f"stream {i}"
             assert stream.finish_reason == "length"
-        assert metric(cluster.router, "pdserve_migrations_total") >= 1
-        await wait_for(lambda: restarted(cluster, victim), 180.0, "the killed worker restarted")
-        await wait_for(lambda: survivors_hold_nothing(cluster), 60.0, "survivors hold nothing")
 
     asyncio.run(run())
