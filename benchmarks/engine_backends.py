@@ -218,8 +218,8 @@ def main() -> None:
                 if "vllm-bench-serve" in rows:
                     rows["vllm-bench-serve"][system] = vllm_client(url, args, model, logs)
     for client, by_system in rows.items():
-        print(f"\n{client}: {'system':<17} {'req/s':>6} {'x':>5} {'TTFT p50/p90 ms':>17} "
-              f"{'TPOT p50/p90 ms':>17}")  # fmt: skip
+        heads = ("system", "req/s", "x", "TTFT p50/p90 ms", "TPOT p50/p90 ms")
+        print(f"\n{client}: {heads[0]:<17} {heads[1]:>6} {heads[2]:>5}", *heads[3:])
         for system, row in by_system.items():
             if "error" in row:
                 print(f"  {system:<17} error: {row['error']}")

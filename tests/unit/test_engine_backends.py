@@ -52,10 +52,8 @@ def test_each_engines_options_are_refused_by_name_on_the_other() -> None:
 
 
 def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
-    configs = _up_configs(
-        "--engine", "vllm", "--gpu-memory-utilization", "0.5", "--enforce-eager",
-        "--max-model-len", "4096", "--kv-cache-bytes", "1000000", "--quantization", "awq",
-    )  # fmt: skip
+    flags = "--engine vllm --gpu-memory-utilization 0.5 --enforce-eager --max-model-len 4096"
+    configs = _up_configs(*flags.split(), "--kv-cache-bytes", "1000000", "--quantization", "awq")
     assert configs["router"].engine is VLLM
     for role in ("prefill", "decode"):
         engine = configs[role].engine
@@ -124,9 +122,8 @@ def test_vllm_gets_pdserves_settings_under_its_own_names() -> None:
         vllm=VllmOptions(gpu_memory_utilization=0.5, enforce_eager=True),
     )
     args = engine_args(config, "bridge-7", on_cpu=False)
-    assert {k: args[k] for k in ("model", "dtype", "max_model_len", "block_size")} == {
-        "model": "/m", "dtype": "bfloat16", "max_model_len": 2048, "block_size": 32,
-    }  # fmt: skip
+    keys = ("model", "dtype", "max_model_len", "block_size")
+    assert [args[k] for k in keys] == ["/m", "bfloat16", 2048, 32]
     assert args["num_gpu_blocks_override"] == 101  # vLLM's null block on top
     assert args["enable_prefix_caching"] is False and args["kv_cache_memory_bytes"] is None
     assert (args["tensor_parallel_size"], args["gpu_memory_utilization"]) == (1, 0.5)

@@ -98,16 +98,10 @@ def test_pdserve_profile_measures_a_vllm_worker(
     from pdserve.app.capacity import profile as profile_io
 
     out = tmp_path / "profile.json"
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "pdserve.cli", "profile", "--model", str(vllm_model("llama")),
-            "--engine", "vllm", "--block-size", "32", "--enforce-eager", "--quick",
-            "--num-blocks", "64", "--max-num-seqs", "4", "--out", str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
+    flags = "--engine vllm --block-size 32 --enforce-eager --quick --num-blocks 64"
+    command = [sys.executable, "-m", "pdserve.cli", "profile", "--model", str(vllm_model("llama"))]
+    command += [*flags.split(), "--max-num-seqs", "4", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     profile = profile_io.load(out)
     assert profile.hardware["engine"] == "vllm" and profile.model_fingerprint.endswith(":vllm")
