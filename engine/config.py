@@ -23,7 +23,7 @@ class AttentionBackend(enum.Enum):
 
     TORCH = "torch"  # portable: gather blocks, then scaled_dot_product_attention
     TRITON = "triton"  # CUDA kernels (also runs under TRITON_INTERPRET=1 on CPU, for tests)
-    CPU = "cpu"  # native C++ kernel for CPU float32, compiled on first use
+    CPU = "cpu"  # native C++ kernel for CPU (fp32, bf16, fp16), compiled on first use
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class EngineConfig:
     device: str | None = None
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    # None: TRITON on CUDA, CPU on CPU float32 (falls back to TORCH if it cannot be built).
+    # None: TRITON on CUDA, CPU on CPU (falls back to TORCH if it cannot be built).
     attention_backend: AttentionBackend | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculation
     backend: EngineBackend = EngineBackend.NATIVE

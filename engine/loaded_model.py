@@ -78,7 +78,10 @@ class LoadedModel:
 
     def _attention_backend(self) -> AttentionBackend:
         requested = self.config.attention_backend
-        native_ok = self.device.type == "cpu" and self.config.dtype == "float32"
+        # The C++ kernel: any dtype with a full-precision cache; a quantized cache's codes are
+        # decoded in fp32 there, which only a float32 model reads as the torch path does.
+        quantized = self.config.cache.kv_cache_dtype.quantized
+        native_ok = self.device.type == "cpu" and (self.config.dtype == "float32" or not quantized)
         if requested is None:
             if self.device.type == "cuda":
                 return AttentionBackend.TRITON
@@ -87,7 +90,8 @@ class LoadedModel:
             return AttentionBackend.TORCH
         if requested is AttentionBackend.CPU and not (native_ok and load_cpu_kernels()):
             raise ValueError(
-                "attention_backend 'cpu' needs device cpu, dtype float32 and a C++ compiler "
+                "attention_backend 'cpu' needs device cpu, a C++ compiler, and float32 with a "
+                "quantized KV cache "
                 f"(device {self.device.type}, dtype {self.config.dtype})"
             )
         return requested

@@ -58,8 +58,10 @@ def load_cpu_kernels() -> bool:
 
 
 def paged_decode_attention_cpu(
-    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] fp32
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or uint8 codes
+    query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim] fp32, bf16 or fp16
+    # [num_blocks, block_size, num_kv_heads, head_dim]: the query's dtype, or uint8 codes (fp32
+    # query only)
+    k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32

@@ -1,11 +1,14 @@
 """Linear layers that keep HF's weight layout but run on the fastest GEMM available.
 
 On CPU, torch's default ``F.linear`` goes through a path that is 2-4x slower than oneDNN on the
-small-M (decode) shapes that dominate serving. After loading, ``prepack`` reorders each fp32
-weight once into oneDNN's blocked layout (the same private ops inductor's weight freezing uses).
-A packed call costs ~50 us more up front, so weights under 128K elements stay on ``F.linear``.
-Every other weight always takes the packed path, whatever the batch size: choosing per call
-would make a request's numerics depend on how many others share its step.
+small-M (decode) shapes that dominate serving. After loading, ``prepack`` reorders each weight
+once into oneDNN's blocked layout (the same private ops inductor's weight freezing uses): fp32
+always, bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX: oneDNN says so), and
+fp16 where it has AVX512-FP16 / AVX-NE-CONVERT. A packed bf16 GEMM gives the same bits as
+``F.linear`` in bf16 (measured: 1.3-2.2x faster at decode shapes on AVX512-BF16). A packed call
+costs ~50 us more up front, so weights under 128K elements stay on ``F.linear``. Every other
+weight always takes the packed path, whatever the batch size: choosing per call would make a
+request's numerics depend on how many others share its step.
 """
 
 from __future__ import annotations
@@ -17,12 +20,21 @@ from torch import nn
 _PACK_MIN_NUMEL = 1 << 17
 
 
-def _onednn_available() -> bool:
-    return (
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs GEMMs of this dtype natively on this CPU."""
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 class Linear(nn.Module):
@@ -53,7 +65,7 @@ class Linear(nn.Module):
     def prepack(self) -> None:
         """Call once, after the weights are loaded."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_available():
+        if w.device.type != "cpu" or not _onednn_packs(w.dtype):
             return
         if w.numel() < _PACK_MIN_NUMEL:
             return

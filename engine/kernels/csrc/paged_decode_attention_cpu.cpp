@@ -1,11 +1,15 @@
-// Paged decode attention for CPU, fp32: reads each sequence's K/V blocks in place, once.
-// A quantized cache's rows are decoded (codebook[code] * scale) as they are read.
+// Paged decode attention for CPU: reads each sequence's K/V blocks in place, once, and
+// accumulates in fp32. Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
+// fp32 as they are read (the query too; the output is rounded back to the query's dtype, as
+// torch's fused CPU attention does). A quantized cache's rows are decoded (codebook[code] *
+// scale) as they are read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -92,16 +96,27 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
   return out;
 }
 
-// Full-precision rows, read in place from contiguous [num_blocks, block_size, heads, head_dim].
-struct FloatRows {
-  const float* k;
-  const float* v;
+// Full-precision rows of contiguous [num_blocks, block_size, heads, head_dim] caches: fp32 in
+// place, 16-bit ones widened into tmp.
+template <typename T>
+struct DenseRows {
+  const T* k;
+  const T* v;
   int64_t block_stride, token_stride, head_dim;
-  const float* key(int64_t b, int64_t t, int64_t h, float*) const {
-    return k + b * block_stride + t * token_stride + h * head_dim;
+  const float* load(const T* base, int64_t b, int64_t t, int64_t h, float* tmp) const {
+    const T* row = base + b * block_stride + t * token_stride + h * head_dim;
+    if constexpr (std::is_same_v<T, float>) {
+      return row;
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) tmp[d] = static_cast<float>(row[d]);
+      return tmp;
+    }
   }
-  const float* value(int64_t b, int64_t t, int64_t h, float*) const {
-    return v + b * block_stride + t * token_stride + h * head_dim;
+  const float* key(int64_t b, int64_t t, int64_t h, float* tmp) const {
+    return load(k, b, t, h, tmp);
+  }
+  const float* value(int64_t b, int64_t t, int64_t h, float* tmp) const {
+    return load(v, b, t, h, tmp);
   }
 };
 
@@ -130,7 +145,9 @@ struct CodeRows {
 };
 
 void check_query(const at::Tensor& query, const at::Tensor& k_cache) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_decode_attention: float32 query only");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "paged_decode_attention: float32, bfloat16 or float16 query");
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && query.size(2) == k_cache.size(3),
@@ -146,19 +163,31 @@ at::Tensor paged_decode_attention(
     const at::Tensor& context_lens,  // [num_seqs] int32
     double scale) {
   check_query(query, k_cache);
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 caches only");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() &&
+              v_cache.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: caches of the query's dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache / v_cache shapes differ");
-  const at::Tensor q = query.contiguous();
+  const at::Tensor q = query.to(at::kFloat).contiguous();
   const at::Tensor tables = block_tables.to(at::kInt).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   check_tables(tables, lens, q.size(0), block_size, k_cache.size(0));
   const int64_t head_dim = q.size(2), token_stride = num_kv_heads * head_dim;
-  const FloatRows rows{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                       block_size * token_stride, token_stride, head_dim};
-  return attend(q, tables, lens, block_size, num_kv_heads, scale, rows);
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const DenseRows<T> rows{k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                            block_size * token_stride, token_stride, head_dim};
+    return attend(q, tables, lens, block_size, num_kv_heads, scale, rows);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kBFloat16:
+      return run(c10::BFloat16()).to(at::kBFloat16);
+    case at::kHalf:
+      return run(c10::Half()).to(at::kHalf);
+    default:
+      return run(0.0f);
+  }
 }
 
 at::Tensor paged_decode_attention_quantized(
@@ -172,6 +201,7 @@ at::Tensor paged_decode_attention_quantized(
     const at::Tensor& context_lens,  // [num_seqs] int32
     double scale) {
   check_query(query, k_codes);
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "a quantized cache here: float32 query only");
   TORCH_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte,
               "quantized caches hold uint8 codes");
   TORCH_CHECK(k_scales.scalar_type() == at::kFloat && v_scales.scalar_type() == at::kFloat &&

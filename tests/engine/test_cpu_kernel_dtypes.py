@@ -1,0 +1,78 @@
+"""The native CPU decode kernel in bf16 and fp16, exact values: attention computed exactly
+(float64 over the same 16-bit inputs) and rounded once to the dtype is what the kernel returns,
+element for element, with GQA and contexts on and across block boundaries (it accumulates in
+fp32 and rounds once). The torch path (fused SDPA in the dtype) rounds along the way: it is
+within a few 16-bit ulps of the magnitude of the output, not exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import decode_gather_inputs, paged_decode_attention_torch
+from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+from engine.kv_cache import LayerCache
+
+BLOCK_SIZE = 16
+LENS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]
+
+
+def _exact(query, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
+    out = []
+    group = query.shape[1] // k_cache.shape[2]
+    for s, n in enumerate(lens):
+        blocks = tables[s, : -(-n // BLOCK_SIZE)].long()
+        k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n].double()
+        v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n].double()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[s].double(), k) * scale
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+# The torch path's error bound, relative to the largest output: its intermediates are rounded.
+TORCH_PATH_TOLERANCE = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2)])
+def test_16_bit_decode_is_exact_attention_rounded_once(
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int
+) -> None:
+    assert load_cpu_kernels()
+    gen = torch.Generator().manual_seed(3)
+    head_dim, num_blocks = 64, 24
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(len(LENS), num_q_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: 4 * len(LENS)].view(len(LENS), 4)
+    tables, lens = tables.int(), torch.tensor(LENS, dtype=torch.int32)
+    scale = head_dim**-0.5
+    kernel = paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens, scale)
+    assert kernel.dtype == dtype and kernel.shape == query.shape
+    exact = _exact(query, k_cache, v_cache, tables, LENS, scale)
+    assert torch.equal(kernel, exact.to(dtype))
+    table, mask = decode_gather_inputs(tables, lens, max(LENS), BLOCK_SIZE)
+    torch_path = paged_decode_attention_torch(
+        query, LayerCache(k_cache, v_cache), table, mask, scale
+    )
+    bound = TORCH_PATH_TOLERANCE[dtype] * exact.abs().max()
+    assert (torch_path.double() - exact).abs().max() <= bound
+
+
+def test_a_quantized_cache_in_the_kernel_needs_a_float32_query() -> None:
+    assert load_cpu_kernels()
+    codes = torch.zeros(2, BLOCK_SIZE, 1, 64, dtype=torch.uint8)
+    scales = torch.ones(2, BLOCK_SIZE, 1)
+    with pytest.raises(RuntimeError, match="float32 query only"):
+        paged_decode_attention_cpu(
+            torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+            codes,
+            codes,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            1.0,
+            scales,
+            scales,
+            torch.zeros(256),
+        )
