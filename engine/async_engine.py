@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import torch
 
 from engine.block_hash import BlockHash
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
@@ -328,7 +331,10 @@ class AsyncEngine(ServingEngine):
 
 
 async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> AsyncEngine:
-    """The native engine for a worker service (an ``EngineBuilder``): loads in a thread."""
+    """The native engine for a worker service (an ``EngineBuilder``): loads in a thread. Sets
+    the process's torch threads (``EngineConfig.num_threads``; by default the CPUs this process
+    may run on): one engine per worker process."""
+    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
     engine = await asyncio.to_thread(LLMEngine, config)
     return AsyncEngine(
         engine,

@@ -162,6 +162,10 @@ class EngineConfig:
     # None: TRITON on CUDA, CPU on CPU (falls back to TORCH if it cannot be built).
     attention_backend: AttentionBackend | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculation
+    # torch's intra-op threads in a worker (None: the CPUs this process may run on). Workers
+    # sharing a machine each get their share (`pdserve up` divides them), else their OpenMP
+    # threads spin against each other.
+    num_threads: int | None = None
     backend: EngineBackend = EngineBackend.NATIVE
     vllm: VllmOptions = VllmOptions()
 
@@ -170,6 +174,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         refused = self.meaningless_options()
         if refused:
             raise ValueError(
@@ -183,6 +189,7 @@ class EngineConfig:
             return self.vllm.given()
         native_only = {
             "--device": self.device is not None,
+            "--num-threads": self.num_threads is not None,  # vLLM binds its own threads
             "--attention-backend": self.attention_backend is not None,
             "--speculative-method": self.speculative is not None,
             "--host-cache-gib": self.cache.host_cache_gib > 0,

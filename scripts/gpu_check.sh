@@ -33,8 +33,9 @@ if [ ! -x .venv-vllm-cuda/bin/python ]; then
 fi
 VPY=.venv-vllm-cuda/bin/python
 $VPY -m pytest -q tests/vllm/test_serving_engine_vllm.py tests/vllm/test_vllm_disaggregation.py
-$VPY benchmarks/engine_backends.py --systems vllm-serve,vllm-colocated,vllm-1p1d --no-vllm-client
+SERVING="--dtypes bfloat16 --rates 2 --workloads random:256:64 --clients vllm,pdserve"
+$VPY benchmarks/serving.py --systems vllm-serve,vllm-colocated,vllm-1p1d $SERVING
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism: colocated workers only
-  $VPY benchmarks/engine_backends.py --systems vllm-serve,vllm-colocated --no-vllm-client \
+  $VPY benchmarks/serving.py --systems vllm-serve,vllm-colocated $SERVING \
     --tensor-parallel-size 2
 fi

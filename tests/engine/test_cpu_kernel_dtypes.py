@@ -1,8 +1,8 @@
-"""The native CPU decode kernel in bf16 and fp16, exact values: attention computed exactly
-(float64 over the same 16-bit inputs) and rounded once to the dtype is what the kernel returns,
-element for element, with GQA and contexts on and across block boundaries (it accumulates in
-fp32 and rounds once). The torch path (fused SDPA in the dtype) rounds along the way: it is
-within a few 16-bit ulps of the magnitude of the output, not exact."""
+"""The native CPU decode kernel in bf16 and fp16, against attention computed exactly (float64
+over the same 16-bit inputs), with GQA and contexts on and across block boundaries. It
+accumulates in fp32 and rounds once: nearly every element is the exact result rounded to the
+dtype, and none is more than one unit in the last place from it. The torch path (fused SDPA in
+the dtype) rounds along the way: it is within a few 16-bit ulps of the output's magnitude."""
 
 from __future__ import annotations
 
@@ -30,13 +30,20 @@ def _exact(query, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-unt
     return torch.stack(out)
 
 
+def _ulp(rounded: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of each (16-bit) value, as float64."""
+    mantissa = {torch.bfloat16: 7, torch.float16: 10}[rounded.dtype]
+    magnitude = rounded.double().abs().clamp_min(2.0**-14)
+    return torch.exp2(torch.floor(torch.log2(magnitude)) - mantissa)
+
+
 # The torch path's error bound, relative to the largest output: its intermediates are rounded.
 TORCH_PATH_TOLERANCE = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2)])
-def test_16_bit_decode_is_exact_attention_rounded_once(
+def test_16_bit_decode_is_within_an_ulp_of_exact_attention(
     dtype: torch.dtype, num_q_heads: int, num_kv_heads: int
 ) -> None:
     assert load_cpu_kernels()
@@ -51,7 +58,9 @@ def test_16_bit_decode_is_exact_attention_rounded_once(
     kernel = paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens, scale)
     assert kernel.dtype == dtype and kernel.shape == query.shape
     exact = _exact(query, k_cache, v_cache, tables, LENS, scale)
-    assert torch.equal(kernel, exact.to(dtype))
+    rounded = exact.to(dtype)
+    assert ((kernel.double() - exact).abs() <= _ulp(rounded)).all()
+    assert (kernel == rounded).double().mean() >= 0.99
     table, mask = decode_gather_inputs(tables, lens, max(LENS), BLOCK_SIZE)
     torch_path = paged_decode_attention_torch(
         query, LayerCache(k_cache, v_cache), table, mask, scale

@@ -126,3 +126,16 @@ def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
         assert worker.engine.cache.kv_cache_dtype is KVCacheDtype.FP8_E4M3
     with pytest.raises(SystemExit):  # argparse names the choices
         build_parser().parse_args(["up", "--model", "/m", "--kv-cache-dtype", "int4"])
+
+
+def test_up_gives_each_native_worker_its_share_of_the_cpus() -> None:
+    """Workers of one `pdserve up` share the machine: OpenMP threads past its cores spin
+    against each other. vLLM workers bind their own."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    configs = _up_configs("--prefill", "1", "--decode", "1")
+    for role in ("prefill", "decode"):
+        assert configs[role].engine.num_threads == max(1, cores // 2)
+    assert _up_configs("--decode", "3")["decode"].engine.num_threads == max(1, cores // 4)
+    assert _up_configs("--engine", "vllm")["decode"].engine.num_threads is None

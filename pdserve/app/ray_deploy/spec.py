@@ -104,8 +104,11 @@ def deployment_spec(
     # (docs/security.md).
     common += ["--insecure"]
     workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", transfer]
-    if num_gpus_per_worker > 0 and engine == "native":  # vLLM finds its GPUs itself
-        workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
+    if engine == "native":  # vLLM finds its GPUs and binds its threads itself
+        if num_gpus_per_worker > 0:
+            workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
+        # The actor's CPUs, not the node's: actors share the node.
+        workers += ["--num-threads", str(max(1, int(num_cpus_per_worker)))]
     prefill = parse_service_flags("prefill", [*workers, "--kv-port", "0", *prefill_args])
     decode = parse_service_flags("decode", [*workers, *decode_args])
     router = parse_service_flags(

@@ -57,6 +57,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     add_kv_cache_dtype_flag(
         parser, env, "KV cache storage: the model dtype, or int8 / fp8_e4m3 codes with scales"
     )
+    add_flag(
+        parser,
+        "--num-threads",
+        env,
+        type=int,
+        default=None,
+        help="torch threads of this worker (default: the CPUs it may run on)",
+    )
     add_flag(parser, "--max-num-seqs", env, type=int, default=128)
     add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
     add_flag(parser, "--device", env, default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
@@ -151,6 +159,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         ),
         attention_backend=AttentionBackend(backend) if backend else None,
+        num_threads=args.num_threads,
         backend=EngineBackend(args.engine),
         vllm=vllm_options(args),
     )

