@@ -47,9 +47,11 @@ FULL = {
 QUICK = {
     "batch_sizes": "1,2",
     "prompt_len": 16,
-    "new_tokens": 8,
+    # Enough steps and two repeats that the one-token run is reliably the shorter even on a
+    # loaded box: the step time is a difference of two runs.
+    "new_tokens": 32,
     "prefill_len": 64,
-    "repeats": 1,
+    "repeats": 2,
     "size": "tiny",
 }
 
@@ -92,6 +94,10 @@ def engine_runner(llm: LLM) -> Runner:
 
 
 def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
+    # Like the engine's ignore_eos: EOS is a token like any other. (``min_new_tokens`` would
+    # instead mask EOS out of the logits, and greedy would then differ wherever EOS wins.)
+    model.generation_config.eos_token_id = None
+
     def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
         ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
         mask = torch.ones_like(ids)
@@ -101,7 +107,6 @@ def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=n,
-                min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=pad_id,
             )
