@@ -2,8 +2,10 @@
 
 The torch path gathers every decode sequence's K/V blocks into a padded copy and then runs
 attention over the copy: the cache is read twice and written once. This kernel walks the block
-table and reads each K/V row in place, once (about 2x faster per layer at batch 32). It is
-built with ``torch.utils.cpp_extension`` into torch's extension cache (~20 s, once per machine).
+table and reads each K/V row in place, once, prefetching rows ahead (blocks lie wherever the
+allocator put them, so without it every row waits on DRAM latency), and cuts long contexts
+into spans across threads (flash-decoding). It is built with ``torch.utils.cpp_extension``
+into torch's extension cache (~20 s, once per machine).
 If the build fails the engine logs why and uses the torch path: never a silent slow path.
 """
 

@@ -34,6 +34,15 @@ def test_engine_decode_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -
 
 
 @pytest.mark.slow
+def test_decode_attention_benchmark_quick_run_checks_and_times_both_paths() -> None:
+    command = [sys.executable, "benchmarks/decode_attention.py", "--quick"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (case,) = json.loads(result.stdout.strip().splitlines()[-1])["cases"]
+    assert case["kernel_us"] > 0 and case["torch_us"] > 0  # after agreeing on the output
+
+
+@pytest.mark.slow
 def test_kv_transfer_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> None:
     report = quick_run("kv_transfer.py", tmp_path / "bench-model", "--mib", "8", "--repeats", "1")
     transport = report["transport"]

@@ -1,5 +1,5 @@
 // Paged decode attention for CPU: reads each sequence's K/V blocks in place, once, and
-// accumulates in fp32. Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
+// accumulates in fp32 (split into spans across threads, as flash-decoding does). Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
 // fp32 as they are read (the query too; the output is rounded back to the query's dtype, as
 // torch's fused CPU attention does). A quantized cache's rows are decoded (codebook[code] *
 // scale) as they are read.
@@ -30,8 +30,40 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t num_
   }
 }
 
+// How many tokens ahead of the one being read the kernel prefetches. Decode reads each
+// sequence's blocks from wherever the allocator put them, cold: without prefetching the loop
+// waits on DRAM latency for every row, not on bandwidth.
+constexpr int64_t kPrefetchAhead = 8;
+
+// One sequence's context cut into spans of whole blocks (flash-decoding): small batches and
+// long contexts still give every thread work. Span `i` of sequence `s` is work item
+// first_item[s] + i.
+struct Spans {
+  int64_t span_tokens;
+  std::vector<int64_t> first_item;  // num_seqs + 1 prefix sums
+
+  Spans(const int32_t* lens, int64_t num_seqs, int64_t block_size) : first_item(num_seqs + 1) {
+    int64_t total_blocks = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total_blocks += (lens[s] + block_size - 1) / block_size;
+    // About four items per thread: enough to balance uneven lengths, few enough that merging
+    // the partial results stays cheap.
+    const int64_t target = 4 * static_cast<int64_t>(at::get_num_threads());
+    span_tokens = std::max<int64_t>(1, (total_blocks + target - 1) / target) * block_size;
+    for (int64_t s = 0; s < num_seqs; ++s)
+      first_item[s + 1] = first_item[s] + (lens[s] + span_tokens - 1) / span_tokens;
+  }
+  int64_t num_items() const { return first_item.back(); }
+  int64_t seq_of(int64_t item) const {
+    return std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+  }
+};
+
 // The attention itself, over rows that `Rows` yields: `rows.key(block, offset, kv_head, tmp)`
-// returns head_dim floats (the cache row in place, or its dequantized copy in tmp).
+// returns head_dim floats (the cache row in place, or its widened / dequantized copy in tmp).
+// A work item is one span of one sequence, all heads at once (a token's rows for every kv
+// head lie side by side, so the span is read front to back); it leaves, per query head, the
+// running max, the sum of exp(score - max) and the unnormalised output, which a second pass
+// merges. A sequence of one span is normalised exactly as a single pass would.
 template <typename Rows>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                   int64_t block_size, int64_t num_kv_heads, double scale, const Rows& rows) {
@@ -44,53 +76,97 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
   const int32_t* lp = lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const Spans spans(lp, num_seqs, block_size);
+  const int64_t part_size = head_dim + 2;  // max, sum, acc[head_dim]
+  std::vector<float> parts(spans.num_items() * num_q_heads * part_size);
 
-  // One work item per (sequence, kv head): its K/V rows are read once for the whole GQA group.
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, spans.num_items(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
-    std::vector<float> denom(group);
-    std::vector<float> tmp(head_dim);
+    std::vector<float> tmp(num_kv_heads * head_dim);
+    std::vector<const float*> row(num_kv_heads);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t len = lp[seq];
-      const float* q_group = qp + (seq * num_q_heads + kv_head * group) * head_dim;
-      scores.assign(group * len, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tp[seq * max_blocks + t / block_size];
-        const float* k = rows.key(block, t % block_size, kv_head, tmp.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qq = q_group + g * head_dim;
+      const int64_t seq = spans.seq_of(item);
+      const int64_t t0 = (item - spans.first_item[seq]) * spans.span_tokens;
+      const int64_t t1 = std::min<int64_t>(lp[seq], t0 + spans.span_tokens);
+      const int64_t n = t1 - t0;
+      const int32_t* table = tp + seq * max_blocks;
+      const float* q_seq = qp + seq * num_q_heads * head_dim;
+      float* part = parts.data() + item * num_q_heads * part_size;
+      scores.resize(num_q_heads * n);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t + kPrefetchAhead < t1) {
+          const int64_t ahead = t + kPrefetchAhead;
+          rows.prefetch_key(table[ahead / block_size], ahead % block_size);
+        }
+        const int64_t block = table[t / block_size];
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          row[h] = rows.key(block, t % block_size, h, tmp.data() + h * head_dim);
+        for (int64_t qh = 0; qh < num_q_heads; ++qh) {
+          const float* qq = q_seq + qh * head_dim;
+          const float* k = row[qh / group];
           float dot = 0.0f;
           for (int64_t d = 0; d < head_dim; ++d) dot += qq[d] * k[d];
-          scores[g * len + t] = dot * fscale;
+          scores[qh * n + (t - t0)] = dot * fscale;
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
-        const float max_score = *std::max_element(row, row + len);
+      for (int64_t qh = 0; qh < num_q_heads; ++qh) {
+        float* s = scores.data() + qh * n;
+        const float max_score = *std::max_element(s, s + n);
         float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) {
-          row[t] = std::exp(row[t] - max_score);
-          sum += row[t];
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = std::exp(s[i] - max_score);
+          sum += s[i];
         }
-        denom[g] = sum;
+        float* p = part + qh * part_size;
+        p[0] = max_score;
+        p[1] = sum;
+        std::fill(p + 2, p + part_size, 0.0f);
       }
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tp[seq * max_blocks + t / block_size];
-        const float* v = rows.value(block, t % block_size, kv_head, tmp.data());
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t + kPrefetchAhead < t1) {
+          const int64_t ahead = t + kPrefetchAhead;
+          rows.prefetch_value(table[ahead / block_size], ahead % block_size);
+        }
+        const int64_t block = table[t / block_size];
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          row[h] = rows.value(block, t % block_size, h, tmp.data() + h * head_dim);
+        for (int64_t qh = 0; qh < num_q_heads; ++qh) {
+          const float w = scores[qh * n + (t - t0)];
+          const float* v = row[qh / group];
+          float* a = part + qh * part_size + 2;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (seq * num_q_heads + kv_head * group + g) * head_dim;
-        const float inv = 1.0f / denom[g];
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = acc[g * head_dim + d] * inv;
+    }
+  });
+
+  // Merge each (sequence, query head)'s spans: weight span i by exp(max_i - max).
+  at::parallel_for(0, num_seqs * num_q_heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t seq = i / num_q_heads, qh = i % num_q_heads;
+      const int64_t first = spans.first_item[seq], last = spans.first_item[seq + 1];
+      const auto part = [&](int64_t item) {
+        return parts.data() + (item * num_q_heads + qh) * part_size;
+      };
+      float* o = op + i * head_dim;
+      if (last - first == 1) {
+        const float* p = part(first);
+        const float inv = 1.0f / p[1];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = p[2 + d] * inv;
+        continue;
       }
+      float max_score = -INFINITY;
+      for (int64_t item = first; item < last; ++item) max_score = std::max(max_score, part(item)[0]);
+      float sum = 0.0f;
+      std::fill(o, o + head_dim, 0.0f);
+      for (int64_t item = first; item < last; ++item) {
+        const float* p = part(item);
+        const float w = std::exp(p[0] - max_score);
+        sum += w * p[1];
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * p[2 + d];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
     }
   });
   return out;
@@ -118,6 +194,14 @@ struct DenseRows {
   const float* value(int64_t b, int64_t t, int64_t h, float* tmp) const {
     return load(v, b, t, h, tmp);
   }
+  // A token's rows for all kv heads are one run of token_stride elements.
+  void prefetch(const T* base, int64_t b, int64_t t) const {
+    const char* row = reinterpret_cast<const char*>(base + b * block_stride + t * token_stride);
+    const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i);
+  }
+  void prefetch_key(int64_t b, int64_t t) const { prefetch(k, b, t); }
+  void prefetch_value(int64_t b, int64_t t) const { prefetch(v, b, t); }
 };
 
 // Byte codes [num_blocks, block_size, heads, head_dim] and float32 scales [num_blocks,
@@ -142,6 +226,9 @@ struct CodeRows {
   const float* value(int64_t b, int64_t t, int64_t h, float* tmp) const {
     return decode(v, vs, b, t, h, tmp);
   }
+  // Codes are a quarter of a float row: the hardware prefetcher keeps up without help.
+  void prefetch_key(int64_t, int64_t) const {}
+  void prefetch_value(int64_t, int64_t) const {}
 };
 
 void check_query(const at::Tensor& query, const at::Tensor& k_cache) {
