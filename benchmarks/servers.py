@@ -70,12 +70,15 @@ def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float = 600
 
 @dataclass(frozen=True)
 class Load:
-    """One offered load: Poisson arrivals at ``rate``, random prompts, EOS ignored."""
+    """One offered load: Poisson arrivals at ``rate``, random prompts, EOS ignored. Each load of
+    a run has its own ``seed``, the same for every system: a server kept up across loads must
+    not answer a later load from the prefix cache of an earlier one."""
 
     rate: float
     num_prompts: int
     input_len: int
     output_len: int
+    seed: int
 
 
 def engine_flags(args: argparse.Namespace, dtype: str) -> list[str]:
@@ -142,7 +145,7 @@ def warm_up(url: str, vocab: int) -> None:
 def pdserve_client(url: str, load: Load, vocab: int) -> dict[str, float]:
     """``pdserve bench``'s client (random token-id prompts of the same lengths)."""
     config = LoadConfig(http=url, rate=load.rate, seed=1)
-    prompts = make_prompts(11, load.num_prompts, load.input_len, vocab)
+    prompts = make_prompts(1000 + load.seed, load.num_prompts, load.input_len, vocab)
     requests = [BenchRequest(tuple(p), output_len=load.output_len) for p in prompts]
     records, duration_s = asyncio.run(run_load(config, requests))
     s = summarize(records, duration_s)
@@ -163,7 +166,13 @@ def vllm_client(url: str, load: Load, model: Path, logs: Path) -> dict[str, Any]
     command = [sys.executable, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
     command += ["--base-url", url, "--model", str(model), "--tokenizer", str(model)]
     command += ["--dataset-name", "random", "--random-input-len", str(load.input_len)]
-    command += ["--random-output-len", str(load.output_len), "--ignore-eos"]
+    command += [
+        "--random-output-len",
+        str(load.output_len),
+        "--ignore-eos",
+        "--seed",
+        str(load.seed),
+    ]
     command += ["--num-prompts", str(load.num_prompts), "--request-rate", str(load.rate)]
     command += ["--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,90"]
     command += ["--save-result", "--result-dir", str(logs), "--result-filename", out.name]

@@ -63,11 +63,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def loads(args: argparse.Namespace) -> list[tuple[str, Load]]:
-    out = []
+    out: list[tuple[str, Load]] = []
     for workload in args.workloads.split(","):
         name, input_len, output_len = workload.split(":")
         for rate in args.rates.split(","):
-            load = Load(float(rate), args.num_prompts, int(input_len), int(output_len))
+            load = Load(float(rate), args.num_prompts, int(input_len), int(output_len), len(out))
             out.append((f"{name}@{rate}", load))
     return out
 
