@@ -73,7 +73,7 @@ class ClusterState:
         async with asyncio.timeout(timeout_s):
             while True:
                 await self.discover()
-                await self.pool.refresh()
+                await self.pool.refresh(self.fingerprint, self.block_size)
                 if self.pool.ready(needs_prefill):
                     return
                 await asyncio.sleep(poll_s)
@@ -86,7 +86,7 @@ class ClusterState:
                 try:
                     await self.discover()
                     if loop.time() >= next_stats:
-                        await self.pool.refresh()
+                        await self.pool.refresh(self.fingerprint, self.block_size)
                         next_stats = loop.time() + stats_interval_s
                 except Exception:  # the loop must outlive any one bad round
                     logger.exception("cluster state refresh failed")

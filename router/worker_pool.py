@@ -32,6 +32,20 @@ _STATS_TIMEOUT_S = 2.0
 __all__ = ["Role", "Worker", "WorkerPool"]
 
 
+def layout_refusal(
+    fingerprint: str, block_size: int, want_fingerprint: str, want_block_size: int
+) -> str | None:
+    """Why a worker cannot serve this router's requests (its KV blocks hold another model, or
+    are cut at another size), or None. The one rule for registry records and for the stats of
+    static workers, whose addresses come from the command line and name no model."""
+    if fingerprint == want_fingerprint and block_size == want_block_size:
+        return None
+    return (
+        f"fingerprint {fingerprint} block_size {block_size}, "
+        f"router has {want_fingerprint} block_size {want_block_size}"
+    )
+
+
 @dataclass
 class Worker:
     address: str
@@ -47,6 +61,8 @@ class Worker:
     num_stats_timeouts: int = 0  # in a row
     # A call to it just failed or stalled: no new work until its next stats call answers.
     suspected: bool = False
+    # Its stats name another model or block size (``layout_refusal``): never routable.
+    refused: str = ""
     departed: bool = False  # gone from the pool (its channel closes once nothing is in flight)
     # Set while the worker is unhealthy: calls in flight to it give up (and are retried).
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -97,7 +113,8 @@ class Worker:
     @property
     def routable(self) -> bool:
         stats_draining = self.stats is not None and self.stats.draining
-        return self.healthy and not self.suspected and not self.draining and not stats_draining
+        routing_ok = not self.suspected and not self.draining and not self.refused
+        return self.healthy and routing_ok and not stats_draining
 
     def set_healthy(self, healthy: bool, why: str = "") -> None:
         if self.healthy and not healthy:
@@ -110,7 +127,9 @@ class Worker:
         else:
             self.lost.set()
 
-    async def refresh(self) -> None:
+    async def refresh(self, fingerprint: str, block_size: int) -> None:
+        """Asks for its stats; ``fingerprint`` and ``block_size`` are the router's, which its
+        stats' layout must match (a restart at the same address may bring another model)."""
         stub = self.prefill if self.role is Role.PREFILL else self.decode
         try:
             self.stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
@@ -125,6 +144,16 @@ class Worker:
             self.set_healthy(False, exc.code().name)
             return
         self.num_stats_timeouts = 0
+        layout = self.stats.layout
+        refused = (
+            layout_refusal(layout.model_fingerprint, layout.block_size, fingerprint, block_size)
+            or ""
+        )
+        if refused and refused != self.refused:
+            logger.error("refusing %s worker at %s: %s", self.role.value, self.address, refused)
+        elif self.refused and not refused:
+            logger.info("%s worker %s now matches the router", self.role.value, self.address)
+        self.refused = refused
         self.suspected = False
         self.set_healthy(True)
 
@@ -173,8 +202,11 @@ class WorkerPool:
         seen: set[str] = set()
         for record in records:
             pool = self.pools[record.role]
-            if record.model_fingerprint != fingerprint or record.block_size != block_size:
-                self._refuse(record, fingerprint, block_size)
+            refused = layout_refusal(
+                record.model_fingerprint, record.block_size, fingerprint, block_size
+            )
+            if refused is not None:
+                self._refuse(record, refused)
                 continue
             seen.add(record.address)
             worker = pool.get(record.address)
@@ -199,15 +231,10 @@ class WorkerPool:
         # Forget refusals of workers that are gone, so the set does not grow forever.
         self._refused &= {r.worker_id for r in records}
 
-    def _refuse(self, record: WorkerRecord, fingerprint: str, block_size: int) -> None:
+    def _refuse(self, record: WorkerRecord, why: str) -> None:
         if record.worker_id not in self._refused:
             self._refused.add(record.worker_id)
-            logger.error(
-                "refusing worker_id=%s at %s: fingerprint %s block_size %d, router has "
-                "%s block_size %d",
-                record.worker_id, record.address, record.model_fingerprint,
-                record.block_size, fingerprint, block_size,
-            )  # fmt: skip
+            logger.error("refusing worker_id=%s at %s: %s", record.worker_id, record.address, why)
         # An incompatible worker now answers at this address: the old entry is not it.
         stale = self.pools[record.role].get(record.address)
         if stale is not None and record.address not in self._static:
@@ -227,8 +254,8 @@ class WorkerPool:
         in_use = {w.address for w in [*self.workers, *self._departed]}
         await self.channels.retain(in_use | self._static)
 
-    async def refresh(self) -> None:
-        await asyncio.gather(*(w.refresh() for w in self.workers))
+    async def refresh(self, fingerprint: str, block_size: int) -> None:
+        await asyncio.gather(*(w.refresh(fingerprint, block_size) for w in self.workers))
         for role, pool in self.pools.items():
             metrics.HEALTHY_WORKERS.labels(role.value).set(sum(w.healthy for w in pool.values()))
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve.common.channels import ChannelPool
 from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.common.tls import TlsConfig
+from pdserve.v1 import common_pb2
 from prefill_service.config import PrefillConfig
 from prefill_service.service import PrefillService
 from router.worker_pool import WorkerPool
@@ -98,14 +99,16 @@ def test_router_worker_stubs_follow_the_pool_across_a_renewal(
         pool = WorkerPool(prefill=(server.address,), tls=tls)
         pool.channels.recheck_s = pool.channels.retired_grace_s = 0.0
         worker = pool.prefill[server.address]
+        layout = (await worker.prefill.GetStats(common_pb2.GetStatsRequest())).layout
+        expected = (layout.model_fingerprint, layout.block_size)  # the router's, as it matches
         try:
-            await worker.refresh()
+            await worker.refresh(*expected)
             assert worker.healthy
             later_ns = os.stat(pki.cert).st_mtime_ns + 1_000_000_000
             os.utime(pki.cert, ns=(later_ns, later_ns))
             pool.channels.get("127.0.0.1:1")  # notices the renewal: every channel retired
             await asyncio.gather(*pool.channels._retired.values())  # and closed (no grace)
-            await worker.refresh()
+            await worker.refresh(*expected)
             assert worker.healthy, "the worker's stats call failed after the renewal"
         finally:
             await pool.close()
