@@ -116,6 +116,13 @@ class Dispatcher:
         calls stop answering) hands the request to the next (``avoid``: tried last)."""
         prompt_ids = list(request.prompt_token_ids)
         workers, predicted = await self.choose_prefill(prompt_ids)
+        # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
+        # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
+        # ``check_capacity`` has refused prompts that no worker can hold.
+        able = [w for w in workers if w.stats is None or w.load().can_hold(len(prompt_ids))]
+        if able[:1] != workers[:1]:
+            predicted = 0  # the prediction was for the first choice, which cannot serve it
+        workers = able
         workers.sort(key=lambda w: w.address in avoid)  # stable: the ranking otherwise
         if not workers:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")

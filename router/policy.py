@@ -52,6 +52,11 @@ class WorkerLoad:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def can_hold(self, num_tokens: int) -> bool:
+        """Whether its whole cache could ever hold ``num_tokens`` of KV (a worker whose stats
+        have not come yet reports 0 blocks: it cannot, as far as the router knows)."""
+        return self.num_blocks >= self.blocks_for(num_tokens)
+
 
 def _rank(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
     n = len(workers)
@@ -72,7 +77,7 @@ def rank_decode(
 ) -> list[str]:
     """Healthy decode workers that could ever hold the prompt, best first (least-loaded or in
     turn), those with enough free blocks now ahead of those that would have to free some."""
-    able = [w for w in workers if w.healthy and w.num_blocks >= w.blocks_for(num_prompt_tokens)]
+    able = [w for w in workers if w.healthy and w.can_hold(num_prompt_tokens)]
     if policy is RoutingPolicy.ROUND_ROBIN:
         by_address = {w.address: w for w in able}
         ordered = [by_address[a] for a in rank_round_robin(able, turn)]

@@ -227,7 +227,7 @@ class RouterService(Service):
             if not sizes:
                 continue  # nothing known yet: the workers themselves refuse it
             best = max(sizes, key=lambda w: w.num_blocks)
-            if best.blocks_for(num_prompt_tokens) > best.num_blocks:
+            if not best.can_hold(num_prompt_tokens):
                 raise ResourceError(
                     f"no {name} worker can hold {num_prompt_tokens} prompt tokens: the largest "
                     f"holds {best.num_blocks * best.block_size} tokens of KV cache"

@@ -142,6 +142,55 @@ def test_a_prompt_no_prefill_worker_can_hold_is_refused_before_any_work(llama_di
     asyncio.run(run())
 
 
+def test_a_prompt_only_the_larger_prefill_worker_holds_goes_to_it(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """Uneven prefill caches: round robin would hand every other request to the small worker,
+    which can never hold these prompts; each goes to the large one (before: RESOURCE_EXHAUSTED
+    to the client for half of them)."""
+    prompts = [list(range(10 + i, 110 + i)) for i in range(4)]  # 100 tokens: 7 blocks
+    reference = make_llm(llama_dir).generate(prompts, PARAMS)
+
+    async def run() -> None:
+        _, small_server = await start_prefill(llama_dir, num_blocks=4)  # 64 tokens
+        _, large_server = await start_prefill(llama_dir, num_blocks=64)
+        peers = [small_server, large_server]
+        _, decode_server = await start_decode(llama_dir, peers=peers)
+        router = await start(
+            RouterService(
+                RouterConfig(
+                    model=str(llama_dir),
+                    prefill_addresses=(small_server.address, large_server.address),
+                    decode_addresses=(decode_server.address,),
+                    prefill_policy=RoutingPolicy.ROUND_ROBIN,
+                    local_prefill_tokens=0,
+                )
+            )
+        )
+        try:
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                results = [
+                    await generate(
+                        stub,
+                        router_pb2.GenerateRequest(
+                            prompt_token_ids=p, sampling=sampling_to_proto(PARAMS)
+                        ),
+                    )
+                    for p in prompts
+                ]
+            small = await prefill_stub(small_server).GetStats(common_pb2.GetStatsRequest())
+        finally:
+            await router.shutdown()
+            await decode_server.shutdown()
+            await large_server.shutdown()
+            await small_server.shutdown()
+        assert [r.token_ids for r in results] == [e.token_ids for e in reference]
+        assert small.num_prompt_tokens_computed == 0
+
+    asyncio.run(run())
+
+
 def test_workers_leaving_during_prefix_lookups_are_no_error(
     llama_dir: Path, redis_url: str
 ) -> None:

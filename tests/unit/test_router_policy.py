@@ -106,3 +106,9 @@ def test_a_host_tier_hit_is_credited_between_a_miss_and_a_device_hit() -> None:
     workers = [WorkerLoad("host-hit", 0, 10, 100), WorkerLoad("miss", 0, 90, 100)]
     credit = {"host-hit": host_credited_tokens(0, 4, 16), "miss": 0}
     assert rank_cache_aware(workers, credit, 0.0, 10_000).order == ["host-hit", "miss"]
+
+
+def test_can_hold_counts_whole_blocks_and_a_worker_without_stats_holds_nothing() -> None:
+    worker = WorkerLoad("a", 0, 0, 4, block_size=16)  # 64 tokens in all
+    assert [worker.can_hold(n) for n in (1, 64, 65)] == [True, True, False]
+    assert not WorkerLoad("new", 0, 0, 0).can_hold(1)
