@@ -1,0 +1,124 @@
+"""Offline decode throughput, pdserve's native engine vs vLLM's own ``LLM``, in one run.
+
+Both engines load the same checkpoint in the same process (vLLM's engine core in-process, with
+its default torch.compile) and decode the same random prompts greedily, EOS ignored, one
+engine at a time. Decode tok/s = batch x (N - 1) / (t(max_tokens=N) - t(max_tokens=1)), best
+of the repeats, so prefill is left out. Prints a table with ratios (native / vLLM), then one
+JSON line. Run in the vLLM environment:
+
+    .venv-vllm/bin/python benchmarks/offline_engines.py [--dtype bfloat16] [--batches 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_inputs import REPO, make_prompts  # sibling module
+
+from engine import LLM, SamplingParams
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
+from pdserve.app.fetch_model import fetch_model
+
+# (prompts, max_tokens) -> seconds
+Runner = Callable[[list[list[int]], int], float]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=None, help="default: the real SmolLM2")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=65)
+    p.add_argument("--repeats", type=int, default=2)
+    return p.parse_args()
+
+
+def native_runner(model: Path, dtype: str) -> Runner:
+    llm = LLM(str(model), dtype=dtype, block_size=32, kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
+
+    def run(prompts: list[list[int]], n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - start
+
+    return run
+
+
+def vllm_runner(model: Path, dtype: str) -> Runner:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM as VllmLLM
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+
+    llm = VllmLLM(
+        str(model),
+        dtype=dtype,
+        block_size=32,  # vLLM's CPU attention: a multiple of 32
+        max_model_len=2048,
+        kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+        seed=0,
+        disable_log_stats=True,
+    )
+
+    def run(prompts: list[list[int]], n: int) -> float:
+        params = VllmParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        start = time.perf_counter()
+        llm.generate(inputs, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return run
+
+
+def decode_tok_s(run: Runner, batch: int, args: argparse.Namespace, vocab: int) -> float:
+    def prompts(seed: int) -> list[list[int]]:
+        return make_prompts(seed, batch, args.prompt_len, vocab)
+
+    run(prompts(batch), 4)  # warm-up: compiles, first-touch pages
+    full = min(run(prompts(100 * batch + r), args.new_tokens) for r in range(args.repeats))
+    first = min(run(prompts(200 * batch + r), 1) for r in range(args.repeats))
+    return batch * (args.new_tokens - 1) / (full - first)
+
+
+def main() -> None:
+    args = parse_args()
+    model, _ = fetch_model("smollm2", args.model or REPO / "models" / "smollm2-135m-instruct")
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict[str, dict[int, float]] = {}
+    for name, build in (("native", native_runner), ("vllm", vllm_runner)):
+        run = build(model, args.dtype)
+        results[name] = {b: decode_tok_s(run, b, args, vocab) for b in batches}
+        del run
+        gc.collect()
+    rows: list[dict[str, Any]] = []
+    print(f"offline decode tok/s, {args.dtype}, {args.prompt_len}-token prompts, greedy")
+    print(f"{'batch':>5} {'native':>9} {'vLLM':>9} {'native/vLLM':>12}")
+    for b in batches:
+        native, vllm = results["native"][b], results["vllm"][b]
+        rows.append(
+            {"batch": b, "native_tok_s": native, "vllm_tok_s": vllm, "ratio": native / vllm}
+        )
+        print(f"{b:>5} {native:>9.1f} {vllm:>9.1f} {native / vllm:>11.2f}x")
+    report = {
+        "benchmark": "offline_engines",
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+        "goal_1_5x_vllm": all(r["ratio"] >= 1.5 for r in rows),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
