@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,9 @@ from bench_inputs import REPO, make_prompts  # sibling module
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pdserve.app.fetch_model import fetch_model
+from pdserve.app.make_model import make_model
 
+QUICK_KV_BYTES = 32 << 20
 # (prompts, max_tokens) -> seconds
 Runner = Callable[[list[list[int]], int], float]
 
@@ -38,11 +41,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=65)
     p.add_argument("--repeats", type=int, default=2)
-    return p.parse_args()
+    p.add_argument("--quick", action="store_true", help="CI: a tiny model, fp32, batches 1,2")
+    args = p.parse_args()
+    if args.quick:
+        args.dtype, args.batches, args.prompt_len, args.new_tokens = "float32", "1,2", 16, 32
+    return args
 
 
-def native_runner(model: Path, dtype: str) -> Runner:
-    llm = LLM(str(model), dtype=dtype, block_size=32, kv_cache_bytes=DEFAULT_CPU_KV_CACHE_BYTES)
+def native_runner(model: Path, dtype: str, quick: bool) -> Runner:
+    kv_bytes = QUICK_KV_BYTES if quick else DEFAULT_CPU_KV_CACHE_BYTES
+    llm = LLM(str(model), dtype=dtype, block_size=32, kv_cache_bytes=kv_bytes)
 
     def run(prompts: list[list[int]], n: int) -> float:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -53,7 +61,7 @@ def native_runner(model: Path, dtype: str) -> Runner:
     return run
 
 
-def vllm_runner(model: Path, dtype: str) -> Runner:
+def vllm_runner(model: Path, dtype: str, quick: bool) -> Runner:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmParams
@@ -63,8 +71,9 @@ def vllm_runner(model: Path, dtype: str) -> Runner:
         str(model),
         dtype=dtype,
         block_size=32,  # vLLM's CPU attention: a multiple of 32
-        max_model_len=2048,
-        kv_cache_memory_bytes=DEFAULT_CPU_KV_CACHE_BYTES,
+        max_model_len=512 if quick else 2048,
+        kv_cache_memory_bytes=QUICK_KV_BYTES if quick else DEFAULT_CPU_KV_CACHE_BYTES,
+        enforce_eager=quick,  # torch.compile: seconds per start, nothing to gain on a tiny model
         seed=0,
         disable_log_stats=True,
     )
@@ -91,12 +100,15 @@ def decode_tok_s(run: Runner, batch: int, args: argparse.Namespace, vocab: int) 
 
 def main() -> None:
     args = parse_args()
-    model, _ = fetch_model("smollm2", args.model or REPO / "models" / "smollm2-135m-instruct")
+    if args.quick:  # vLLM's CPU attention needs head_dim 64: tiny64
+        model = make_model(Path(tempfile.mkdtemp()) / "tiny64", "llama", "tiny64")
+    else:
+        model, _ = fetch_model("smollm2", args.model or REPO / "models" / "smollm2-135m-instruct")
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, dict[int, float]] = {}
     for name, build in (("native", native_runner), ("vllm", vllm_runner)):
-        run = build(model, args.dtype)
+        run = build(model, args.dtype, args.quick)
         results[name] = {b: decode_tok_s(run, b, args, vocab) for b in batches}
         del run
         gc.collect()

@@ -23,3 +23,13 @@ def test_vllm_bench_serve_drives_pdserve_to_completion() -> None:
     assert row["completed"] == report["num_prompts"] == 6
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]
     assert 0 < row["tpot_p50_ms"] <= row["tpot_p90_ms"]
+
+
+def test_offline_engines_benchmark_runs_both_engines() -> None:
+    command = [sys.executable, "benchmarks/offline_engines.py", "--quick"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [r["batch"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["native_tok_s"] > 0 and row["vllm_tok_s"] > 0
