@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from engine.model_config import DTYPE_NAMES
 from pdserve.app import settings
+from pdserve.app.cpu_share import worker_threads
 from pdserve.app.settings import add_client_flags, add_flag
 
 if TYPE_CHECKING:
@@ -55,17 +56,6 @@ def _cmd_service(args: argparse.Namespace) -> int:
     return 1 if spec.service.failure is not None else code
 
 
-def worker_threads(args: argparse.Namespace) -> tuple[str, ...]:
-    """Each native worker's share of this machine's CPUs, as its --num-threads: the workers of
-    one `pdserve up` share them, and OpenMP threads beyond the cores spin against each other
-    (vLLM binds its own threads). A --num-threads in --prefill-args/--decode-args wins."""
-    if args.engine != "native":
-        return ()
-    num_workers = args.decode + (0 if args.colocated else args.prefill)
-    share = max(1, len(os.sched_getaffinity(0)) // max(num_workers, 1))
-    return ("--num-threads", str(share))
-
-
 def _check_model(model: str, engine: str) -> None:
     """Fail here, with the file (or the missing install) named, rather than in every child
     process."""
@@ -96,7 +86,8 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     layout += tls  # the same certificates for every component
     keys = ("--api-key-file", args.api_key_file) if args.api_key_file else ()
     transfer: tuple[str, ...] = ("--kv-backend", args.transfer)
-    transfer += worker_threads(args)
+    num_workers = args.decode + (0 if args.colocated else args.prefill)
+    transfer += worker_threads(args.engine, num_workers, len(os.sched_getaffinity(0)))
     if args.transfer == "ray":
         transfer += ("--ray-address", args.ray_address)
     decode_args = (
