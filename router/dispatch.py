@@ -120,7 +120,7 @@ class Dispatcher:
         # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
         # ``check_capacity`` has refused prompts that no worker can hold.
         able = [w for w in workers if w.stats is None or w.load().can_hold(len(prompt_ids))]
-        if able[:1] != workers[:1]:
+        if workers and (not able or able[0] is not workers[0]):
             predicted = 0  # the prediction was for the first choice, which cannot serve it
         workers = able
         workers.sort(key=lambda w: w.address in avoid)  # stable: the ranking otherwise
