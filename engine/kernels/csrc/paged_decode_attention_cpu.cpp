@@ -58,8 +58,8 @@ struct Spans {
   }
 };
 
-// The attention itself, over rows that `Rows` yields: `rows.key(block, offset, kv_head, tmp)`
-// returns head_dim floats (the cache row in place, or its widened / dequantized copy in tmp).
+// The attention itself, over rows that `Rows` yields: `rows.row(is_key, block, offset, kv_head,
+// tmp)` returns head_dim floats (the cache row in place, or its widened / dequantized copy in tmp).
 // A work item is one span of one sequence, all heads at once (a token's rows for every kv
 // head lie side by side, so the span is read front to back); it leaves, per query head, the
 // running max, the sum of exp(score - max) and the unnormalised output, which a second pass
@@ -93,14 +93,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
       const float* q_seq = qp + seq * num_q_heads * head_dim;
       float* part = parts.data() + item * num_q_heads * part_size;
       scores.resize(num_q_heads * n);
-      for (int64_t t = t0; t < t1; ++t) {
+      // Points row[h] at token t's key (or value) row of every kv head, prefetching ahead.
+      const auto read = [&](int64_t t, bool key) {
         if (t + kPrefetchAhead < t1) {
           const int64_t ahead = t + kPrefetchAhead;
-          rows.prefetch_key(table[ahead / block_size], ahead % block_size);
+          rows.prefetch(key, table[ahead / block_size], ahead % block_size);
         }
         const int64_t block = table[t / block_size];
         for (int64_t h = 0; h < num_kv_heads; ++h)
-          row[h] = rows.key(block, t % block_size, h, tmp.data() + h * head_dim);
+          row[h] = rows.row(key, block, t % block_size, h, tmp.data() + h * head_dim);
+      };
+      for (int64_t t = t0; t < t1; ++t) {
+        read(t, true);
         for (int64_t qh = 0; qh < num_q_heads; ++qh) {
           const float* qq = q_seq + qh * head_dim;
           const float* k = row[qh / group];
@@ -123,13 +127,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
         std::fill(p + 2, p + part_size, 0.0f);
       }
       for (int64_t t = t0; t < t1; ++t) {
-        if (t + kPrefetchAhead < t1) {
-          const int64_t ahead = t + kPrefetchAhead;
-          rows.prefetch_value(table[ahead / block_size], ahead % block_size);
-        }
-        const int64_t block = table[t / block_size];
-        for (int64_t h = 0; h < num_kv_heads; ++h)
-          row[h] = rows.value(block, t % block_size, h, tmp.data() + h * head_dim);
+        read(t, false);
         for (int64_t qh = 0; qh < num_q_heads; ++qh) {
           const float w = scores[qh * n + (t - t0)];
           const float* v = row[qh / group];
@@ -188,20 +186,16 @@ struct DenseRows {
       return tmp;
     }
   }
-  const float* key(int64_t b, int64_t t, int64_t h, float* tmp) const {
-    return load(k, b, t, h, tmp);
-  }
-  const float* value(int64_t b, int64_t t, int64_t h, float* tmp) const {
-    return load(v, b, t, h, tmp);
+  const float* row(bool key, int64_t b, int64_t t, int64_t h, float* tmp) const {
+    return load(key ? k : v, b, t, h, tmp);
   }
   // A token's rows for all kv heads are one run of token_stride elements.
-  void prefetch(const T* base, int64_t b, int64_t t) const {
-    const char* row = reinterpret_cast<const char*>(base + b * block_stride + t * token_stride);
+  void prefetch(bool key, int64_t b, int64_t t) const {
+    const T* base = key ? k : v;
+    const char* run = reinterpret_cast<const char*>(base + b * block_stride + t * token_stride);
     const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(T));
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(run + i);
   }
-  void prefetch_key(int64_t b, int64_t t) const { prefetch(k, b, t); }
-  void prefetch_value(int64_t b, int64_t t) const { prefetch(v, b, t); }
 };
 
 // Byte codes [num_blocks, block_size, heads, head_dim] and float32 scales [num_blocks,
@@ -220,15 +214,11 @@ struct CodeRows {
     for (int64_t d = 0; d < head_dim; ++d) tmp[d] = book[row[d]] * scale;
     return tmp;
   }
-  const float* key(int64_t b, int64_t t, int64_t h, float* tmp) const {
-    return decode(k, ks, b, t, h, tmp);
-  }
-  const float* value(int64_t b, int64_t t, int64_t h, float* tmp) const {
-    return decode(v, vs, b, t, h, tmp);
+  const float* row(bool key, int64_t b, int64_t t, int64_t h, float* tmp) const {
+    return key ? decode(k, ks, b, t, h, tmp) : decode(v, vs, b, t, h, tmp);
   }
   // Codes are a quarter of a float row: the hardware prefetcher keeps up without help.
-  void prefetch_key(int64_t, int64_t) const {}
-  void prefetch_value(int64_t, int64_t) const {}
+  void prefetch(bool, int64_t, int64_t) const {}
 };
 
 void check_query(const at::Tensor& query, const at::Tensor& k_cache) {
