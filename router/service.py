@@ -223,7 +223,8 @@ class RouterService(Service):
         if not self.config.colocated:
             pools.append(("prefill", self.pool.prefill))
         for name, workers in pools:
-            sizes = [w.load() for w in workers.values() if w.stats is not None and w.healthy]
+            known = [w for w in workers.values() if w.stats is not None and w.healthy]
+            sizes = [w.load() for w in known if not w.refused]  # another model's: never used
             if not sizes:
                 continue  # nothing known yet: the workers themselves refuse it
             best = max(sizes, key=lambda w: w.num_blocks)
