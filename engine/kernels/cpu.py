@@ -22,7 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention_cpu.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "paged_decode_attention_cpu.cpp", _CSRC / "decode_span.cpp"]
 # A build takes ~20 s; a lock older than this was left by a killed process and would make
 # every later build wait on it forever.
 _STALE_LOCK_S = 600
@@ -40,6 +41,13 @@ def _cpu_tag() -> str:
     except (OSError, StopIteration):
         flags = platform.processor()
     return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+
+
+def _csrc_digest() -> str:
+    digest = hashlib.blake2b(digest_size=6)
+    for path in sorted(_CSRC.iterdir()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _build_directory() -> Path:
@@ -63,10 +71,17 @@ def load_cpu_kernels() -> bool:
 
         cpp_extension.load(
             name="pdserve_cpu_kernels",
-            sources=[str(_SOURCE)],
-            # -march=native: AVX-512 where the CPU has it (~15 % of a bf16 decode step at
-            # batch 32 on SmolLM2); the build directory is per CPU (_cpu_tag).
-            extra_cflags=["-O3", "-ffast-math", "-fopenmp", "-march=native"],
+            sources=[str(path) for path in _SOURCES],
+            # -march=native: AVX-512 where the CPU has it (decode_span.cpp is written for it);
+            # the build directory is per CPU (_cpu_tag). torch rebuilds when a source or a
+            # flag changes, so the flags carry a digest of the header too.
+            extra_cflags=[
+                "-O3",
+                "-ffast-math",
+                "-fopenmp",
+                "-march=native",
+                f"-DPDSERVE_CSRC_DIGEST={_csrc_digest()}",
+            ],
             build_directory=str(_build_directory()),
             is_python_module=False,
             verbose=False,

@@ -1,8 +1,10 @@
-"""HF transformers as the reference: greedy continuation and full-sequence logits."""
+"""HF transformers as the reference: greedy continuation, full-sequence logits, and the one rule
+for a 16-bit near-tie."""
 
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import torch
@@ -37,3 +39,22 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) ->
 def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0].float()  # [len, vocab]
+
+
+def ulp16(value: float, dtype: str) -> float:
+    """One unit in the last place of a 16-bit dtype at ``value``."""
+    mantissa = {"bfloat16": 7, "float16": 10}[dtype]
+    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-4))) - mantissa)
+
+
+def first_difference_is_a_tie(
+    model: PreTrainedModel, prompt: list[int], got: list[int], want: list[int], dtype: str
+) -> str | None:
+    """Where greedy outputs ``got`` and HF's ``want`` first differ, whether HF's two best logits
+    there are a single 16-bit step apart (or equal): a tie either side may break. Returns the
+    report line for a tie, None for a real mismatch (the caller fails on it)."""
+    at = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+    top = hf_logits(model, prompt + want[:at])[-1].topk(2).values.tolist()
+    if top[0] - top[1] > ulp16(top[0], dtype):
+        return None
+    return f"prompt len {len(prompt)}: a {dtype} tie at output {at} ({top})"

@@ -42,13 +42,16 @@ TORCH_PATH_TOLERANCE = {torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2)])
+# (10, 2): a group of five query heads, more than the AVX-512 span holds in registers at once.
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (10, 2)])
+# 64 and 128 take the AVX-512 span (decode_span.cpp) where the build has it; 96 the portable loop.
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
 def test_16_bit_decode_is_within_an_ulp_of_exact_attention(
-    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int
+    dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
     assert load_cpu_kernels()
     gen = torch.Generator().manual_seed(3)
-    head_dim, num_blocks = 64, 24
+    num_blocks = 24
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
     query = torch.randn(len(LENS), num_q_heads, head_dim, generator=gen).to(dtype)
@@ -59,7 +62,10 @@ def test_16_bit_decode_is_within_an_ulp_of_exact_attention(
     assert kernel.dtype == dtype and kernel.shape == query.shape
     exact = _exact(query, k_cache, v_cache, tables, LENS, scale)
     rounded = exact.to(dtype)
-    assert ((kernel.double() - exact).abs() <= _ulp(rounded)).all()
+    # Where an output is small beside the values it sums (cancellation), fp32's own rounding
+    # of those sums (about 2^-24 of each, over a few dozen tokens) adds to the final rounding.
+    fp32_sums = 2.0**-18 * v_cache.double().abs().max()
+    assert ((kernel.double() - exact).abs() <= _ulp(rounded) + fp32_sums).all()
     assert (kernel == rounded).double().mean() >= 0.99
     table, mask = decode_gather_inputs(tables, lens, max(LENS), BLOCK_SIZE)
     torch_path = paged_decode_attention_torch(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.hf_reference import hf_greedy, load_hf
+from tests.engine.hf_reference import first_difference_is_a_tie, hf_greedy, load_hf
 
 BLOCK_SIZE = 16
 # 1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, and longer.
@@ -124,14 +124,6 @@ def test_mistral_matches_hf(make_llm: Callable[..., LLM], tmp_path: Path) -> Non
     _check_parity(tmp_path / "mistral", make_llm(tmp_path / "mistral"))
 
 
-def _ulp16(value: float, dtype: str) -> float:
-    """One unit in the last place of a 16-bit dtype at ``value``."""
-    import math
-
-    mantissa = {"bfloat16": 7, "float16": 10}[dtype]
-    return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-4))) - mantissa)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_greedy_matches_hf_in_bf16_but_for_ties_it_reports(
     model_factory: Callable[..., Path], make_llm: Callable[..., LLM], arch: str
@@ -140,8 +132,6 @@ def test_bf16_greedy_matches_hf_in_bf16_but_for_ties_it_reports(
     numbers: two of them a single bf16 step apart (or equal) are a tie either side may break,
     so a first difference is accepted only there, and reported; never anywhere else."""
     import torch
-
-    from tests.engine.hf_reference import hf_logits
 
     model_dir = model_factory(arch)
     llm = make_llm(model_dir, block_size=BLOCK_SIZE, dtype="bfloat16")
@@ -154,9 +144,8 @@ def test_bf16_greedy_matches_hf_in_bf16_but_for_ties_it_reports(
         ref = hf_greedy(hf, prompt, NEW_TOKENS)
         if out.token_ids == ref:
             continue
-        at = next(i for i, (a, b) in enumerate(zip(out.token_ids, ref, strict=True)) if a != b)
-        top = hf_logits(hf, prompt + ref[:at])[-1].topk(2).values.tolist()
-        assert top[0] - top[1] <= _ulp16(top[0], "bfloat16"), f"prompt len {len(prompt)} at {at}"
-        ties.append(f"prompt len {len(prompt)}: a bf16 tie at output {at} ({top})")
+        tie = first_difference_is_a_tie(hf, prompt, out.token_ids, ref, "bfloat16")
+        assert tie is not None, f"prompt len {len(prompt)}: {out.token_ids} != {ref}"
+        ties.append(tie)
     print("\n".join(ties))
     assert len(ties) <= len(prompts) // 2  # ties, not the rule

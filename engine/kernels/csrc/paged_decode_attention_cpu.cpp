@@ -1,5 +1,7 @@
 // Paged decode attention for CPU: reads each sequence's K/V blocks in place, once, and
-// accumulates in fp32 (split into spans across threads, as flash-decoding does). Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
+// accumulates in fp32 (split into spans across threads, as flash-decoding does). Dense caches
+// take the AVX-512 span of decode_span.cpp where the build has it; these loops are the portable
+// path. Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
 // fp32 as they are read (the query too; the output is rounded back to the query's dtype, as
 // torch's fused CPU attention does). A quantized cache's rows are decoded (codebook[code] *
 // scale) as they are read.
@@ -11,6 +13,8 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+
+#include "decode_span.h"
 
 namespace {
 
@@ -79,6 +83,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
   const Spans spans(lp, num_seqs, block_size);
   const int64_t part_size = head_dim + 2;  // max, sum, acc[head_dim]
   std::vector<float> parts(spans.num_items() * num_q_heads * part_size);
+  bool fast = false;  // the hand-vectorised span (decode_span.cpp) where this build has one
+  if constexpr (Rows::kDense) fast = pdserve::decode_span_supported(Rows::kDtype, head_dim);
 
   at::parallel_for(0, spans.num_items(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -93,6 +99,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
       const float* q_seq = qp + seq * num_q_heads * head_dim;
       float* part = parts.data() + item * num_q_heads * part_size;
       scores.resize(num_q_heads * n);
+      if constexpr (Rows::kDense) {
+        if (fast) {
+          pdserve::decode_span(Rows::kDtype, {q_seq, rows.k, rows.v, table, block_size,
+                                              num_kv_heads, group, head_dim, t0, t1, fscale,
+                                              scores.data(), part});
+          continue;
+        }
+      }
       // Points row[h] at token t's key (or value) row of every kv head, prefetching ahead.
       const auto read = [&](int64_t t, bool key) {
         if (t + kPrefetchAhead < t1) {
@@ -113,19 +127,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
           scores[qh * n + (t - t0)] = dot * fscale;
         }
       }
-      for (int64_t qh = 0; qh < num_q_heads; ++qh) {
-        float* s = scores.data() + qh * n;
-        const float max_score = *std::max_element(s, s + n);
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-          s[i] = std::exp(s[i] - max_score);
-          sum += s[i];
-        }
-        float* p = part + qh * part_size;
-        p[0] = max_score;
-        p[1] = sum;
-        std::fill(p + 2, p + part_size, 0.0f);
-      }
+      for (int64_t qh = 0; qh < num_q_heads; ++qh)
+        pdserve::softmax_span(scores.data() + qh * n, n, part + qh * part_size, head_dim);
       for (int64_t t = t0; t < t1; ++t) {
         read(t, false);
         for (int64_t qh = 0; qh < num_q_heads; ++qh) {
@@ -174,6 +177,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
 // place, 16-bit ones widened into tmp.
 template <typename T>
 struct DenseRows {
+  static constexpr bool kDense = true;
+  static constexpr c10::ScalarType kDtype = c10::CppTypeToScalarType<T>::value;
   const T* k;
   const T* v;
   int64_t block_stride, token_stride, head_dim;
@@ -201,6 +206,7 @@ struct DenseRows {
 // Byte codes [num_blocks, block_size, heads, head_dim] and float32 scales [num_blocks,
 // block_size, heads], both strided views of the byte cache: row = codebook[code] * scale.
 struct CodeRows {
+  static constexpr bool kDense = false;
   const uint8_t* k;
   const uint8_t* v;
   const float* ks;

@@ -1,0 +1,47 @@
+// One work item of paged decode attention (one span of one sequence, every head) over a dense
+// cache, vectorised by hand: paged_decode_attention_cpu.cpp calls it and falls back to its
+// portable loops when it returns false (no AVX-512 at build time, an unsupported head_dim).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace pdserve {
+
+struct DecodeSpan {
+  const float* q;           // [num_q_heads, head_dim] fp32, this sequence's query
+  const void* k;            // cache base, [num_blocks, block_size, num_kv_heads, head_dim]
+  const void* v;            // same
+  const int32_t* table;     // this sequence's block ids
+  int64_t block_size, num_kv_heads, group, head_dim;
+  int64_t t0, t1;           // token range [t0, t1) of this span
+  float scale;
+  float* scores;            // [num_q_heads, t1 - t0] scratch
+  float* part;              // [num_q_heads, head_dim + 2]: max, sum, unnormalised output
+};
+
+// Turns one query head's n raw scores into exp(score - max) in place and starts its part:
+// part = [max, sum, 0 ... 0]. Both paths use it, so a span is normalised one way.
+inline void softmax_span(float* scores, int64_t n, float* part, int64_t head_dim) {
+  const float max_score = *std::max_element(scores, scores + n);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    scores[i] = std::exp(scores[i] - max_score);
+    sum += scores[i];
+  }
+  part[0] = max_score;
+  part[1] = sum;
+  std::fill(part + 2, part + 2 + head_dim, 0.0f);
+}
+
+// Whether this build has the fast path for caches of `dtype` with this head_dim.
+bool decode_span_supported(c10::ScalarType dtype, int64_t head_dim);
+
+// Fills span.part exactly as the portable loop does (same softmax, same layout); only the
+// order of the fp32 sums within a dot product differs.
+void decode_span(c10::ScalarType dtype, const DecodeSpan& span);
+
+}  // namespace pdserve
