@@ -186,6 +186,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         params = await self.accept(context, request.request_id, request.sampling)
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
+        self.inject_faults(request.request_id, prompt)
         with self.admitted():
             # Admitted: the scheduler queues it like any other.
             yield decode_pb2.DecodeResponse(admitted=True)

@@ -168,6 +168,9 @@ class EngineConfig:
     num_threads: int | None = None
     backend: EngineBackend = EngineBackend.NATIVE
     vllm: VllmOptions = VllmOptions()
+    # Fault injection, for tests of poison prompts: the worker process exits (code 70, as a
+    # crash would) on a request whose prompt holds this token id. None: off.
+    fault_exit_on_token: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

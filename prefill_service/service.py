@@ -93,6 +93,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         params = await self.accept(context, request_id, request.sampling)
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
+        self.inject_faults(request_id, prompt)
         with self.admitted():
             last: RequestUpdate | None = None
             stream = self.engine.generate(

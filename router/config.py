@@ -39,6 +39,9 @@ class RouterConfig:
     # Faults. A stream whose worker fails mid-flight is re-issued elsewhere (prompt + the
     # tokens already delivered) up to this many times; 0 disables migration.
     migration_limit: int = 3
+    # A prompt that two workers went away running, before its first token, is refused for
+    # this long (router/quarantine.py).
+    quarantine_s: float = 600.0
     # The longest a worker's stream may stay silent (no token, no heartbeat: workers send one
     # every second while a request is quiet) before the worker counts as stalled and the
     # request migrates. Also bounds a decode admission (reserve + KV pull).
@@ -91,6 +94,7 @@ class RouterConfig:
             "stats_interval_s",
             "stall_timeout_s",
             "client_idle_timeout_s",
+            "quarantine_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,11 +1,12 @@
 """The router's calls to workers: prefill worker choice (cache-aware or load-only), the
-Prefill call (retried on another prefill worker when one fails), decode admission with bounded
-retries, the relay of a worker's token stream, lease renewal and release.
+Prefill call, decode admission with bounded retries, the relay of a worker's token stream,
+lease renewal and release.
 
 Lease ownership follows the contract in ``kvtransfer/base.py``; the router's part (ending a
-lease no decode worker admitted) goes through the shared ``LeaseReleaser``. A worker that fails
-mid-flight raises ``WorkerLost``, which the router answers with a migration
-(``router/migration.py``).
+lease no decode worker admitted) goes through the shared ``LeaseReleaser``. Every failed call
+is classified by the one failure table (``router/failures.py``): a worker that failed raises
+``WorkerLost``, which the router answers with a migration (``router/migration.py``), counted
+against ``migration_limit`` whatever the phase.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
-from router.migration import migration_reason
+from router.failures import Action, Phase, Seen, Verdict, classify
 from router.policy import RoutingPolicy, rank_cache_aware
 from router.worker_pool import Role, Worker, WorkerPool
 
@@ -45,26 +46,23 @@ class WorkerError(Exception):
 
 
 class WorkerLost(WorkerError):
-    """A worker failed mid-flight (gone, stalled, or its KV lost): another worker can take the
-    request over. ``reason`` labels ``pdserve_migrations_total``; the next attempt avoids
-    ``avoid`` (the worker, and the prefill worker whose KV failed); ``suspect``: the worker
-    itself looks broken (gone, silent), so new work keeps off it until it answers stats."""
+    """A worker failed (a ``MIGRATE`` verdict of ``router/failures.py``): another worker can
+    take the request over. The next attempt avoids ``avoid`` (the worker, and the prefill
+    worker whose KV failed)."""
 
     def __init__(
         self,
         code: grpc.StatusCode,
         message: str,
-        reason: str,
+        verdict: Verdict,
         address: str,
         *,
         also_avoid: tuple[str, ...] = (),
-        suspect: bool = False,
     ) -> None:
         super().__init__(code, message)
-        self.reason = reason
+        self.verdict = verdict
         self.address = address
         self.avoid = (address, *also_avoid)
-        self.suspect = suspect
 
 
 def worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
@@ -74,25 +72,25 @@ def worker_error(exc: grpc.aio.AioRpcError, what: str) -> WorkerError:
     return WorkerError(code, f"{what}: {exc.details() or code.name}")
 
 
-def lost_or_error(exc: grpc.aio.AioRpcError, worker: Worker, what: str) -> WorkerError:
-    """``WorkerLost`` when another worker could take over, else the client's error. Only an
-    UNAVAILABLE worker (gone, unreachable) is suspected: other codes may be this request's."""
-    reason = migration_reason(exc.code())
+def failure(
+    exc: grpc.aio.AioRpcError,
+    worker: Worker,
+    what: str,
+    verdict: Verdict,
+    also_avoid: tuple[str, ...] = (),
+) -> WorkerError:
+    """What a failed call raises for its verdict: ``WorkerLost`` (migrate), else the client's
+    error. A ``NEXT`` verdict is the caller's to act on before it gets here."""
     error = worker_error(exc, what)
-    if reason is None:
+    if verdict.action is not Action.MIGRATE:
         return error
-    suspect = exc.code() == grpc.StatusCode.UNAVAILABLE
-    return WorkerLost(error.code, error.message, reason, worker.address, suspect=suspect)
+    return WorkerLost(error.code, error.message, verdict, worker.address, also_avoid=also_avoid)
 
 
-def _stalled(worker: Worker, what: str) -> WorkerLost:
-    return WorkerLost(
-        grpc.StatusCode.UNAVAILABLE,
-        f"{worker.role.value} worker {worker.address}: {what}",
-        "stall",
-        worker.address,
-        suspect=True,
-    )
+def stalled(worker: Worker, what: str, phase: Phase) -> WorkerLost:
+    message = f"{worker.role.value} worker {worker.address}: {what}"
+    verdict = classify(phase, Seen.STALL)
+    return WorkerLost(grpc.StatusCode.UNAVAILABLE, message, verdict, worker.address)
 
 
 def _lease_ended(exc: grpc.aio.AioRpcError) -> bool:
@@ -112,8 +110,10 @@ class Dispatcher:
     async def prefill(
         self, request: prefill_pb2.PrefillRequest, avoid: frozenset[str] = frozenset()
     ) -> tuple[Worker, prefill_pb2.PrefillResponse]:
-        """A healthy prefill worker's answer; one that fails, times out or stalls (its stats
-        calls stop answering) hands the request to the next (``avoid``: tried last)."""
+        """A healthy prefill worker's answer (``avoid``: tried last). One that fails, times out
+        or stalls (its stats calls stop answering) raises ``WorkerLost``: the request migrates,
+        counted like any other worker failure; one whose cache turns out too small (a ``NEXT``
+        verdict) hands it to the next."""
         prompt_ids = list(request.prompt_token_ids)
         workers, predicted = await self.choose_prefill(prompt_ids)
         # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
@@ -126,22 +126,13 @@ class Dispatcher:
         workers.sort(key=lambda w: w.address in avoid)  # stable: the ranking otherwise
         if not workers:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        error: WorkerError | None = None
-        for tries, worker in enumerate(workers):
-            if tries:
-                assert isinstance(error, WorkerLost)
-                metrics.MIGRATIONS.labels("prefill").inc()
-                logger.warning(
-                    "request_id=%s prefill retried on %s: %s",
-                    request.request_id,
-                    worker.address,
-                    error.message,
-                )
+        turned_away: WorkerError | None = None
+        for worker in workers:
             if worker.departed:  # left the pool (its channel may be closed) since the choice
-                error = _stalled(worker, "left the pool")
                 continue
             with self.pool.dispatched(worker, len(prompt_ids) - predicted):
                 call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
+                what = f"prefill worker {worker.address}"
                 try:
                     response = await self._unless_lost(call, worker)
                     self.count_prefix(len(prompt_ids), predicted, response.num_cached_tokens)
@@ -150,15 +141,13 @@ class Dispatcher:
                 # worker aborts the request. Had it just finished, its lease, whose token never
                 # reached us, ends by expiry.
                 except grpc.aio.AioRpcError as exc:
-                    error = lost_or_error(exc, worker, f"prefill worker {worker.address}")
-                    if not isinstance(error, WorkerLost):
-                        raise error from None
-                except WorkerLost as exc:
-                    error = exc
+                    verdict = classify(Phase.PREFILL, exc.code())
+                    if verdict.action is not Action.NEXT:
+                        raise failure(exc, worker, what, verdict) from None
+                    turned_away = worker_error(exc, what)
                 finally:
                     call.cancel()  # no-op when done
-        assert error is not None
-        raise error
+        raise turned_away or WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
 
     @staticmethod
     async def _unless_lost(call: Awaitable[T], worker: Worker) -> T:
@@ -175,7 +164,7 @@ class Dispatcher:
                 answer.cancel()
         if answer.done() and not answer.cancelled():
             return answer.result()
-        raise _stalled(worker, "stopped answering")
+        raise stalled(worker, "stopped answering", Phase.PREFILL)
 
     async def choose_prefill(self, prompt_ids: list[int]) -> tuple[list[Worker], int]:
         """Prefill workers best first, and the cached tokens predicted for the first."""
@@ -301,12 +290,14 @@ class Dispatcher:
         """One decode worker's answer: admitted (its call, after the KV pull), None when it is
         full or turned the request away (try another), ``WorkerLost`` when the handle may be
         spent (re-prefill), else the client's error. Heartbeats come during the pull; each
-        silence is bounded by ``stall_timeout_s``."""
+        silence is bounded by ``stall_timeout_s``. A prefill worker that freezes during the
+        pull (its stats stop answering: ``Worker.lost``) is given up on the same way: the
+        decode worker's pull would otherwise wait for its own transfer timeout."""
         call = worker.decode.Decode(request)
+        what = f"decode worker {worker.address}"
         try:
             while True:
-                async with asyncio.timeout(self.config.stall_timeout_s):
-                    message = await call.read()
+                message = await self._read_unless_lost(call, prefill_worker)
                 if message == grpc.aio.EOF:
                     raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
                 assert isinstance(message, decode_pb2.DecodeResponse)
@@ -314,33 +305,44 @@ class Dispatcher:
                     return call, worker, message.transfer_s
         except TimeoutError:
             call.cancel()
-            raise _stalled(worker, "admission silent for stall_timeout_s") from None
+            raise stalled(worker, "admission silent for stall_timeout_s", Phase.ADMISSION) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            if _lease_ended(exc):  # the pull failed: the handle is spent, and so is its sender
-                raise WorkerLost(
-                    code,
-                    f"decode worker {worker.address}: {exc.details()}",
-                    "transfer",
-                    worker.address,
-                    also_avoid=(prefill_worker.address,),
-                ) from None
+            verdict = classify(Phase.ADMISSION, Seen.LEASE_ENDED if _lease_ended(exc) else code)
+            if verdict.action is not Action.NEXT:
+                also = (prefill_worker.address,) if verdict.avoid_prefill else ()
+                raise failure(exc, worker, what, verdict, also) from None
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                raise _Denied(f"{what}: {exc.details()}") from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 metrics.DECODE_RETRIES.inc()
-                return None
-            if code == grpc.StatusCode.UNAVAILABLE:
-                return None  # draining or gone before the pull: another worker takes it
-            if code == grpc.StatusCode.PERMISSION_DENIED:
-                raise _Denied(f"decode worker {worker.address}: {exc.details()}") from None
-            if migration_reason(code) is not None:  # mid-pull, maybe: prefill again
-                raise WorkerLost(
-                    code, f"decode worker {worker.address}: {exc.details()}", "transfer",
-                    worker.address,
-                ) from None  # fmt: skip
-            raise worker_error(exc, f"decode worker {worker.address}") from None
+            return None  # full, draining or gone before the pull: another worker takes it
         except BaseException:
             call.cancel()
             raise
+
+    async def _read_unless_lost(
+        self, call: grpc.aio.UnaryStreamCall, prefill_worker: Worker
+    ) -> object:
+        """The call's next message; ``TimeoutError`` after ``stall_timeout_s`` of silence;
+        ``WorkerLost`` (a stall of the prefill worker) if the prefill worker turns lost."""
+        read = asyncio.ensure_future(call.read())
+        lost = asyncio.ensure_future(prefill_worker.lost.wait())
+        try:
+            await asyncio.wait(
+                {read, lost},
+                timeout=self.config.stall_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            lost.cancel()
+            if not read.done():
+                read.cancel()
+        if read.done() and not read.cancelled():
+            return read.result()
+        if prefill_worker.lost.is_set():
+            raise stalled(prefill_worker, "stopped answering during the KV pull", Phase.ADMISSION)
+        raise TimeoutError
 
     async def relay(
         self, call: grpc.aio.UnaryStreamCall, worker: Worker
@@ -359,9 +361,10 @@ class Dispatcher:
                     if message.finish_reason:
                         return  # finished: a break before EOF changes nothing
             except TimeoutError:
-                raise _stalled(worker, "silent for stall_timeout_s") from None
+                raise stalled(worker, "silent for stall_timeout_s", Phase.STREAM) from None
             except grpc.aio.AioRpcError as exc:
-                raise lost_or_error(exc, worker, f"decode worker {worker.address}") from None
+                verdict = classify(Phase.STREAM, exc.code())
+                raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None
             finally:
                 call.cancel()  # client gone or worker given up on: stop its request too
 
@@ -371,12 +374,14 @@ class Dispatcher:
         try:
             reply = await worker.prefill.RenewLease(request, timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            raise lost_or_error(exc, worker, f"prefill worker {worker.address} (renewal)") from None
+            verdict = classify(Phase.RENEWAL, exc.code())
+            what = f"prefill worker {worker.address} (renewal)"
+            raise failure(exc, worker, what, verdict) from None
         if not reply.renewed:
             raise WorkerLost(
                 grpc.StatusCode.UNAVAILABLE,
                 f"the prefilled KV on {worker.address} expired while waiting for a decode worker",
-                "transfer",
+                classify(Phase.RENEWAL, Seen.LEASE_ENDED),
                 worker.address,
             )
 

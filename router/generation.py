@@ -21,9 +21,18 @@ from pdserve.common import metrics
 from pdserve.common.convert import finish_reason_to_proto, sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, router_pb2
 from router.config import RouterConfig
-from router.dispatch import Dispatcher, WorkerError, WorkerLost, lost_or_error, prefill_request
+from router.dispatch import (
+    Dispatcher,
+    WorkerError,
+    WorkerLost,
+    failure,
+    prefill_request,
+    stalled,
+)
+from router.failures import Action, Phase, classify
 from router.migration import Continuation, attempt_id, continue_request
 from router.output_stream import OutputStream
+from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -41,6 +50,7 @@ class Generation:
         self.pool = pool
         self.dispatch = dispatch
         self.eos_token_ids = eos_token_ids
+        self.quarantine = Quarantine(config.quarantine_s)
 
     async def generate(
         self,
@@ -52,7 +62,17 @@ class Generation:
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One request, validated, as the client sees it: token chunks, then the final message.
         A worker that fails mid-flight is replaced (``router/migration.py``) up to
-        ``migration_limit`` times, invisibly to the client. Raises ``WorkerError``."""
+        ``migration_limit`` times, invisibly to the client; a prompt that keeps losing workers
+        before its first token is quarantined (``router/quarantine.py``). Raises
+        ``WorkerError``."""
+        digest = prompt_digest(prompt_ids)
+        if self.quarantine.quarantined(digest):
+            metrics.QUARANTINED.labels("refused").inc()
+            raise WorkerError(
+                grpc.StatusCode.INTERNAL,
+                f"prompt quarantined: {POISON_STRIKES} workers went away running it before its "
+                f"first token; refused for quarantine_s={self.config.quarantine_s:g}",
+            )
         sampling = sampling_to_proto(params)
         done = _Outcome()
         avoid: set[str] = set()  # workers this request failed on
@@ -71,12 +91,16 @@ class Generation:
                 done.finish_reason = finish_reason_to_proto(step)
                 break
             attempt = _Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
+            delivered = out.num_output_tokens
             try:
                 async for response in self._attempt(attempt, out, done):
                     yield response
                 local = done.local
                 break
             except WorkerLost as exc:
+                verdict = exc.verdict
+                if verdict.gone and out.num_output_tokens == delivered:
+                    self._strike(request_id, digest, exc)
                 if migrations >= self.config.migration_limit:
                     raise WorkerError(
                         exc.code,
@@ -84,15 +108,15 @@ class Generation:
                     ) from None
                 migrations += 1
                 avoid.update(exc.avoid)
-                if exc.suspect:
-                    self.pool.suspect(exc.address, f"{exc.reason}: {exc.message}")
+                if verdict.suspect:
+                    self.pool.suspect(exc.address, f"{verdict.reason}: {exc.message}")
                 out.migrating()
-                metrics.MIGRATIONS.labels(exc.reason).inc()
+                metrics.MIGRATIONS.labels(verdict.reason).inc()
                 logger.warning(
                     "request_id=%s migrating after %d tokens (%s): %s",
                     request_id,
                     out.num_output_tokens,
-                    exc.reason,
+                    verdict.reason,
                     exc.message,
                 )
                 await self.pool.wait_healthy(
@@ -128,6 +152,25 @@ class Generation:
             out.mean_tpot_s * 1e3,
         )
         yield final
+
+    def _strike(self, request_id: str, digest: str, exc: WorkerLost) -> None:
+        """A worker went away before the attempt's first token: a strike against the prompt;
+        the last one ends the request (it would go on taking workers down)."""
+        strikes = self.quarantine.strike(digest)
+        logger.warning(
+            "request_id=%s: %s went away before the first token (strike %d of %d)",
+            request_id,
+            exc.address,
+            strikes,
+            POISON_STRIKES,
+        )
+        if strikes >= POISON_STRIKES:
+            metrics.QUARANTINED.labels("ended").inc()
+            raise WorkerError(
+                grpc.StatusCode.INTERNAL,
+                f"prompt quarantined: {strikes} workers went away running it before its first "
+                f"token, the last {exc.address} ({exc.message})",
+            ) from None
 
     async def _attempt(
         self, attempt: _Attempt, out: OutputStream, done: _Outcome
@@ -220,18 +263,14 @@ class Generation:
                     await call.read()  # admitted
             except TimeoutError:
                 call.cancel()
-                raise WorkerLost(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"decode worker {worker.address}: no admission within stall_timeout_s",
-                    "stall",
-                    worker.address,
-                    suspect=True,
-                ) from None
+                what = "no admission within stall_timeout_s"
+                raise stalled(worker, what, Phase.LOCAL) from None
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                verdict = classify(Phase.LOCAL, exc.code())
+                if verdict.action is Action.NEXT:
                     done.fall_back = True  # draining or gone: disaggregate instead
                     return
-                raise lost_or_error(exc, worker, f"decode worker {worker.address}") from None
+                raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None
             except BaseException:
                 call.cancel()
                 raise

@@ -1,5 +1,6 @@
 """Request migration: when a worker fails mid-stream, the router re-issues the request elsewhere
 as the client's prompt plus every token the client already has, marked ``num_generated_tokens``.
+Which failures migrate is the failure table's to say (``router/failures.py``).
 
 The one owner of the rule (pure, no I/O; unit-tested with exact values). The engine treats the
 marked tokens as its own output: the seeded sampler's output index, ``max_tokens``, stop
@@ -13,27 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
 from engine.sampling_params import SamplingParams
-
-# How a worker's failure reads, and whether another worker can take over: every code that
-# means "this worker, not this request" migrates; the others (bad input, a layout mismatch, a
-# corrupted transfer) would fail the same way anywhere and go back to the client.
-_REASONS = {
-    grpc.StatusCode.UNAVAILABLE: "unavailable",  # killed, draining, connection reset
-    grpc.StatusCode.CANCELLED: "unavailable",  # its server stopped (drain past the grace)
-    grpc.StatusCode.ABORTED: "unavailable",
-    grpc.StatusCode.INTERNAL: "unavailable",  # a broken HTTP/2 stream
-    grpc.StatusCode.UNKNOWN: "unavailable",
-    grpc.StatusCode.DEADLINE_EXCEEDED: "stall",
-    grpc.StatusCode.NOT_FOUND: "transfer",  # the prefilled KV was gone: prefill again
-}
-
-
-def migration_reason(code: grpc.StatusCode) -> str | None:
-    """The metric reason a failure with this code migrates under, or None (no migration)."""
-    return _REASONS.get(code)
 
 
 @dataclass(frozen=True)

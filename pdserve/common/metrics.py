@@ -107,6 +107,12 @@ HOST_COPIES = Counter(
 )
 
 # Faults (router): streams moved to another worker, and what it cost the client.
+QUARANTINED = Counter(
+    "pdserve_quarantined_requests_total",
+    "Requests ended (outcome=ended: a second worker went away running the prompt before its "
+    "first token) or refused (outcome=refused: the prompt is quarantined) as poison",
+    ["outcome"],
+)
 MIGRATIONS = Counter(
     "pdserve_migrations_total",
     "Requests re-issued to another worker mid-flight (reason: unavailable, stall, transfer, "

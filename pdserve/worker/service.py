@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -184,6 +185,15 @@ class WorkerService(Service):
                 f"prompt_token_ids needs {needed} KV blocks of {self.engine.block_size} tokens; "
                 f"this {self.role.value} worker holds {held} in all",
             )
+
+    def inject_faults(self, request_id: str, prompt: list[int]) -> None:
+        """``--fault-exit-on-token``: a prompt holding the token ends the process at once, as a
+        prompt that crashes the engine would (tests of poison prompts)."""
+        token = self.engine_config.fault_exit_on_token
+        if token is not None and token in prompt:
+            logger.error("request_id=%s: fault injection: exiting on token %d", request_id, token)
+            logging.shutdown()
+            os._exit(70)
 
     def stats(self) -> common_pb2.WorkerStats:
         engine = self.engine

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.app.local_cluster import restart_delay_s
-from router.migration import Continuation, attempt_id, continue_request, migration_reason
+from router.migration import Continuation, attempt_id, continue_request
 from router.policy import is_stalled
 
 EOS = (2,)
@@ -33,17 +32,6 @@ def test_a_request_the_delivered_tokens_already_end_is_finished_not_migrated(
     delivered: list[int], max_model_len: int, stopped: bool, finish: str
 ) -> None:
     assert continue_request([7, 8, 9], delivered, P, EOS, max_model_len, stopped) == finish
-
-
-def test_which_failures_migrate() -> None:
-    code = grpc.StatusCode
-    assert migration_reason(code.UNAVAILABLE) == "unavailable"
-    assert migration_reason(code.CANCELLED) == "unavailable"
-    assert migration_reason(code.DEADLINE_EXCEEDED) == "stall"
-    assert migration_reason(code.NOT_FOUND) == "transfer"
-    for fatal in (code.INVALID_ARGUMENT, code.RESOURCE_EXHAUSTED, code.FAILED_PRECONDITION):
-        assert migration_reason(fatal) is None
-    assert migration_reason(code.DATA_LOSS) is None  # a corrupted transfer is reported
 
 
 def test_each_attempt_has_its_own_worker_request_id() -> None:

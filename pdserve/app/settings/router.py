@@ -103,6 +103,14 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(
         parser,
+        "--quarantine-s",
+        env,
+        type=float,
+        default=RouterConfig.__dataclass_fields__["quarantine_s"].default,
+        help="a prompt two workers went away running (before its first token) is refused this long",
+    )
+    add_flag(
+        parser,
         "--stall-timeout-s",
         env,
         type=float,
@@ -139,6 +147,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         ready_timeout_s=args.ready_timeout_s,
         colocated=args.colocated,
         migration_limit=args.migration_limit,
+        quarantine_s=args.quarantine_s,
         stall_timeout_s=args.stall_timeout_s,
         client_idle_timeout_s=args.client_idle_timeout_s,
         api_key_file=args.api_key_file,

@@ -88,6 +88,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     add_flag(parser, "--worker-id", env, default=None, help="registry id (default: <role>-<8 hex>)")
     add_flag(
         parser,
+        "--fault-exit-on-token",
+        env,
+        type=int,
+        default=EngineConfig.__dataclass_fields__["fault_exit_on_token"].default,
+        help="fault injection (tests): exit with code 70 on a prompt holding this token id",
+    )
+    add_flag(
+        parser,
         "--ucx-tls",
         env,
         default=None,
@@ -161,6 +169,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=AttentionBackend(backend) if backend else None,
         num_threads=args.num_threads,
         backend=EngineBackend(args.engine),
+        fault_exit_on_token=args.fault_exit_on_token,
         vllm=vllm_options(args),
     )
 

@@ -1,0 +1,152 @@
+"""What the router does when a call to a worker fails: one table, (phase, what happened) ->
+verdict. Every caller classifies through ``classify`` (prefill and admission in
+``router/dispatch.py``, the local admission in ``router/generation.py``, the relay, lease
+renewal); ``docs/architecture.md`` reproduces ``FAILURE_TABLE`` (a unit test keeps them equal).
+
+Pure: no I/O. The verdict says whether another worker of the same step may take the request
+(``NEXT``: nothing failed, this worker just cannot take it now), whether a worker failed and the
+request goes on elsewhere (``MIGRATE``: counted against ``migration_limit``, whatever the phase,
+so one request costs at most ``migration_limit + 1`` worker failures), or whether the failure
+is the request's own and goes back to the client with its status (``GIVE_UP``). What a
+migrated request is asked for next: ``router/migration.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeAlias
+
+import grpc
+
+__all__ = [
+    "FAILURE_TABLE",
+    "Action",
+    "Event",
+    "Phase",
+    "Seen",
+    "Verdict",
+    "classify",
+]
+
+
+class Phase(Enum):
+    PREFILL = "prefill"  # Prefill on a prefill worker
+    ADMISSION = "admission"  # Decode until admitted: the decode worker pulls the prefilled KV
+    LOCAL = "local"  # PrefillAndDecode until admitted (conditional disaggregation, colocated)
+    STREAM = "stream"  # a decode worker's token stream, once admitted
+    RENEWAL = "renewal"  # RenewLease on the prefill worker while decode workers are full
+
+
+class Seen(Enum):
+    """What the router saw instead of a status code."""
+
+    # No message for stall_timeout_s, or the worker stopped answering stats calls (frozen).
+    STALL = "stall"
+    # A status carrying the lease-ended trailer, or a renewal refused: the prefilled KV is gone.
+    LEASE_ENDED = "lease_ended"
+
+
+Event: TypeAlias = grpc.StatusCode | Seen
+
+
+class Action(Enum):
+    NEXT = "next"  # not a failure: another worker of this step (full, draining, not peered)
+    MIGRATE = "migrate"  # a worker failed: the request goes on elsewhere, avoiding it
+    GIVE_UP = "give_up"  # the request's own failure: the client gets the status
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action
+    reason: str = ""  # pdserve_migrations_total{reason}, for MIGRATE
+    # The worker itself looks broken: no new work until its next stats call answers.
+    suspect: bool = False
+    # The KV it was pulling is spent: the next attempt also avoids the prefill worker.
+    avoid_prefill: bool = False
+    # The worker's process or connection went away. Before any token of the attempt, that is a
+    # strike against the prompt (``router/quarantine.py``): a poison prompt stops spreading.
+    gone: bool = False
+
+
+_GIVE_UP = Verdict(Action.GIVE_UP)
+_NEXT = Verdict(Action.NEXT)
+# A broken connection or a dead server reads as any of these.
+_GONE_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,  # its server stopped (a drain past the grace)
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,  # a broken HTTP/2 stream
+    grpc.StatusCode.UNKNOWN,
+)
+
+
+def _gone(reason: str) -> dict[Event, Verdict]:
+    """Rows for a worker that went away; only UNAVAILABLE suspects it (the others may be this
+    request's own stream breaking)."""
+    return {
+        code: Verdict(
+            Action.MIGRATE, reason, suspect=code is grpc.StatusCode.UNAVAILABLE, gone=True
+        )
+        for code in _GONE_CODES
+    }
+
+
+_STALLED = Verdict(Action.MIGRATE, "stall", suspect=True)
+
+FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
+    Phase.PREFILL: {
+        **_gone("prefill"),
+        grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "prefill"),  # prefill_timeout_s
+        grpc.StatusCode.NOT_FOUND: Verdict(Action.MIGRATE, "prefill"),
+        Seen.STALL: Verdict(Action.MIGRATE, "prefill", suspect=True),
+        # This worker's cache cannot hold the prompt; a larger one may (none: check_capacity).
+        grpc.StatusCode.RESOURCE_EXHAUSTED: _NEXT,
+    },
+    Phase.ADMISSION: {
+        Seen.LEASE_ENDED: Verdict(Action.MIGRATE, "transfer", avoid_prefill=True),
+        grpc.StatusCode.RESOURCE_EXHAUSTED: _NEXT,  # full: another, or wait with backoff
+        grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining, or gone before the pull
+        grpc.StatusCode.PERMISSION_DENIED: _NEXT,  # does not know the prefill worker yet
+        # Mid-pull, maybe: the handle may be spent, prefill again.
+        **{
+            code: Verdict(Action.MIGRATE, "transfer")
+            for code in (
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.ABORTED,
+                grpc.StatusCode.INTERNAL,
+                grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.NOT_FOUND,
+            )
+        },
+        Seen.STALL: _STALLED,
+    },
+    Phase.LOCAL: {
+        **_gone("unavailable"),
+        grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining or gone: disaggregate (colocated: next)
+        grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "stall"),
+        grpc.StatusCode.NOT_FOUND: Verdict(Action.MIGRATE, "transfer"),
+        Seen.STALL: _STALLED,
+    },
+    Phase.STREAM: {
+        **_gone("unavailable"),
+        grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "stall"),
+        grpc.StatusCode.NOT_FOUND: Verdict(Action.MIGRATE, "transfer"),
+        Seen.STALL: _STALLED,
+    },
+    Phase.RENEWAL: {
+        **{
+            code: Verdict(Action.MIGRATE, "transfer", suspect=code is grpc.StatusCode.UNAVAILABLE)
+            for code in _GONE_CODES
+        },
+        grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "transfer", suspect=True),
+        Seen.LEASE_ENDED: Verdict(Action.MIGRATE, "transfer"),
+    },
+}
+
+
+def classify(phase: Phase, event: Event) -> Verdict:
+    """The verdict for ``event`` in ``phase``; anything the table does not name (bad input, a
+    layout mismatch, a corrupted transfer...) would fail the same way anywhere: give up."""
+    return FAILURE_TABLE[phase].get(event, _GIVE_UP)

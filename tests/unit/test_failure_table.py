@@ -1,0 +1,144 @@
+"""The failure table (router/failures.py), row by row with exact values, and the copy of it in
+docs/architecture.md kept equal to the code's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grpc
+import pytest
+
+from router.failures import FAILURE_TABLE, Action, Event, Phase, Seen, Verdict, classify
+
+C = grpc.StatusCode
+GONE = (C.UNAVAILABLE, C.CANCELLED, C.ABORTED, C.INTERNAL, C.UNKNOWN)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _migrate(reason: str, **flags: bool) -> Verdict:
+    return Verdict(Action.MIGRATE, reason, **flags)
+
+
+NEXT = Verdict(Action.NEXT)
+GIVE_UP = Verdict(Action.GIVE_UP)
+
+EXPECTED: dict[Phase, dict[Event, Verdict]] = {
+    Phase.PREFILL: {
+        C.UNAVAILABLE: _migrate("prefill", suspect=True, gone=True),
+        C.CANCELLED: _migrate("prefill", gone=True),
+        C.ABORTED: _migrate("prefill", gone=True),
+        C.INTERNAL: _migrate("prefill", gone=True),
+        C.UNKNOWN: _migrate("prefill", gone=True),
+        C.DEADLINE_EXCEEDED: _migrate("prefill"),
+        C.NOT_FOUND: _migrate("prefill"),
+        Seen.STALL: _migrate("prefill", suspect=True),
+        C.RESOURCE_EXHAUSTED: NEXT,
+    },
+    Phase.ADMISSION: {
+        Seen.LEASE_ENDED: _migrate("transfer", avoid_prefill=True),
+        C.RESOURCE_EXHAUSTED: NEXT,
+        C.UNAVAILABLE: NEXT,
+        C.PERMISSION_DENIED: NEXT,
+        C.CANCELLED: _migrate("transfer"),
+        C.ABORTED: _migrate("transfer"),
+        C.INTERNAL: _migrate("transfer"),
+        C.UNKNOWN: _migrate("transfer"),
+        C.DEADLINE_EXCEEDED: _migrate("transfer"),
+        C.NOT_FOUND: _migrate("transfer"),
+        Seen.STALL: _migrate("stall", suspect=True),
+    },
+    Phase.LOCAL: {
+        C.UNAVAILABLE: NEXT,
+        C.CANCELLED: _migrate("unavailable", gone=True),
+        C.ABORTED: _migrate("unavailable", gone=True),
+        C.INTERNAL: _migrate("unavailable", gone=True),
+        C.UNKNOWN: _migrate("unavailable", gone=True),
+        C.DEADLINE_EXCEEDED: _migrate("stall"),
+        C.NOT_FOUND: _migrate("transfer"),
+        Seen.STALL: _migrate("stall", suspect=True),
+    },
+    Phase.STREAM: {
+        C.UNAVAILABLE: _migrate("unavailable", suspect=True, gone=True),
+        C.CANCELLED: _migrate("unavailable", gone=True),
+        C.ABORTED: _migrate("unavailable", gone=True),
+        C.INTERNAL: _migrate("unavailable", gone=True),
+        C.UNKNOWN: _migrate("unavailable", gone=True),
+        C.DEADLINE_EXCEEDED: _migrate("stall"),
+        C.NOT_FOUND: _migrate("transfer"),
+        Seen.STALL: _migrate("stall", suspect=True),
+    },
+    Phase.RENEWAL: {
+        C.UNAVAILABLE: _migrate("transfer", suspect=True),
+        C.CANCELLED: _migrate("transfer"),
+        C.ABORTED: _migrate("transfer"),
+        C.INTERNAL: _migrate("transfer"),
+        C.UNKNOWN: _migrate("transfer"),
+        C.DEADLINE_EXCEEDED: _migrate("transfer", suspect=True),
+        Seen.LEASE_ENDED: _migrate("transfer"),
+    },
+}
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_every_row_of_every_phase(phase: Phase) -> None:
+    assert FAILURE_TABLE[phase] == EXPECTED[phase]
+    for event, verdict in EXPECTED[phase].items():
+        assert classify(phase, event) == verdict
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_what_no_row_names_goes_back_to_the_client(phase: Phase) -> None:
+    named = set(EXPECTED[phase])
+    for code in C:
+        if code not in named and code is not C.OK:
+            assert classify(phase, code) == GIVE_UP, code
+    # Bad input, a layout mismatch, a corrupted transfer fail the same way on any worker.
+    for code in (C.INVALID_ARGUMENT, C.FAILED_PRECONDITION, C.DATA_LOSS):
+        assert classify(phase, code).action is Action.GIVE_UP
+
+
+def test_only_a_worker_that_went_away_strikes_a_prompt() -> None:
+    for phase, rows in FAILURE_TABLE.items():
+        for event, verdict in rows.items():
+            if verdict.gone:
+                assert event in GONE and phase in (Phase.PREFILL, Phase.LOCAL, Phase.STREAM)
+                assert verdict.action is Action.MIGRATE
+
+
+def _doc_rows() -> dict[tuple[str, str], tuple[str, ...]]:
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("<!-- failure-table -->")[1]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in {p.value for p in Phase}:
+            rows[(cells[0], cells[1])] = tuple(cells[2:])
+    return rows
+
+
+def doc_row(verdict: Verdict) -> tuple[str, ...]:
+    yes = {True: "yes", False: ""}
+    return (
+        verdict.action.value,
+        verdict.reason,
+        yes[verdict.suspect],
+        yes[verdict.avoid_prefill],
+        yes[verdict.gone],
+    )
+
+
+def test_the_docs_reproduce_the_table() -> None:
+    want = {
+        (phase.value, getattr(event, "name", str(event))): doc_row(verdict)
+        for phase, rows in FAILURE_TABLE.items()
+        for event, verdict in rows.items()
+    }
+    for phase in Phase:
+        want[(phase.value, "anything else")] = doc_row(GIVE_UP)
+    assert _doc_rows() == want
+
+
+def test_event_names_are_what_the_docs_print() -> None:
+    for seen in Seen:
+        assert re.fullmatch(r"[A-Z_]+", seen.name)
