@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -28,9 +28,7 @@ from router.openai.chat_template import ChatTemplate
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.serving import ClientGone, OpenAIServing, Prepared, new_client_id, until
 from router.openai.sse import BoundedResponse, EventStream
-
-if TYPE_CHECKING:
-    from router.service import RouterService
+from router.request_core import RequestCore
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +99,11 @@ class _CountRequests:
         await self.app(scope, receive, counted)
 
 
-def build_app(service: RouterService, served_model_name: str) -> FastAPI:
+def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    template = ChatTemplate.from_dir(service.config.model)
-    serving = OpenAIServing(service, served_model_name, template)
-    config = service.config
+    template = ChatTemplate.from_dir(core.config.model)
+    serving = OpenAIServing(core, served_model_name, template)
+    config = core.config
     created = int(time.time())
 
     @app.exception_handler(errors.ApiError)
@@ -119,7 +117,7 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if service.serving else 503)
+        return Response(status_code=200 if core.lifecycle.serving else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -127,11 +125,11 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
 
     def admit(request: Request) -> None:
         """The checks before any work: the key, then whether this router takes requests."""
-        if not service.authorized(request.headers.get("authorization")):
+        if not core.authorized(request.headers.get("authorization")):
             raise errors.unauthorized()
-        if service.draining or not service.serving:
-            state = "draining" if service.draining else "still loading"
-            raise errors.unavailable(f"router is {state}")
+        refusal = core.refusal()
+        if refusal is not None:
+            raise errors.unavailable(refusal)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -142,14 +140,14 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
             "created": created,
             "owned_by": "pdserve",
             "root": config.model,
-            "max_model_len": service.max_model_len,
+            "max_model_len": core.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
     async def run(request: Request, kind: type[pydantic.BaseModel]) -> Response:
         start_s = time.perf_counter()
         admit(request)
-        inflight = service.track()  # from admission to the last byte: drain waits for it
+        inflight = core.track()  # from admission to the last byte: drain waits for it
         try:
             return await respond(request, kind, start_s)
         finally:
@@ -174,7 +172,7 @@ def build_app(service: RouterService, served_model_name: str) -> FastAPI:
             if prepared.plan.stream:
                 started = await until(request.receive, serving.start_stream(prepared))
                 # The stream's own count: it outlives this handler.
-                counted = service.track()
+                counted = core.track()
                 return EventStream(
                     started.events, started.close, idle_s, client_id, headers, counted.end
                 )

@@ -1,7 +1,7 @@
 """The choices of one OpenAI request (``n`` per prompt, several prompts) run as independent
 requests on the workers, their responses merged into one stream in arrival order.
 
-Each choice is its own request through ``RouterService.responses`` (counted in flight,
+Each choice is its own request through ``RequestCore.responses`` (counted in flight,
 migrated on worker failures). A bounded queue carries their messages, so a slow client slows
 the choices down instead of buffering their output here. When the merged stream is closed
 (done, failed, or the client went away) every choice still running is cancelled, which frees
@@ -14,13 +14,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from pdserve.v1 import router_pb2
-
-if TYPE_CHECKING:
-    from router.service import RouterService
+from router.request_core import RequestCore
 
 _QUEUED_PER_CHOICE = 4
 
@@ -34,13 +31,13 @@ class Choice:
 
 
 async def merged(
-    service: RouterService, client_id: str, choices: list[Choice], start_s: float
+    core: RequestCore, client_id: str, choices: list[Choice], start_s: float
 ) -> AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]:
     """(choice index, response) until every choice sent its final. Raises the first
     choice's error (``WorkerError``), after cancelling the others."""
     if len(choices) == 1:  # the common case: no task, no queue
         only = choices[0]
-        stream = service.responses(client_id, only.prompt_token_ids, only.params, start_s)
+        stream = core.responses(client_id, only.prompt_token_ids, only.params, start_s)
         async with contextlib.aclosing(stream):
             async for response in stream:
                 yield only.index, response
@@ -49,7 +46,7 @@ async def merged(
     queue: asyncio.Queue[Item] = asyncio.Queue(_QUEUED_PER_CHOICE * len(choices))
 
     async def run(choice: Choice) -> None:
-        stream = service.responses(
+        stream = core.responses(
             f"{client_id}-{choice.index}", choice.prompt_token_ids, choice.params, start_s
         )
         try:

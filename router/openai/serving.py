@@ -1,5 +1,5 @@
 """The OpenAI endpoints' work, between the HTTP shell (``router/openai/app.py``) and the
-router's one generate path (``RouterService.read`` and ``responses``, shared with gRPC: the
+router's one generate path (``RequestCore.read`` and ``responses``, shared with gRPC: the
 same limits, tokenization off the loop, capacity checks, migration and metrics).
 
 A request runs in four steps: parse the body into a ``Plan`` (``protocol.py``); render the chat
@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from starlette.types import Receive
 
@@ -46,9 +46,7 @@ from router.openai.responses import (
     usage_chunk,
 )
 from router.openai.sse import DONE, disconnected, event
-
-if TYPE_CHECKING:
-    from router.service import RouterService
+from router.request_core import RequestCore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -104,12 +102,12 @@ class Prepared:
 
 class OpenAIServing:
     def __init__(
-        self, service: RouterService, served_model_name: str, template: ChatTemplate | None
+        self, core: RequestCore, served_model_name: str, template: ChatTemplate | None
     ) -> None:
-        self.service = service
+        self.core = core
         self.served_model_name = served_model_name
         self.template = template
-        self.token_text = TokenText(service.tokenizer)
+        self.token_text = TokenText(core.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -129,17 +127,15 @@ class OpenAIServing:
         template = self.template
         add_prompt = body.add_generation_prompt is not False
         # A template is code and messages can be megabytes: in a tokenization slot.
-        rendered = await self.service.prompts.in_thread(
-            lambda: template.render(messages, add_prompt)
-        )
-        plan = chat_plan(body, rendered, self.service.config.limits.max_choices)
+        rendered = await self.core.prompts.in_thread(lambda: template.render(messages, add_prompt))
+        plan = chat_plan(body, rendered, self.core.config.limits.max_choices)
         return await self._prepare(Kind.CHAT, plan, client_id, start_s, add_special_tokens=False)
 
     async def prepare_completion(
         self, body: CompletionRequest, client_id: str, start_s: float
     ) -> Prepared:
         self.check_model(body.model)
-        plan = completion_plan(body, self.service.config.limits.max_choices)
+        plan = completion_plan(body, self.core.config.limits.max_choices)
         return await self._prepare(Kind.COMPLETION, plan, client_id, start_s)
 
     async def _prepare(
@@ -158,9 +154,9 @@ class OpenAIServing:
                 request.prompt = prompt.text
             else:
                 request.prompt_token_ids.extend(prompt.token_ids)
-            prompt_ids, params = await self.service.read(request, add_special_tokens)
+            prompt_ids, params = await self.core.read(request, add_special_tokens)
             if plan.fill_context:
-                room = max(1, self.service.max_model_len - len(prompt_ids))
+                room = max(1, self.core.max_model_len - len(prompt_ids))
                 params = dataclasses.replace(params, max_tokens=room)
             for i in range(plan.n):
                 index = p * plan.n + i
@@ -179,7 +175,7 @@ class OpenAIServing:
         return Prepared(plan, env, choices, outputs, client_id, start_s)
 
     def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Any], None]:
-        return merged(self.service, prepared.client_id, prepared.choices, prepared.start_s)
+        return merged(self.core, prepared.client_id, prepared.choices, prepared.start_s)
 
     async def collect(self, prepared: Prepared) -> bytes:
         """A whole (non-streamed) response, as JSON. Raises what the choices raise. A large

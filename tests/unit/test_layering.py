@@ -159,6 +159,41 @@ def _imports(tree: ast.AST, package: str) -> Iterator[tuple[str, int]]:
         stack.extend(ast.iter_child_nodes(node))
 
 
+def _modules() -> Iterator[tuple[str, str, Path]]:
+    """(module, the package its relative imports resolve against, path) for every file of
+    ours; a package is named by its ``__init__``'s package name."""
+    for top in _packages():
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if path.name == "__init__.py":
+                module = ".".join(parts[:-1])
+                yield module, module, path
+            else:
+                module = ".".join(parts)
+                yield module, module.rpartition(".")[0], path
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the modules of its own node it imports, TYPE_CHECKING imports included: a
+    type one module needs from another is a dependency too."""
+    paths = {module: (package, path) for module, package, path in _modules()}
+    graph: dict[str, set[str]] = {}
+    for module, (package, path) in paths.items():
+        stack: list[ast.AST] = [ast.parse(path.read_text())]
+        while stack:  # as _imports, but into TYPE_CHECKING blocks too
+            node = stack.pop()
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [m for m, _ in _imports(ast.Module([node], []), package)]
+            for name in names:
+                if name in paths and name != module and node_of(name) == node_of(module):
+                    graph.setdefault(module, set()).add(name)
+            stack.extend(ast.iter_child_nodes(node))
+    return graph
+
+
 def _edges() -> dict[tuple[str, str], list[str]]:
     """(importer node, imported node) -> where, for every import between two of our nodes."""
     edges: dict[tuple[str, str], list[str]] = {}
@@ -214,6 +249,12 @@ def test_imports_follow_the_table() -> None:
     assert _cycle(_graph(edges)) is None
 
 
+def test_no_circle_inside_a_package() -> None:
+    """Within a node too, modules depend one way (the router's frontends stand on the request
+    core, not on each other)."""
+    assert _cycle(_module_graph()) is None
+
+
 def _graph(edges: dict[tuple[str, str], list[str]]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for a, b in edges:
@@ -250,6 +291,9 @@ def test_the_checker_sees_what_it_must() -> None:
     assert node_of("pdserve.app.ray_deploy.spec") == "pdserve.app"
     assert node_of("pdserve.cli") == "pdserve" and node_of("grpc") is None
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    graph = _module_graph()
+    assert "router.request_core" in graph["router.service"]
+    assert "router.request_core" in graph["router.openai.app"]
 
 
 def test_docs_show_the_same_table() -> None:

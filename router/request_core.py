@@ -1,0 +1,206 @@
+"""The router's request core: what every public frontend shares, and the one thing they stand
+on. The gRPC servicer (``router/service.py``) and the OpenAI HTTP app (``router/openai``) each
+take a ``RequestCore``; neither imports the other.
+
+A request goes: ``authorized`` (API keys), ``refusal`` (draining, loading), ``track`` (counted
+in flight until its last byte: drain waits for it), ``read`` (sizes and counts first:
+``router/limits.py``; tokenization off the event loop: ``router/prompts.py``; then whether any
+worker could ever hold the prompt), ``responses`` (``router/generation.py``'s stream under a
+request id unique on the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+from engine.checkpoint import CheckpointInfo
+from engine.fingerprint import engine_fingerprint
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from pdserve.common import metrics
+from pdserve.common.auth import ApiKeys
+from pdserve.v1 import router_pb2
+from router.cluster_state import ClusterState
+from router.config import RouterConfig
+from router.dispatch import Dispatcher, WorkerError
+from router.generation import Generation
+from router.output_stream import OutputStream
+from router.prompts import PromptReader
+from router.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class ResourceError(ValueError):
+    """No worker could ever serve the request (RESOURCE_EXHAUSTED, not INVALID_ARGUMENT)."""
+
+
+class Lifecycle(Protocol):
+    """The serving state of the process around the core (``pdserve.common.server.Service``)."""
+
+    draining: bool
+    serving: bool
+
+
+class RequestCore:
+    def __init__(self, config: RouterConfig, lifecycle: Lifecycle) -> None:
+        self.config = config
+        self.lifecycle = lifecycle
+        self.checkpoint = CheckpointInfo.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
+        self.prompts = PromptReader(self.tokenizer, self.checkpoint.vocab_size, config.limits)
+        self._pool: WorkerPool | None = None
+        self._cluster: ClusterState | None = None
+        self._generation: Generation | None = None
+        self._inflight = 0
+
+    @property
+    def pool(self) -> WorkerPool:
+        if self._pool is None:
+            raise RuntimeError("the router is not loaded yet")
+        return self._pool
+
+    @property
+    def generation(self) -> Generation:
+        if self._generation is None:
+            raise RuntimeError("the router is not loaded yet")
+        return self._generation
+
+    async def load(self) -> None:
+        """Builds the pool, the cluster state and the generation path; waits for workers."""
+        config = self.config
+        # Channels belong to the running event loop, so the pool is built here.
+        self._pool = WorkerPool(
+            config.prefill_addresses,
+            config.decode_addresses,
+            config.prefill_policy,
+            config.decode_policy,
+            tls=config.server.tls,
+        )
+        fingerprint = await asyncio.to_thread(
+            engine_fingerprint,
+            config.model,
+            config.engine,
+            config.dtype,
+            config.block_size,
+            config.kv_cache_dtype,
+        )
+        self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
+        dispatch = Dispatcher(config, self._pool, self._cluster)
+        self._generation = Generation(config, self._pool, dispatch, self.checkpoint.eos_token_ids)
+        await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)
+        self._cluster.start(config.stats_interval_s)
+
+    async def close(self) -> None:
+        if self._cluster is not None:
+            await self._cluster.close()
+        if self._generation is not None:
+            await self._generation.dispatch.close()
+        if self._pool is not None:
+            await self._pool.close()
+
+    def num_inflight(self) -> int:
+        return self._inflight
+
+    def authorized(self, authorization: str | None) -> bool:
+        if self.api_keys is None or self.api_keys.allows(authorization):
+            return True
+        metrics.AUTH_FAILURES.inc()
+        return False
+
+    def refusal(self) -> str | None:
+        """Why this router takes no request now (UNAVAILABLE / 503), or None."""
+        if self.lifecycle.draining:
+            return "router is draining"
+        if self._generation is None or not self.lifecycle.serving:
+            return "router is still loading"
+        return None
+
+    @property
+    def max_model_len(self) -> int:
+        """The workers' limit; the model's own until a worker reported one (a bound on what a
+        request may carry even then)."""
+        return self.pool.max_model_len or self.checkpoint.max_position_embeddings
+
+    async def read(
+        self, request: router_pb2.GenerateRequest, add_special_tokens: bool = True
+    ) -> tuple[list[int], SamplingParams]:
+        """The request's validated prompt ids and sampling. Raises ValueError
+        (INVALID_ARGUMENT), ``ResourceError`` or ``Overloaded`` (RESOURCE_EXHAUSTED)."""
+        prompt_ids, params = await self.prompts.read(
+            request, self.max_model_len, add_special_tokens
+        )
+        self.check_capacity(len(prompt_ids))
+        return prompt_ids, params
+
+    def check_capacity(self, num_prompt_tokens: int) -> None:
+        """A prompt no worker of a needed pool could ever hold is refused before any work."""
+        pools = [("decode", self.pool.decode)]
+        if not self.config.colocated:
+            pools.append(("prefill", self.pool.prefill))
+        for name, workers in pools:
+            known = [w for w in workers.values() if w.stats is not None and w.healthy]
+            sizes = [w.load() for w in known if not w.refused]  # another model's: never used
+            if not sizes:
+                continue  # nothing known yet: the workers themselves refuse it
+            best = max(sizes, key=lambda w: w.num_blocks)
+            if not best.can_hold(num_prompt_tokens):
+                raise ResourceError(
+                    f"no {name} worker can hold {num_prompt_tokens} prompt tokens: the largest "
+                    f"holds {best.num_blocks * best.block_size} tokens of KV cache"
+                )
+
+    def track(self) -> InFlight:
+        """One public request, counted in flight from its admission to its last byte (drain
+        waits for it). Every frontend takes one per request and ends it exactly once."""
+        self._inflight += 1
+        metrics.ROUTER_INFLIGHT.inc()
+        metrics.ROUTER_ARRIVALS.inc()
+        return InFlight(self)
+
+    def _ended(self) -> None:
+        self._inflight -= 1
+        metrics.ROUTER_INFLIGHT.dec()
+
+    async def responses(
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams, start_s: float
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """One validated request's stream under a request id unique on the workers even if
+        clients reuse theirs. Every frontend's (inside its ``track``)."""
+        request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
+        out = OutputStream(
+            self.tokenizer, prompt_ids, params, self.checkpoint.eos_token_ids, start_s
+        )
+        try:
+            stream = self.generation.generate(request_id, client_id, prompt_ids, params, out)
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    yield response
+        except WorkerError as exc:
+            metrics.REQUEST_ERRORS.labels(exc.code.name).inc()
+            logger.warning("request_id=%s failed: %s %s", request_id, exc.code.name, exc.message)
+            raise
+
+
+class InFlight:
+    """A request counted in flight (``RequestCore.track``); ``end`` is idempotent."""
+
+    def __init__(self, core: RequestCore) -> None:
+        self._core: RequestCore | None = core
+
+    def end(self) -> None:
+        if self._core is not None:
+            self._core._ended()
+            self._core = None
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
