@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -24,7 +25,8 @@ from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.failures import Action, Phase, Seen, Verdict, classify
-from router.policy import RoutingPolicy, rank_cache_aware
+from router.plan import Facts, Plan, Route, Unserved, plan
+from router.policy import RoutingPolicy
 from router.worker_pool import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,26 @@ def failure(
     return WorkerLost(error.code, error.message, verdict, worker.address, also_avoid=also_avoid)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A plan (``router/plan.py``) with its addresses resolved to the snapshot's workers."""
+
+    plan: Plan
+    prefill: list[Worker]
+    decode: list[Worker]
+
+
+def _unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerError:
+    kind = "colocated" if colocated else "prefill"
+    if chosen.unserved is Unserved.TOO_LARGE:
+        return WorkerError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"no {kind} worker can hold {num_prompt_tokens} prompt tokens",
+            never=True,
+        )
+    return WorkerError(grpc.StatusCode.UNAVAILABLE, f"no healthy {kind} worker")
+
+
 def stalled(worker: Worker, what: str, phase: Phase) -> WorkerLost:
     message = f"{worker.role.value} worker {worker.address}: {what}"
     verdict = classify(phase, Seen.STALL)
@@ -107,35 +129,81 @@ class Dispatcher:
     async def close(self) -> None:
         await self.releaser.close()
 
+    async def place(
+        self,
+        prompt_ids: list[int],
+        avoid: frozenset[str] = frozenset(),
+        exclude: frozenset[str] = frozenset(),
+        local: bool = True,
+    ) -> Placement:
+        """Gathers the facts (load snapshots, the prefix index's cached tokens, the pools'
+        turns), asks ``router/plan.py`` for the plan and resolves it to workers. Raises
+        ``WorkerError`` when the plan has no worker to start with."""
+        config, pool = self.config, self.pool
+        # One snapshot: a worker may leave the pool while Redis answers.
+        prefill = {} if config.colocated else {w.address: w for w in pool.prefill.values()}
+        decode = {w.address: w for w in pool.decode.values()}
+        index = self.cluster.index is not None
+        cache_aware = config.prefill_policy is RoutingPolicy.CACHE_AWARE and index
+        local_lookup = local and not config.colocated and config.local_prefill_tokens > 0
+        prefill_cached, decode_cached = await asyncio.gather(
+            self._cached(prompt_ids, prefill.values(), cache_aware),
+            self._cached(prompt_ids, decode.values(), local_lookup),
+        )
+        facts = Facts(
+            num_prompt_tokens=len(prompt_ids),
+            prefill=tuple(w.load() for w in prefill.values()),
+            decode=tuple(w.load() for w in decode.values()),
+            prefill_cached=prefill_cached if cache_aware else None,
+            decode_cached=decode_cached,
+            prefill_turn=0 if config.colocated else pool.next_turn(Role.PREFILL),
+            decode_turn=pool.next_turn(Role.DECODE),
+            avoid=avoid,
+            exclude=exclude,
+            local=local,
+        )
+        chosen = plan(facts, config)
+        self._count(chosen)
+        if chosen.unserved is not None:
+            raise _unserved(chosen, len(prompt_ids), config.colocated)
+        return Placement(
+            chosen, [prefill[a] for a in chosen.prefill], [decode[a] for a in chosen.decode]
+        )
+
+    async def _cached(
+        self, prompt_ids: list[int], workers: Iterable[Worker], wanted: bool
+    ) -> dict[str, int]:
+        healthy = [w for w in workers if w.routable]
+        return await self.cluster.cached_tokens(prompt_ids, healthy) if wanted else {}
+
+    def _count(self, chosen: Plan) -> None:
+        if chosen.reason == "colocated":
+            metrics.ROUTING_DECISIONS.labels("decode", "colocated", "colocated").inc()
+        elif chosen.route is Route.LOCAL:
+            metrics.ROUTING_DECISIONS.labels("decode", "conditional", chosen.reason).inc()
+        else:
+            policy = self.config.prefill_policy.value
+            metrics.ROUTING_DECISIONS.labels("prefill", policy, chosen.reason).inc()
+
     async def prefill(
-        self, request: prefill_pb2.PrefillRequest, avoid: frozenset[str] = frozenset()
+        self, request: prefill_pb2.PrefillRequest, placement: Placement
     ) -> tuple[Worker, prefill_pb2.PrefillResponse]:
-        """A healthy prefill worker's answer (``avoid``: tried last). One that fails, times out
-        or stalls (its stats calls stop answering) raises ``WorkerLost``: the request migrates,
+        """The first of the plan's prefill workers that answers. One that fails, times out or
+        stalls (its stats calls stop answering) raises ``WorkerLost``: the request migrates,
         counted like any other worker failure; one whose cache turns out too small (a ``NEXT``
         verdict) hands it to the next."""
-        prompt_ids = list(request.prompt_token_ids)
-        workers, predicted = await self.choose_prefill(prompt_ids)
-        # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
-        # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
-        # ``check_capacity`` has refused prompts that no worker can hold.
-        able = [w for w in workers if w.stats is None or w.load().can_hold(len(prompt_ids))]
-        if workers and (not able or able[0] is not workers[0]):
-            predicted = 0  # the prediction was for the first choice, which cannot serve it
-        workers = able
-        workers.sort(key=lambda w: w.address in avoid)  # stable: the ranking otherwise
-        if not workers:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        num_prompt_tokens = len(request.prompt_token_ids)
+        predicted = placement.plan.cached_tokens
         turned_away: WorkerError | None = None
-        for worker in workers:
-            if worker.departed:  # left the pool (its channel may be closed) since the choice
+        for worker in placement.prefill:
+            if worker.departed:  # left the pool (its channel may be closed) since the plan
                 continue
-            with self.pool.dispatched(worker, len(prompt_ids) - predicted):
+            with self.pool.dispatched(worker, num_prompt_tokens - predicted):
                 call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
                 what = f"prefill worker {worker.address}"
                 try:
                     response = await self._unless_lost(call, worker)
-                    self.count_prefix(len(prompt_ids), predicted, response.num_cached_tokens)
+                    self.count_prefix(num_prompt_tokens, predicted, response.num_cached_tokens)
                     return worker, response
                 # Given up on (an error, a stall, the client gone), the call is cancelled: the
                 # worker aborts the request. Had it just finished, its lease, whose token never
@@ -147,6 +215,7 @@ class Dispatcher:
                     turned_away = worker_error(exc, what)
                 finally:
                     call.cancel()  # no-op when done
+            predicted = 0  # the prediction was for the first choice
         raise turned_away or WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
 
     @staticmethod
@@ -166,65 +235,6 @@ class Dispatcher:
             return answer.result()
         raise stalled(worker, "stopped answering", Phase.PREFILL)
 
-    async def choose_prefill(self, prompt_ids: list[int]) -> tuple[list[Worker], int]:
-        """Prefill workers best first, and the cached tokens predicted for the first."""
-        policy = self.config.prefill_policy
-        if policy is RoutingPolicy.CACHE_AWARE and self.cluster.index is not None:
-            healthy = [w for w in self.pool.prefill.values() if w.load().healthy]
-            # Looked up in this snapshot: a worker may leave the pool while Redis answers.
-            by_address = {w.address: w for w in healthy}
-            cached = await self.cluster.cached_tokens(prompt_ids, healthy)
-            if cached:
-                choice = rank_cache_aware(
-                    [w.load() for w in healthy],
-                    cached,
-                    self.config.cache_alpha,
-                    self.config.imbalance_tokens,
-                    self.pool.next_turn(Role.PREFILL),
-                )
-                metrics.ROUTING_DECISIONS.labels("prefill", policy.value, choice.reason).inc()
-                return [by_address[a] for a in choice.order], choice.cached_tokens
-        reason = "load" if policy is not RoutingPolicy.CACHE_AWARE else "no_index"
-        metrics.ROUTING_DECISIONS.labels("prefill", policy.value, reason).inc()
-        return self.pool.ranked_prefill(), 0
-
-    async def choose_local(
-        self,
-        prompt_ids: list[int],
-        tried: frozenset[str] = frozenset(),
-        avoid: frozenset[str] = frozenset(),
-    ) -> Worker | None:
-        """Conditional disaggregation: the decode worker that should prefill this prompt itself
-        (its uncached part is under ``local_prefill_tokens``), or None to disaggregate. When
-        colocated, always a worker (not one of ``tried``, which turned the request away); those
-        in ``avoid`` (it failed there before) come last."""
-        threshold = self.config.local_prefill_tokens
-        if threshold <= 0 and not self.config.colocated:
-            return None
-        # Colocated, this is the request's one decode choice; otherwise a peek (admit advances).
-        workers = self.pool.ranked_decode(len(prompt_ids), advance=self.config.colocated)
-        workers = [w for w in workers if w.address not in tried]
-        workers.sort(key=lambda w: w.address in avoid)
-        if not workers:
-            if not self.config.colocated:
-                return None
-            if tried or not any(w.healthy for w in self.pool.decode.values()):
-                raise WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy colocated worker")
-            raise WorkerError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"no colocated worker can hold {len(prompt_ids)} prompt tokens",
-                never=True,
-            )
-        if self.config.colocated:  # every prompt, whatever is cached: load-ranked choice
-            metrics.ROUTING_DECISIONS.labels("decode", "colocated", "colocated").inc()
-            return workers[0]
-        cached = await self.cluster.cached_tokens(prompt_ids, workers)
-        best = max(workers, key=lambda w: cached.get(w.address, 0))  # ties: ranked order
-        if len(prompt_ids) - cached.get(best.address, 0) >= threshold:
-            return None
-        metrics.ROUTING_DECISIONS.labels("decode", "conditional", "local_prefill").inc()
-        return best
-
     def count_prefix(self, num_prompt_tokens: int, predicted: int, actual: int) -> None:
         """Splits uncached tokens into 'stale' (the index promised them) and 'none'."""
         usable = (num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
@@ -237,17 +247,19 @@ class Dispatcher:
         self,
         request: decode_pb2.DecodeRequest,
         prefill_worker: Worker,
+        placement: Placement,
         avoid: frozenset[str] = frozenset(),
     ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float]:
-        """A decode worker that admitted the request and pulled its KV (its first message).
-        Retries while every worker is full, renewing the lease, up to admission_timeout_s.
-        ``WorkerLost`` when the handle is spent (a pull failed, or a worker stalled in it)."""
+        """A decode worker that admitted the request and pulled its KV (its first message),
+        tried in the plan's order first. Retries while every worker is full, renewing the
+        lease, up to admission_timeout_s, re-ranked each time. ``WorkerLost`` when the handle
+        is spent (a pull failed, or a worker stalled in it)."""
         num_prompt_tokens = len(request.prompt_token_ids)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.admission_timeout_s
         delay_s = _RETRY_FIRST_S
+        workers = list(placement.decode)
         while True:
-            workers = self.pool.ranked_decode(num_prompt_tokens)
             workers.sort(key=lambda w: w.address in avoid)
             if not workers:
                 if not any(w.healthy for w in self.pool.decode.values()):
@@ -283,6 +295,7 @@ class Dispatcher:
             # Backoff: blocks free as other requests finish; the stats refresh sees it too.
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, _RETRY_MAX_S)
+            workers = self.pool.ranked_decode(num_prompt_tokens)
 
     async def _admission(
         self, request: decode_pb2.DecodeRequest, worker: Worker, prefill_worker: Worker

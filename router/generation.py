@@ -23,6 +23,7 @@ from pdserve.v1 import common_pb2, decode_pb2, router_pb2
 from router.config import RouterConfig
 from router.dispatch import (
     Dispatcher,
+    Placement,
     WorkerError,
     WorkerLost,
     failure,
@@ -32,6 +33,7 @@ from router.dispatch import (
 from router.failures import Action, Phase, classify
 from router.migration import Continuation, attempt_id, continue_request
 from router.output_stream import OutputStream
+from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
 from router.worker_pool import Worker, WorkerPool
 
@@ -175,40 +177,44 @@ class Generation:
     async def _attempt(
         self, attempt: _Attempt, out: OutputStream, done: _Outcome
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """One try at the rest of the request: on a decode worker alone (conditional
-        disaggregation, colocated) or disaggregated. Raises ``WorkerLost`` to migrate."""
+        """One try at the rest of the request, as ``router/plan.py`` plans it: on a decode worker
+        alone (conditional disaggregation, colocated) or disaggregated. A local worker that
+        turns it away is excluded and the attempt re-planned (conditional: disaggregated;
+        colocated: the next worker, UNAVAILABLE once every one has). Raises ``WorkerLost`` to
+        migrate."""
         prompt_ids = attempt.continuation.prompt_token_ids
         needs_prefill = not self.config.colocated
         if not self.pool.ready(needs_prefill):  # a worker may be back (or cleared) shortly
             await self.pool.wait_healthy(needs_prefill, timeout_s=self.config.stall_timeout_s)
-        tried: set[str] = set()
-        local = await self.dispatch.choose_local(prompt_ids, frozenset(tried), attempt.avoid)
-        while local is not None:
-            done.fall_back = False
-            async for response in self._local(attempt, local, out, done):
-                yield response
-            if not (done.fall_back and self.config.colocated):
-                break
-            # Colocated has no prefill pool to fall back on: the next worker takes it (or the
-            # choice raises UNAVAILABLE once every worker has turned it away).
-            tried.add(local.address)
-            local = await self.dispatch.choose_local(prompt_ids, frozenset(tried), attempt.avoid)
-        if local is None or done.fall_back:
-            done.local = None
-            async for response in self._disaggregated(attempt, out, done):
-                yield response
-        else:
-            done.local = local
+        exclude: frozenset[str] = frozenset()
+        local = True
+        while True:
+            placement = await self.dispatch.place(prompt_ids, attempt.avoid, exclude, local)
+            if placement.plan.route is Route.DISAGGREGATED:
+                done.local = None
+                async for response in self._disaggregated(attempt, placement, out, done):
+                    yield response
+                return
+            worker = placement.decode[0]
+            try:
+                async for response in self._local(attempt, worker, out, done):
+                    yield response
+            except _TurnedAway:
+                exclude |= {worker.address}
+                local = self.config.colocated  # conditional: disaggregate instead
+                continue
+            done.local = worker
+            return
 
     async def _disaggregated(
-        self, attempt: _Attempt, out: OutputStream, done: _Outcome
+        self, attempt: _Attempt, placement: Placement, out: OutputStream, done: _Outcome
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Prefill on a prefill worker, stream its first token, then decode elsewhere."""
         start = time.perf_counter()
         prompt_ids = attempt.continuation.prompt_token_ids
         num_generated = attempt.continuation.num_generated_tokens
         request = prefill_request(attempt.request_id, prompt_ids, num_generated, attempt.sampling)
-        prefill_worker, prefilled = await self.dispatch.prefill(request, attempt.avoid)
+        prefill_worker, prefilled = await self.dispatch.prefill(request, placement)
         done.prefill_s += time.perf_counter() - start
         if not num_generated:  # cache hits of the client's prompt, not of a continuation
             done.cached_tokens = prefilled.num_cached_tokens
@@ -234,7 +240,7 @@ class Generation:
             if prefilled.HasField("first_token_logprobs"):
                 decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
             call, decode_worker, transfer_s = await self.dispatch.admit(
-                decode_request, prefill_worker, attempt.avoid
+                decode_request, prefill_worker, placement, attempt.avoid
             )
             done.transfer_s += transfer_s
             admitted = True  # the decode worker now owns ending the lease
@@ -248,7 +254,8 @@ class Generation:
     async def _local(
         self, attempt: _Attempt, worker: Worker, out: OutputStream, done: _Outcome
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Conditional disaggregation: the decode worker prefills the short uncached part."""
+        """Conditional disaggregation (or colocated): the decode worker prefills the prompt's
+        uncached part. Raises ``_TurnedAway`` (before any token) when it cannot take it now."""
         request = decode_pb2.PrefillAndDecodeRequest(
             request_id=attempt.request_id,
             prompt_token_ids=attempt.continuation.prompt_token_ids,
@@ -268,8 +275,7 @@ class Generation:
             except grpc.aio.AioRpcError as exc:
                 verdict = classify(Phase.LOCAL, exc.code())
                 if verdict.action is Action.NEXT:
-                    done.fall_back = True  # draining or gone: disaggregate instead
-                    return
+                    raise _TurnedAway from None  # draining or gone: re-planned without it
                 raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None
             except BaseException:
                 call.cancel()
@@ -314,5 +320,8 @@ class _Outcome:
     cached_tokens: int = 0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
-    fall_back: bool = False  # the local-prefill worker was unavailable: disaggregate
     local: Worker | None = None  # the worker that prefilled locally, if any
+
+
+class _TurnedAway(Exception):
+    """A local worker could not take the attempt now (a ``NEXT`` verdict): not a failure."""

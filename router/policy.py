@@ -48,6 +48,7 @@ class WorkerLoad:
     block_size: int = 16
     healthy: bool = True
     queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
+    stats_known: bool = True  # False until its first stats answer (sizes read 0 until then)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -79,7 +79,6 @@ class RequestCore:
         self._pool = WorkerPool(
             config.prefill_addresses,
             config.decode_addresses,
-            config.prefill_policy,
             config.decode_policy,
             tls=config.server.tls,
         )

@@ -21,8 +21,6 @@ from router.policy import (
     WorkerLoad,
     is_stalled,
     rank_decode,
-    rank_prefill,
-    rank_round_robin,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,6 +106,7 @@ class Worker:
             block_size=stats.block_size if stats and stats.block_size else 1,
             healthy=self.routable,
             queued_prefill_tokens=self.queued_prefill_tokens,
+            stats_known=stats is not None,
         )
 
     @property
@@ -163,12 +162,10 @@ class WorkerPool:
         self,
         prefill: tuple[str, ...] = (),
         decode: tuple[str, ...] = (),
-        prefill_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
         decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
         tls: TlsConfig | None = None,
     ) -> None:
         self.channels = ChannelPool(tls=tls)
-        self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
@@ -292,20 +289,10 @@ class WorkerPool:
         lens = [w.stats.max_model_len for w in self.workers if w.stats is not None]
         return min(lens) if lens else 0
 
-    def ranked_prefill(self) -> list[Worker]:
-        """Load-only order (round-robin or least-loaded); cache-aware ranking is done by the
-        router with the prefix index, over ``self.prefill``."""
-        turn = self.next_turn(Role.PREFILL)
-        loads = [w.load() for w in self.prefill.values()]
-        if self.prefill_policy is RoutingPolicy.ROUND_ROBIN:
-            order = rank_round_robin(loads, turn)
-        else:
-            order = rank_prefill(loads, turn)
-        return [self.prefill[a] for a in order]
-
-    def ranked_decode(self, num_prompt_tokens: int, advance: bool = True) -> list[Worker]:
-        """``advance=False`` peeks without moving the rotation (one advance per request)."""
-        turn = self.next_turn(Role.DECODE) if advance else self._turns[Role.DECODE] + 1
+    def ranked_decode(self, num_prompt_tokens: int) -> list[Worker]:
+        """Decode workers that could hold the prompt, best first (an admission retry's order;
+        the first comes with the plan, ``router/plan.py``)."""
+        turn = self.next_turn(Role.DECODE)
         loads = [w.load() for w in self.decode.values()]
         order = rank_decode(loads, num_prompt_tokens, turn, self.decode_policy)
         return [self.decode[a] for a in order]

@@ -222,8 +222,8 @@ def test_workers_leaving_during_prefix_lookups_are_no_error(
         churner = asyncio.create_task(churn())
         try:
             for _ in range(200):
-                workers, _ = await service.dispatch.choose_prefill(list(range(64)))
-                assert all(w.role is Role.PREFILL for w in workers)
+                placement = await service.dispatch.place(list(range(64)))
+                assert all(w.role is Role.PREFILL for w in placement.prefill)
         finally:
             stop.set()
             await churner

@@ -54,22 +54,20 @@ def test_sync_follows_the_registry() -> None:
     asyncio.run(run())
 
 
-def test_round_robin_alternates_per_pool() -> None:
-    from router.policy import RoutingPolicy
+def test_each_pool_turns_its_own_rotation() -> None:
+    """One turn per pool per plan (router/plan.py): a shared counter would advance by two per
+    request and pin round-robin to every other worker."""
 
     async def run() -> None:
-        pool = WorkerPool(
-            prefill=("127.0.0.1:1", "127.0.0.1:2"),
-            decode=("127.0.0.1:3",),
-            prefill_policy=RoutingPolicy.ROUND_ROBIN,
-        )
+        pool = WorkerPool(prefill=("127.0.0.1:1", "127.0.0.1:2"), decode=("127.0.0.1:3",))
         for worker in pool.workers:
             worker.healthy = True
-        picks = []
+        turns = []
         for _ in range(4):
-            picks.append(pool.ranked_prefill()[0].address)
-            pool.ranked_decode(10)  # decode choices must not shift the prefill rotation
-        assert picks == ["127.0.0.1:2", "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"]
+            turns.append(pool.next_turn(Role.PREFILL))
+            pool.ranked_decode(10)  # an admission retry turns the decode rotation only
+        assert turns == [1, 2, 3, 4]
+        assert pool.next_turn(Role.DECODE) == 5
         await pool.close()
 
     asyncio.run(run())

@@ -1,0 +1,121 @@
+"""The routing decision, whole: one pure function from what the router knows about a request and
+its workers (``Facts``) to what it will do (``Plan``). No I/O; exact-value tests in
+``tests/unit/test_plan.py``.
+
+The I/O shell (``Dispatcher.place``) gathers the facts (load snapshots, cached tokens per worker
+from the prefix index, the pools' rotation turns), calls ``plan`` and resolves addresses to
+workers; ``router/generation.py`` executes the plan. A fallback re-plans: a worker that turned
+the attempt away goes into ``exclude`` (and a conditional local prefill so turned away sets
+``local=False``: disaggregate); a worker this request failed on goes into ``avoid``, tried last.
+The policies themselves (rankings) are ``router/policy.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from router.config import RouterConfig
+from router.policy import (
+    RoutingPolicy,
+    WorkerLoad,
+    rank_cache_aware,
+    rank_decode,
+    rank_prefill,
+    rank_round_robin,
+)
+
+
+class Route(Enum):
+    LOCAL = "local"  # one decode worker prefills and decodes (conditional, or colocated)
+    DISAGGREGATED = "disaggregated"  # a prefill worker prefills, a decode worker pulls the KV
+
+
+class Unserved(Enum):
+    """Why a plan has no worker to start with."""
+
+    NO_WORKER = "no_worker"  # none healthy (or every one turned this attempt away)
+    TOO_LARGE = "too_large"  # healthy ones, but none could ever hold the prompt
+
+
+@dataclass(frozen=True)
+class Facts:
+    num_prompt_tokens: int
+    prefill: tuple[WorkerLoad, ...]  # the prefill pool's snapshot (empty when colocated)
+    decode: tuple[WorkerLoad, ...]
+    # Cache credit per prefill worker (tokens) from the prefix index; None: not looked up (no
+    # index, or not cache-aware).
+    prefill_cached: Mapping[str, int] | None = None
+    decode_cached: Mapping[str, int] = field(default_factory=dict)  # for a local prefill
+    prefill_turn: int = 0  # each pool's rotation, advanced once per plan by the shell
+    decode_turn: int = 0
+    avoid: frozenset[str] = frozenset()  # this request failed there: tried last
+    exclude: frozenset[str] = frozenset()  # turned this attempt away: not a candidate
+    local: bool = True  # False: a local prefill turned the attempt away, disaggregate
+
+
+@dataclass(frozen=True)
+class Plan:
+    route: Route
+    prefill: tuple[str, ...]  # prefill candidates, best first (empty for LOCAL)
+    decode: tuple[str, ...]  # decode candidates, best first (LOCAL: the first one prefills)
+    cached_tokens: int  # what the index predicts the first prefill (or local) choice holds
+    reason: str  # pdserve_routing_decisions_total's reason label
+    unserved: Unserved | None = None  # set when there is no first candidate
+
+
+def _last(order: list[str], avoid: frozenset[str]) -> tuple[str, ...]:
+    return tuple(sorted(order, key=lambda address: address in avoid))  # stable
+
+
+def plan(facts: Facts, config: RouterConfig) -> Plan:
+    n = facts.num_prompt_tokens
+    candidates = [w for w in facts.decode if w.address not in facts.exclude]
+    decode = _last(rank_decode(candidates, n, facts.decode_turn, config.decode_policy), facts.avoid)
+    if config.colocated:  # every prompt, whatever is cached: the load-ranked decode worker
+        unserved = None
+        if not decode:
+            alive = any(w.healthy for w in candidates)
+            unserved = Unserved.TOO_LARGE if alive and not facts.exclude else Unserved.NO_WORKER
+        return Plan(Route.LOCAL, (), decode, 0, "colocated", unserved)
+    threshold = config.local_prefill_tokens
+    if facts.local and threshold > 0 and decode:
+        cached = facts.decode_cached
+        best = max(decode, key=lambda a: cached.get(a, 0))  # ties: the ranked order
+        if n - cached.get(best, 0) < threshold:
+            rest = tuple(a for a in decode if a != best)
+            return Plan(Route.LOCAL, (), (best, *rest), cached.get(best, 0), "local_prefill")
+    # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
+    # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
+    able = [
+        w
+        for w in facts.prefill
+        if w.healthy and w.address not in facts.exclude and (not w.stats_known or w.can_hold(n))
+    ]
+    order, reason, predicted = _rank_prefill(able, facts, config)
+    prefill = _last(order, facts.avoid)
+    if prefill[:1] != tuple(order[:1]):
+        predicted = 0  # the prediction was for a worker now tried last
+    unserved = None if prefill else Unserved.NO_WORKER
+    return Plan(Route.DISAGGREGATED, prefill, decode, predicted, reason, unserved)
+
+
+def _rank_prefill(
+    able: list[WorkerLoad], facts: Facts, config: RouterConfig
+) -> tuple[list[str], str, int]:
+    """Prefill workers best first, the reason, and the cached tokens predicted for the first."""
+    policy = config.prefill_policy
+    if policy is RoutingPolicy.CACHE_AWARE and facts.prefill_cached:
+        choice = rank_cache_aware(
+            able,
+            facts.prefill_cached,
+            config.cache_alpha,
+            config.imbalance_tokens,
+            facts.prefill_turn,
+        )
+        return choice.order, choice.reason, choice.cached_tokens
+    reason = "no_index" if policy is RoutingPolicy.CACHE_AWARE else "load"
+    if policy is RoutingPolicy.ROUND_ROBIN:
+        return rank_round_robin(able, facts.prefill_turn), reason, 0
+    return rank_prefill(able, facts.prefill_turn), reason, 0

@@ -1,0 +1,128 @@
+"""The routing plan (router/plan.py): the whole decision, exact values for every branch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from router.config import RouterConfig
+from router.plan import Facts, Plan, Route, Unserved, plan
+from router.policy import RoutingPolicy, WorkerLoad, host_credited_tokens
+
+CONFIG = RouterConfig(
+    model="m", prefill_addresses=("p",), decode_addresses=("d",), local_prefill_tokens=32
+)
+COLOCATED = RouterConfig(model="m", decode_addresses=("d",), colocated=True)
+
+
+def load(
+    address: str, inflight: int = 0, free: int = 100, num_blocks: int = 100, **kw: Any
+) -> WorkerLoad:
+    return WorkerLoad(address, inflight, free, num_blocks, 16, **kw)
+
+
+P = (load("p1"), load("p2", inflight=1), load("p3", inflight=2))
+D = (load("d1", inflight=1), load("d2"), load("d3", inflight=2))
+
+
+def facts(
+    n: int = 200,
+    prefill: tuple[WorkerLoad, ...] = P,
+    decode: tuple[WorkerLoad, ...] = D,
+    **kw: Any,
+) -> Facts:
+    return Facts(n, prefill, decode, **kw)
+
+
+def test_a_long_uncached_prompt_is_disaggregated_least_loaded_first() -> None:
+    got = plan(
+        facts(prefill_cached={}),
+        dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.LEAST_LOADED),
+    )
+    assert got == Plan(Route.DISAGGREGATED, ("p1", "p2", "p3"), ("d2", "d1", "d3"), 0, "load")
+
+
+def test_conditional_disaggregation_threshold() -> None:
+    # 40 tokens, 16 cached on d3: 24 uncached < 32 -> d3 prefills them itself.
+    got = plan(facts(40, decode_cached={"d3": 16}), CONFIG)
+    assert got == Plan(Route.LOCAL, (), ("d3", "d2", "d1"), 16, "local_prefill")
+    # 31 uncached anywhere: the least-loaded decode worker (ties: the ranked order).
+    assert plan(facts(31), CONFIG).decode == ("d2", "d1", "d3")
+    assert plan(facts(31), CONFIG).route is Route.LOCAL
+    # Exactly the threshold uncached: disaggregated.
+    assert plan(facts(48, decode_cached={"d1": 16}), CONFIG).route is Route.DISAGGREGATED
+    # 0 turns conditional disaggregation off.
+    off = dataclasses.replace(CONFIG, local_prefill_tokens=0)
+    assert plan(facts(1), off).route is Route.DISAGGREGATED
+    # A local worker turned the attempt away: disaggregate, without it.
+    again = plan(facts(31, exclude=frozenset({"d2"}), local=False), CONFIG)
+    assert again.route is Route.DISAGGREGATED and again.decode == ("d1", "d3")
+
+
+def test_colocated_plans_every_prompt_on_the_load_ranked_decode_worker() -> None:
+    assert plan(facts(5000), COLOCATED) == Plan(
+        Route.LOCAL, (), (), 0, "colocated", Unserved.TOO_LARGE
+    )
+    got = plan(facts(200, prefill=()), COLOCATED)
+    assert got == Plan(Route.LOCAL, (), ("d2", "d1", "d3"), 0, "colocated")
+    turned_away = frozenset({"d1", "d2", "d3"})
+    none = plan(facts(200, prefill=(), exclude=turned_away), COLOCATED)
+    assert none.decode == () and none.unserved is Unserved.NO_WORKER
+    sick = tuple(dataclasses.replace(d, healthy=False) for d in D)
+    assert plan(facts(200, decode=sick), COLOCATED).unserved is Unserved.NO_WORKER
+
+
+def test_avoided_workers_come_last_and_lose_the_prediction() -> None:
+    cfg = dataclasses.replace(CONFIG, local_prefill_tokens=0)
+    got = plan(facts(200, prefill_cached={"p1": 64}, avoid=frozenset({"p1", "d2"})), cfg)
+    assert got.prefill == ("p2", "p3", "p1") and got.decode == ("d1", "d3", "d2")
+    assert got.cached_tokens == 0 and got.reason == "cache"
+
+
+def test_only_prefill_workers_whose_cache_can_hold_the_prompt() -> None:
+    small = load("small", num_blocks=4)  # 64 tokens
+    unknown = load("new", stats_known=False, num_blocks=0)  # no stats yet: it may hold it
+    cfg = dataclasses.replace(
+        CONFIG, local_prefill_tokens=0, prefill_policy=RoutingPolicy.LEAST_LOADED
+    )
+    got = plan(facts(100, prefill=(small, unknown, load("big", inflight=3))), cfg)
+    assert got.prefill == ("new", "big")
+    assert plan(facts(100, prefill=(small,)), cfg).unserved is Unserved.NO_WORKER
+
+
+def test_cache_aware_prefill() -> None:
+    cfg = dataclasses.replace(CONFIG, local_prefill_tokens=0)
+    # The cache decides under ordinary load.
+    got = plan(facts(200, prefill_cached={"p3": 128}), cfg)
+    assert got.prefill[0] == "p3" and got.reason == "cache" and got.cached_tokens == 128
+    # A worker far past the least-queued one loses its credit.
+    queued = (load("p1"), load("p2"), load("p3", queued_prefill_tokens=9000))
+    got = plan(facts(200, prefill=queued, prefill_cached={"p3": 128}), cfg)
+    assert got.prefill[0] == "p1" and got.reason == "imbalance" and got.cached_tokens == 0
+    # An index that answered with no hits: load.
+    assert plan(facts(200, prefill_cached={"p1": 0, "p2": 0, "p3": 0}), cfg).reason == "load"
+    # No index lookup (none configured, or Redis down): load order, reason no_index.
+    got = plan(facts(200), cfg)
+    assert got.prefill == ("p1", "p2", "p3") and got.reason == "no_index"
+    # Host-tier blocks earn half a device block's credit.
+    credit = host_credited_tokens(2, 6, 16)
+    assert credit == 64
+    got = plan(facts(200, prefill_cached={"p2": credit, "p3": 48}), cfg)
+    assert got.prefill[0] == "p2" and got.cached_tokens == 64
+
+
+def test_round_robin_takes_turns() -> None:
+    round_robin = RoutingPolicy.ROUND_ROBIN
+    cfg = dataclasses.replace(
+        CONFIG, local_prefill_tokens=0, prefill_policy=round_robin, decode_policy=round_robin
+    )
+    firsts = [plan(facts(200, prefill_turn=t, decode_turn=t), cfg) for t in range(1, 5)]
+    assert [p.prefill[0] for p in firsts] == ["p2", "p3", "p1", "p2"]
+    assert [p.decode[0] for p in firsts] == ["d2", "d3", "d1", "d2"]
+    assert {p.reason for p in firsts} == {"load"}
+
+
+def test_decode_workers_with_free_blocks_now_come_first() -> None:
+    full = (load("d1", free=2), load("d2", inflight=3), load("tiny", num_blocks=3))
+    cfg = dataclasses.replace(CONFIG, local_prefill_tokens=0)
+    assert plan(facts(200, decode=full), cfg).decode == ("d2", "d1")  # tiny: never
