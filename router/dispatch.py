@@ -199,7 +199,7 @@ class Dispatcher:
             if worker.departed:  # left the pool (its channel may be closed) since the plan
                 continue
             with self.pool.dispatched(worker, num_prompt_tokens - predicted):
-                call = worker.prefill.Prefill(request, timeout=self.config.prefill_timeout_s)
+                call = worker.prefill_stub.Prefill(request, timeout=self.config.prefill_timeout_s)
                 what = f"prefill worker {worker.address}"
                 try:
                     response = await self._unless_lost(call, worker)
@@ -306,7 +306,7 @@ class Dispatcher:
         silence is bounded by ``stall_timeout_s``. A prefill worker that freezes during the
         pull (its stats stop answering: ``Worker.lost``) is given up on the same way: the
         decode worker's pull would otherwise wait for its own transfer timeout."""
-        call = worker.decode.Decode(request)
+        call = worker.decode_stub.Decode(request)
         what = f"decode worker {worker.address}"
         try:
             while True:
@@ -385,7 +385,7 @@ class Dispatcher:
         """Keeps the prefilled blocks while waiting for decode room; fails if they are gone."""
         request = prefill_pb2.RenewLeaseRequest(request_id=request_id, lease_token=lease_token)
         try:
-            reply = await worker.prefill.RenewLease(request, timeout=5.0)
+            reply = await worker.prefill_stub.RenewLease(request, timeout=5.0)
         except grpc.aio.AioRpcError as exc:
             verdict = classify(Phase.RENEWAL, exc.code())
             what = f"prefill worker {worker.address} (renewal)"

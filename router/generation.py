@@ -31,7 +31,7 @@ from router.dispatch import (
     stalled,
 )
 from router.failures import Action, Phase, classify
-from router.migration import Continuation, attempt_id, continue_request
+from router.migration import Continuation, Finished, attempt_id, continue_request
 from router.output_stream import OutputStream
 from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
@@ -89,8 +89,8 @@ class Generation:
                 self.pool.max_model_len or len(prompt_ids) + params.max_tokens,
                 out.stopped,
             )
-            if isinstance(step, str):  # what the client has already ends the request
-                done.finish_reason = finish_reason_to_proto(step)
+            if isinstance(step, Finished):  # what the client has already ends the request
+                done.finish_reason = finish_reason_to_proto(step.reason)
                 break
             attempt = _Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
             delivered = out.num_output_tokens
@@ -262,7 +262,7 @@ class Generation:
             sampling=attempt.sampling,
             num_generated_tokens=attempt.continuation.num_generated_tokens,
         )
-        call = worker.decode.PrefillAndDecode(request)
+        call = worker.decode_stub.PrefillAndDecode(request)
         # Counted in flight from the call on: a burst of short prompts spreads over workers.
         with self.pool.dispatched(worker):
             try:

@@ -18,6 +18,13 @@ from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class Finished:
+    """What the client already has ends the request: nothing is left to generate."""
+
+    reason: str  # "stop" or "length"
+
+
+@dataclass(frozen=True)
 class Continuation:
     """What the next worker is asked for."""
 
@@ -32,17 +39,17 @@ def continue_request(
     eos_token_ids: tuple[int, ...],
     max_model_len: int,
     stopped: bool,
-) -> Continuation | str:
-    """The continuation of a request after its stream broke, or the finish reason ("stop",
-    "length") when the tokens delivered already end it (nothing is left to generate)."""
+) -> Continuation | Finished:
+    """The continuation of a request after its stream broke, or ``Finished`` when the tokens
+    delivered already end it."""
     last = delivered_token_ids[-1] if delivered_token_ids else None
     if stopped or (last is not None and params.is_stop_token(last, eos_token_ids)):
-        return "stop"
+        return Finished("stop")
     num_tokens = len(prompt_token_ids) + len(delivered_token_ids)
     if len(delivered_token_ids) >= params.max_tokens or (
         delivered_token_ids and num_tokens >= max_model_len
     ):
-        return "length"
+        return Finished("length")
     return Continuation(
         [*prompt_token_ids, *delivered_token_ids], num_generated_tokens=len(delivered_token_ids)
     )

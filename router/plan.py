@@ -76,7 +76,7 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
     if config.colocated:  # every prompt, whatever is cached: the load-ranked decode worker
         unserved = None
         if not decode:
-            alive = any(w.healthy for w in candidates)
+            alive = any(w.routable for w in candidates)
             unserved = Unserved.TOO_LARGE if alive and not facts.exclude else Unserved.NO_WORKER
         return Plan(Route.LOCAL, (), decode, 0, "colocated", unserved)
     threshold = config.local_prefill_tokens
@@ -91,7 +91,7 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
     able = [
         w
         for w in facts.prefill
-        if w.healthy and w.address not in facts.exclude and (not w.stats_known or w.can_hold(n))
+        if w.routable and w.address not in facts.exclude and (not w.stats_known or w.can_hold(n))
     ]
     order, reason, predicted = _rank_prefill(able, facts, config)
     prefill = _last(order, facts.avoid)

@@ -46,7 +46,7 @@ class WorkerLoad:
     num_free_blocks: int  # from the worker's last stats
     num_blocks: int
     block_size: int = 16
-    healthy: bool = True
+    routable: bool = True  # healthy, not suspected, draining or refused (Worker.routable)
     queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
     stats_known: bool = True  # False until its first stats answer (sizes read 0 until then)
 
@@ -67,7 +67,7 @@ def _rank(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:
 
 def rank_prefill(workers: list[WorkerLoad], turn: int = 0) -> list[str]:
     """Healthy prefill workers, best first."""
-    return [w.address for w in _rank([w for w in workers if w.healthy], turn)]
+    return [w.address for w in _rank([w for w in workers if w.routable], turn)]
 
 
 def rank_decode(
@@ -78,7 +78,7 @@ def rank_decode(
 ) -> list[str]:
     """Healthy decode workers that could ever hold the prompt, best first (least-loaded or in
     turn), those with enough free blocks now ahead of those that would have to free some."""
-    able = [w for w in workers if w.healthy and w.can_hold(num_prompt_tokens)]
+    able = [w for w in workers if w.routable and w.can_hold(num_prompt_tokens)]
     if policy is RoutingPolicy.ROUND_ROBIN:
         by_address = {w.address: w for w in able}
         ordered = [by_address[a] for a in rank_round_robin(able, turn)]
@@ -89,7 +89,7 @@ def rank_decode(
 
 
 def rank_round_robin(workers: list[WorkerLoad], turn: int = 0) -> list[str]:
-    healthy = [w.address for w in workers if w.healthy]
+    healthy = [w.address for w in workers if w.routable]
     if not healthy:
         return []
     k = turn % len(healthy)
@@ -123,7 +123,7 @@ def rank_cache_aware(
     imbalance_tokens: int,
     turn: int = 0,
 ) -> CacheAwareChoice:
-    healthy = [w for w in workers if w.healthy]
+    healthy = [w for w in workers if w.routable]
     if not healthy:
         return CacheAwareChoice([], "load", 0)
     least_queued = min(w.queued_prefill_tokens for w in healthy)

@@ -89,11 +89,11 @@ class Worker:
         return self._stubs
 
     @property
-    def prefill(self) -> prefill_pb2_grpc.PrefillWorkerStub:
+    def prefill_stub(self) -> prefill_pb2_grpc.PrefillWorkerStub:
         return self._current_stubs()[0]
 
     @property
-    def decode(self) -> decode_pb2_grpc.DecodeWorkerStub:
+    def decode_stub(self) -> decode_pb2_grpc.DecodeWorkerStub:
         return self._current_stubs()[1]
 
     def load(self) -> WorkerLoad:
@@ -104,7 +104,7 @@ class Worker:
             num_free_blocks=stats.num_free_blocks if stats else 0,
             num_blocks=stats.num_blocks if stats else 0,
             block_size=stats.block_size if stats and stats.block_size else 1,
-            healthy=self.routable,
+            routable=self.routable,
             queued_prefill_tokens=self.queued_prefill_tokens,
             stats_known=stats is not None,
         )
@@ -129,7 +129,7 @@ class Worker:
     async def refresh(self, fingerprint: str, block_size: int) -> None:
         """Asks for its stats; ``fingerprint`` and ``block_size`` are the router's, which its
         stats' layout must match (a restart at the same address may bring another model)."""
-        stub = self.prefill if self.role is Role.PREFILL else self.decode
+        stub = self.prefill_stub if self.role is Role.PREFILL else self.decode_stub
         try:
             self.stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:

@@ -99,7 +99,7 @@ def test_router_worker_stubs_follow_the_pool_across_a_renewal(
         pool = WorkerPool(prefill=(server.address,), tls=tls)
         pool.channels.recheck_s = pool.channels.retired_grace_s = 0.0
         worker = pool.prefill[server.address]
-        layout = (await worker.prefill.GetStats(common_pb2.GetStatsRequest())).layout
+        layout = (await worker.prefill_stub.GetStats(common_pb2.GetStatsRequest())).layout
         expected = (layout.model_fingerprint, layout.block_size)  # the router's, as it matches
         try:
             await worker.refresh(*expected)

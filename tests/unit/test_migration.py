@@ -6,7 +6,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.app.local_cluster import restart_delay_s
-from router.migration import Continuation, attempt_id, continue_request
+from router.migration import Continuation, Finished, attempt_id, continue_request
 from router.policy import is_stalled
 
 EOS = (2,)
@@ -31,7 +31,8 @@ def test_the_continuation_carries_what_the_client_already_has() -> None:
 def test_a_request_the_delivered_tokens_already_end_is_finished_not_migrated(
     delivered: list[int], max_model_len: int, stopped: bool, finish: str
 ) -> None:
-    assert continue_request([7, 8, 9], delivered, P, EOS, max_model_len, stopped) == finish
+    got = continue_request([7, 8, 9], delivered, P, EOS, max_model_len, stopped)
+    assert got == Finished(finish)
 
 
 def test_each_attempt_has_its_own_worker_request_id() -> None:

@@ -68,7 +68,7 @@ def test_colocated_plans_every_prompt_on_the_load_ranked_decode_worker() -> None
     turned_away = frozenset({"d1", "d2", "d3"})
     none = plan(facts(200, prefill=(), exclude=turned_away), COLOCATED)
     assert none.decode == () and none.unserved is Unserved.NO_WORKER
-    sick = tuple(dataclasses.replace(d, healthy=False) for d in D)
+    sick = tuple(dataclasses.replace(d, routable=False) for d in D)
     assert plan(facts(200, decode=sick), COLOCATED).unserved is Unserved.NO_WORKER
 
 

@@ -10,7 +10,7 @@ def _w(address: str, inflight: int, free: int, total: int = 100, **kw: object) -
 
 
 def test_prefill_fewest_inflight_then_most_free() -> None:
-    workers = [_w("a", 2, 90), _w("b", 1, 10), _w("c", 1, 50), _w("d", 0, 0, healthy=False)]
+    workers = [_w("a", 2, 90), _w("b", 1, 10), _w("c", 1, 50), _w("d", 0, 0, routable=False)]
     assert rank_prefill(workers) == ["c", "b", "a"]
 
 
@@ -33,7 +33,7 @@ def test_decode_prefers_workers_with_room_and_drops_too_small() -> None:
 
 
 def test_no_healthy_worker() -> None:
-    assert rank_decode([_w("a", 0, 10, healthy=False)], num_prompt_tokens=1) == []
+    assert rank_decode([_w("a", 0, 10, routable=False)], num_prompt_tokens=1) == []
 
 
 def _q(address: str, queued: int, inflight: int = 0) -> WorkerLoad:
@@ -43,7 +43,7 @@ def _q(address: str, queued: int, inflight: int = 0) -> WorkerLoad:
 def test_round_robin_rotates_over_healthy_workers() -> None:
     from router.policy import rank_round_robin
 
-    workers = [_w("a", 5, 0), _w("b", 0, 0, healthy=False), _w("c", 0, 90)]
+    workers = [_w("a", 5, 0), _w("b", 0, 0, routable=False), _w("c", 0, 90)]
     assert rank_round_robin(workers, turn=0) == ["a", "c"]
     assert rank_round_robin(workers, turn=1) == ["c", "a"]
 

@@ -39,8 +39,8 @@ def test_sync_follows_the_registry() -> None:
         assert sorted(pool.decode) == ["127.0.0.1:3", "127.0.0.1:4"]
         assert pool.prefill["127.0.0.1:2"].worker_id == "p1"
         assert pool.decode["127.0.0.1:4"].draining
-        assert not pool.decode["127.0.0.1:4"].load().healthy
-        assert pool.decode["127.0.0.1:3"].load().healthy
+        assert not pool.decode["127.0.0.1:4"].load().routable
+        assert pool.decode["127.0.0.1:3"].load().routable
         # Records gone: the draining worker leaves; a healthy one stays until it also fails its
         # stats check (a Redis restart must not drop live workers); static workers stay.
         pool.sync(records[:1], FP, 16)
@@ -93,7 +93,7 @@ def test_refusals_and_channels_of_departed_workers_are_forgotten() -> None:
         bad = _record("bad", Role.DECODE, 5, model_fingerprint="other:fp")
         pool.sync([_record("d1", Role.DECODE, 3), bad], FP, 16)
         assert pool._refused == {"bad"}
-        assert pool.decode["127.0.0.1:3"].decode is not None  # its first call opens a channel
+        assert pool.decode["127.0.0.1:3"].decode_stub is not None  # its first call opens a channel
         pool.channels.get("127.0.0.1:9")  # e.g. a release to a prefill worker that left
         await pool.close_unused_channels()
         assert set(pool.channels._channels) == {"127.0.0.1:3"}
