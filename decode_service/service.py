@@ -20,7 +20,14 @@ from decode_service.config import DecodeConfig
 from decode_service.peers import PeerDirectory
 from engine.outputs import PrefilledRequest
 from engine.serving_engine import EngineBuilder, EngineDeadError, NoRoomError
-from kvtransfer import KVHandle, KVReceiver, KVTransferError, TransferErrorCode, make_receiver
+from kvtransfer import (
+    KVHandle,
+    KVReceiver,
+    KVTransferError,
+    ReceiverOptions,
+    TransferErrorCode,
+    make_receiver,
+)
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
 from pdserve.cluster.registry import Role
@@ -68,14 +75,14 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         pages = self.engine.kv_pages
         if pages is not None:  # None: an engine that serves colocated requests only
             # In a thread: a NIXL receiver registers the whole cache with its agent.
-            self._receiver = await asyncio.to_thread(
-                make_receiver,
-                self.config.kv_backend,
-                pages,
+            options = ReceiverOptions(
                 self.config.transfer_timeout_s,
                 tls=self.config.server.tls,
                 verify=self.config.kv_verify,
                 ucx_tls=self.config.ucx_tls,
+            )
+            self._receiver = await asyncio.to_thread(
+                make_receiver, self.config.kv_backend, pages, options
             )
         registry = self.membership.registry if self.membership is not None else None
         self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels)

@@ -15,7 +15,7 @@ import grpc
 
 from engine.outputs import RequestUpdate
 from engine.serving_engine import EngineBuilder, EngineDeadError
-from kvtransfer import KVSender, make_sender
+from kvtransfer import KVSender, SenderOptions, make_sender
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_to_proto
 from pdserve.cluster.registry import Role, WorkerRecord
@@ -47,10 +47,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         pages = self.engine.kv_pages
         if pages is None:  # PrefillConfig refuses the configs that get here
             raise ValueError("a prefill worker's engine must be able to hand its KV over")
-        self._sender = make_sender(
-            self.config.kv_backend,
-            pages,
-            self.leases,
+        options = SenderOptions(
             self.config.server.host,
             self.config.kv_port,
             advertise_host=self.config.server.advertise_host,
@@ -59,6 +56,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             verify=self.config.kv_verify,
             ucx_tls=self.config.ucx_tls,
         )
+        self._sender = make_sender(self.config.kv_backend, pages, self.leases, options)
         await self._sender.start()
         self.leases.start(self.engine, self._sender)
         logger.info("kv sender (%s) at %s", self._sender.backend, self._sender.address)

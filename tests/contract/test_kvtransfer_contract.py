@@ -21,7 +21,14 @@ from engine import LLM, PrefilledRequest, SamplingParams
 from engine.kv_layout import KVCacheDtype
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from kvtransfer import KVHandle, KVTransferError, TransferErrorCode, make_receiver
+from kvtransfer import (
+    BACKENDS,
+    KVHandle,
+    KVTransferError,
+    ReceiverOptions,
+    TransferErrorCode,
+    make_receiver,
+)
 from kvtransfer.wire import handle_from_proto
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2
@@ -35,11 +42,10 @@ from tests.services.harness import (
     wait_for,
 )
 
-BACKENDS = ["local", "grpc", "ray", "nixl"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=BACKENDS)  # every registered backend (kvtransfer.REGISTRY)
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param != "ray":
         yield request.param
@@ -102,7 +108,7 @@ def test_transfer_is_lossless_and_decodes_like_one_engine(
             llama_dir, kv_backend=backend, kv_cache_dtype=kv_cache_dtype
         )
         stub = prefill_stub(server)
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
         try:
             for i, (prompt, expected) in enumerate(zip(prompts, reference, strict=True)):
                 response = await _prefill(stub, f"r{i}", prompt, GREEDY)
@@ -150,7 +156,7 @@ def test_layout_mismatch_names_both_layouts(
     async def run() -> None:
         _, server = await start_prefill(llama_dir, kv_backend=backend)
         stub = prefill_stub(server)
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
         try:
             response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
             handle = handle_from_proto(response.handle)
@@ -175,7 +181,7 @@ def test_expired_lease_frees_blocks_and_pull_is_not_found(backend: str, llama_di
     async def run() -> None:
         service, server = await start_prefill(llama_dir, kv_backend=backend, lease_s=0.2)
         stub = prefill_stub(server)
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
         try:
             response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
             assert response.handle.lease_s == pytest.approx(0.2)
@@ -204,7 +210,7 @@ def test_cancelled_pull_stops_writing_and_leaks_nothing(backend: str, llama_dir:
     async def run() -> None:
         _, server = await start_prefill(llama_dir, kv_backend=backend)
         stub = prefill_stub(server)
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=30)
+        receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
         prompt = list(range(1, 200))
         try:
             response = await _prefill(stub, "r", prompt, GREEDY)

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine import LLM
 from engine.llm_engine import LLMEngine
-from kvtransfer import KVTransferError, TransferErrorCode, make_receiver
+from kvtransfer import KVTransferError, ReceiverOptions, TransferErrorCode, make_receiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.common.channels import ChannelPool
 from pdserve.common.server import ServiceServer
@@ -66,7 +66,7 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
         return _finish(decode, prefilled)
 
     async def run() -> None:
-        receiver = make_receiver(backend, decode.kv_cache, timeout_s=TIMEOUT_S)
+        receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=TIMEOUT_S))
         try:
             _, old = await start_prefill(llama_dir, kv_backend=backend, kv_port=kv_port)
             assert await pull(prefill_stub(old), "r0", receiver) == reference["r0"]

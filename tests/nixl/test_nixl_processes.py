@@ -20,7 +20,7 @@ import pytest
 
 from engine import LLM, PrefilledRequest, SamplingParams
 from engine.llm_engine import LLMEngine
-from kvtransfer import KVTransferError, TransferErrorCode, make_receiver
+from kvtransfer import KVTransferError, ReceiverOptions, TransferErrorCode, make_receiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
@@ -79,7 +79,9 @@ def test_pulls_across_processes_survive_a_killed_and_restarted_sender(llama_dir:
 
     async def run() -> None:
         nonlocal process
-        receiver = make_receiver("nixl", decode.kv_cache, timeout_s=10.0, verify=True)
+        receiver = make_receiver(
+            "nixl", decode.kv_cache, ReceiverOptions(timeout_s=10.0, verify=True)
+        )
         try:
             # A verified pull: every byte as the sender holds it; then one engine's tokens.
             prefilled, block_ids, handle = await prefill("r0")

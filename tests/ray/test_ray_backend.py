@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from engine.llm_engine import LLMEngine
-from kvtransfer import KVHandle, KVReceiver, make_receiver
+from kvtransfer import KVHandle, KVReceiver, ReceiverOptions, make_receiver
 from kvtransfer.ray_mailbox import LayerRange
 from kvtransfer.ray_object_store import Payload, RayKVSender
 from kvtransfer.wire import handle_from_proto
@@ -111,7 +111,7 @@ async def _prefilled_on_ray(llama_dir: Path) -> AsyncIterator[_Pulled]:
     # it themselves (Release), and expiry has its own contract test.
     prefill, server = await start_prefill(llama_dir, kv_backend="ray", lease_s=3600.0)
     stub = prefill_stub(server)
-    receiver = make_receiver("ray", decode.kv_cache, timeout_s=30)
+    receiver = make_receiver("ray", decode.kv_cache, ReceiverOptions(timeout_s=30))
     sender = prefill._sender
     assert isinstance(sender, RayKVSender)
     try:

@@ -26,7 +26,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.outputs import RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineHooks, ServingEngine
-from kvtransfer import KVHandle, make_receiver, make_sender
+from kvtransfer import KVHandle, ReceiverOptions, SenderOptions, make_receiver, make_sender
 from kvtransfer.base import BlockLeases, TransferStats
 from pdserve.app.capacity.profile import (
     DECODE_FEATURES,
@@ -170,9 +170,9 @@ async def _transfer_samples(
     if pages is None:
         raise ValueError("this engine exchanges no KV (tensor_parallel_size > 1): no transfer")
     leases = _Leased()
-    sender = make_sender(backend, pages, leases, "127.0.0.1", 0)
+    sender = make_sender(backend, pages, leases, SenderOptions("127.0.0.1", 0))
     await sender.start()
-    receiver = make_receiver(backend, pages, timeout_s=60.0)
+    receiver = make_receiver(backend, pages, ReceiverOptions(timeout_s=60.0))
     rows, times = [], []
     first_only = SamplingParams(max_tokens=2, ignore_eos=True)
     try:
