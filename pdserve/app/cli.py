@@ -85,10 +85,10 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
             tls += (flag, value)
     layout += tls  # the same certificates for every component
     keys = ("--api-key-file", args.api_key_file) if args.api_key_file else ()
-    transfer: tuple[str, ...] = ("--kv-backend", args.transfer)
+    transfer: tuple[str, ...] = ("--kv-backend", args.kv_backend)
     num_workers = args.decode + (0 if args.colocated else args.prefill)
     transfer += worker_threads(args.engine, num_workers, len(os.sched_getaffinity(0)))
-    if args.transfer == "ray":
+    if args.kv_backend == "ray":
         transfer += ("--ray-address", args.ray_address)
     decode_args = (
         *layout,
@@ -135,7 +135,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     _check_model(args.model, args.engine)  # before anything is started
     args.redis_url = args.redis
     _cluster_config(args)  # bad worker flags are refused by name before anything starts, too
-    if args.transfer == "ray":
+    if args.kv_backend == "ray":
         args.ray_address = _local_ray(args.ray_address)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         component.set_defaults(func=_cmd_service)
 
     up = sub.add_parser("up", help="start a local cluster; Ctrl-C drains and stops it")
-    settings.add_cluster_flags(up, default_transfer="grpc")
+    settings.add_cluster_flags(up, default_kv_backend="grpc")
     add_flag(up, "--ray-address", default="", help="Ray cluster (default: start a local Ray)")
     add_flag(
         up,

@@ -228,7 +228,7 @@ def test_ray_mode_renders_a_raycluster_and_the_ray_up_job(helm: str) -> None:
     assert args[:4] == ["ray", "up", "--address", "ray://rel-pdserve-ray-head-svc:10001"]
     flags = dict(zip(args[4::2], args[5::2], strict=True))
     assert flags["--prefill"] == "2" and flags["--decode"] == "4"
-    assert flags["--transfer"] == "ray" and flags["--num-gpus-per-worker"] == "1"
+    assert flags["--kv-backend"] == "ray" and flags["--num-gpus-per-worker"] == "1"
 
 
 def test_helm_test_hook_generates_through_the_router(helm: str) -> None:

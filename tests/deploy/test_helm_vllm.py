@@ -133,7 +133,7 @@ def test_each_worker_gets_at_least_tensor_parallel_size_gpus(helm: str) -> None:
 def test_ray_mode_runs_the_vllm_image_and_ray_up_passes_the_engine_on(
     helm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    values = [*RAY, "--set", "engine.backend=vllm", "--set", "ray.deployment.transfer=grpc"]
+    values = [*RAY, "--set", "engine.backend=vllm", "--set", "ray.deployment.kvBackend=grpc"]
     values += ["--set-json", "ray.deployment.numGpusPerWorker=0.5"]
     values += ["--set", "engine.vllm.enforceEager=true"]
     manifests = render(helm, *values)
@@ -176,7 +176,7 @@ VLLM_ON = ["engine.backend=vllm"]
     ("values", "named"),
     [
         ([*VLLM_ON, "kvTransfer.backend=nixl"], "at '/kvTransfer/backend': value must be 'grpc'"),
-        ([*VLLM_ON, "ray.enabled=true"], "at '/ray/deployment/transfer': value must be 'grpc'"),
+        ([*VLLM_ON, "ray.enabled=true"], "at '/ray/deployment/kvBackend': value must be 'grpc'"),
         ([*VLLM_ON, "kvCacheDtype=int8"], "at '/kvCacheDtype': value must be 'auto'"),
         ([*VLLM_ON, "decode.speculative.method=ngram"], "at '/decode/speculative/method'"),
         ([*VLLM_ON, "prefill.engine.hostCacheGib=4"], "at '/prefill/engine/hostCacheGib'"),

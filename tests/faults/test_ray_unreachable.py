@@ -1,5 +1,5 @@
-"""A Ray address nobody answers at: ``pdserve up --transfer ray`` and ``pdserve ray down`` fail
-within 30 s naming it (instead of retrying for minutes), and ``pdserve up --transfer ray``
+"""A Ray address nobody answers at: ``pdserve up --kv-backend ray`` and ``pdserve ray down`` fail
+within 30 s naming it (instead of retrying for minutes), and ``pdserve up --kv-backend ray``
 without an address starts a Ray of its own instead of attaching to whatever cluster the
 machine last ran. Nothing here writes the session's ``/tmp/ray``."""
 
@@ -43,7 +43,7 @@ def _pdserve(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, f
 
 def test_up_with_an_unreachable_ray_address_fails_fast_naming_it(llama_dir: Path) -> None:
     address = _closed_port()
-    args = ("up", "--model", str(llama_dir), "--transfer", "ray", "--ray-address", address)
+    args = ("up", "--model", str(llama_dir), "--kv-backend", "ray", "--ray-address", address)
     code, err, took_s = _pdserve(*args)
     assert code != 0 and address in err and "unreachable" in err, err
     assert took_s < 30
@@ -69,7 +69,7 @@ def _up_without_an_address(llama_dir: Path, ray_tmp: Path) -> None:
     (ray_tmp / "ray" / "ray_current_cluster").write_text(_closed_port())
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""}
     command = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir)]
-    command += ["--port", "0", "--transfer", "ray", "--router-args", "--local-prefill-tokens 0"]
+    command += ["--port", "0", "--kv-backend", "ray", "--router-args", "--local-prefill-tokens 0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     watchdog = threading.Timer(180.0, process.kill)  # a hang fails the test, it does not stay
     watchdog.start()

@@ -1,4 +1,4 @@
-"""``pdserve up --transfer nixl``: every request's KV moves by NIXL READs between the worker
+"""``pdserve up --kv-backend nixl``: every request's KV moves by NIXL READs between the worker
 processes, and the output is one engine's, greedy and seeded; the decode worker computes no
 prompt token itself."""
 
@@ -40,7 +40,7 @@ def test_up_with_nixl_matches_one_engine(llama_dir: Path, make_llm: Callable[...
     ]
     command = [
         sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir), "--port", "0",
-        "--transfer", "nixl", "--router-args", "--local-prefill-tokens 0",
+        "--kv-backend", "nixl", "--router-args", "--local-prefill-tokens 0",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None

@@ -42,7 +42,7 @@ def namespace(ray_address: str, llama_dir: Path) -> Iterator[str]:
     name = f"pdserve-{uuid.uuid4().hex[:8]}"
     out = _cli(
         ray_address, name, "up", "--model", str(llama_dir), "--prefill", "1", "--decode", "2",
-        "--num-cpus-per-worker", "0", "--port", "0", "--transfer", "ray",
+        "--num-cpus-per-worker", "0", "--port", "0", "--kv-backend", "ray",
         "--router-args", "--local-prefill-tokens 0",  # every request takes the transfer path
     )  # fmt: skip
     assert "pdserve on ray ready: router " in out

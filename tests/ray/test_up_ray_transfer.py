@@ -1,4 +1,4 @@
-"""``pdserve up --transfer ray``: process-mode workers joined to the session's Ray move KV
+"""``pdserve up --kv-backend ray``: process-mode workers joined to the session's Ray move KV
 through its object store, with the output of one engine."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_up_with_ray_transfer_matches_one_engine(
     requests = [router_pb2.GenerateRequest(prompt_token_ids=p, sampling=sampling) for p in prompts]
     with no_new_objects():
         process, address = start_up(
-            "--model", str(llama_dir), "--port", "0", "--transfer", "ray",
+            "--model", str(llama_dir), "--port", "0", "--kv-backend", "ray",
             "--ray-address", ray_address,
             # Even short prompts disaggregate: every request's KV moves through Ray.
             "--router-args", "--local-prefill-tokens 0",

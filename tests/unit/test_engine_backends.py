@@ -84,7 +84,7 @@ def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
     from pdserve.app.cli import build_parser
     from pdserve.app.ray_deploy.commands import _deployment_spec
 
-    argv = ["ray", "up", "--model", "/m", "--engine", "vllm", "--transfer", "grpc"]
+    argv = ["ray", "up", "--model", "/m", "--engine", "vllm", "--kv-backend", "grpc"]
     spec = _deployment_spec(build_parser().parse_args([*argv, "--num-gpus-per-worker", "1"]))
     assert spec.router.engine is VLLM
     for worker in (spec.prefill, spec.decode):

@@ -19,8 +19,8 @@ REDIS = "redis://127.0.0.1:6379/0"
         ({"num_prefill": 0}, "num_prefill >= 1"),
         ({"num_decode": 0}, "num_decode >= 1"),
         ({"num_gpus_per_worker": -1.0}, "num_gpus_per_worker"),
-        ({"transfer": "nccl"}, "--kv-backend: invalid choice"),
-        ({"transfer": "local"}, "--kv-backend: invalid choice"),
+        ({"kv_backend": "nccl"}, "--kv-backend: invalid choice"),
+        ({"kv_backend": "local"}, "--kv-backend: invalid choice"),
         ({"router_port": 70000}, "port must be in"),
         ({"max_restarts": -1}, "max_restarts"),
         ({"drain_timeout_s": 0.0}, "drain_timeout_s"),
@@ -59,7 +59,7 @@ def test_worker_configs_are_the_process_mode_configs(monkeypatch: pytest.MonkeyP
 
 def test_cpu_workers_pick_their_own_device_and_router_gets_its_port() -> None:
     spec = deployment_spec(
-        model="/m", transfer="grpc", router_port=0, router_args=["--cache-alpha", "2"]
+        model="/m", kv_backend="grpc", router_port=0, router_args=["--cache-alpha", "2"]
     )
     decode = spec.worker_config(Role.DECODE, REDIS)
     assert decode.engine.device is None and decode.kv_backend == "grpc"

@@ -58,7 +58,7 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         num_decode=args.decode,
         num_gpus_per_worker=args.num_gpus_per_worker,
         num_cpus_per_worker=args.num_cpus_per_worker,
-        transfer=args.transfer,
+        kv_backend=args.kv_backend,
         redis_url=args.redis,
         router_port=args.port,
         max_restarts=args.max_restarts,
@@ -115,7 +115,7 @@ def add_ray_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     up = commands.add_parser("up", help="start router and worker pools as Ray actors")
     _deployment_flags(up)
     # The embedded Redis (no --redis) is for single-node clusters only.
-    add_cluster_flags(up, default_transfer="ray")
+    add_cluster_flags(up, default_kv_backend="ray")
     add_flag(up, "--num-gpus-per-worker", type=float, default=0.0, help="Ray GPU request")
     add_flag(up, "--num-cpus-per-worker", type=float, default=1.0, help="Ray CPU request")
     add_flag(up, "--max-restarts", type=int, default=3, help="Ray restarts per crashed actor")

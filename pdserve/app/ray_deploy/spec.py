@@ -52,7 +52,7 @@ class DeploymentSpec:
             )
         if self.prefill.kv_backend not in NETWORK_BACKENDS:
             raise ValueError(
-                f"transfer must be one of {NETWORK_BACKENDS}, got {self.prefill.kv_backend!r}"
+                f"kv_backend must be one of {NETWORK_BACKENDS}, got {self.prefill.kv_backend!r}"
             )
 
     def worker_config(self, role: Role, redis_url: str) -> PrefillConfig | DecodeConfig:
@@ -77,7 +77,7 @@ def deployment_spec(
     num_decode: int = 1,
     num_gpus_per_worker: float = 0.0,
     num_cpus_per_worker: float = 1.0,
-    transfer: str = "ray",
+    kv_backend: str = "ray",
     redis_url: str = "",
     router_port: int = 50051,
     max_restarts: int = 3,
@@ -103,7 +103,7 @@ def deployment_spec(
     # encrypted either, and its token auth and network isolation are what protect both
     # (docs/security.md).
     common += ["--insecure"]
-    workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", transfer]
+    workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", kv_backend]
     if engine == "native":  # vLLM finds its GPUs and binds its threads itself
         if num_gpus_per_worker > 0:
             workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs

@@ -27,7 +27,7 @@ def add_client_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) -> None:
+def add_cluster_flags(parser: argparse.ArgumentParser, default_kv_backend: str) -> None:
     """What ``pdserve up`` and ``pdserve ray up`` share: the pools, one KV layout for every
     component (the router refuses workers whose layout differs), and per-role extra flags."""
     add_flag(parser, "--model", required=True, help="model directory (readable by every worker)")
@@ -43,10 +43,10 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_transfer: str) ->
     add_engine_flag(parser, None)
     add_flag(
         parser,
-        "--transfer",
-        default=default_transfer,
+        "--kv-backend",
+        default=default_kv_backend,
         choices=NETWORK_BACKENDS,
-        help="KV transfer backend",
+        help="KV transfer backend (every worker's --kv-backend)",
     )
     add_flag(parser, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(parser, "--decode-args", default="", help="extra flags for every decode worker")
