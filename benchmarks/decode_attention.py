@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from engine.attention import decode_gather_inputs, paged_decode_attention_torch
+from engine.dtypes import ModelDtype
 from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
 from engine.kv_cache import LayerCache
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = (ModelDtype.FLOAT32, ModelDtype.BFLOAT16)
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,7 +45,7 @@ def cases(quick: bool) -> list[tuple[str, int, int]]:
         return [("float32", 2, 40)]
     return [
         (dtype, batch, context)
-        for dtype in DTYPES
+        for dtype in (d.value for d in DTYPES)
         for batch, context in ((1, 290), (8, 290), (32, 290), (8, 1100))
     ]
 
@@ -63,7 +64,7 @@ def time_calls(call: Callable[[int], torch.Tensor], layers: int, calls: int) -> 
 
 
 def measure(dtype_name: str, batch: int, context: int, args: argparse.Namespace) -> dict[str, Any]:
-    dtype = DTYPES[dtype_name]
+    dtype = ModelDtype(dtype_name).as_torch
     gen = torch.Generator().manual_seed(batch * 7919 + context)
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq

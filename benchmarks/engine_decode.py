@@ -32,10 +32,10 @@ from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from engine import LLM, SamplingParams
+from engine.dtypes import DTYPE_NAMES, ModelDtype
 from engine.models.linear import Linear
 
 BLOCK_SIZE = 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FULL = {
     "batch_sizes": "1,8,32",
     "prompt_len": 64,
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--quick", action="store_true", help="tiny model and sizes (CI smoke)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="default float32")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="default float32")
     args = p.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -267,7 +267,7 @@ def main() -> None:
     per_seq = -(-(args.prompt_len + args.new_tokens) // BLOCK_SIZE)
     # Sized to the workload (the default CPU budget is a 2 GiB cache this run never touches).
     num_blocks = 2 * max(max(batch_sizes) * per_seq, -(-(args.prefill_len + 1) // BLOCK_SIZE))
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), ModelDtype(args.dtype).as_torch
     llm = LLM(
         str(model_dir),
         dtype=args.dtype,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
-from engine.model_config import DTYPE_NAMES
 
 # Output tokens one request may have waiting for its reader before the engine pauses it.
 DEFAULT_MAX_BUFFERED_TOKENS = 256

@@ -13,22 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.dtypes import torch_dtype
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from engine.kv_pages import KVPages
 from engine.kv_quant import codebook
 
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "uint8": torch.uint8,
-}
-
-__all__ = ["KVCache", "KVCacheLayout", "LayerCache", "torch_dtype"]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
+__all__ = ["KVCache", "KVCacheLayout", "LayerCache"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +49,7 @@ class KVCache(KVPages):
             2,
             num_blocks,
             *layout.slab_shape,
-            dtype=_DTYPES[layout.storage_dtype],
+            dtype=torch_dtype(layout.storage_dtype),
             device=device,
         )
         # What block copies move: a quantized cache as int32 words (its slabs are a multiple

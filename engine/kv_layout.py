@@ -16,7 +16,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from engine.dtypes import ModelDtype
+
 # What a slab's bytes mean in the native engine's cache (``engine.kv_cache``); another engine
 # names its own arrangement (the vLLM engine: "vllm-<version>/<attention backend>/<layout>").
 NATIVE_PAGE_LAYOUT = "pdserve"
@@ -94,7 +95,7 @@ class KVCacheLayout:
         """Bytes of one block's keys (or values) in one layer, scales included."""
         if self.quantized:
             return self.num_codes_per_slab + self.block_size * self.num_kv_heads * SCALE_BYTES
-        return self.num_codes_per_slab * DTYPE_BYTES[self.dtype]
+        return self.num_codes_per_slab * ModelDtype(self.dtype).itemsize
 
     @property
     def block_bytes(self) -> int:

@@ -13,9 +13,10 @@ import torch
 
 from engine.block_hash import root_hash
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, AttentionBackend, EngineConfig
+from engine.dtypes import torch_dtype
 from engine.fingerprint import fingerprint_of
 from engine.kernels.cpu import load_cpu_kernels
-from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
+from engine.kv_cache import KVCache, KVCacheLayout
 from engine.loader import build_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoint import eos_token_ids, read_configs
+from engine.dtypes import DTYPE_NAMES
 
 
 class RopeScalingType(Enum):
@@ -52,7 +53,6 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import torch_dtype
+from engine.dtypes import torch_dtype
 from engine.kv_layout import KVCacheLayout
 from kvtransfer.base import KVTransferError, TransferErrorCode
 

@@ -30,7 +30,8 @@ import torch
 import xxhash
 from ray.exceptions import RayError
 
-from engine.kv_cache import KVCache, KVCacheLayout, torch_dtype
+from engine.dtypes import torch_dtype
+from engine.kv_cache import KVCache, KVCacheLayout
 from engine.threads import finish_in_thread
 from kvtransfer.base import (
     BlockLeases,

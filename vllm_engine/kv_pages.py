@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
+from engine.dtypes import ModelDtype
 from engine.kv_layout import KVCacheLayout
 from engine.kv_pages import KVPages
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 # In ``write_slabs``' block ids: a block the engine already holds (vLLM's own prefix hit,
 # shared with other requests): its slabs are received but not written.
@@ -52,12 +51,12 @@ def vllm_layout(kv_cache_config: Any, fingerprint: str, page_layout: str) -> KVC
     """The layout of vLLM's cache (one group of attention layers, ``kv_cache_config``'s)."""
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
-    dtype = _DTYPE_NAMES.get(spec.dtype)
+    dtype = ModelDtype.of(spec.dtype)
     if dtype is None:
         raise ValueError(f"pdserve moves float KV caches; vLLM's is {spec.dtype}")
     return KVCacheLayout(
         model_fingerprint=fingerprint,
-        dtype=dtype,
+        dtype=dtype.value,
         block_size=spec.block_size,
         num_layers=len(group.layer_names),
         num_kv_heads=spec.num_kv_heads,

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from engine.model_config import DTYPE_NAMES
+from engine.dtypes import DTYPE_NAMES
 from pdserve.app import settings
 from pdserve.app.cpu_share import worker_threads
 from pdserve.app.settings import add_client_flags, add_flag

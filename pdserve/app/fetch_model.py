@@ -23,8 +23,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.dtypes import ModelDtype
+
 MARKER = "pdserve-fetch.json"
-DTYPES = ("float32", "bfloat16")
+# What a GGUF checkpoint is converted to (its weights are bf16 or smaller).
+DTYPES = (ModelDtype.FLOAT32.value, ModelDtype.BFLOAT16.value)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def convert_gguf(gguf_file: Path, out: Path, dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = ModelDtype(dtype).as_torch
     where, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)

@@ -28,10 +28,11 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from engine.dtypes import DTYPE_NAMES, ModelDtype
+
 # qwen3_moe and mixtral (MoE) are for the vLLM engine (the native engine refuses them by name).
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 SIZES = ("tiny", "tiny64", "small")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -227,8 +228,8 @@ def make_model(
 ) -> Path:
     """Write a random-init checkpoint + tokenizer to out_dir and return it as a Path."""
     _check_args(arch, size, rope_scaling)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -249,7 +250,7 @@ def make_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed)
-    model = model.to(DTYPES[dtype]).eval()
+    model = model.to(ModelDtype(dtype).as_torch).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=special_ids[BOS_TOKEN],
         eos_token_id=special_ids[EOS_TOKEN],

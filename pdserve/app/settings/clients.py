@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.model_config import DTYPE_NAMES
+from engine.dtypes import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.app.settings.flags import add_engine_flag, add_flag, add_kv_cache_dtype_flag
 

@@ -6,8 +6,8 @@ import argparse
 from collections.abc import Mapping
 
 from engine.config import EngineBackend
+from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
-from engine.model_config import DTYPE_NAMES
 from pdserve.app.settings.flags import (
     add_engine_flag,
     add_flag,

@@ -19,8 +19,8 @@ from engine.config import (
     SpeculativeConfig,
     VllmOptions,
 )
+from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
-from engine.model_config import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.app.settings.flags import (
     add_engine_flag,
