@@ -8,6 +8,8 @@ reader of argv and the environment.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -43,6 +45,19 @@ def add_flag(
         kwargs["default"] = value  # argparse applies `type` to string defaults
         kwargs.pop("required", None)
     parser.add_argument(flag, **kwargs)
+
+
+def field_default(config: type, name: str) -> Any:
+    """The default of a config dataclass's field (an Enum's value): a flag that sets the field
+    takes its default from there, so it is written once."""
+    spec = {f.name: f for f in dataclasses.fields(config)}[name]
+    if spec.default is not dataclasses.MISSING:
+        value = spec.default
+    elif spec.default_factory is not dataclasses.MISSING:
+        value = spec.default_factory()
+    else:
+        raise ValueError(f"{config.__name__}.{name} has no default")
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def add_kv_cache_dtype_flag(

@@ -14,6 +14,7 @@ from pdserve.app.settings.flags import (
     add_kv_cache_dtype_flag,
     add_server_flags,
     csv,
+    field_default,
     redis_config,
     server_config,
 )
@@ -28,16 +29,28 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     add_flag(parser, "--prefill", env, type=csv, default=(), help="static prefill workers h:p,...")
     add_flag(parser, "--decode", env, type=csv, default=(), help="static decode workers h:p,...")
     add_flag(
-        parser, "--dtype", env, default="float32", choices=DTYPE_NAMES, help="the workers' dtype"
+        parser,
+        "--dtype",
+        env,
+        default=field_default(RouterConfig, "dtype"),
+        choices=DTYPE_NAMES,
+        help="the workers' dtype",
     )
-    add_flag(parser, "--block-size", env, type=int, default=16, help="the workers' block size")
+    add_flag(
+        parser,
+        "--block-size",
+        env,
+        type=int,
+        default=field_default(RouterConfig, "block_size"),
+        help="the workers' block size",
+    )
     add_kv_cache_dtype_flag(parser, env, "the workers' KV cache dtype (part of the fingerprint)")
     add_engine_flag(parser, env)
     add_flag(
         parser,
         "--prefill-policy",
         env,
-        default=RoutingPolicy.CACHE_AWARE.value,
+        default=field_default(RouterConfig, "prefill_policy"),
         choices=[p.value for p in RoutingPolicy],
         help="prefill worker choice",
     )
@@ -45,21 +58,41 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         parser,
         "--decode-policy",
         env,
-        default=RoutingPolicy.LEAST_LOADED.value,
+        default=field_default(RouterConfig, "decode_policy"),
         choices=[p.value for p in DECODE_POLICIES],
         help="decode worker choice",
     )
-    add_flag(parser, "--cache-alpha", env, type=float, default=1.0, help="cache_aware load weight")
-    add_flag(parser, "--imbalance-tokens", env, type=int, default=8192, help="cache_aware guard")
+    add_flag(
+        parser,
+        "--cache-alpha",
+        env,
+        type=float,
+        default=field_default(RouterConfig, "cache_alpha"),
+        help="cache_aware load weight",
+    )
+    add_flag(
+        parser,
+        "--imbalance-tokens",
+        env,
+        type=int,
+        default=field_default(RouterConfig, "imbalance_tokens"),
+        help="cache_aware guard",
+    )
     add_flag(
         parser,
         "--local-prefill-tokens",
         env,
         type=int,
-        default=32,
+        default=field_default(RouterConfig, "local_prefill_tokens"),
         help="prefill on the decode worker when fewer prompt tokens are uncached (0: never)",
     )
-    add_flag(parser, "--admission-timeout-s", env, type=float, default=10.0)
+    add_flag(
+        parser,
+        "--admission-timeout-s",
+        env,
+        type=float,
+        default=field_default(RouterConfig, "admission_timeout_s"),
+    )
     add_flag(
         parser,
         "--colocated",
@@ -67,7 +100,13 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         action="store_true",
         help="no prefill pool: decode workers prefill every request themselves (baseline)",
     )
-    add_flag(parser, "--ready-timeout-s", env, type=float, default=120.0)
+    add_flag(
+        parser,
+        "--ready-timeout-s",
+        env,
+        type=float,
+        default=field_default(RouterConfig, "ready_timeout_s"),
+    )
     add_flag(parser, "--api-key-file", env, default=None, help="API keys, one per line (re-read)")
     for name in RequestLimits.__dataclass_fields__:
         add_flag(
@@ -98,7 +137,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--migration-limit",
         env,
         type=int,
-        default=3,
+        default=field_default(RouterConfig, "migration_limit"),
         help="times a broken stream is re-issued to another worker (0: never)",
     )
     add_flag(
@@ -106,7 +145,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--quarantine-s",
         env,
         type=float,
-        default=RouterConfig.__dataclass_fields__["quarantine_s"].default,
+        default=field_default(RouterConfig, "quarantine_s"),
         help="a prompt two workers went away running (before its first token) is refused this long",
     )
     add_flag(
@@ -114,7 +153,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--stall-timeout-s",
         env,
         type=float,
-        default=30.0,
+        default=field_default(RouterConfig, "stall_timeout_s"),
         help="a worker stream silent this long (workers send heartbeats) counts as stalled",
     )
     add_flag(
@@ -122,7 +161,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--client-idle-timeout-s",
         env,
         type=float,
-        default=60.0,
+        default=field_default(RouterConfig, "client_idle_timeout_s"),
         help="a client that reads nothing this long is cancelled",
     )
 

@@ -28,6 +28,7 @@ from pdserve.app.settings.flags import (
     add_kv_cache_dtype_flag,
     add_server_flags,
     csv,
+    field_default,
     redis_config,
     server_config,
 )
@@ -38,9 +39,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
     add_engine_flag(parser, env)
     add_vllm_flags(parser, env)
-    add_flag(parser, "--dtype", env, default="float32", choices=DTYPE_NAMES)
+    add_flag(
+        parser, "--dtype", env, default=field_default(EngineConfig, "dtype"), choices=DTYPE_NAMES
+    )
     add_flag(parser, "--max-model-len", env, type=int, default=None)
-    add_flag(parser, "--block-size", env, type=int, default=16)
+    add_flag(
+        parser, "--block-size", env, type=int, default=field_default(CacheConfig, "block_size")
+    )
     add_flag(
         parser, "--num-blocks", env, type=int, default=None, help="KV blocks (default: memory)"
     )
@@ -51,7 +56,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--host-cache-gib",
         env,
         type=float,
-        default=0.0,
+        default=field_default(CacheConfig, "host_cache_gib"),
         help="host-memory tier for evicted prefix blocks, GiB (0: off)",
     )
     add_kv_cache_dtype_flag(
@@ -65,8 +70,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         default=None,
         help="torch threads of this worker (default: the CPUs it may run on)",
     )
-    add_flag(parser, "--max-num-seqs", env, type=int, default=128)
-    add_flag(parser, "--max-num-batched-tokens", env, type=int, default=2048)
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        flag = "--" + name.replace("_", "-")
+        add_flag(parser, flag, env, type=int, default=field_default(SchedulerConfig, name))
     add_flag(parser, "--device", env, default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     add_flag(
         parser,
