@@ -275,10 +275,19 @@ def main() -> None:
     print(f"\n{args.requests} requests at {args.rate}/s on 2 prefill + 2 decode ({model_dir.name})")
     print("faults: " + "; ".join(chaos["faults"]))
     keys = [
-        "completed_identical", "completed_near_tie", "failed", "hung", "migrations",
-        "migrated_streams", "leaked_blocks", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-        "tpot_p99_s", "migration_extra_p99_s",
-    ]  # fmt: skip
+        "completed_identical",
+        "completed_near_tie",
+        "failed",
+        "hung",
+        "migrations",
+        "migrated_streams",
+        "leaked_blocks",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "migration_extra_p99_s",
+    ]
     print(f"{'':<24}{'chaos':>12}{'baseline':>12}")
     for key in keys:
         a, b = chaos[key], baseline[key]

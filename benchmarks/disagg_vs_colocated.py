@@ -64,9 +64,11 @@ def cluster_config(shape: ClusterShape, model: Path) -> ClusterConfig:
         )
     # Every request disaggregated: the comparison is about the split, not the shortcut.
     return ClusterConfig(
-        num_prefill=shape.num_prefill, num_decode=shape.num_decode,
-        router_args=("--local-prefill-tokens", "0"), **common,
-    )  # fmt: skip
+        num_prefill=shape.num_prefill,
+        num_decode=shape.num_decode,
+        router_args=("--local-prefill-tokens", "0"),
+        **common,
+    )
 
 
 def plan(args: argparse.Namespace, model: Path) -> tuple[ClusterShape, list[dict[str, Any]]]:
@@ -99,8 +101,11 @@ def plan(args: argparse.Namespace, model: Path) -> tuple[ClusterShape, list[dict
     best, closest = recommend(candidates)
     chosen = best or closest
     assert chosen is not None
-    print(f"  plan for {top:g} req/s: {chosen.shape.label}"
-          f"{'' if best else ' (closest: none attains 90 %)'}", flush=True)  # fmt: skip
+    print(
+        f"  plan for {top:g} req/s: {chosen.shape.label}"
+        f"{'' if best else ' (closest: none attains 90 %)'}",
+        flush=True,
+    )
     return chosen.shape, [c.to_json() for c in candidates]
 
 
@@ -230,8 +235,11 @@ def main() -> None:
     report = write_report(args, rows, model)
     print(report.read_text())
     wall_s = time.perf_counter() - started
-    print(json.dumps({"rows": rows, "plan_candidates": candidates, "report": str(report),
-                      "wall_s": wall_s}))  # fmt: skip
+    print(
+        json.dumps(
+            {"rows": rows, "plan_candidates": candidates, "report": str(report), "wall_s": wall_s}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def main() -> None:
                 durations[frontend] += duration_s
                 records[frontend].extend(got)
     rows: dict[str, dict[str, Any]] = {}
-    print(f"{'frontend':<9} {'ok':>5} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>10} "
-          f"{'TPOT p99':>10} {'router CPU/req':>15}")  # fmt: skip
+    print(
+        f"{'frontend':<9} {'ok':>5} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT p50':>10} "
+        f"{'TPOT p99':>10} {'router CPU/req':>15}"
+    )
     for frontend in FRONTENDS:
         s = summarize(records[frontend], durations[frontend])
         rows[frontend] = {

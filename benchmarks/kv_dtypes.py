@@ -81,9 +81,11 @@ def measure_dtypes(model: Path, args: Any) -> dict[str, Any]:
     results: dict[str, Any] = {}
     reference = LLM(str(model))
     vocab = reference.engine.model_config.vocab_size
-    prompts = _chat_prompts(reference) if args.chat else [
-        [rng.randrange(3, vocab) for _ in range(24)] for _ in OPEN_ENDED_QUESTIONS
-    ]  # fmt: skip
+    prompts = (
+        _chat_prompts(reference)
+        if args.chat
+        else [[rng.randrange(3, vocab) for _ in range(24)] for _ in OPEN_ENDED_QUESTIONS]
+    )
     greedy = SamplingParams(max_tokens=args.agreement_tokens, temperature=0.0, ignore_eos=True)
     references = [out.token_ids for out in reference.generate(prompts, greedy)]
     transfer_prompt = [rng.randrange(3, vocab) for _ in range(args.transfer_tokens)]

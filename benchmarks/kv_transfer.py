@@ -271,8 +271,10 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"gRPC / raw = {t['grpc_over_raw']:.2f} (goal >= {GRPC_GOAL}): {verdict}")
     n = report.get("nixl")
     if n is not None:
-        print(f"\nNIXL READ, same blocks; UCX: {', '.join(n['ucx_transports'])}; "
-              f"bytes verified: {n['verified']}")  # fmt: skip
+        print(
+            f"\nNIXL READ, same blocks; UCX: {', '.join(n['ucx_transports'])}; "
+            f"bytes verified: {n['verified']}"
+        )
         for name, key, gb_s in (
             ("NIXL (pdserve)", "nixl_s", n["nixl_gb_s"]),
             ("NIXL, --kv-verify on", "nixl_verify_s", n["nixl_verify_gb_s"]),

@@ -83,9 +83,12 @@ def _cluster(shape: ClusterShape, model: Path) -> ClusterConfig:
 
 def _metrics(s: Summary) -> dict[str, float]:
     return {
-        "ttft_p50": s.ttft_s.p50, "ttft_p90": s.ttft_s.p90,
-        "tpot_p50": s.tpot_s.p50, "tpot_p90": s.tpot_s.p90, "goodput": s.goodput,
-    }  # fmt: skip
+        "ttft_p50": s.ttft_s.p50,
+        "ttft_p90": s.ttft_s.p90,
+        "tpot_p50": s.tpot_s.p50,
+        "tpot_p90": s.tpot_s.p90,
+        "goodput": s.goodput,
+    }
 
 
 def _requests(
@@ -191,8 +194,11 @@ def main() -> None:
             noise = {k: _rel(again[k], first[k]) for k in METRICS}
         if idle is not None:
             profile = calibrate(profile, shape, _idle_requests(args), idle)
-            print(f"  calibrated: router overhead {1e3 * profile.router_overhead_s:.1f} ms, "
-                  f"step overhead {1e3 * profile.step_overhead_s:.2f} ms", flush=True)  # fmt: skip
+            print(
+                f"  calibrated: router overhead {1e3 * profile.router_overhead_s:.1f} ms, "
+                f"step overhead {1e3 * profile.step_overhead_s:.2f} ms",
+                flush=True,
+            )
     cores = os.cpu_count() or 1
     rows = []
     for shape in args.shapes:
@@ -200,26 +206,43 @@ def main() -> None:
             real = reals[shape.label][rate]
             sim = simulated(args, profile, shape, rate, None)
             shared = simulated(args, profile, shape, rate, cores)
-            rows.append({
-                "config": shape.label, "rate": rate, "real": real, "sim": sim,
-                "rel_error": {k: _rel(sim[k], real[k]) for k in METRICS},
-                "sim_shared": shared,
-                "rel_error_shared": {k: _rel(shared[k], real[k]) for k in METRICS},
-            })  # fmt: skip
+            rows.append(
+                {
+                    "config": shape.label,
+                    "rate": rate,
+                    "real": real,
+                    "sim": sim,
+                    "rel_error": {k: _rel(sim[k], real[k]) for k in METRICS},
+                    "sim_shared": shared,
+                    "rel_error_shared": {k: _rel(shared[k], real[k]) for k in METRICS},
+                }
+            )
     max_p90 = print_table(rows, "sim", "rel_error", "simulated with one hardware per worker")
     max_p90_shared = print_table(
         rows, "sim_shared", "rel_error_shared", f"simulated with the {cores} cores shared"
     )
     if noise is not None:
-        print("real-run noise (the first run repeated): "
-              + ", ".join(f"{k} {v:.0%}" for k, v in noise.items()))  # fmt: skip
+        print(
+            "real-run noise (the first run repeated): "
+            + ", ".join(f"{k} {v:.0%}" for k, v in noise.items())
+        )
     max_rel = max(v for r in rows for v in r["rel_error"].values())
-    print(json.dumps({
-        "benchmark": "planner_accuracy", "max_rel_error": max_rel, "max_p90_rel_error": max_p90,
-        "max_p90_rel_error_shared": max_p90_shared, "shared_cores": cores,
-        "goal_p90": GOAL_P90, "noise": noise, "profile": profile.to_json(), "rows": rows,
-        "wall_s": time.perf_counter() - started,
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "planner_accuracy",
+                "max_rel_error": max_rel,
+                "max_p90_rel_error": max_p90,
+                "max_p90_rel_error_shared": max_p90_shared,
+                "shared_cores": cores,
+                "goal_p90": GOAL_P90,
+                "noise": noise,
+                "profile": profile.to_json(),
+                "rows": rows,
+                "wall_s": time.perf_counter() - started,
+            }
+        )
+    )
 
 
 def _fmt(metric: str, value: float) -> str:

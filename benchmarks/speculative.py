@@ -169,12 +169,19 @@ def run_model(name: str, model: Path, chat: bool, args: argparse.Namespace) -> l
     vocab = plain.engine.model_config.vocab_size
     settings: list[tuple[str, dict[str, Any]]] = [
         ("ngram", {"speculative_method": "ngram"}),
-        ("ngram(no-adapt)", {"speculative_method": "ngram", "spec_min_acceptance": 0.0,
-                             "spec_max_batch_size": 1024}),
-    ]  # fmt: skip
+        (
+            "ngram(no-adapt)",
+            {
+                "speculative_method": "ngram",
+                "spec_min_acceptance": 0.0,
+                "spec_max_batch_size": 1024,
+            },
+        ),
+    ]
     if not chat:  # the target as its own draft: the acceptance ceiling, at a draft's full cost
-        settings.append(("draft(self)", {"speculative_method": "draft",
-                                         "spec_draft_model": str(model)}))  # fmt: skip
+        settings.append(
+            ("draft(self)", {"speculative_method": "draft", "spec_draft_model": str(model)})
+        )
     workloads = ("copy", "random", "novel") if chat else ("copy", "random")
     rows = []
     for setting, kwargs in settings:

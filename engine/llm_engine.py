@@ -22,10 +22,11 @@ from engine.config import EngineConfig
 from engine.host_loads import HostLoads
 from engine.host_tier import make_host_tier
 from engine.loaded_model import LoadedModel
+from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams, check_continuation
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.speculator import draft_block_bytes, make_speculator
 
@@ -155,29 +156,57 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        if self.host_loads is not None:
-            self.host_loads.finish()
+        """One iteration: schedule, run, postprocess. The host tier and speculation take part
+        through the hooks around it (``_before_schedule``, ``_runnable``, ``_widen``,
+        ``_after_step``), never as branches here."""
+        self._before_schedule()
         out = self.scheduler.schedule()
         updates = [self._finish(self._requests[s.request_id], s.status) for s in out.dropped]
+        if not self._runnable(out, bool(updates)):
+            return updates
+        scheduled = self._widen(out)
+        results = self.runner.execute(scheduled)
+        self.num_steps += 1
+        updates += self._postprocess(scheduled, results)
+        self._after_step()
+        return updates
+
+    def _before_schedule(self) -> None:
+        """Host tier: requests whose blocks came back from host memory take their seats."""
+        if self.host_loads is not None:
+            self.host_loads.finish()
+
+    def _runnable(self, out: SchedulerOutput, finished_some: bool) -> bool:
+        """Host tier: starts the copies the schedule asked for. Whether there is a batch to
+        run; without one, the step is idle, or a copy in flight gates the next."""
         pending: list[Future[None]] = []
         if self.host_loads is not None:
             self.host_loads.start(out.loads)
             pending = self.host_loads.pending()
-        self.last_step_idle = out.is_empty and not updates and not pending
-        if out.is_empty:
-            if pending and not updates:  # nothing to run until a copy lands
-                if self.wait_for_copies_in_step:
-                    pending[0].result()
-                else:
-                    self.copy_wait = pending[0]
-            return updates
+        self.last_step_idle = out.is_empty and not finished_some and not pending
+        if not out.is_empty:
+            return True
+        if pending and not finished_some:  # nothing to run until a copy lands
+            if self.wait_for_copies_in_step:
+                pending[0].result()
+            else:
+                self.copy_wait = pending[0]
+        return False
+
+    def _widen(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """Speculation: guesses to verify join the batch, within the step's token budget. Host
+        tier: copies into blocks handed out again finish before anything overwrites them."""
         scheduled = out.scheduled
         if self.speculator is not None:
             budget = self.config.scheduler.max_num_batched_tokens - out.num_batched_tokens
             scheduled = self.speculator.plan(scheduled, budget)
         self.sync_host_tier()
-        results = self.runner.execute(scheduled)
-        self.num_steps += 1
+        return scheduled
+
+    def _postprocess(
+        self, scheduled: list[ScheduledSeq], results: list[SeqSamples]
+    ) -> list[RequestUpdate]:
+        """Commits what the step computed, then turns its samples into updates."""
         accepted: dict[int, int] = {}  # guesses kept, per verified sequence
         if (spec := self.speculator) is not None:
             accepted = {
@@ -194,6 +223,7 @@ class LLMEngine:
             else:
                 seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.register_computed_blocks(seq)
+        updates: list[RequestUpdate] = []
         for r in results:
             seq, n = r.scheduled.seq, 1 + accepted.get(id(r.scheduled), 0)
             num_output_tokens = seq.num_output_tokens
@@ -202,9 +232,12 @@ class LLMEngine:
                 updates.append(update)
             if spec is not None and r.scheduled.spec_token_ids:  # what it output, less its own
                 spec.record(r.scheduled, seq.num_output_tokens - num_output_tokens - 1)
-        if self.host_loads is not None:  # finished requests' blocks head for the tier now
-            self.host_loads.store_freed()
         return updates
+
+    def _after_step(self) -> None:
+        """Host tier: finished requests' blocks head for it now."""
+        if self.host_loads is not None:
+            self.host_loads.store_freed()
 
     def sync_host_tier(self) -> None:
         """Before freshly handed-out blocks are written: their host-tier copies finish."""

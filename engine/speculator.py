@@ -150,9 +150,15 @@ def draft_block_bytes(config: EngineConfig) -> int:
         draft = ModelConfig.from_dir(Path(spec.draft_model))
     except (OSError, ValueError) as exc:
         raise ValueError(f"spec_draft_model {spec.draft_model}: {exc}") from exc
-    layout = KVCacheLayout("draft", config.dtype, config.cache.block_size, draft.num_layers,
-                           draft.num_kv_heads, draft.head_dim,
-                           config.cache.kv_cache_dtype)  # fmt: skip
+    layout = KVCacheLayout(
+        "draft",
+        config.dtype,
+        config.cache.block_size,
+        draft.num_layers,
+        draft.num_kv_heads,
+        draft.head_dim,
+        config.cache.kv_cache_dtype,
+    )
     return layout.block_bytes
 
 

@@ -127,9 +127,12 @@ class NixlKVReceiver(KVReceiver):
                     )
             try:
                 local_rows, remote_rows = plan_read(
-                    self.cache.layout, self.agent.region, peer.region,
-                    list(checkout.block_ids), block_ids,
-                )  # fmt: skip
+                    self.cache.layout,
+                    self.agent.region,
+                    peer.region,
+                    list(checkout.block_ids),
+                    block_ids,
+                )
             except ValueError as exc:  # block ids outside the sender's own cache, or too few
                 raise KVTransferError(
                     TransferErrorCode.CORRUPTED, f"{handle.address}: checkout {exc}"

@@ -21,20 +21,13 @@ from pdserve.common import metrics
 from pdserve.common.convert import finish_reason_to_proto, sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, router_pb2
 from router.config import RouterConfig
-from router.dispatch import (
-    Dispatcher,
-    Placement,
-    WorkerError,
-    WorkerLost,
-    failure,
-    prefill_request,
-    stalled,
-)
+from router.dispatch import Dispatcher, Placement, prefill_request
 from router.failures import Action, Phase, classify
 from router.migration import Continuation, Finished, attempt_id, continue_request
 from router.output_stream import OutputStream
 from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
+from router.worker_errors import WorkerError, WorkerLost, failure, stalled
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)

@@ -27,10 +27,11 @@ from pdserve.common.auth import ApiKeys
 from pdserve.v1 import router_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
-from router.dispatch import Dispatcher, WorkerError
+from router.dispatch import Dispatcher
 from router.generation import Generation
 from router.output_stream import OutputStream
 from router.prompts import PromptReader
+from router.worker_errors import WorkerError
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)

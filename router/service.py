@@ -25,11 +25,12 @@ from pdserve.common.auth import bearer
 from pdserve.common.server import Service
 from pdserve.v1 import router_pb2
 from router.config import RouterConfig
-from router.dispatch import Dispatcher, WorkerError
+from router.dispatch import Dispatcher
 from router.generation import Generation
 from router.limits import invalid_utf8_field
 from router.prompts import Overloaded
 from router.request_core import RequestCore, ResourceError
+from router.worker_errors import WorkerError
 from router.worker_pool import WorkerPool
 
 if TYPE_CHECKING:

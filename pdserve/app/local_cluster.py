@@ -220,12 +220,16 @@ class LocalCluster:
                 if not worker.address:
                     worker.wait_ready(cfg.ready_timeout_s)
             router_args = [
-                "--host", cfg.host,
-                "--port", str(cfg.router_port),
-                "--metrics-port", "0",
-                "--model", cfg.model,
+                "--host",
+                cfg.host,
+                "--port",
+                str(cfg.router_port),
+                "--metrics-port",
+                "0",
+                "--model",
+                cfg.model,
                 *cfg.router_args,
-            ]  # fmt: skip
+            ]
             if cfg.router_http_port is not None:
                 router_args += ["--http-port", str(cfg.router_http_port)]
             if cfg.colocated:

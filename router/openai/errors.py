@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 import pydantic
 
-from router.dispatch import WorkerError
 from router.openai.protocol import InvalidParameter
 from router.prompts import Overloaded
+from router.worker_errors import WorkerError
 
 RETRY_AFTER_S = 1
 

@@ -226,9 +226,15 @@ class OpenAIServing:
                     _record(c, response)
                     if response.HasField("final"):
                         body = chunk_body(
-                            env, c, "", [], [], text, finish_reason=c.finish_reason,
+                            env,
+                            c,
+                            "",
+                            [],
+                            [],
+                            text,
+                            finish_reason=c.finish_reason,
                             include_usage=usage,
-                        )  # fmt: skip
+                        )
                         yield event(body)
                         continue
                     chunk = response.chunk
@@ -239,9 +245,15 @@ class OpenAIServing:
                         continue
                     opening, opened[index] = not opened[index], True
                     body = chunk_body(
-                        env, c, chunk.text, chunk.token_ids, chunk.logprobs, text,
-                        first=opening, include_usage=usage,
-                    )  # fmt: skip
+                        env,
+                        c,
+                        chunk.text,
+                        chunk.token_ids,
+                        chunk.logprobs,
+                        text,
+                        first=opening,
+                        include_usage=usage,
+                    )
                     yield event(body)
             if plan.include_usage:
                 yield event(usage_chunk(env, outputs))

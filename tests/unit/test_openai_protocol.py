@@ -11,7 +11,6 @@ import pydantic
 import pytest
 
 from pdserve.v1 import common_pb2
-from router.dispatch import WorkerError
 from router.openai import errors
 from router.openai.protocol import (
     ChatCompletionRequest,
@@ -32,6 +31,7 @@ from router.openai.responses import (
     usage_chunk,
 )
 from router.prompts import Overloaded
+from router.worker_errors import WorkerError
 
 
 def completion(**body: Any) -> CompletionRequest:

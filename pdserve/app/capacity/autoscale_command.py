@@ -89,10 +89,12 @@ def _autoscale(
     from pdserve.common.metrics import start_metrics_server
 
     scaler = Autoscaler(
-        profile_io.load(args.profile), policy,
-        lambda now_s: {u: totals(scrape(u), now_s) for u in routers()}, target,
+        profile_io.load(args.profile),
+        policy,
+        lambda now_s: {u: totals(scrape(u), now_s) for u in routers()},
+        target,
         dry_run=args.dry_run,
-    )  # fmt: skip
+    )
     if args.metrics_port is not None:
         port = start_metrics_server(args.host, args.metrics_port)
         print(f"pdserve autoscale metrics {args.host}:{port}", flush=True)
@@ -124,9 +126,14 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     add_flag(auto, "--prefill-selector", default=None, help="label selector of prefill pods")
     add_flag(auto, "--decode-selector", default=None, help="label selector of decode pods")
     add_flag(
-        auto, "--worker-metrics-port", type=int, nargs=2, default=[9090, 9090],
-        metavar=("PREFILL", "DECODE"), help="the pools' metrics ports",
-    )  # fmt: skip
+        auto,
+        "--worker-metrics-port",
+        type=int,
+        nargs=2,
+        default=[9090, 9090],
+        metavar=("PREFILL", "DECODE"),
+        help="the pools' metrics ports",
+    )
     add_flag(auto, "--slo-ttft-ms", type=float, required=True)
     add_flag(auto, "--slo-tpot-ms", type=float, required=True)
     add_flag(auto, "--interval-s", type=float, default=30.0)

@@ -89,10 +89,16 @@ class Autoscaler:
             DECISIONS.labels(pool.value, decision.reason.value).inc()
             logger.info(
                 "%s: %d -> %d (desired %d, %s; predicted %.2f req/s, %.0f+%.0f tokens%s)",
-                pool.value, decision.current, decision.target, decision.desired,
-                decision.reason.value, predicted.rate, predicted.mean_prompt_tokens,
-                predicted.mean_output_tokens, ", dry run" if self.dry_run else "",
-            )  # fmt: skip
+                pool.value,
+                decision.current,
+                decision.target,
+                decision.desired,
+                decision.reason.value,
+                predicted.rate,
+                predicted.mean_prompt_tokens,
+                predicted.mean_output_tokens,
+                ", dry run" if self.dry_run else "",
+            )
             decisions.append(decision)
         return decisions
 

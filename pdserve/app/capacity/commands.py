@@ -62,13 +62,17 @@ def _router_model(args: argparse.Namespace) -> Any:
 
 def _add_router_flags(parser: argparse.ArgumentParser) -> None:
     """The router's choices the simulator reproduces (the router's own defaults)."""
-    add_flag(parser, "--prefill-policy", default="cache_aware",
-             choices=("cache_aware", "least_loaded"))  # fmt: skip
+    add_flag(
+        parser, "--prefill-policy", default="cache_aware", choices=("cache_aware", "least_loaded")
+    )
     add_flag(parser, "--local-prefill-tokens", type=int, default=32)
     add_flag(
-        parser, "--shared-cores", type=int, default=None,
+        parser,
+        "--shared-cores",
+        type=int,
+        default=None,
         help="every worker shares this many CPU cores (one host; default: own hardware each)",
-    )  # fmt: skip
+    )
 
 
 def _slo_s(ms: float | None) -> float | None:
@@ -80,9 +84,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.app.capacity.profiler import QUICK, ProfilePlan, engine_config, measure
 
     config = engine_config(
-        args.model, args.dtype, args.device, args.num_blocks,
-        args.max_num_seqs, args.max_num_batched_tokens,
-    )  # fmt: skip
+        args.model,
+        args.dtype,
+        args.device,
+        args.num_blocks,
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+    )
     config = dataclasses.replace(
         config,
         backend=EngineBackend(args.engine),
@@ -148,8 +156,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(f"simulated {shape.label}: {len(requests)} requests ({args.workload})")
     print(report.table(summary))
     if args.out is not None:
-        config = {k: (str(v) if isinstance(v, Path) else v)
-                  for k, v in vars(args).items() if k != "func"}  # fmt: skip
+        config = {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"
+        }
         config["simulated"] = True
         path = report.write_results(args.out, config, summary, result.records)
         print(f"wrote {path}")
@@ -168,12 +177,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     requests, arrivals_s = workload(args)
     slo_ttft_s, slo_tpot_s = args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3
     candidates = search(
-        profile, requests, arrivals_s, slo_ttft_s, slo_tpot_s, args.max_workers,
-        _router_model(args), args.shared_cores,
-    )  # fmt: skip
+        profile,
+        requests,
+        arrivals_s,
+        slo_ttft_s,
+        slo_tpot_s,
+        args.max_workers,
+        _router_model(args),
+        args.shared_cores,
+    )
     best, closest = recommend(candidates, args.attainment)
-    print(f"{'config':<14}{'workers':>8}{'goodput':>10}{'/worker':>9}{'in SLO':>8}"
-          f"{'TTFT p90':>11}{'TPOT p90':>11}")  # fmt: skip
+    print(
+        f"{'config':<14}{'workers':>8}{'goodput':>10}{'/worker':>9}{'in SLO':>8}"
+        f"{'TTFT p90':>11}{'TPOT p90':>11}"
+    )
     for c in candidates:
         mark = " <- recommended" if c is best else ""
         print(
@@ -213,9 +230,11 @@ def add_capacity_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     add_flag(prof, "--kv-backend", default="grpc", choices=("grpc", "nixl", "local"))
     add_flag(prof, "--quick", action="store_true", help="fewer sizes (a smoke run, seconds)")
     add_flag(
-        prof, "--router", default=None,
+        prof,
+        "--router",
+        default=None,
         help="a running cluster of this model (gRPC host:port): calibrate the serving overheads",
-    )  # fmt: skip
+    )
     add_flag(prof, "--router-colocated", action="store_true", help="that cluster is colocated")
     add_flag(prof, "--calibrate-input-len", type=int, default=256)
     add_flag(prof, "--calibrate-output-len", type=int, default=32)

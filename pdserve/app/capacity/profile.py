@@ -152,9 +152,16 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
-        fits = {k: LinearFit(**{**data[k], "features": tuple(data[k]["features"]),
-                                "coefficients": tuple(data[k]["coefficients"])})
-                for k in ("prefill", "decode", "transfer")}  # fmt: skip
+        fits = {
+            k: LinearFit(
+                **{
+                    **data[k],
+                    "features": tuple(data[k]["features"]),
+                    "coefficients": tuple(data[k]["coefficients"]),
+                }
+            )
+            for k in ("prefill", "decode", "transfer")
+        }
         return cls(**{**data, **fits})
 
 

@@ -256,9 +256,13 @@ async def _measure(config: EngineConfig, backend: str, plan: ProfilePlan) -> Pro
 
 
 def engine_config(
-    model: str, dtype: str, device: str | None, num_blocks: int | None,
-    max_num_seqs: int, max_num_batched_tokens: int,
-) -> EngineConfig:  # fmt: skip
+    model: str,
+    dtype: str,
+    device: str | None,
+    num_blocks: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> EngineConfig:
     return EngineConfig(
         model=model,
         dtype=dtype,

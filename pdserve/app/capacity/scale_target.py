@@ -100,9 +100,8 @@ class KubernetesTarget(ScaleTarget):
             self.namespace, label_selector=label_selector, _request_timeout=API_TIMEOUT_S
         ).items
         return [
-            p for p in pods
-            if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
-        ]  # fmt: skip
+            p for p in pods if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
+        ]
 
     def metrics_urls(self, label_selector: str, port: int) -> list[str]:
         """Every running pod's /metrics (each router replica: a Service would pick one)."""

@@ -98,9 +98,13 @@ def predict(history: list[Load]) -> Load:
     recent = history[-4:]
     slope = (recent[-1].rate - recent[0].rate) / (len(recent) - 1) if len(recent) > 1 else 0.0
     return Load(
-        last.time_s, max(0.0, last.rate + slope), last.mean_prompt_tokens,
-        last.mean_output_tokens, last.mean_ttft_s, last.mean_tpot_s,
-    )  # fmt: skip
+        last.time_s,
+        max(0.0, last.rate + slope),
+        last.mean_prompt_tokens,
+        last.mean_output_tokens,
+        last.mean_ttft_s,
+        last.mean_tpot_s,
+    )
 
 
 def correction(observed_s: float | None, expected_s: float) -> float:
