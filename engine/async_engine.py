@@ -27,7 +27,7 @@ import torch
 from engine.block_hash import BlockHash
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
 from engine.kv_cache import KVCache
-from engine.kv_events import CacheTier, KVEventLog, KVEvents
+from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
@@ -81,7 +81,7 @@ class AsyncEngine(ServingEngine):
         # Refreshed after every step and every call: stats RPCs must not wait behind a long
         # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
         self.stats: EngineStats = engine.stats()
-        engine.wait_for_copies_in_step = False  # _run waits for them, outside the lock
+        engine.defer_copy_waits()  # _run waits for them, outside the lock
 
     # ---- what the model is (fixed once loaded) ---------------------------------------------
     @property
@@ -200,7 +200,7 @@ class AsyncEngine(ServingEngine):
     def _refresh_stats(self) -> None:
         self.stats = self._engine.stats()
         # Drained under the lock, after every step and call, so the log never grows unbounded.
-        for log, tier in self._event_logs():
+        for log, tier in self._engine.kv_event_logs():
             events = log.drain(tier)
             if self.collect_kv_events and not events.empty:
                 self._kv_events.append(events)
@@ -263,22 +263,13 @@ class AsyncEngine(ServingEngine):
         breath: the snapshot already contains them."""
 
         def snapshot() -> dict[CacheTier, list[BlockHash]]:
-            hashes = {CacheTier.DEVICE: self._engine.block_manager.cached_hashes()}
-            host = self._engine.host_tier
-            if host is not None:
-                hashes[CacheTier.HOST] = host.index.hashes()
-            for log, _ in self._event_logs():
+            hashes = self._engine.cached_hashes()
+            for log, _ in self._engine.kv_event_logs():
                 log.drain()
             self._kv_events = []
             return hashes
 
         return await self.call(snapshot)
-
-    def _event_logs(self) -> list[tuple[KVEventLog, CacheTier]]:
-        logs = [(self._engine.block_manager.kv_events, CacheTier.DEVICE)]
-        if self._engine.host_tier is not None:
-            logs.append((self._engine.host_tier.index.kv_events, CacheTier.HOST))
-        return logs
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -288,8 +279,8 @@ class AsyncEngine(ServingEngine):
         engine = self._engine
         while True:
             await self._wakeup.wait()
-            if engine.copy_wait is not None:  # a host-tier copy gates the next step
-                copy, engine.copy_wait = engine.copy_wait, None
+            copy = engine.take_copy_wait()
+            if copy is not None:  # a host-tier copy gates the next step
                 # The lock is free: calls go on meanwhile. A failed copy fails the next step
                 # (which reads the future), the path every engine failure takes.
                 await asyncio.wait([asyncio.wrap_future(copy)])

@@ -17,10 +17,12 @@ import itertools
 import logging
 from concurrent.futures import Future
 
+from engine.block_hash import BlockHash
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.host_loads import HostLoads
 from engine.host_tier import make_host_tier
+from engine.kv_events import CacheTier, KVEventLog
 from engine.loaded_model import LoadedModel
 from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
@@ -238,6 +240,31 @@ class LLMEngine:
         """Host tier: finished requests' blocks head for it now."""
         if self.host_loads is not None:
             self.host_loads.store_freed()
+
+    # ---- what an async driver (engine/async_engine.py) calls between steps ------------------
+    def defer_copy_waits(self) -> None:
+        """A step with nothing to run but a host-tier copy in flight leaves the wait to the
+        caller (``take_copy_wait``), who awaits it outside its lock; offline, the step waits."""
+        self.wait_for_copies_in_step = False
+
+    def take_copy_wait(self) -> Future[None] | None:
+        """The copy the next step waits for, once (None: none)."""
+        copy, self.copy_wait = self.copy_wait, None
+        return copy
+
+    def kv_event_logs(self) -> list[tuple[KVEventLog, CacheTier]]:
+        """The logs of blocks cached and evicted, per tier, for the prefix index."""
+        logs = [(self.block_manager.kv_events, CacheTier.DEVICE)]
+        if self.host_tier is not None:
+            logs.append((self.host_tier.index.kv_events, CacheTier.HOST))
+        return logs
+
+    def cached_hashes(self) -> dict[CacheTier, list[BlockHash]]:
+        """Every cached block hash, per tier."""
+        hashes = {CacheTier.DEVICE: self.block_manager.cached_hashes()}
+        if self.host_tier is not None:
+            hashes[CacheTier.HOST] = self.host_tier.index.hashes()
+        return hashes
 
     def sync_host_tier(self) -> None:
         """Before freshly handed-out blocks are written: their host-tier copies finish."""

@@ -20,14 +20,14 @@ from typing import TypeVar
 import grpc
 
 from pdserve.common import metrics
-from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
+from pdserve.common.lease_release import LeaseReleaser
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.failures import Action, Phase, Seen, classify
 from router.plan import Facts, Plan, Route, Unserved, plan
 from router.policy import RoutingPolicy
-from router.worker_errors import WorkerError, WorkerLost, failure, stalled, worker_error
+from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled, worker_error
 from router.worker_pool import Role, Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -55,10 +55,6 @@ def _unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerEr
             never=True,
         )
     return WorkerError(grpc.StatusCode.UNAVAILABLE, f"no healthy {kind} worker")
-
-
-def _lease_ended(exc: grpc.aio.AioRpcError) -> bool:
-    return LEASE_ENDED in tuple(exc.trailing_metadata() or ())
 
 
 class Dispatcher:
@@ -98,13 +94,20 @@ class Dispatcher:
             decode=tuple(w.load() for w in decode.values()),
             prefill_cached=prefill_cached if cache_aware else None,
             decode_cached=decode_cached,
-            prefill_turn=0 if config.colocated else pool.next_turn(Role.PREFILL),
-            decode_turn=pool.next_turn(Role.DECODE),
+            prefill_turn=pool.peek_turn(Role.PREFILL),
+            decode_turn=pool.peek_turn(Role.DECODE),
             avoid=avoid,
             exclude=exclude,
             local=local,
         )
         chosen = plan(facts, config)
+        # Each pool's rotation turns once per attempt that uses it: the prefill pool's when the
+        # plan disaggregates (once per attempt), the decode pool's at the attempt's first plan
+        # (a re-plan, after a worker turned the attempt away, keeps the turn it had).
+        if chosen.route is Route.DISAGGREGATED:
+            pool.next_turn(Role.PREFILL)
+        if not exclude:
+            pool.next_turn(Role.DECODE)
         self._count(chosen)
         if chosen.unserved is not None:
             raise _unserved(chosen, len(prompt_ids), config.colocated)
@@ -151,7 +154,7 @@ class Dispatcher:
                 # worker aborts the request. Had it just finished, its lease, whose token never
                 # reached us, ends by expiry.
                 except grpc.aio.AioRpcError as exc:
-                    verdict = classify(Phase.PREFILL, exc.code())
+                    verdict = classify(Phase.PREFILL, event(exc))
                     if verdict.action is not Action.NEXT:
                         raise failure(exc, worker, what, verdict) from None
                     turned_away = worker_error(exc, what)
@@ -200,7 +203,10 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.admission_timeout_s
         delay_s = _RETRY_FIRST_S
-        workers = list(placement.decode)
+        # The plan's order, less workers that turned unroutable during the prefill (frozen,
+        # suspected, draining); none left: a fresh ranking.
+        workers = [w for w in placement.decode if w.routable]
+        workers = workers or self.pool.ranked_decode(num_prompt_tokens)
         while True:
             workers.sort(key=lambda w: w.address in avoid)
             if not workers:
@@ -263,7 +269,7 @@ class Dispatcher:
             raise stalled(worker, "admission silent for stall_timeout_s", Phase.ADMISSION) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            verdict = classify(Phase.ADMISSION, Seen.LEASE_ENDED if _lease_ended(exc) else code)
+            verdict = classify(Phase.ADMISSION, event(exc))
             if verdict.action is not Action.NEXT:
                 also = (prefill_worker.address,) if verdict.avoid_prefill else ()
                 raise failure(exc, worker, what, verdict, also) from None
@@ -283,19 +289,21 @@ class Dispatcher:
         ``WorkerLost`` (a stall of the prefill worker) if the prefill worker turns lost."""
         read = asyncio.ensure_future(call.read())
         lost = asyncio.ensure_future(prefill_worker.lost.wait())
+        was_lost = False
         try:
             await asyncio.wait(
                 {read, lost},
                 timeout=self.config.stall_timeout_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
+            was_lost = lost.done() and not lost.cancelled()
         finally:
             lost.cancel()
             if not read.done():
                 read.cancel()
         if read.done() and not read.cancelled():
             return read.result()
-        if prefill_worker.lost.is_set():
+        if was_lost:
             raise stalled(prefill_worker, "stopped answering during the KV pull", Phase.ADMISSION)
         raise TimeoutError
 
@@ -318,7 +326,7 @@ class Dispatcher:
             except TimeoutError:
                 raise stalled(worker, "silent for stall_timeout_s", Phase.STREAM) from None
             except grpc.aio.AioRpcError as exc:
-                verdict = classify(Phase.STREAM, exc.code())
+                verdict = classify(Phase.STREAM, event(exc))
                 raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None
             finally:
                 call.cancel()  # client gone or worker given up on: stop its request too
@@ -329,7 +337,7 @@ class Dispatcher:
         try:
             reply = await worker.prefill_stub.RenewLease(request, timeout=5.0)
         except grpc.aio.AioRpcError as exc:
-            verdict = classify(Phase.RENEWAL, exc.code())
+            verdict = classify(Phase.RENEWAL, event(exc))
             what = f"prefill worker {worker.address} (renewal)"
             raise failure(exc, worker, what, verdict) from None
         if not reply.renewed:

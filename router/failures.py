@@ -19,6 +19,9 @@ from typing import TypeAlias
 
 import grpc
 
+from pdserve.common.lease_release import LEASE_ENDED as LEASE_ENDED_TRAILER
+from pdserve.common.server import NOT_ACCEPTING
+
 __all__ = [
     "FAILURE_TABLE",
     "Action",
@@ -27,6 +30,7 @@ __all__ = [
     "Seen",
     "Verdict",
     "classify",
+    "event_of",
 ]
 
 
@@ -45,6 +49,9 @@ class Seen(Enum):
     STALL = "stall"
     # A status carrying the lease-ended trailer, or a renewal refused: the prefilled KV is gone.
     LEASE_ENDED = "lease_ended"
+    # A worker draining or still loading turned the call away (its NOT_ACCEPTING trailer):
+    # nothing ran there.
+    NOT_ACCEPTING = "not_accepting"
 
 
 Event: TypeAlias = grpc.StatusCode | Seen
@@ -102,12 +109,14 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
         Seen.STALL: Verdict(Action.MIGRATE, "prefill", suspect=True),
         # This worker's cache cannot hold the prompt; a larger one may (none: check_capacity).
         grpc.StatusCode.RESOURCE_EXHAUSTED: _NEXT,
+        Seen.NOT_ACCEPTING: _NEXT,
     },
     Phase.ADMISSION: {
         Seen.LEASE_ENDED: Verdict(Action.MIGRATE, "transfer", avoid_prefill=True),
         grpc.StatusCode.RESOURCE_EXHAUSTED: _NEXT,  # full: another, or wait with backoff
         grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining, or gone before the pull
         grpc.StatusCode.PERMISSION_DENIED: _NEXT,  # does not know the prefill worker yet
+        Seen.NOT_ACCEPTING: _NEXT,
         # Mid-pull, maybe: the handle may be spent, prefill again.
         **{
             code: Verdict(Action.MIGRATE, "transfer")
@@ -125,6 +134,7 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
     Phase.LOCAL: {
         **_gone("unavailable"),
         grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining or gone: disaggregate (colocated: next)
+        Seen.NOT_ACCEPTING: _NEXT,
         grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "stall"),
         grpc.StatusCode.NOT_FOUND: Verdict(Action.MIGRATE, "transfer"),
         Seen.STALL: _STALLED,
@@ -141,9 +151,20 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
             for code in _GONE_CODES
         },
         grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "transfer", suspect=True),
+        grpc.StatusCode.NOT_FOUND: Verdict(Action.MIGRATE, "transfer"),
         Seen.LEASE_ENDED: Verdict(Action.MIGRATE, "transfer"),
     },
 }
+
+
+def event_of(code: grpc.StatusCode, trailers: tuple[tuple[str, str], ...]) -> Event:
+    """What a failed call's status and trailers say happened: a trailer names a case the code
+    alone cannot (a lease that ended, a worker that was not accepting work)."""
+    if LEASE_ENDED_TRAILER in trailers:
+        return Seen.LEASE_ENDED
+    if NOT_ACCEPTING in trailers:
+        return Seen.NOT_ACCEPTING
+    return code
 
 
 def classify(phase: Phase, event: Event) -> Verdict:

@@ -27,7 +27,7 @@ from router.migration import Continuation, Finished, attempt_id, continue_reques
 from router.output_stream import OutputStream
 from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
-from router.worker_errors import WorkerError, WorkerLost, failure, stalled
+from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,6 @@ class Generation:
                 done.finish_reason = finish_reason_to_proto(step.reason)
                 break
             attempt = _Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
-            delivered = out.num_output_tokens
             try:
                 async for response in self._attempt(attempt, out, done):
                     yield response
@@ -94,7 +93,7 @@ class Generation:
                 break
             except WorkerLost as exc:
                 verdict = exc.verdict
-                if verdict.gone and out.num_output_tokens == delivered:
+                if verdict.gone and out.num_output_tokens == 0:  # before its first token
                     self._strike(request_id, digest, exc)
                 if migrations >= self.config.migration_limit:
                     raise WorkerError(
@@ -149,9 +148,9 @@ class Generation:
         yield final
 
     def _strike(self, request_id: str, digest: str, exc: WorkerLost) -> None:
-        """A worker went away before the attempt's first token: a strike against the prompt;
+        """A worker went away before the first token: a strike against the prompt;
         the last one ends the request (it would go on taking workers down)."""
-        strikes = self.quarantine.strike(digest)
+        strikes = self.quarantine.strike(digest, exc.address)
         logger.warning(
             "request_id=%s: %s went away before the first token (strike %d of %d)",
             request_id,
@@ -266,7 +265,7 @@ class Generation:
                 what = "no admission within stall_timeout_s"
                 raise stalled(worker, what, Phase.LOCAL) from None
             except grpc.aio.AioRpcError as exc:
-                verdict = classify(Phase.LOCAL, exc.code())
+                verdict = classify(Phase.LOCAL, event(exc))
                 if verdict.action is Action.NEXT:
                     raise _TurnedAway from None  # draining or gone: re-planned without it
                 raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None

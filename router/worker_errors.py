@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from router.failures import Action, Phase, Seen, Verdict, classify
+from router.failures import Action, Event, Phase, Seen, Verdict, classify, event_of
 from router.worker_pool import Worker
 
 
@@ -67,3 +67,8 @@ def stalled(worker: Worker, what: str, phase: Phase) -> WorkerLost:
     message = f"{worker.role.value} worker {worker.address}: {what}"
     verdict = classify(phase, Seen.STALL)
     return WorkerLost(grpc.StatusCode.UNAVAILABLE, message, verdict, worker.address)
+
+
+def event(exc: grpc.aio.AioRpcError) -> Event:
+    """A failed call's event for the failure table: its code, or what its trailers name."""
+    return event_of(exc.code(), tuple(exc.trailing_metadata() or ()))

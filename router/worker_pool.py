@@ -301,6 +301,10 @@ class WorkerPool:
         self._turns[role] += 1
         return self._turns[role]
 
+    def peek_turn(self, role: Role) -> int:
+        """The turn ``next_turn`` would take, without taking it."""
+        return self._turns[role] + 1
+
     @contextlib.contextmanager
     def dispatched(self, worker: Worker, num_prefill_tokens: int = 0) -> Iterator[Worker]:
         worker.num_inflight += 1

@@ -51,6 +51,11 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
+# The trailer of a call a component refused because it is draining or still loading: nothing
+# ran, so the caller tries another (router/failures.py, Seen.NOT_ACCEPTING), no failure.
+NOT_ACCEPTING = ("pdserve-not-accepting", "1")
+
+
 class Service(ABC):
     """One pdserve component. ``serve`` calls, in order: register, load, (serve), drain, close."""
 

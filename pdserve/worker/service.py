@@ -20,7 +20,7 @@ from pdserve.cluster.membership import Membership
 from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
 from pdserve.common import metrics
 from pdserve.common.convert import sampling_from_proto, stats_to_proto
-from pdserve.common.server import Service
+from pdserve.common.server import NOT_ACCEPTING, Service
 from pdserve.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -158,7 +158,11 @@ class WorkerService(Service):
     async def check_accepting(self, context: grpc.aio.ServicerContext) -> None:
         if self.draining or self._engine is None:
             state = "draining" if self.draining else "still loading"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is {state}")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.name} is {state}",
+                trailing_metadata=(NOT_ACCEPTING,),
+            )
 
     async def accept(
         self,

@@ -34,12 +34,14 @@ EXPECTED: dict[Phase, dict[Event, Verdict]] = {
         C.NOT_FOUND: _migrate("prefill"),
         Seen.STALL: _migrate("prefill", suspect=True),
         C.RESOURCE_EXHAUSTED: NEXT,
+        Seen.NOT_ACCEPTING: NEXT,
     },
     Phase.ADMISSION: {
         Seen.LEASE_ENDED: _migrate("transfer", avoid_prefill=True),
         C.RESOURCE_EXHAUSTED: NEXT,
         C.UNAVAILABLE: NEXT,
         C.PERMISSION_DENIED: NEXT,
+        Seen.NOT_ACCEPTING: NEXT,
         C.CANCELLED: _migrate("transfer"),
         C.ABORTED: _migrate("transfer"),
         C.INTERNAL: _migrate("transfer"),
@@ -50,6 +52,7 @@ EXPECTED: dict[Phase, dict[Event, Verdict]] = {
     },
     Phase.LOCAL: {
         C.UNAVAILABLE: NEXT,
+        Seen.NOT_ACCEPTING: NEXT,
         C.CANCELLED: _migrate("unavailable", gone=True),
         C.ABORTED: _migrate("unavailable", gone=True),
         C.INTERNAL: _migrate("unavailable", gone=True),
@@ -75,6 +78,7 @@ EXPECTED: dict[Phase, dict[Event, Verdict]] = {
         C.INTERNAL: _migrate("transfer"),
         C.UNKNOWN: _migrate("transfer"),
         C.DEADLINE_EXCEEDED: _migrate("transfer", suspect=True),
+        C.NOT_FOUND: _migrate("transfer"),
         Seen.LEASE_ENDED: _migrate("transfer"),
     },
 }
@@ -142,3 +146,15 @@ def test_the_docs_reproduce_the_table() -> None:
 def test_event_names_are_what_the_docs_print() -> None:
     for seen in Seen:
         assert re.fullmatch(r"[A-Z_]+", seen.name)
+
+
+def test_trailers_name_what_the_code_alone_cannot() -> None:
+    from pdserve.common.lease_release import LEASE_ENDED
+    from pdserve.common.server import NOT_ACCEPTING
+    from router.failures import event_of
+
+    assert event_of(C.UNAVAILABLE, ()) is C.UNAVAILABLE
+    assert event_of(C.UNAVAILABLE, (NOT_ACCEPTING,)) is Seen.NOT_ACCEPTING
+    assert event_of(C.NOT_FOUND, (("x", "y"), LEASE_ENDED)) is Seen.LEASE_ENDED
+    # A worker that was draining ran nothing: another takes the request, no strike, no count.
+    assert classify(Phase.PREFILL, Seen.NOT_ACCEPTING) == NEXT
