@@ -58,3 +58,26 @@ def first_difference_is_a_tie(
     if top[0] - top[1] > ulp16(top[0], dtype):
         return None
     return f"prompt len {len(prompt)}: a {dtype} tie at output {at} ({top})"
+
+
+def assert_greedy_matches_but_for_ties(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    max_new_tokens: int,
+    dtype: str,
+) -> list[str]:
+    """Each output is HF's greedy continuation of its prompt, but for a first difference at a
+    16-bit tie of HF's logits, which is reported; ties are not the rule (at most half the
+    prompts). Returns the reports."""
+    ties = []
+    for prompt, got in zip(prompts, outputs, strict=True):
+        want = hf_greedy(model, prompt, max_new_tokens)
+        if got == want:
+            continue
+        tie = first_difference_is_a_tie(model, prompt, got, want, dtype)
+        assert tie is not None, f"prompt len {len(prompt)}: {got} != {want}"
+        ties.append(tie)
+    print("\n".join(ties))
+    assert len(ties) <= len(prompts) // 2  # ties, not the rule
+    return ties

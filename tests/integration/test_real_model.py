@@ -19,7 +19,7 @@ from engine.tokenizer import Tokenizer
 from pdserve.app.bench.workload import OPEN_ENDED_QUESTIONS
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from router.openai.chat_template import ChatTemplate
-from tests.engine.hf_reference import first_difference_is_a_tie, hf_greedy, load_hf
+from tests.engine.hf_reference import assert_greedy_matches_but_for_ties, load_hf
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [
@@ -82,16 +82,8 @@ def test_the_engine_in_bf16_decodes_as_hf_in_bf16_but_for_ties_it_reports(
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     open_ended = [[{"role": "user", "content": q}] for q in OPEN_ENDED_QUESTIONS[:4]]
     prompts = [hf_prompt(chat_model_dir, messages) for messages in QUESTIONS + open_ended]
-    ties = []
-    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
-        want = hf_greedy(hf, prompt, 32)
-        if out.token_ids == want:
-            continue
-        tie = first_difference_is_a_tie(hf, prompt, out.token_ids, want, "bfloat16")
-        assert tie is not None, f"{out.token_ids} != {want}"
-        ties.append(tie)
-    print("\n".join(ties))
-    assert len(ties) <= len(prompts) // 2  # ties, not the rule
+    outputs = [out.token_ids for out in llm.generate(prompts, params)]
+    assert_greedy_matches_but_for_ties(hf, prompts, outputs, 32, "bfloat16")
 
 
 @pytest.fixture(scope="module")
