@@ -191,6 +191,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         self, request: decode_pb2.PrefillAndDecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         params = await self.accept(context, request.request_id, request.sampling)
+        await self.check_fingerprint(context, request.model_fingerprint)
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
         self.inject_faults(request.request_id, prompt)

@@ -135,6 +135,8 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
         **_gone("unavailable"),
         grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining or gone: disaggregate (colocated: next)
         Seen.NOT_ACCEPTING: _NEXT,
+        # Another model's worker, before the router's stats refused it: any other worker.
+        grpc.StatusCode.FAILED_PRECONDITION: _NEXT,
         grpc.StatusCode.DEADLINE_EXCEEDED: Verdict(Action.MIGRATE, "stall"),
         grpc.StatusCode.NOT_FOUND: Verdict(Action.MIGRATE, "transfer"),
         Seen.STALL: _STALLED,

@@ -253,6 +253,7 @@ class Generation:
             prompt_token_ids=attempt.continuation.prompt_token_ids,
             sampling=attempt.sampling,
             num_generated_tokens=attempt.continuation.num_generated_tokens,
+            model_fingerprint=self.dispatch.cluster.fingerprint,
         )
         call = worker.decode_stub.PrefillAndDecode(request)
         # Counted in flight from the call on: a burst of short prompts spreads over workers.

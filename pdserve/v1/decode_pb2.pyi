@@ -76,9 +76,15 @@ class PrefillAndDecodeRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     num_generated_tokens: _builtins.int
     """A migrated request: as in PrefillRequest."""
+    model_fingerprint: _builtins.str
+    """The caller's model fingerprint (engine/fingerprint.py: model, dtype, block size, KV cache
+    dtype). A worker whose own differs refuses with FAILED_PRECONDITION naming both, before
+    any work; empty: not checked.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -90,10 +96,11 @@ class PrefillAndDecodeRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         num_generated_tokens: _builtins.int = ...,
+        model_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_generated_tokens", b"num_generated_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_fingerprint", b"model_fingerprint", "num_generated_tokens", b"num_generated_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -180,6 +180,16 @@ class WorkerService(Service):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # not reached: context.abort raises
 
+    async def check_fingerprint(self, context: grpc.aio.ServicerContext, fingerprint: str) -> None:
+        """A caller that names another model or KV layout is refused before any work: its
+        tokens would mean nothing here (empty: the caller does not say)."""
+        if fingerprint and fingerprint != self.engine.fingerprint:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model_fingerprint {fingerprint}: this {self.role.value} worker serves "
+                f"{self.engine.fingerprint}",
+            )
+
     async def check_fits(self, context: grpc.aio.ServicerContext, num_prompt_tokens: int) -> None:
         """A prompt this worker's whole cache could never hold is refused before any work."""
         needed, held = self.engine.blocks_for(num_prompt_tokens), self.engine.num_blocks

@@ -1,6 +1,7 @@
 """Static workers (addresses on the router's command line, no registry) are held to the same
 rule as registered ones: a worker whose KV layout names another model is never routed to.
-Before, a static decode worker of another model answered with its own model's tokens."""
+Before, a static decode worker of another model answered with its own model's tokens. The
+local-prefill RPC carries the router's fingerprint too, so a worker refuses it by itself."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from pdserve.app.client import generate
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.policy import RoutingPolicy
 from router.service import RouterService
@@ -73,5 +74,42 @@ def test_a_static_worker_of_another_model_is_refused_at_discovery(
         messages = [r.getMessage() for r in caplog.records]
         refusals = [m for m in messages if m.startswith("refusing decode worker")]
         assert len(refusals) == 1 and other_server.address in refusals[0]
+
+    asyncio.run(run())
+
+
+def test_the_local_prefill_rpc_carries_the_layout_check(
+    llama_dir: Path, model_factory: Callable[..., Path]
+) -> None:
+    """A caller naming another model's fingerprint is refused before any work, naming both (a
+    static worker the router's stats have not refused yet cannot answer with its tokens)."""
+    other_dir = model_factory("llama", seed=1)
+
+    async def run() -> None:
+        other, other_server = await start_decode(other_dir)
+        mine, mine_server = await start_decode(llama_dir)
+        wrong = mine.engine.fingerprint
+        request = decode_pb2.PrefillAndDecodeRequest(
+            request_id="r1",
+            prompt_token_ids=[5, 6, 7],
+            sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0),
+            model_fingerprint=wrong,
+        )
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in decode_stub(other_server).PrefillAndDecode(request):
+                    pass
+            stats = await decode_stub(other_server).GetStats(common_pb2.GetStatsRequest())
+            request.model_fingerprint = ""  # unsaid: not checked
+            answers = [m async for m in decode_stub(other_server).PrefillAndDecode(request)]
+        finally:
+            await other_server.shutdown()
+            await mine_server.shutdown()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.value.details() or ""
+        assert wrong in details and other.engine.fingerprint in details
+        assert wrong != other.engine.fingerprint
+        assert stats.num_prompt_tokens_computed == 0
+        assert answers[-1].finish_reason
 
     asyncio.run(run())

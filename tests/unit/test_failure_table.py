@@ -53,6 +53,7 @@ EXPECTED: dict[Phase, dict[Event, Verdict]] = {
     Phase.LOCAL: {
         C.UNAVAILABLE: NEXT,
         Seen.NOT_ACCEPTING: NEXT,
+        C.FAILED_PRECONDITION: NEXT,
         C.CANCELLED: _migrate("unavailable", gone=True),
         C.ABORTED: _migrate("unavailable", gone=True),
         C.INTERNAL: _migrate("unavailable", gone=True),
@@ -99,7 +100,8 @@ def test_what_no_row_names_goes_back_to_the_client(phase: Phase) -> None:
             assert classify(phase, code) == GIVE_UP, code
     # Bad input, a layout mismatch, a corrupted transfer fail the same way on any worker.
     for code in (C.INVALID_ARGUMENT, C.FAILED_PRECONDITION, C.DATA_LOSS):
-        assert classify(phase, code).action is Action.GIVE_UP
+        if code not in named:  # LOCAL: FAILED_PRECONDITION is another model's worker
+            assert classify(phase, code).action is Action.GIVE_UP
 
 
 def test_only_a_worker_that_went_away_strikes_a_prompt() -> None:
