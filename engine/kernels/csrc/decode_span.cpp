@@ -51,6 +51,12 @@ struct Rows {
     const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(T));
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(run + i, _MM_HINT_T0);
   }
+  // Token t's row of kv head h, widened into out[D / 16] (prefetching ahead when asked).
+  void load(int64_t t, int64_t t1, int64_t h, bool ahead, __m512* out) const {
+    if (ahead && t + kPrefetchAhead < t1) prefetch(t + kPrefetchAhead);
+    const T* row = token(t) + h * D;
+    for (int i = 0; i < D / 16; ++i) out[i] = load16(row + 16 * i);
+  }
 };
 
 // Raw scores of query heads qh0 .. qh0+G-1 (all sharing kv head h) for every token of the span.
@@ -62,10 +68,8 @@ void scores_for(const Rows<T, D>& keys, const DecodeSpan& s, int64_t h, int64_t 
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < V; ++i) q[g][i] = _mm512_loadu_ps(s.q + (qh0 + g) * D + 16 * i);
   for (int64_t t = s.t0; t < s.t1; ++t) {
-    if (ahead && t + kPrefetchAhead < s.t1) keys.prefetch(t + kPrefetchAhead);
-    const T* row = keys.token(t) + h * D;
     __m512 k[V];
-    for (int i = 0; i < V; ++i) k[i] = load16(row + 16 * i);
+    keys.load(t, s.t1, h, ahead, k);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
       for (int i = 1; i < V; ++i) acc = _mm512_fmadd_ps(q[g][i], k[i], acc);
@@ -83,10 +87,8 @@ void values_for(const Rows<T, D>& values, const DecodeSpan& s, int64_t h, int64_
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < V; ++i) acc[g][i] = _mm512_setzero_ps();
   for (int64_t t = s.t0; t < s.t1; ++t) {
-    if (ahead && t + kPrefetchAhead < s.t1) values.prefetch(t + kPrefetchAhead);
-    const T* row = values.token(t) + h * D;
     __m512 v[V];
-    for (int i = 0; i < V; ++i) v[i] = load16(row + 16 * i);
+    values.load(t, s.t1, h, ahead, v);
     for (int g = 0; g < G; ++g) {
       const __m512 w = _mm512_set1_ps(s.scores[(qh0 + g) * n + (t - s.t0)]);
       for (int i = 0; i < V; ++i) acc[g][i] = _mm512_fmadd_ps(w, v[i], acc[g][i]);
