@@ -130,7 +130,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await self._check_source(handle, request, context)
-        with self.admitted():
+        with self.in_flight():
             start = time.perf_counter()
             try:
                 admission = asyncio.ensure_future(
@@ -195,9 +195,9 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
         self.inject_faults(request.request_id, prompt)
-        with self.admitted():
-            # Admitted: the scheduler queues it like any other.
-            yield decode_pb2.DecodeResponse(admitted=True)
+        with self.in_flight():
+            # Queued: the scheduler takes it like any other.
+            yield decode_pb2.DecodeResponse(queued=True)
             try:
                 stream = self.engine.generate(
                     request.request_id,

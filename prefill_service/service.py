@@ -92,7 +92,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
         self.inject_faults(request_id, prompt)
-        with self.admitted():
+        with self.in_flight():
             last: RequestUpdate | None = None
             stream = self.engine.generate(
                 request_id,

@@ -37,7 +37,7 @@ __all__ = [
 class Phase(Enum):
     PREFILL = "prefill"  # Prefill on a prefill worker
     ADMISSION = "admission"  # Decode until admitted: the decode worker pulls the prefilled KV
-    LOCAL = "local"  # PrefillAndDecode until admitted (conditional disaggregation, colocated)
+    LOCAL = "local"  # PrefillAndDecode until queued (conditional disaggregation, colocated)
     STREAM = "stream"  # a decode worker's token stream, once admitted
     RENEWAL = "renewal"  # RenewLease on the prefill worker while decode workers are full
 

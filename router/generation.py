@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -20,10 +19,20 @@ from engine.sampling_params import SamplingParams
 from pdserve.common import metrics
 from pdserve.common.convert import finish_reason_to_proto, sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, router_pb2
+from router.attempt import (
+    Attempt,
+    AttemptEvent,
+    CacheHits,
+    Ended,
+    Prefilled,
+    Report,
+    Transferred,
+    TurnedAway,
+)
 from router.config import RouterConfig
 from router.dispatch import Dispatcher, Placement, prefill_request
 from router.failures import Action, Phase, classify
-from router.migration import Continuation, Finished, attempt_id, continue_request
+from router.migration import Finished, attempt_id, continue_request
 from router.output_stream import OutputStream
 from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
@@ -69,10 +78,9 @@ class Generation:
                 f"first token; refused for quarantine_s={self.config.quarantine_s:g}",
             )
         sampling = sampling_to_proto(params)
-        done = _Outcome()
+        report = Report()
         avoid: set[str] = set()  # workers this request failed on
         migrations = 0
-        local: Worker | None = None
         while True:
             step = continue_request(
                 prompt_ids,
@@ -83,13 +91,15 @@ class Generation:
                 out.stopped,
             )
             if isinstance(step, Finished):  # what the client has already ends the request
-                done.finish_reason = finish_reason_to_proto(step.reason)
+                report = report.add(Ended(finish_reason_to_proto(step.reason)))
                 break
-            attempt = _Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
+            attempt = Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
             try:
-                async for response in self._attempt(attempt, out, done):
-                    yield response
-                local = done.local
+                async for event in self._attempt(attempt, out):
+                    if isinstance(event, router_pb2.GenerateResponse):
+                        yield event
+                    else:
+                        report = report.add(event)
                 break
             except WorkerLost as exc:
                 verdict = exc.verdict
@@ -116,29 +126,29 @@ class Generation:
                 await self.pool.wait_healthy(
                     needs_prefill=not self.config.colocated, timeout_s=self.config.stall_timeout_s
                 )
-        if done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        if report.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         tail = out.tail()
         if tail:
             yield router_pb2.GenerateResponse(chunk=router_pb2.TokenChunk(text=tail))
         final = out.final(
             client_id,
-            done.finish_reason,
-            done.cached_tokens,
-            done.prefill_s,
-            done.transfer_s,
+            report.finish_reason,
+            report.cached_tokens,
+            report.prefill_s,
+            report.transfer_s,
             migrations,
         )
         metrics.TTFT_S.observe(out.ttft_s)
         metrics.TPOT_S.observe(out.mean_tpot_s)
         metrics.PROMPT_TOKENS.observe(out.num_prompt_tokens)
         metrics.OUTPUT_TOKENS.observe(out.num_output_tokens)
-        metrics.PREFIX_HIT_TOKENS.inc(done.cached_tokens)
+        metrics.PREFIX_HIT_TOKENS.inc(report.cached_tokens)
         metrics.REQUESTS.labels(final.final.finish_reason).inc()
         logger.info(
             "request_id=%s finished (%s%s): %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
             request_id,
-            "local prefill" if local is not None else "disaggregated",
+            "local prefill" if report.local_worker else "disaggregated",
             f", {migrations} migrations" if migrations else "",
             out.num_prompt_tokens,
             out.num_output_tokens,
@@ -166,14 +176,12 @@ class Generation:
                 f"token, the last {exc.address} ({exc.message})",
             ) from None
 
-    async def _attempt(
-        self, attempt: _Attempt, out: OutputStream, done: _Outcome
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _attempt(self, attempt: Attempt, out: OutputStream) -> AsyncIterator[AttemptEvent]:
         """One try at the rest of the request, as ``router/plan.py`` plans it: on a decode worker
-        alone (conditional disaggregation, colocated) or disaggregated. A local worker that
-        turns it away is excluded and the attempt re-planned (conditional: disaggregated;
-        colocated: the next worker, UNAVAILABLE once every one has). Raises ``WorkerLost`` to
-        migrate."""
+        alone (conditional disaggregation, colocated) or disaggregated; its last event is
+        ``Ended``. A local worker that turns it away is excluded and the attempt re-planned
+        (conditional: disaggregated; colocated: the next worker, UNAVAILABLE once every one
+        has). Raises ``WorkerLost`` to migrate."""
         prompt_ids = attempt.continuation.prompt_token_ids
         needs_prefill = not self.config.colocated
         if not self.pool.ready(needs_prefill):  # a worker may be back (or cleared) shortly
@@ -183,42 +191,39 @@ class Generation:
         while True:
             placement = await self.dispatch.place(prompt_ids, attempt.avoid, exclude, local)
             if placement.plan.route is Route.DISAGGREGATED:
-                done.local = None
-                async for response in self._disaggregated(attempt, placement, out, done):
-                    yield response
+                async for event in self._disaggregated(attempt, placement, out):
+                    yield event
                 return
             worker = placement.decode[0]
             try:
-                async for response in self._local(attempt, worker, out, done):
-                    yield response
-            except _TurnedAway:
+                async for event in self._local(attempt, worker, out):
+                    yield event
+            except TurnedAway:
                 exclude |= {worker.address}
                 local = self.config.colocated  # conditional: disaggregate instead
                 continue
-            done.local = worker
             return
 
     async def _disaggregated(
-        self, attempt: _Attempt, placement: Placement, out: OutputStream, done: _Outcome
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        self, attempt: Attempt, placement: Placement, out: OutputStream
+    ) -> AsyncIterator[AttemptEvent]:
         """Prefill on a prefill worker, stream its first token, then decode elsewhere."""
         start = time.perf_counter()
         prompt_ids = attempt.continuation.prompt_token_ids
         num_generated = attempt.continuation.num_generated_tokens
         request = prefill_request(attempt.request_id, prompt_ids, num_generated, attempt.sampling)
         prefill_worker, prefilled = await self.dispatch.prefill(request, placement)
-        done.prefill_s += time.perf_counter() - start
-        if not num_generated:  # cache hits of the client's prompt, not of a continuation
-            done.cached_tokens = prefilled.num_cached_tokens
-        done.finish_reason = prefilled.finish_reason
+        cached = prefilled.num_cached_tokens if attempt.of_the_client_prompt else 0
+        yield Prefilled(time.perf_counter() - start, cached)
         first_logprobs = (
             [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
         )
-        leased = done.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        leased = prefilled.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
         admitted = False
         try:
             yield out.chunk([prefilled.first_token_id], first_logprobs)
-            if not leased:
+            if not leased:  # the first token ended it
+                yield Ended(prefilled.finish_reason)
                 return
             decode_request = decode_pb2.DecodeRequest(
                 request_id=attempt.request_id,
@@ -234,20 +239,20 @@ class Generation:
             call, decode_worker, transfer_s = await self.dispatch.admit(
                 decode_request, prefill_worker, placement, attempt.avoid
             )
-            done.transfer_s += transfer_s
             admitted = True  # the decode worker now owns ending the lease
-            async for response in self._relay(call, decode_worker, out, done, False):
-                yield response
+            yield Transferred(transfer_s)
+            async for event in self._relay(call, decode_worker, out, local=None):
+                yield event
         finally:
             if leased and not admitted:
                 token = prefilled.handle.lease_token
                 self.dispatch.release_later(prefill_worker, attempt.request_id, token)
 
     async def _local(
-        self, attempt: _Attempt, worker: Worker, out: OutputStream, done: _Outcome
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        self, attempt: Attempt, worker: Worker, out: OutputStream
+    ) -> AsyncIterator[AttemptEvent]:
         """Conditional disaggregation (or colocated): the decode worker prefills the prompt's
-        uncached part. Raises ``_TurnedAway`` (before any token) when it cannot take it now."""
+        uncached part. Raises ``TurnedAway`` (before any token) when it cannot take it now."""
         request = decode_pb2.PrefillAndDecodeRequest(
             request_id=attempt.request_id,
             prompt_token_ids=attempt.continuation.prompt_token_ids,
@@ -260,61 +265,39 @@ class Generation:
         with self.pool.dispatched(worker):
             try:
                 async with asyncio.timeout(self.config.stall_timeout_s):
-                    await call.read()  # admitted
+                    await call.read()  # queued
             except TimeoutError:
                 call.cancel()
-                what = "no admission within stall_timeout_s"
+                what = "not queued within stall_timeout_s"
                 raise stalled(worker, what, Phase.LOCAL) from None
             except grpc.aio.AioRpcError as exc:
                 verdict = classify(Phase.LOCAL, event(exc))
                 if verdict.action is Action.NEXT:
-                    raise _TurnedAway from None  # draining or gone: re-planned without it
+                    raise TurnedAway from None  # draining or gone: re-planned without it
                 raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None
             except BaseException:
                 call.cancel()
                 raise
-        count_cached = attempt.continuation.num_generated_tokens == 0
-        async for response in self._relay(call, worker, out, done, count_cached):
-            yield response
+        async for update in self._relay(call, worker, out, local=attempt):
+            yield update
 
     async def _relay(
         self,
         call: grpc.aio.UnaryStreamCall,
         worker: Worker,
         out: OutputStream,
-        done: _Outcome,
-        count_cached: bool,
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Relays a worker's token stream to the client (heartbeats are not relayed).
-        ``count_cached``: its cache hits are of the client's prompt (not a continuation)."""
+        local: Attempt | None,
+    ) -> AsyncIterator[AttemptEvent]:
+        """Relays a worker's token stream to the client (heartbeats are not relayed), then
+        ``Ended``. ``local``: the attempt the worker prefilled itself, whose cache hits count
+        when they are of the client's prompt."""
+        finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
+        hits = 0
         async for message in self.dispatch.relay(call, worker):
             if message.token_ids:
                 yield out.chunk(list(message.token_ids), list(message.logprobs))
-            if count_cached:
-                done.cached_tokens = max(done.cached_tokens, message.num_cached_tokens)
-            done.finish_reason = message.finish_reason
-
-
-@dataclass(frozen=True)
-class _Attempt:
-    """One try at a request: its id on the workers, what it asks for, whom to avoid."""
-
-    request_id: str
-    continuation: Continuation
-    sampling: common_pb2.SamplingParams
-    avoid: frozenset[str]
-
-
-@dataclass
-class _Outcome:
-    """What a request's path reports for its final message."""
-
-    finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
-    cached_tokens: int = 0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    local: Worker | None = None  # the worker that prefilled locally, if any
-
-
-class _TurnedAway(Exception):
-    """A local worker could not take the attempt now (a ``NEXT`` verdict): not a failure."""
+            hits = max(hits, message.num_cached_tokens)
+            finish_reason = message.finish_reason
+        if local is not None and local.of_the_client_prompt:
+            yield CacheHits(hits)
+        yield Ended(finish_reason, worker.address if local is not None else "")

@@ -116,17 +116,23 @@ class DecodeResponse(_message.Message):
     TRANSFER_S_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ADMITTED_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     transfer_s: _builtins.float
     num_cached_tokens: _builtins.int
     """PrefillAndDecode: prompt tokens this worker served from its cache"""
     admitted: _builtins.bool
+    """Decode only"""
+    queued: _builtins.bool
+    """PrefillAndDecode only"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The message with admitted set (the first one of PrefillAndDecode; for Decode, once the KV
-        is pulled) carries the transfer time and no tokens. Any other message with no tokens and no
-        finish reason is a heartbeat: the request is alive but produced nothing for a while (a KV
-        pull, queued for a seat, a long chunked prefill).
+        """Decode: the message with admitted set (once the KV is pulled into blocks of this worker)
+        carries the transfer time and no tokens. PrefillAndDecode: the first message has queued
+        set (the worker took the request into its scheduler's queue; nothing is allocated yet) and
+        no tokens. Any other message with no tokens and no finish reason is a heartbeat: the
+        request is alive but produced nothing for a while (a KV pull, queued for a seat, a long
+        chunked prefill).
         """
 
     @_builtins.property
@@ -140,10 +146,11 @@ class DecodeResponse(_message.Message):
         transfer_s: _builtins.float = ...,
         num_cached_tokens: _builtins.int = ...,
         admitted: _builtins.bool = ...,
+        queued: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

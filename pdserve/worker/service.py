@@ -147,7 +147,7 @@ class WorkerService(Service):
         return self._inflight
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
+    def in_flight(self) -> Iterator[None]:
         """Counts a request in flight (drain waits for it)."""
         self._inflight += 1
         try:

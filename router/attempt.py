@@ -1,0 +1,100 @@
+"""One try at a request on the workers, and what it reports besides tokens.
+
+An attempt (``router/generation.py``) is an async stream of token chunks for the client and
+typed facts for the request's final message: ``Prefilled``, ``Transferred``, ``CacheHits`` and,
+last, ``Ended``. It mutates nothing shared; the request folds the facts of its attempts into a
+``Report`` (``Report.add``, pure). An attempt that loses its worker raises ``WorkerLost`` (the
+verdict says why, ``router/failures.py``); one a local worker turns away raises ``TurnedAway``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from pdserve.v1 import common_pb2, router_pb2
+from router.migration import Continuation
+
+FinishReason: TypeAlias = common_pb2.FinishReason.ValueType
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one try asks for: its id on the workers, the continuation, whom to avoid."""
+
+    request_id: str
+    continuation: Continuation
+    sampling: common_pb2.SamplingParams
+    avoid: frozenset[str]
+
+    @property
+    def of_the_client_prompt(self) -> bool:
+        """Nothing generated yet: cache hits are of the client's prompt, not a continuation."""
+        return self.continuation.num_generated_tokens == 0
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill worker prefilled the attempt's prompt."""
+
+    seconds: float
+    cached_tokens: int  # of the client's prompt; 0 for a continuation
+
+
+@dataclass(frozen=True)
+class Transferred:
+    """A decode worker admitted the attempt and pulled its KV."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CacheHits:
+    """A local worker served this many of the client's prompt tokens from its cache."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The attempt's last event: how the request ended, and whether a decode worker
+    prefilled it locally (its address) or it was disaggregated (empty)."""
+
+    finish_reason: FinishReason
+    local_worker: str = ""
+
+
+AttemptEvent = router_pb2.GenerateResponse | Prefilled | Transferred | CacheHits | Ended
+
+
+class TurnedAway(Exception):
+    """A local worker could not take the attempt now (a ``NEXT`` verdict): not a failure."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """A request's facts over all its attempts, for its final message."""
+
+    finish_reason: FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    local_worker: str = ""
+
+    def add(self, event: Prefilled | Transferred | CacheHits | Ended) -> Report:
+        """This report with one more fact. Times add up over attempts (a migration's prefill
+        costs time too); cache hits are the client prompt's, the most any worker reported."""
+        if isinstance(event, Prefilled):
+            return dataclasses.replace(
+                self,
+                prefill_s=self.prefill_s + event.seconds,
+                cached_tokens=max(self.cached_tokens, event.cached_tokens),
+            )
+        if isinstance(event, Transferred):
+            return dataclasses.replace(self, transfer_s=self.transfer_s + event.seconds)
+        if isinstance(event, CacheHits):
+            return dataclasses.replace(self, cached_tokens=max(self.cached_tokens, event.tokens))
+        return dataclasses.replace(
+            self, finish_reason=event.finish_reason, local_worker=event.local_worker
+        )
