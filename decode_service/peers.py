@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import grpc
 from redis.exceptions import RedisError
 
-from pdserve.cluster.registry import Registry, Role
+from pdserve.cluster.registry import Registry
+from pdserve.common.role import Role
 from pdserve.common.channels import ChannelPool
 from pdserve.v1 import common_pb2, prefill_pb2_grpc
 

@@ -30,7 +30,7 @@ from kvtransfer import (
 )
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
-from pdserve.cluster.registry import Role
+from pdserve.common.role import Role
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto

@@ -18,7 +18,8 @@ from engine.serving_engine import EngineBuilder, EngineDeadError
 from kvtransfer import KVSender, SenderOptions, make_sender
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_to_proto
-from pdserve.cluster.registry import Role, WorkerRecord
+from pdserve.cluster.registry import WorkerRecord
+from pdserve.common.role import Role
 from pdserve.common.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.service import WorkerService

@@ -21,6 +21,7 @@ import grpc
 
 from pdserve.common import metrics
 from pdserve.common.lease_release import LeaseReleaser
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
@@ -28,7 +29,7 @@ from router.failures import Action, Phase, Seen, classify
 from router.plan import Facts, Plan, Route, Unserved, plan
 from router.policy import RoutingPolicy
 from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled, worker_error
-from router.worker_pool import Role, Worker, WorkerPool
+from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
+from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
+from pdserve.common.role import Role
 from pdserve.common.tls import TlsConfig
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.policy import (
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 _STATS_TIMEOUT_S = 2.0
 
-__all__ = ["Role", "Worker", "WorkerPool"]
+__all__ = ["Worker", "WorkerPool"]
 
 
 def layout_refusal(

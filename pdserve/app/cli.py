@@ -18,6 +18,7 @@ from engine.dtypes import DTYPE_NAMES
 from pdserve.app import settings
 from pdserve.app.cpu_share import worker_threads
 from pdserve.app.settings import add_client_flags, add_flag
+from pdserve.common.role import Role
 
 if TYPE_CHECKING:
     from pdserve.app.local_cluster import ClusterConfig
@@ -33,13 +34,13 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(service: Service, config: ServerConfig, role: str, *, reflect: bool = False) -> int:
+def _serve(service: Service, config: ServerConfig, role: Role, *, reflect: bool = False) -> int:
     from pdserve.common.metrics import start_metrics_server
     from pdserve.common.server import serve
 
     def announce(event: str, address: str) -> None:
         # Supervisors (pdserve up, tests) wait for the "ready" line.
-        print(f"pdserve {role} {event} {address}", flush=True)
+        print(f"pdserve {role.value} {event} {address}", flush=True)
 
     if config.metrics_port is not None:
         port = start_metrics_server(config.host, config.metrics_port, lambda: service.serving)
@@ -51,7 +52,11 @@ def _serve(service: Service, config: ServerConfig, role: str, *, reflect: bool =
 def _cmd_service(args: argparse.Namespace) -> int:
     from pdserve.app.components import build_service
 
-    spec = build_service(settings.service_config(args.command, args))
+    if args.command == "serve-config":
+        config = settings.stdin_config()
+    else:
+        config = settings.service_config(Role(args.command), args)
+    spec = build_service(config)
     code = _serve(spec.service, spec.server, spec.role, reflect=spec.reflect)
     return 1 if spec.service.failure is not None else code
 
@@ -103,9 +108,9 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         *shlex.split(args.prefill_args),
     )
     # Refused by name here (the workers would only crash-loop on them).
-    settings.parse_service_flags("decode", ["--model", args.model, *decode_args])
+    settings.parse_service_flags(Role.DECODE, ["--model", args.model, *decode_args])
     if not args.colocated:
-        settings.parse_service_flags("prefill", ["--model", args.model, *prefill_args])
+        settings.parse_service_flags(Role.PREFILL, ["--model", args.model, *prefill_args])
     return ClusterConfig(
         model=args.model,
         num_prefill=0 if args.colocated else args.prefill,
@@ -306,13 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.set_defaults(func=_cmd_fetch_model)
 
     for role, text in (
-        ("prefill", "run a prefill worker"),
-        ("decode", "run a decode worker"),
-        ("router", "run the router"),
+        (Role.PREFILL, "run a prefill worker"),
+        (Role.DECODE, "run a decode worker"),
+        (Role.ROUTER, "run the router"),
     ):
-        component = sub.add_parser(role, help=text)
+        component = sub.add_parser(role.value, help=text)
         settings.add_service_flags(component, role)
         component.set_defaults(func=_cmd_service)
+    child = sub.add_parser(
+        "serve-config",
+        help="run the component whose JSON config is on stdin (as `pdserve up` does)",
+    )
+    child.set_defaults(func=_cmd_service)
 
     up = sub.add_parser("up", help="start a local cluster; Ctrl-C drains and stops it")
     settings.add_cluster_flags(up, default_kv_backend="grpc")

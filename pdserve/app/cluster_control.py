@@ -15,10 +15,11 @@ import grpc
 from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
 from pdserve.app.capacity.scale_target import LOAD_GAUGES, choose_victims
 from pdserve.app.local_cluster import Component, LocalCluster
+from pdserve.common.role import WORKER_ROLES, Role
 from pdserve.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
-POOLS = ("prefill", "decode")
+POOLS = tuple(role.value for role in WORKER_ROLES)
 MAX_WORKERS_PER_POOL = 64
 
 
@@ -40,8 +41,8 @@ class ClusterControl(control_pb2_grpc.ClusterControlServicer):
         router = self.cluster.router
         return control_pb2.PoolsResponse(
             pools=[
-                control_pb2.PoolSize(pool=p, replicas=len(self.cluster.live_workers(p)))
-                for p in POOLS
+                control_pb2.PoolSize(pool=r.value, replicas=len(self.cluster.live_workers(r)))
+                for r in WORKER_ROLES
             ],
             router_metrics_address=router.metrics_address if router else "",
         )
@@ -56,7 +57,8 @@ class ClusterControl(control_pb2_grpc.ClusterControlServicer):
     ) -> control_pb2.PoolsResponse:
         if request.pool not in POOLS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"pool must be one of {POOLS}")
-        if request.pool == "prefill" and self.cluster.config.colocated:
+        pool = Role(request.pool)
+        if pool is Role.PREFILL and self.cluster.config.colocated:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "a colocated cluster has no prefill pool (autoscale it with --max-prefill 0)",
@@ -74,10 +76,10 @@ class ClusterControl(control_pb2_grpc.ClusterControlServicer):
                 "learn new workers",
             )
         with self._scaling:
-            live = self.cluster.live_workers(request.pool)
+            live = self.cluster.live_workers(pool)
             for _ in range(request.replicas - len(live)):
                 try:
-                    worker = self.cluster.add_worker(request.pool)
+                    worker = self.cluster.add_worker(pool)
                 except (RuntimeError, TimeoutError) as exc:  # failed to start, or stopping
                     context.abort(grpc.StatusCode.UNAVAILABLE, f"pool {request.pool}: {exc}")
                 logger.info("pool %s: added %s", request.pool, worker.name)

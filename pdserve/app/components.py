@@ -11,6 +11,7 @@ from engine.config import EngineBackend, EngineConfig
 from engine.serving_engine import EngineBuilder
 from kvtransfer import require_backend
 from pdserve.app.settings import ServiceConfig
+from pdserve.common.role import Role
 from pdserve.common.server import ServerConfig, Service
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
@@ -18,16 +19,10 @@ from router.config import RouterConfig
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    role: str
+    role: Role
     service: Service
     server: ServerConfig
     reflect: bool = False
-
-
-def role_of(config: ServiceConfig) -> str:
-    if isinstance(config, RouterConfig):
-        return "router"
-    return "prefill" if isinstance(config, PrefillConfig) else "decode"
 
 
 def build_service(config: ServiceConfig) -> ServiceSpec:
@@ -35,7 +30,7 @@ def build_service(config: ServiceConfig) -> ServiceSpec:
     if isinstance(config, RouterConfig):
         from router.service import RouterService
 
-        return ServiceSpec("router", RouterService(config), config.server, reflect=True)
+        return ServiceSpec(Role.ROUTER, RouterService(config), config.server, reflect=True)
     require_backend(config.kv_backend)  # a missing optional library: refused before the model
     build_engine = engine_builder(config.engine)
     if config.kv_backend == "ray":
@@ -43,11 +38,11 @@ def build_service(config: ServiceConfig) -> ServiceSpec:
     if isinstance(config, PrefillConfig):
         from prefill_service.service import PrefillService
 
-        return ServiceSpec("prefill", PrefillService(config, build_engine), config.server)
+        return ServiceSpec(Role.PREFILL, PrefillService(config, build_engine), config.server)
     assert isinstance(config, DecodeConfig)
     from decode_service.service import DecodeService
 
-    return ServiceSpec("decode", DecodeService(config, build_engine), config.server)
+    return ServiceSpec(Role.DECODE, DecodeService(config, build_engine), config.server)
 
 
 def engine_builder(config: EngineConfig) -> EngineBuilder:

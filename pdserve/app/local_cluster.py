@@ -1,13 +1,18 @@
 """A local pdserve cluster: router, prefill and decode workers as separate processes, each one
 restarted when it exits unexpectedly (as Ray and kubelet do).
 
-Used by ``pdserve up`` and by the integration tests. Each component prints
+Used by ``pdserve up`` and by the integration tests. Flags given for a pool are parsed here,
+once, into the component's frozen config (with this process's environment, which the children
+inherit); each child gets that whole config as JSON on its stdin (``pdserve serve-config``,
+``settings/serialized.py``), so a restart changes typed fields, never argv. Each component prints
 ``pdserve <role> ready <host:port>`` once its health service turns SERVING; the cluster waits for
 that line (bounded), so no caller ever sleeps to guess readiness.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import queue
 import signal
@@ -18,6 +23,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+from pdserve.app import settings
+from pdserve.app.settings import ServiceConfig
+from pdserve.common.role import Role
+from router.config import RouterConfig
 
 
 @dataclass(frozen=True)
@@ -67,18 +77,25 @@ def restart_delay_s(num_restarts: int, first_s: float, max_s: float) -> float:
 @dataclass
 class Component:
     name: str
-    role: str
+    config: ServiceConfig  # what the process was handed, its incarnation's worker id included
     process: subprocess.Popen[str]
-    args: list[str]  # the role's flags, without the per-incarnation worker id
     lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
     address: str = ""
     metrics_address: str = ""
     http_address: str = ""  # the router's OpenAI API, when on
-    worker_id: str = ""
     num_restarts: int = 0
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def role(self) -> Role:
+        return settings.role_of(self.config)
+
+    @property
+    def worker_id(self) -> str:
+        """Its registry id ("" for the router)."""
+        return "" if isinstance(self.config, RouterConfig) else self.config.worker_id or ""
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -131,19 +148,20 @@ class LocalCluster:
         with self._lock:
             return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
 
-    def _spawn(self, name: str, role: str, args: list[str], restarts: int = 0) -> Component:
+    def _spawn(self, name: str, config: ServiceConfig, restarts: int = 0) -> Component:
         cfg = self.config
+        if not isinstance(config, RouterConfig):
+            # A readable registry id per incarnation, for `pdserve status` and `pdserve drain`.
+            config = dataclasses.replace(config, worker_id=f"{name}-{uuid.uuid4().hex[:6]}")
         stderr = None
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = (cfg.log_dir / f"{name}.log").open("a" if restarts else "w")
-        worker_id = f"{name}-{uuid.uuid4().hex[:6]}" if role != "router" else ""
-        # A readable registry id per incarnation, for `pdserve status` and `pdserve drain`.
-        id_args = ["--worker-id", worker_id] if worker_id else []
-        command = [sys.executable, "-m", "pdserve.cli", "--log-level", cfg.log_level, role]
+        command = [sys.executable, "-m", "pdserve.cli", "--log-level", cfg.log_level]
         try:
             process = subprocess.Popen(
-                [*command, *args, *id_args],
+                [*command, "serve-config"],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 text=True,
@@ -152,36 +170,46 @@ class LocalCluster:
         finally:
             if stderr is not None:
                 stderr.close()  # the child has its own copy
-        component = Component(name, role, process, args, worker_id=worker_id)
+        assert process.stdin is not None
+        # A few KB, within a pipe's buffer; a child that died at once reports through its exit.
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.write(settings.to_json(config))
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.close()
+        component = Component(name, config, process)
         component.num_restarts = restarts
         return component
 
-    def spawn_worker(self, role: str, extra_args: tuple[str, ...] = ()) -> Component:
-        """Starts one more prefill or decode worker (not waited for)."""
+    def _group(self, role: Role) -> list[Component]:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+    def spawn_worker(self, role: Role, extra_args: tuple[str, ...] = ()) -> Component:
+        """Starts one more prefill or decode worker (not waited for). Bad flags: ValueError."""
         cfg = self.config
         args = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
         if cfg.redis_url:
             args += ["--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace]
-        if role == "prefill":
+        if role is Role.PREFILL:
             args += ["--kv-port", "0", *cfg.prefill_args]
         else:
             if not cfg.redis_url and self.prefill:
                 # No registry to learn them from: the prefill workers it may pull KV from.
                 args += ["--prefill-peers", ",".join(w.address for w in self.prefill)]
             args += list(cfg.decode_args)
+        config = settings.parse_service_flags(role, [*args, *extra_args], with_environment=True)
         with self._lock:
-            group = self.prefill if role == "prefill" else self.decode
-            component = self._spawn(f"{role}-{len(group)}", role, [*args, *extra_args])
+            group = self._group(role)
+            component = self._spawn(f"{role.value}-{len(group)}", config)
             group.append(component)
         return component
 
-    def live_workers(self, role: str) -> list[Component]:
+    def live_workers(self, role: Role) -> list[Component]:
         """The role's workers that run and are not draining (the pool's size)."""
         with self._lock:
-            group = self.prefill if role == "prefill" else self.decode
+            group = self._group(role)
             return [c for c in group if c.process.poll() is None and c not in self._draining]
 
-    def add_worker(self, role: str) -> Component:
+    def add_worker(self, role: Role) -> Component:
         """One more worker, started, supervised, and ready (it registers itself in Redis).
         One that fails to start is killed and forgotten; none starts once stopping."""
         if self._stopping.is_set():
@@ -193,8 +221,7 @@ class LocalCluster:
             worker.process.kill()
             worker.process.wait()
             with self._lock:
-                group = self.prefill if role == "prefill" else self.decode
-                group.remove(worker)
+                self._group(role).remove(worker)
             raise
         self._supervise(worker)
         return worker
@@ -210,12 +237,12 @@ class LocalCluster:
         cfg = self.config
         try:
             for _ in range(cfg.num_prefill):
-                self.spawn_worker("prefill")
+                self.spawn_worker(Role.PREFILL)
             if not cfg.redis_url:  # decode workers are told their prefill peers' addresses
                 for worker in self.prefill:
                     worker.wait_ready(cfg.ready_timeout_s)
             for _ in range(cfg.num_decode):
-                self.spawn_worker("decode")
+                self.spawn_worker(Role.DECODE)
             for worker in [*self.prefill, *self.decode]:
                 if not worker.address:
                     worker.wait_ready(cfg.ready_timeout_s)
@@ -240,7 +267,8 @@ class LocalCluster:
                 if self.prefill:
                     router_args += ["--prefill", ",".join(w.address for w in self.prefill)]
                 router_args += ["--decode", ",".join(w.address for w in self.decode)]
-            self.router = self._spawn("router", "router", router_args)
+            router = settings.parse_service_flags(Role.ROUTER, router_args, with_environment=True)
+            self.router = self._spawn(Role.ROUTER.value, router)
             self.router.wait_ready(cfg.ready_timeout_s)
         except BaseException:
             self.stop()
@@ -289,19 +317,14 @@ class LocalCluster:
             print(f"pdserve up: {component.name} stays down", file=sys.stderr, flush=True)
 
     def _restart(self, old: Component) -> Component | None:
-        args = list(old.args)
-        if not self.config.redis_url or old.role == "router":
+        config = old.config
+        if not self.config.redis_url or old.role is Role.ROUTER:
             # Peers know it by its address (static lists, the router's port): keep the port.
-            port = old.address.rpartition(":")[2]
-            if port:
-                args[args.index("--port") + 1] = port
-            http_port = old.http_address.rpartition(":")[2]
-            if http_port and "--http-port" in args:
-                args[args.index("--http-port") + 1] = http_port
+            config = _same_ports(config, old)
         with self._lock:
             if self._stopping.is_set():
                 return None
-            new = self._spawn(old.name, old.role, args, old.num_restarts + 1)
+            new = self._spawn(old.name, config, old.num_restarts + 1)
             for group in (self.prefill, self.decode):
                 if old in group:
                     group[group.index(old)] = new
@@ -338,3 +361,16 @@ class LocalCluster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _same_ports(config: ServiceConfig, old: Component) -> ServiceConfig:
+    """``config`` bound to the ports ``old`` had (it asked for ephemeral ones, or not)."""
+    port = old.address.rpartition(":")[2]
+    if port:
+        config = dataclasses.replace(
+            config, server=dataclasses.replace(config.server, port=int(port))
+        )
+    http_port = old.http_address.rpartition(":")[2]
+    if http_port and isinstance(config, RouterConfig) and config.http_port is not None:
+        config = dataclasses.replace(config, http_port=int(http_port))
+    return config

@@ -15,13 +15,9 @@ from dataclasses import asdict, dataclass, fields
 from redis.asyncio import Redis
 
 from pdserve.cluster.config import DEFAULT_TTL_S, connect
+from pdserve.common.role import Role
 
 logger = logging.getLogger(__name__)
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class WorkerState(enum.Enum):
@@ -62,6 +58,8 @@ class WorkerRecord:
             try:
                 if f.name == "role":
                     kwargs[f.name] = Role(text)
+                    if not Role(text).is_worker:
+                        raise ValueError(text)
                 elif f.name == "state":
                     kwargs[f.name] = WorkerState(text)
                 elif f.type in ("int", int):

@@ -17,9 +17,10 @@ from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineBuilder, EngineHooks, ServingEngine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.membership import Membership
-from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
+from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common import metrics
 from pdserve.common.convert import sampling_from_proto, stats_to_proto
+from pdserve.common.role import Role
 from pdserve.common.server import NOT_ACCEPTING, Service
 from pdserve.v1 import common_pb2
 

@@ -22,8 +22,9 @@ from pdserve.app.capacity.autoscaler import Autoscaler
 from pdserve.app.capacity.load_meter import pdserve_gauge, scrape, totals
 from pdserve.app.capacity.profile import DECODE_FEATURES, LinearFit
 from pdserve.app.capacity.scale_target import LocalTarget
-from pdserve.app.capacity.scaling import Bounds, Pool, Reason, ScalingPolicy
+from pdserve.app.capacity.scaling import Bounds, Reason, ScalingPolicy
 from pdserve.common.convert import sampling_to_proto
+from pdserve.common.role import Role
 from pdserve.v1 import router_pb2
 from tests.capacity.test_simulator import constant_profile
 from tests.integration.cluster_util import generate_many
@@ -82,13 +83,13 @@ def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Pa
             target, clock=lambda: next(times),
         )  # fmt: skip
         ups, downs = _decisions(Reason.UP), _decisions(Reason.DOWN)
-        assert scaler.tick() == [] and target.replicas(Pool.DECODE) == 1
+        assert scaler.tick() == [] and target.replicas(Role.DECODE) == 1
         # Load rises: 16 requests in 10 s.
         short = asyncio.run(generate_many(router, [_request(i, 16) for i in range(16)]))
         assert all(len(r.token_ids) == 16 for r in short)
-        decision = {d.pool: d for d in scaler.tick()}[Pool.DECODE]
+        decision = {d.pool: d for d in scaler.tick()}[Role.DECODE]
         assert (decision.target, decision.reason) == (2, Reason.UP)
-        assert target.replicas(Pool.DECODE) == 2  # started and ready
+        assert target.replicas(Role.DECODE) == 2  # started and ready
 
         # Long streams on both decode workers (one seat each: the rest wait their turn).
         async def streams() -> list[int]:
@@ -99,15 +100,15 @@ def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Pa
                 await asyncio.sleep(0.02)
             # Load falls: 6 arrivals in 1000 s -> one decode worker drains, with streams in
             # flight on it.
-            decision = {d.pool: d for d in await asyncio.to_thread(scaler.tick)}[Pool.DECODE]
+            decision = {d.pool: d for d in await asyncio.to_thread(scaler.tick)}[Role.DECODE]
             assert (decision.target, decision.reason) == (1, Reason.DOWN)
             return [len(r.token_ids) for r in await running]
 
         assert asyncio.run(streams()) == [400] * 6  # every stream completed, none failed
         deadline = time.monotonic() + 120
-        while target.replicas(Pool.DECODE) != 1 and time.monotonic() < deadline:
+        while target.replicas(Role.DECODE) != 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert target.replicas(Pool.DECODE) == 1
+        assert target.replicas(Role.DECODE) == 1
         assert _decisions(Reason.UP) == ups + 1 and _decisions(Reason.DOWN) == downs + 1
         with urllib.request.urlopen(metrics_url, timeout=10) as reply:
             text = reply.read().decode()

@@ -27,7 +27,8 @@ from pdserve.app.capacity.scale_target import (  # noqa: E402
     KubernetesTarget,
     PoolRef,
 )
-from pdserve.app.capacity.scaling import Pool, Reason, ScalingPolicy  # noqa: E402
+from pdserve.app.capacity.scaling import Reason, ScalingPolicy  # noqa: E402
+from pdserve.common.role import Role  # noqa: E402
 from tests.capacity.test_scaling import PROFILE  # noqa: E402
 
 NS = "llm"
@@ -149,8 +150,8 @@ def cluster() -> Iterator[tuple[ApiState, KubernetesTarget]]:
     configuration = client.Configuration(host=f"http://127.0.0.1:{api.server_address[1]}")
     api_client = client.ApiClient(configuration)
     pools = {
-        Pool.PREFILL: PoolRef("rel-pdserve-prefill", "role=prefill", port),
-        Pool.DECODE: PoolRef("rel-pdserve-decode", "role=decode", port),
+        Role.PREFILL: PoolRef("rel-pdserve-prefill", "role=prefill", port),
+        Role.DECODE: PoolRef("rel-pdserve-decode", "role=decode", port),
     }
     target = KubernetesTarget(client.AppsV1Api(api_client), client.CoreV1Api(api_client), NS, pools)
     try:
@@ -168,9 +169,9 @@ def test_scale_down_marks_the_least_loaded_pods_then_patches_the_scale(
     cluster: tuple[ApiState, KubernetesTarget],
 ) -> None:
     state, target = cluster
-    assert target.replicas(Pool.DECODE) == 3
+    assert target.replicas(Role.DECODE) == 3
     state.calls.clear()
-    target.scale(Pool.DECODE, 1)
+    target.scale(Role.DECODE, 1)
     assert state.calls == [
         ("GET", SCALE),
         ("GET", f"/api/v1/namespaces/{NS}/pods"),
@@ -186,7 +187,7 @@ def test_scale_down_marks_the_least_loaded_pods_then_patches_the_scale(
     # Down again later (3 -> 2): only b goes now; c's mark from before is cleared first.
     state.replicas["rel-pdserve-decode"] = 3
     state.calls.clear()
-    target.scale(Pool.DECODE, 2)
+    target.scale(Role.DECODE, 2)
     assert state.calls == [
         ("GET", SCALE),
         ("GET", f"/api/v1/namespaces/{NS}/pods"),
@@ -200,7 +201,7 @@ def test_scale_down_marks_the_least_loaded_pods_then_patches_the_scale(
     }
     # Up: no pod is touched.
     state.calls.clear()
-    target.scale(Pool.DECODE, 4)
+    target.scale(Role.DECODE, 4)
     assert state.calls == [("GET", SCALE), ("PATCH", SCALE)]
     assert state.replicas["rel-pdserve-decode"] == 4
 
@@ -226,10 +227,10 @@ def test_the_autoscaler_grows_the_decode_pool_under_load(
     ups = {"pool": "decode", "reason": "up"}
     before = REGISTRY.get_sample_value("pdserve_planner_decisions_total", ups) or 0.0
     decisions = {d.pool: d for d in scaler.tick()}
-    assert (decisions[Pool.DECODE].target, decisions[Pool.DECODE].reason) == (5, Reason.UP)
-    assert (decisions[Pool.PREFILL].target, decisions[Pool.PREFILL].reason) == (3, Reason.UP)
+    assert (decisions[Role.DECODE].target, decisions[Role.DECODE].reason) == (5, Reason.UP)
+    assert (decisions[Role.PREFILL].target, decisions[Role.PREFILL].reason) == (3, Reason.UP)
     assert state.replicas == {"rel-pdserve-prefill": 3, "rel-pdserve-decode": 5}
-    assert scaler.states[Pool.DECODE].replicas == 5
+    assert scaler.states[Role.DECODE].replicas == 5
     # Decisions as metrics: desired and set sizes, the predicted rate, the reason counted.
     assert REGISTRY.get_sample_value("pdserve_planner_decisions_total", ups) == before + 1
     assert REGISTRY.get_sample_value("pdserve_planner_replicas", {"pool": "decode"}) == 5

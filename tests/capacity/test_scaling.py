@@ -11,7 +11,6 @@ from pdserve.app.capacity.scaling import (
     Bounds,
     Corrections,
     Load,
-    Pool,
     PoolState,
     Reason,
     ScalingPolicy,
@@ -22,6 +21,7 @@ from pdserve.app.capacity.scaling import (
     predict,
     prefill_tokens_per_s,
 )
+from pdserve.common.role import Role
 from tests.capacity.test_simulator import constant_profile
 
 PROFILE = dataclasses.replace(
@@ -46,19 +46,19 @@ def test_capacity_formulas() -> None:
     # rate 10: 5120 prompt tokens/s over 0.8 x 9534 -> 1; 10 x 64 x 0.038 = 24.3 busy seats
     # over 0.8 x 28 -> 2.
     assert desired_replicas(PROFILE, _load(10), POLICY, Corrections()) == {
-        Pool.PREFILL: 1,
-        Pool.DECODE: 2,
+        Role.PREFILL: 1,
+        Role.DECODE: 2,
     }
     assert desired_replicas(PROFILE, _load(40), POLICY, Corrections()) == {
-        Pool.PREFILL: 3,
-        Pool.DECODE: 5,
+        Role.PREFILL: 3,
+        Role.DECODE: 5,
     }
     # Observed latency twice the profile's: prefill throughput halves (3 -> 6 at rate 40).
     slower = desired_replicas(PROFILE, _load(40), POLICY, Corrections(prefill=2.0))
-    assert slower[Pool.PREFILL] == 6
+    assert slower[Role.PREFILL] == 6
     assert desired_replicas(PROFILE, _load(0), POLICY, Corrections()) == {
-        Pool.PREFILL: 0,
-        Pool.DECODE: 0,
+        Role.PREFILL: 0,
+        Role.DECODE: 0,
     }
 
 
@@ -76,11 +76,11 @@ def test_prediction_and_correction() -> None:
 
 def test_decide_scales_up_at_once_and_down_after_hysteresis_and_cooldown() -> None:
     state = PoolState(2)
-    decision, state = decide(Pool.DECODE, state, 5, 0.0, POLICY)
+    decision, state = decide(Role.DECODE, state, 5, 0.0, POLICY)
     assert (decision.target, decision.reason) == (5, Reason.UP)
     reasons = []
     for t in (30.0, 60.0, 90.0, 120.0):
-        decision, state = decide(Pool.DECODE, state, 2, t, POLICY)
+        decision, state = decide(Role.DECODE, state, 2, t, POLICY)
         reasons.append((decision.target, decision.reason))
     assert reasons == [
         (5, Reason.HYSTERESIS),
@@ -90,15 +90,15 @@ def test_decide_scales_up_at_once_and_down_after_hysteresis_and_cooldown() -> No
     ]
     assert state == PoolState(2, 120.0, 0)
     # Bounds: never above max (8), never below min (1); a capped pool says why.
-    decision, state = decide(Pool.DECODE, PoolState(3), 20, 0.0, POLICY)
+    decision, state = decide(Role.DECODE, PoolState(3), 20, 0.0, POLICY)
     assert (decision.target, decision.reason) == (8, Reason.UP)
-    decision, state = decide(Pool.DECODE, state, 20, 30.0, POLICY)
+    decision, state = decide(Role.DECODE, state, 20, 30.0, POLICY)
     assert (decision.target, decision.reason) == (8, Reason.BOUNDS)
     floor = ScalingPolicy(1.0, 0.05, prefill=Bounds(1, 4), down_after_intervals=1, cooldown_s=0)
-    decision, _ = decide(Pool.PREFILL, PoolState(2), 0, 10.0, floor)
+    decision, _ = decide(Role.PREFILL, PoolState(2), 0, 10.0, floor)
     assert (decision.desired, decision.target, decision.reason) == (1, 1, Reason.DOWN)
     # Back at the desired size: the below-count restarts.
-    decision, state = decide(Pool.DECODE, PoolState(4, None, 2), 4, 0.0, POLICY)
+    decision, state = decide(Role.DECODE, PoolState(4, None, 2), 4, 0.0, POLICY)
     assert decision.reason is Reason.STEADY and state.num_below == 0
     with pytest.raises(ValueError):
         Bounds(3, 2)

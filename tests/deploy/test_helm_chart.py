@@ -17,6 +17,7 @@ import yaml
 
 from engine.kv_layout import KVCacheDtype
 from pdserve.app import settings
+from pdserve.common.role import Role
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
@@ -423,8 +424,8 @@ def test_speculative_decoding_reaches_the_decode_pool_only(helm: str) -> None:
     assert not [n for n in env(container(manifests, "prefill")) if "SPEC" in n]
     variables = {k: v for k, v in env(container(manifests, "decode")).items() if isinstance(v, str)}
     parser = argparse.ArgumentParser()
-    settings.add_service_flags(parser, "decode", env=variables)
-    spec = settings.service_config("decode", parser.parse_args([])).engine.speculative
+    settings.add_service_flags(parser, Role.DECODE, env=variables)
+    spec = settings.service_config(Role.DECODE, parser.parse_args([])).engine.speculative
     assert spec is not None and spec.method.value == "draft"
     assert (spec.draft_model, spec.num_speculative_tokens) == ("/models/draft", 4)
     # Ray mode: the same values become `pdserve ray up` flags.
@@ -455,8 +456,10 @@ def test_the_host_tier_size_reaches_the_worker_config(helm: str) -> None:
     manifests = render(helm, "--set", "decode.engine.hostCacheGib=8")
     variables = {k: v for k, v in env(container(manifests, "decode")).items() if isinstance(v, str)}
     parser = argparse.ArgumentParser()
-    settings.add_service_flags(parser, "decode", env=variables)
-    assert settings.service_config("decode", parser.parse_args([])).engine.cache.host_cache_gib == 8
+    settings.add_service_flags(parser, Role.DECODE, env=variables)
+    assert (
+        settings.service_config(Role.DECODE, parser.parse_args([])).engine.cache.host_cache_gib == 8
+    )
     assert "PDSERVE_HOST_CACHE_GIB" not in env(container(manifests, "prefill"))  # 0: off
 
 
@@ -467,8 +470,8 @@ def test_the_kv_cache_dtype_reaches_every_component(helm: str) -> None:
     for role in ("router", "prefill", "decode"):
         variables = {k: v for k, v in env(container(manifests, role)).items() if isinstance(v, str)}
         parser = argparse.ArgumentParser()
-        settings.add_service_flags(parser, role, env=variables)
-        config = settings.service_config(role, parser.parse_args([]))
+        settings.add_service_flags(parser, Role(role), env=variables)
+        config = settings.service_config(Role(role), parser.parse_args([]))
         kind = config.kv_cache_dtype if role == "router" else config.engine.cache.kv_cache_dtype  # type: ignore[union-attr]
         assert kind is KVCacheDtype.INT8, role
     ray = render(

@@ -12,6 +12,7 @@ import pytest
 
 from engine.config import EngineBackend, VllmOptions
 from pdserve.app import settings
+from pdserve.common.role import Role
 from tests.deploy.test_helm_chart import (
     CHART,
     Manifest,
@@ -41,8 +42,8 @@ def _config(manifests: list[Manifest], role: str) -> Any:
     """The role's config, parsed from the container's environment as `pdserve <role>` does."""
     variables = {k: v for k, v in env(container(manifests, role)).items() if isinstance(v, str)}
     parser = argparse.ArgumentParser()
-    settings.add_service_flags(parser, role, env=variables)
-    return settings.service_config(role, parser.parse_args([]))
+    settings.add_service_flags(parser, Role(role), env=variables)
+    return settings.service_config(Role(role), parser.parse_args([]))
 
 
 def _gpus(manifests: list[Manifest], role: str) -> dict[str, Any]:

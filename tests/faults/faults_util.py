@@ -16,6 +16,7 @@ from engine.outputs import RequestOutput
 from pdserve.app.client import router_channel
 from pdserve.app.local_cluster import ClusterConfig, Component, LocalCluster
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.identical import same_or_near_tie
 from tests.services.harness import wait_for
@@ -150,7 +151,7 @@ async def stats(component: Component) -> common_pb2.WorkerStats:
     async with grpc.aio.insecure_channel(component.address) as channel:
         stub = (
             prefill_pb2_grpc.PrefillWorkerStub(channel)
-            if component.role == "prefill"
+            if component.role is Role.PREFILL
             else decode_pb2_grpc.DecodeWorkerStub(channel)
         )
         return await stub.GetStats(common_pb2.GetStatsRequest(), timeout=10)  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import generate_many, run
 from tests.services.harness import wait_for
@@ -64,7 +65,7 @@ def _cli(*args: str) -> str:
 def test_decode_added_at_runtime_gets_traffic_and_drain_drops_no_stream(
     cluster: LocalCluster, redis: EmbeddedRedis
 ) -> None:
-    added = cluster.spawn_worker("decode")
+    added = cluster.spawn_worker(Role.DECODE)
     added.wait_ready(120)
     request = router_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=GREEDY)
 

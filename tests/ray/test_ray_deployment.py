@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 from pdserve.app.client import GenerateResult, generate, router_channel
 from pdserve.app.ray_deploy import deployment
 from pdserve.app.ray_deploy.service_actor import ServiceInfo
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import generate_many, run
 from tests.integration.test_cluster import _prompts, _request
@@ -120,7 +121,7 @@ def test_outputs_match_one_engine_for_16_mixed_prompts(
 def test_killed_decode_actor_streams_migrate_and_it_is_restarted(
     namespace: str, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
-    deployment.scale(namespace, "decode", 2)
+    deployment.scale(namespace, Role.DECODE, 2)
     victim = _worker(namespace, "pdserve-decode-0")
     prompts = [[11 + i] * (20 + 3 * i) for i in range(8)]
     expected = _reference(make_llm, llama_dir, prompts)
@@ -161,8 +162,8 @@ def test_killed_decode_actor_streams_migrate_and_it_is_restarted(
 def test_scale_prefill_up_and_decode_down_at_runtime(
     ray_address: str, namespace: str, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
-    deployment.scale(namespace, "prefill", 1)
-    deployment.scale(namespace, "decode", 2)
+    deployment.scale(namespace, Role.PREFILL, 1)
+    deployment.scale(namespace, Role.DECODE, 2)
     out = _cli(ray_address, namespace, "scale", "prefill", "2")
     assert "pdserve-prefill-1" in out
     added = _worker(namespace, "pdserve-prefill-1")
@@ -221,12 +222,12 @@ def test_the_autoscaler_resizes_a_ray_deployment(namespace: str) -> None:
     from pdserve.app.capacity.autoscaler import Autoscaler
     from pdserve.app.capacity.load_meter import scrape, totals
     from pdserve.app.capacity.scale_target import RayTarget
-    from pdserve.app.capacity.scaling import Pool, Reason
+    from pdserve.app.capacity.scaling import Reason
     from tests.capacity.test_autoscale_local import POLICY, PROFILE
     from tests.capacity.test_autoscale_local import _request as request
 
-    deployment.scale(namespace, "prefill", 1)
-    deployment.scale(namespace, "decode", 1)
+    deployment.scale(namespace, Role.PREFILL, 1)
+    deployment.scale(namespace, Role.DECODE, 1)
     target = RayTarget(namespace)
     url = target.router_metrics_url()
     times = iter([0.0, 10.0, 1010.0])  # the last round: no arrivals in 1000 s
@@ -234,11 +235,11 @@ def test_the_autoscaler_resizes_a_ray_deployment(namespace: str) -> None:
         PROFILE, POLICY, lambda now_s: {"router": totals(scrape(url), now_s)}, target,
         clock=lambda: next(times),
     )  # fmt: skip
-    assert scaler.tick() == [] and target.replicas(Pool.DECODE) == 1
+    assert scaler.tick() == [] and target.replicas(Role.DECODE) == 1
     run(generate_many(_router(namespace), [request(i, 16) for i in range(16)]))
-    decision = {d.pool: d for d in scaler.tick()}[Pool.DECODE]
+    decision = {d.pool: d for d in scaler.tick()}[Role.DECODE]
     assert (decision.target, decision.reason) == (2, Reason.UP)
-    assert target.replicas(Pool.DECODE) == 2
-    decision = {d.pool: d for d in scaler.tick()}[Pool.DECODE]  # nothing arrived since
+    assert target.replicas(Role.DECODE) == 2
+    decision = {d.pool: d for d in scaler.tick()}[Role.DECODE]  # nothing arrived since
     assert (decision.target, decision.reason) == (1, Reason.DOWN)
-    assert target.replicas(Pool.DECODE) == 1
+    assert target.replicas(Role.DECODE) == 1

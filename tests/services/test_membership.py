@@ -10,9 +10,10 @@ from pathlib import Path
 from engine import SamplingParams
 from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
-from pdserve.cluster.registry import Registry, Role, WorkerState
+from pdserve.cluster.registry import Registry, WorkerState
 from pdserve.cluster.status import status_table
 from pdserve.common.convert import sampling_to_proto
+from pdserve.common.role import Role
 from pdserve.v1 import prefill_pb2
 from tests.services.harness import prefill_stub, start_prefill, wait_for
 

@@ -18,8 +18,9 @@ from prometheus_client import REGISTRY
 from engine import LLM, SamplingParams
 from pdserve.app.client import generate
 from pdserve.cluster.config import RedisConfig
-from pdserve.cluster.registry import Role, WorkerRecord
+from pdserve.cluster.registry import WorkerRecord
 from pdserve.common.convert import sampling_to_proto
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.policy import RoutingPolicy

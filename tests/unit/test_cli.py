@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pdserve.app.cli import main
+from pdserve.common.role import Role
 
 
 def test_make_model_and_demo_through_the_console_script(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -
     args = build_parser().parse_args(["up", "--model", "/m", *flags])
     args.redis_url = "redis://127.0.0.1:1"  # what `pdserve up` sets once Redis is up
     cluster = _cluster_config(args)
-    decode = settings.parse_service_flags("decode", ["--model", "/m", *cluster.decode_args])
+    decode = settings.parse_service_flags(Role.DECODE, ["--model", "/m", *cluster.decode_args])
     spec = decode.engine.speculative  # type: ignore[union-attr]
     assert spec is not None and (spec.draft_model, spec.num_speculative_tokens) == ("/d", 5)
     assert not [a for a in cluster.prefill_args if "spec" in a]
@@ -97,7 +98,7 @@ def _up_configs(*flags: str) -> dict[str, Any]:
     # `pdserve up` gives the router its Redis when it starts it, not in router_args.
     argv["router"] = ("--redis", args.redis_url, *cluster.router_args)
     return {
-        role: settings.parse_service_flags(role, ["--model", "/m", *role_argv])
+        role: settings.parse_service_flags(Role(role), ["--model", "/m", *role_argv])
         for role, role_argv in argv.items()
     }
 

@@ -7,7 +7,7 @@ import pytest
 
 from decode_service.config import DecodeConfig
 from pdserve.app.ray_deploy.spec import EMBEDDED_REDIS_URL, deployment_spec
-from pdserve.cluster.registry import Role
+from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 
 REDIS = "redis://127.0.0.1:6379/0"

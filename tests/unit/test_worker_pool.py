@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.cluster.registry import Role, WorkerRecord, WorkerState
+from pdserve.cluster.registry import WorkerRecord, WorkerState
+from pdserve.common.role import Role
 from router.worker_pool import WorkerPool
 
 FP = "LlamaForCausalLM:abc:float32:bs16"

@@ -23,7 +23,8 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
         PoolRef,
         kubernetes_target,
     )
-    from pdserve.app.capacity.scaling import Bounds, Pool, ScalingPolicy
+    from pdserve.app.capacity.scaling import Bounds, ScalingPolicy
+    from pdserve.common.role import Role
 
     policy = ScalingPolicy(
         slo_ttft_s=args.slo_ttft_ms / 1e3,
@@ -58,10 +59,10 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     if not urls and not args.router_selector:
         raise ValueError("--target kubernetes needs --metrics-url or --router-selector")
     pools = {
-        Pool.PREFILL: PoolRef(
+        Role.PREFILL: PoolRef(
             args.prefill_deployment, args.prefill_selector, args.worker_metrics_port[0]
         ),
-        Pool.DECODE: PoolRef(
+        Role.DECODE: PoolRef(
             args.decode_deployment, args.decode_selector, args.worker_metrics_port[1]
         ),
     }

@@ -20,7 +20,6 @@ from pdserve.app.capacity.scaling import (
     Corrections,
     Decision,
     Load,
-    Pool,
     PoolState,
     ScalingPolicy,
     corrections_for,
@@ -28,6 +27,7 @@ from pdserve.app.capacity.scaling import (
     desired_replicas,
     predict,
 )
+from pdserve.common.role import WORKER_ROLES, Role
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Autoscaler:
     ) -> None:
         self.profile, self.policy, self.meter, self.target = profile, policy, meter, target
         self.dry_run, self.clock = dry_run, clock
-        self.states = {pool: PoolState(target.replicas(pool)) for pool in Pool}
+        self.states = {pool: PoolState(target.replicas(pool)) for pool in WORKER_ROLES}
         self.history: list[Load] = []
         self._last: tuple[float, dict[str, Totals]] | None = None
 
@@ -67,16 +67,16 @@ class Autoscaler:
         self.history = [*self.history, load][-_HISTORY:]
         predicted = predict(self.history)
         corrections = (
-            corrections_for(self.profile, load, max(1, self.states[Pool.DECODE].replicas))
+            corrections_for(self.profile, load, max(1, self.states[Role.DECODE].replicas))
             if self.policy.correct_profile
             else Corrections()
         )
         wanted = desired_replicas(self.profile, predicted, self.policy, corrections)
         PREDICTED_RATE.set(predicted.rate)
-        CORRECTION.labels(Pool.PREFILL.value).set(corrections.prefill)
-        CORRECTION.labels(Pool.DECODE.value).set(corrections.decode)
+        CORRECTION.labels(Role.PREFILL.value).set(corrections.prefill)
+        CORRECTION.labels(Role.DECODE.value).set(corrections.decode)
         decisions = []
-        for pool in Pool:
+        for pool in WORKER_ROLES:
             if not self.dry_run:  # someone else (an operator, a failed start) may have resized
                 current = self.target.replicas(pool)
                 self.states[pool] = dataclasses.replace(self.states[pool], replicas=current)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
-from pdserve.app.capacity.scaling import Pool
+from pdserve.common.role import Role
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +35,11 @@ LOAD_GAUGES = ("pdserve_running_requests", "pdserve_queue_depth", "pdserve_lease
 
 class ScaleTarget(ABC):
     @abstractmethod
-    def replicas(self, pool: Pool) -> int:
+    def replicas(self, pool: Role) -> int:
         """The pool's current desired size."""
 
     @abstractmethod
-    def scale(self, pool: Pool, replicas: int) -> None:
+    def scale(self, pool: Role, replicas: int) -> None:
         """Sets the pool's size; a scale-down removes the least-loaded workers by draining."""
 
 
@@ -71,20 +71,20 @@ class KubernetesTarget(ScaleTarget):
         apps: Any,  # kubernetes.client.AppsV1Api
         core: Any,  # kubernetes.client.CoreV1Api
         namespace: str,
-        pools: Mapping[Pool, PoolRef],
+        pools: Mapping[Role, PoolRef],
         load_of: Callable[[str, int], float] = pod_load,
     ) -> None:
         self.apps, self.core, self.namespace = apps, core, namespace
         self.pools = dict(pools)
         self.load_of = load_of
 
-    def replicas(self, pool: Pool) -> int:
+    def replicas(self, pool: Role) -> int:
         scale = self.apps.read_namespaced_deployment_scale(
             self.pools[pool].deployment, self.namespace, _request_timeout=API_TIMEOUT_S
         )
         return int(scale.spec.replicas or 0)
 
-    def scale(self, pool: Pool, replicas: int) -> None:
+    def scale(self, pool: Role, replicas: int) -> None:
         ref = self.pools[pool]
         current = self.replicas(pool)
         if replicas < current:
@@ -146,10 +146,10 @@ class LocalTarget(ScaleTarget):
 
         return self._stub.GetPools(control_pb2.GetPoolsRequest(), timeout=30.0)
 
-    def replicas(self, pool: Pool) -> int:
+    def replicas(self, pool: Role) -> int:
         return next(p.replicas for p in self.pools().pools if p.pool == pool.value)
 
-    def scale(self, pool: Pool, replicas: int) -> None:
+    def scale(self, pool: Role, replicas: int) -> None:
         from pdserve.v1 import control_pb2
 
         request = control_pb2.ScalePoolRequest(pool=pool.value, replicas=replicas)
@@ -170,15 +170,15 @@ class RayTarget(ScaleTarget):
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
 
-    def replicas(self, pool: Pool) -> int:
+    def replicas(self, pool: Role) -> int:
         from pdserve.app.ray_deploy import deployment
 
-        return sum(1 for i in deployment.status(self.namespace) if i.role == pool.value)
+        return sum(1 for i in deployment.status(self.namespace) if i.role is pool)
 
-    def scale(self, pool: Pool, replicas: int) -> None:
+    def scale(self, pool: Role, replicas: int) -> None:
         from pdserve.app.ray_deploy import deployment
 
-        deployment.scale(self.namespace, pool.value, replicas, timeout_s=SCALE_TIMEOUT_S)
+        deployment.scale(self.namespace, pool, replicas, timeout_s=SCALE_TIMEOUT_S)
         logger.info(
             "%s: set to %d replicas (ray namespace %s)", pool.value, replicas, self.namespace
         )
@@ -186,12 +186,12 @@ class RayTarget(ScaleTarget):
     def router_metrics_url(self) -> str:
         from pdserve.app.ray_deploy import deployment
 
-        router = next(i for i in deployment.status(self.namespace) if i.role == "router")
+        router = next(i for i in deployment.status(self.namespace) if i.role is Role.ROUTER)
         return f"http://{router.metrics_address}/metrics"
 
 
 def kubernetes_target(
-    namespace: str, pools: Mapping[Pool, PoolRef], kubeconfig: str | None = None
+    namespace: str, pools: Mapping[Role, PoolRef], kubeconfig: str | None = None
 ) -> KubernetesTarget:
     """In-cluster config when running in a pod, else ``kubeconfig`` (or the default one)."""
     from kubernetes import client, config

@@ -22,13 +22,9 @@ import math
 from dataclasses import dataclass
 
 from pdserve.app.capacity.profile import Profile, StepShape
+from pdserve.common.role import Role
 
 MIN_CORRECTION, MAX_CORRECTION = 0.25, 4.0
-
-
-class Pool(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class Reason(enum.Enum):
@@ -73,8 +69,8 @@ class ScalingPolicy:
         if self.cooldown_s < 0 or self.down_after_intervals < 1:
             raise ValueError("need cooldown_s >= 0 and down_after_intervals >= 1")
 
-    def bounds(self, pool: Pool) -> Bounds:
-        return self.prefill if pool is Pool.PREFILL else self.decode
+    def bounds(self, pool: Role) -> Bounds:
+        return self.prefill if pool is Role.PREFILL else self.decode
 
 
 @dataclass(frozen=True)
@@ -164,10 +160,10 @@ def corrections_for(profile: Profile, load: Load, num_decode: int) -> Correction
 
 def desired_replicas(
     profile: Profile, load: Load, policy: ScalingPolicy, corrections: Corrections
-) -> dict[Pool, int]:
+) -> dict[Role, int]:
     """Pool sizes for ``load``, before bounds."""
     if load.rate <= 0:
-        return {Pool.PREFILL: 0, Pool.DECODE: 0}
+        return {Role.PREFILL: 0, Role.DECODE: 0}
     tokens_per_s = prefill_tokens_per_s(profile, load.mean_prompt_tokens) / corrections.prefill
     prefill = math.ceil(load.rate * load.mean_prompt_tokens / (tokens_per_s * policy.utilization))
     seats = decode_seats(profile, load, policy.slo_tpot_s, corrections.decode)
@@ -178,7 +174,7 @@ def desired_replicas(
         step = corrections.decode * decode_step_s(profile, seats, context)
         busy_seats = load.rate * load.mean_output_tokens * step
         decode = math.ceil(busy_seats / (seats * policy.utilization))
-    return {Pool.PREFILL: prefill, Pool.DECODE: decode}
+    return {Role.PREFILL: prefill, Role.DECODE: decode}
 
 
 @dataclass(frozen=True)
@@ -190,7 +186,7 @@ class PoolState:
 
 @dataclass(frozen=True)
 class Decision:
-    pool: Pool
+    pool: Role
     current: int
     desired: int  # what the load wants (bounded)
     target: int  # what the pool is set to now
@@ -198,7 +194,7 @@ class Decision:
 
 
 def decide(
-    pool: Pool, state: PoolState, wanted: int, now_s: float, policy: ScalingPolicy
+    pool: Role, state: PoolState, wanted: int, now_s: float, policy: ScalingPolicy
 ) -> tuple[Decision, PoolState]:
     bounds = policy.bounds(pool)
     desired = bounds.clip(wanted)

@@ -15,6 +15,7 @@ from pdserve.app.settings import (
     router_passthrough,
     worker_passthrough,
 )
+from pdserve.common.role import WORKER_ROLES, Role
 
 if TYPE_CHECKING:
     from pdserve.app.ray_deploy.spec import DeploymentSpec
@@ -87,7 +88,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
     from pdserve.app.ray_deploy import deployment
 
     deployment.connect(args.address, args.namespace)
-    print(deployment.table(deployment.scale(args.namespace, args.role, args.count)))
+    print(deployment.table(deployment.scale(args.namespace, Role(args.role), args.count)))
     return 0
 
 
@@ -123,7 +124,7 @@ def add_ray_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     scale = commands.add_parser("scale", help="resize one pool at runtime (drains on shrink)")
     _deployment_flags(scale)
-    scale.add_argument("role", choices=("prefill", "decode"))
+    scale.add_argument("role", choices=[r.value for r in WORKER_ROLES])
     scale.add_argument("count", type=int)
     scale.set_defaults(func=_run(_cmd_scale))
 

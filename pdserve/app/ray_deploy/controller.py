@@ -19,12 +19,11 @@ from pdserve.app.embedded_redis import EmbeddedRedis
 from pdserve.app.ray_deploy.service_actor import ServiceActor, ServiceInfo
 from pdserve.app.ray_deploy.spec import DeploymentSpec
 from pdserve.app.settings import ServiceConfig
-from pdserve.cluster.registry import Role
+from pdserve.common.role import Role
 
 logger = logging.getLogger(__name__)
 
 _INFO_TIMEOUT_S = 5.0
-_ROUTER = "router"
 
 
 class Controller:
@@ -42,7 +41,7 @@ class Controller:
                 )
             self._redis = EmbeddedRedis().start()
             self.redis_url = self._redis.url
-        self._router = self._spawn(_ROUTER, spec.router_config(self.redis_url), 0.0, 0.0)
+        self._router = self._spawn(Role.ROUTER.value, spec.router_config(self.redis_url), 0.0, 0.0)
         self._pools: dict[Role, dict[int, Any]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, count in ((Role.PREFILL, spec.num_prefill), (Role.DECODE, spec.num_decode)):
             for index in range(count):
@@ -80,10 +79,9 @@ class Controller:
             actors = [self._router, *self._workers()]
         return list(ray.get([a.ready.remote(self.spec.ready_timeout_s) for a in actors]))
 
-    def scale(self, role_name: str, count: int) -> list[ServiceInfo]:
+    def scale(self, role: Role, count: int) -> list[ServiceInfo]:
         """Grows a pool (returns once the new workers serve) or shrinks it, draining the
         workers it removes before they are killed."""
-        role = Role(role_name)
         if count < 1:
             raise ValueError(f"a {role.value} pool needs at least 1 worker, got {count}")
         with self._lock:
@@ -121,9 +119,10 @@ class Controller:
     def status(self) -> list[ServiceInfo]:
         """Every actor's info; one that does not answer (restarting) shows no address."""
         with self._lock:
-            named: list[tuple[str, str, Any]] = [(f"pdserve-{_ROUTER}", _ROUTER, self._router)]
+            router = Role.ROUTER
+            named: list[tuple[str, Role, Any]] = [(f"pdserve-{router.value}", router, self._router)]
             for kind, pool in self._pools.items():
-                named += [(f"pdserve-{kind.value}-{i}", kind.value, a) for i, a in pool.items()]
+                named += [(f"pdserve-{kind.value}-{i}", kind, a) for i, a in pool.items()]
         refs = [actor.info.remote() for _, _, actor in named]
         ray.wait(refs, num_returns=len(refs), timeout=_INFO_TIMEOUT_S)
         infos = []

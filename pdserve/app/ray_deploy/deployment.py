@@ -18,6 +18,7 @@ import ray
 from pdserve.app.ray_deploy.controller import Controller
 from pdserve.app.ray_deploy.service_actor import ServiceInfo
 from pdserve.app.ray_deploy.spec import CONTROLLER_NAME, DeploymentSpec
+from pdserve.common.role import Role
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def up(spec: DeploymentSpec, namespace: str) -> list[ServiceInfo]:
 
 
 def scale(
-    namespace: str, role: str, count: int, timeout_s: float | None = None
+    namespace: str, role: Role, count: int, timeout_s: float | None = None
 ) -> list[ServiceInfo]:
     """``timeout_s``: how long to wait for new workers to serve (None: the controller's own
     ready and drain bounds only)."""
@@ -133,14 +134,16 @@ def down(namespace: str, drain_timeout_s: float = 30.0) -> None:
 
 
 def router_address(infos: list[ServiceInfo]) -> str:
-    return next(i.address for i in infos if i.role == "router")
+    return next(i.address for i in infos if i.role is Role.ROUTER)
 
 
 def table(infos: list[ServiceInfo]) -> str:
     rows = [("ACTOR", "ROLE", "ADDRESS", "METRICS", "WORKER ID", "PID")]
     for i in infos:
         address = i.address or "(restarting)"
-        rows.append((i.name, i.role, address, i.metrics_address, i.worker_id, str(i.pid or "")))
+        rows.append(
+            (i.name, i.role.value, address, i.metrics_address, i.worker_id, str(i.pid or ""))
+        )
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(line.rstrip() for line in lines)

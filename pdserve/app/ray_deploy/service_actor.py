@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from pdserve.app.settings import ServiceConfig
+from pdserve.common.role import Role
 from pdserve.common.server import Service
 
 # A loopback bind inside an actor would be unreachable from peers on other nodes.
@@ -33,7 +34,7 @@ class ServiceInfo:
     """What the deployment reports about one actor."""
 
     name: str  # the actor's name
-    role: str
+    role: Role
     address: str  # gRPC host:port
     metrics_address: str  # Prometheus host:port
     worker_id: str  # registry id ("" for the router)
@@ -109,7 +110,7 @@ class ServiceActor:
         return self.info()
 
     def info(self) -> ServiceInfo:
-        from pdserve.app.components import role_of
+        from pdserve.app.settings import role_of
 
         role = role_of(self.config)
         worker_id = str(getattr(self._service, "worker_id", ""))

@@ -11,7 +11,7 @@ from decode_service.config import DecodeConfig
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.app.settings import parse_service_flags
 from pdserve.cluster.config import RedisConfig
-from pdserve.cluster.registry import Role
+from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
 
@@ -109,10 +109,10 @@ def deployment_spec(
             workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
         # The actor's CPUs, not the node's: actors share the node.
         workers += ["--num-threads", str(max(1, int(num_cpus_per_worker)))]
-    prefill = parse_service_flags("prefill", [*workers, "--kv-port", "0", *prefill_args])
-    decode = parse_service_flags("decode", [*workers, *decode_args])
+    prefill = parse_service_flags(Role.PREFILL, [*workers, "--kv-port", "0", *prefill_args])
+    decode = parse_service_flags(Role.DECODE, [*workers, *decode_args])
     router = parse_service_flags(
-        "router", [*common, "--port", str(router_port), "--metrics-port", "0", *router_args]
+        Role.ROUTER, [*common, "--port", str(router_port), "--metrics-port", "0", *router_args]
     )
     assert isinstance(prefill, PrefillConfig) and isinstance(decode, DecodeConfig)
     assert isinstance(router, RouterConfig)

@@ -10,10 +10,10 @@ process starts (``pdserve up`` children, Helm's environment).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
-from decode_service.config import DecodeConfig
 from pdserve.app.settings.clients import (
     ROUTER_FAULT_FLAGS,
     add_client_flags,
@@ -31,6 +31,7 @@ from pdserve.app.settings.flags import (
     tls_config,
 )
 from pdserve.app.settings.router import add_router_flags, router_config
+from pdserve.app.settings.serialized import ServiceConfig, from_json, role_of, to_json
 from pdserve.app.settings.workers import (
     add_decode_flags,
     add_prefill_flags,
@@ -38,11 +39,9 @@ from pdserve.app.settings.workers import (
     engine_config,
     prefill_config,
 )
-from prefill_service.config import PrefillConfig
-from router.config import RouterConfig
+from pdserve.common.role import Role
 
 __all__ = [
-    "ROLES",
     "ROUTER_FAULT_FLAGS",
     "ServiceConfig",
     "add_client_flags",
@@ -53,37 +52,40 @@ __all__ = [
     "decode_passthrough",
     "engine_config",
     "env_name",
+    "from_json",
     "parse_service_flags",
     "redis_config",
+    "role_of",
     "router_config",
     "router_passthrough",
     "server_config",
     "service_config",
+    "stdin_config",
     "tls_config",
+    "to_json",
     "worker_passthrough",
 ]
 
-ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig
-ROLES = ("prefill", "decode", "router")
-
 
 def add_service_flags(
-    parser: argparse.ArgumentParser, role: str, env: Mapping[str, str] | None = None
+    parser: argparse.ArgumentParser, role: Role, env: Mapping[str, str] | None = None
 ) -> None:
     """The flags of ``pdserve prefill|decode|router``."""
-    adders = {"prefill": add_prefill_flags, "decode": add_decode_flags, "router": add_router_flags}
+    adders = {
+        Role.PREFILL: add_prefill_flags,
+        Role.DECODE: add_decode_flags,
+        Role.ROUTER: add_router_flags,
+    }
     adders[role](parser, env)
 
 
-def service_config(role: str, args: argparse.Namespace) -> ServiceConfig:
+def service_config(role: Role, args: argparse.Namespace) -> ServiceConfig:
     """One component's flags as its frozen config (validated on construction)."""
-    if role == "router":
+    if role is Role.ROUTER:
         return router_config(args)
-    if role == "prefill":
+    if role is Role.PREFILL:
         return prefill_config(args)
-    if role == "decode":
-        return decode_config(args)
-    raise ValueError(f"not a service role: {role!r}")
+    return decode_config(args)
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -93,13 +95,22 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ValueError(f"{self.prog} flags: {message}")
 
 
-def parse_service_flags(role: str, argv: list[str]) -> ServiceConfig:
-    """A component's config from flags alone, ignoring the environment: for configs built on
-    behalf of other processes (a Ray deployment's workers), whose environment is not ours.
-    Bad flags raise ValueError naming them."""
-    parser = _RaisingParser(prog=role, exit_on_error=False)
-    add_service_flags(parser, role, env={})
+def parse_service_flags(
+    role: Role, argv: list[str], *, with_environment: bool = False
+) -> ServiceConfig:
+    """A component's config from flags alone, ignoring the environment unless asked: for
+    configs built on behalf of other processes (a Ray deployment's workers, whose environment
+    is not ours; ``pdserve up``'s children, which inherit ours). Bad flags raise ValueError
+    naming them."""
+    parser = _RaisingParser(prog=role.value, exit_on_error=False)
+    add_service_flags(parser, role, env=None if with_environment else {})
     try:
         return service_config(role, parser.parse_args(argv))
     except argparse.ArgumentError as exc:
-        raise ValueError(f"{role} flags: {exc}") from None
+        raise ValueError(f"{role.value} flags: {exc}") from None
+
+
+def stdin_config() -> ServiceConfig:
+    """The whole config a supervisor (``pdserve up``) wrote to this process's stdin as JSON
+    (``settings/serialized.py``); ValueError naming what is wrong."""
+    return from_json(sys.stdin.read())
