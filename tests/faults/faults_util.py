@@ -154,7 +154,7 @@ async def stats(component: Component) -> common_pb2.WorkerStats:
             if component.role is Role.PREFILL
             else decode_pb2_grpc.DecodeWorkerStub(channel)
         )
-        return await stub.GetStats(common_pb2.GetStatsRequest(), timeout=10)  # type: ignore[no-any-return]
+        return await stub.GetStats(common_pb2.GetStatsRequest(), timeout=10)
 
 
 async def survivors_hold_nothing(cluster: LocalCluster) -> bool:
