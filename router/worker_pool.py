@@ -173,7 +173,7 @@ class WorkerPool:
             for address in addresses:
                 self.pools[role][address] = Worker(address, role, self.channels)
         self._static = {*prefill, *decode}
-        self._refused: set[str] = set()
+        self._refused: dict[str, Role] = {}  # registry workers refused: worker_id -> role
         self._departed: list[Worker] = []  # their channels close once nothing is in flight
         # One rotation per pool: a shared counter would advance by two per request and pin
         # round-robin to every other worker.
@@ -227,11 +227,12 @@ class WorkerPool:
                     logger.info("%s worker %s left", worker.role.value, address)
                     self._depart(pool, address)
         # Forget refusals of workers that are gone, so the set does not grow forever.
-        self._refused &= {r.worker_id for r in records}
+        ids = {r.worker_id for r in records}
+        self._refused = {i: role for i, role in self._refused.items() if i in ids}
 
     def _refuse(self, record: WorkerRecord, why: str) -> None:
         if record.worker_id not in self._refused:
-            self._refused.add(record.worker_id)
+            self._refused[record.worker_id] = record.role
             logger.error("refusing worker_id=%s at %s: %s", record.worker_id, record.address, why)
         # An incompatible worker now answers at this address: the old entry is not it.
         stale = self.pools[record.role].get(record.address)
@@ -255,7 +256,11 @@ class WorkerPool:
     async def refresh(self, fingerprint: str, block_size: int) -> None:
         await asyncio.gather(*(w.refresh(fingerprint, block_size) for w in self.workers))
         for role, pool in self.pools.items():
-            metrics.HEALTHY_WORKERS.labels(role.value).set(sum(w.healthy for w in pool.values()))
+            workers = pool.values()
+            metrics.HEALTHY_WORKERS.labels(role.value).set(sum(w.routable for w in workers))
+            refused = sum(bool(w.refused) for w in workers)  # static ones, found by stats
+            refused += sum(r is role for r in self._refused.values())  # never admitted
+            metrics.REFUSED_WORKERS.labels(role.value).set(refused)
 
     def suspect(self, address: str, why: str) -> None:
         """A call to this worker just failed or stalled: no new work for it until its next

@@ -128,7 +128,16 @@ CLIENT_IDLE_CANCELS = Counter(
     "pdserve_client_idle_cancels_total",
     "Streams cancelled because the client read nothing for --client-idle-timeout-s",
 )
-HEALTHY_WORKERS = Gauge("pdserve_router_healthy_workers", "Workers this router routes to", ["pool"])
+HEALTHY_WORKERS = Gauge(
+    "pdserve_router_healthy_workers",
+    "Workers this router routes to now (answering, not draining, suspected or refused)",
+    ["pool"],
+)
+REFUSED_WORKERS = Gauge(
+    "pdserve_router_refused_workers",
+    "Workers this router refuses: their model, dtype or KV layout differs from its own",
+    ["pool"],
+)
 
 # Cluster state (Redis): 1 when this process reaches Redis; routing degrades to load-only at 0.
 REDIS_UP = Gauge("pdserve_redis_up", "Whether Redis (registry, prefix index) is reachable")

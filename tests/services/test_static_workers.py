@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from engine import LLM, SamplingParams
 from pdserve.app.client import generate
@@ -20,6 +21,8 @@ from router.config import RouterConfig
 from router.policy import RoutingPolicy
 from router.service import RouterService
 from tests.services.harness import decode_stub, start, start_decode, wait_for
+
+POOL = {"pool": "decode"}
 
 
 def test_a_static_worker_of_another_model_is_refused_at_discovery(
@@ -56,6 +59,13 @@ def test_a_static_worker_of_another_model_is_refused_at_discovery(
 
             await wait_for(refused, 30.0, "the router's first stats round")
             assert not other.routable
+
+            async def counted() -> bool:  # the gauges follow each stats round
+                return REGISTRY.get_sample_value("pdserve_router_refused_workers", POOL) == 1
+
+            # An operator sees it: refused, and not among the workers routed to.
+            await wait_for(counted, 30.0, "the refused worker counted")
+            assert REGISTRY.get_sample_value("pdserve_router_healthy_workers", POOL) == 1
             async with grpc.aio.insecure_channel(router_server.address) as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
                 results = [
