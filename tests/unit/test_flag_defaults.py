@@ -6,9 +6,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+import pytest
+
+from decode_service.config import DecodeConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpecMethod,
+    SpeculativeConfig,
+)
+from pdserve.app import settings
 from pdserve.app.settings.router import add_router_flags, router_config
 from pdserve.app.settings.workers import add_decode_flags, decode_config
+from pdserve.common.role import Role
+from pdserve.common.server import ServerConfig
+from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
 
 # Set from elsewhere than a flag default of the field's own (addresses, the server section).
@@ -31,3 +44,28 @@ def test_engine_flag_defaults_are_the_config_defaults() -> None:
     add_decode_flags(parser, {})
     engine = decode_config(parser.parse_args(["--model", "m"])).engine
     assert engine == EngineConfig(model="m", cache=CacheConfig(), scheduler=SchedulerConfig())
+
+
+# A CLI process listens on well-known ports; a config built in code asks for ephemeral ones.
+WELL_KNOWN_PORTS = {"port", "kv_port"}
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE], ids=lambda r: r.value)
+def test_worker_and_server_flag_defaults_are_the_config_defaults(role: Role) -> None:
+    built = settings.parse_service_flags(role, ["--model", "m"])
+    assert isinstance(built, PrefillConfig | DecodeConfig)
+    default = type(built)(engine=built.engine)
+    for field in dataclasses.fields(built):
+        if field.name not in {"engine", "server"} | WELL_KNOWN_PORTS:
+            assert getattr(built, field.name) == getattr(default, field.name), field.name
+    for field in dataclasses.fields(ServerConfig):
+        if field.name not in WELL_KNOWN_PORTS:
+            assert getattr(built.server, field.name) == getattr(ServerConfig(), field.name)
+
+
+def test_speculative_flag_defaults_are_the_config_defaults() -> None:
+    built = settings.parse_service_flags(
+        Role.DECODE, ["--model", "m", "--speculative-method", "ngram"]
+    )
+    assert isinstance(built, DecodeConfig)
+    assert built.engine.speculative == SpeculativeConfig(SpecMethod.NGRAM)

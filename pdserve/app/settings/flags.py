@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import ENGINE_BACKEND_NAMES, EngineBackend
+from engine.config import ENGINE_BACKEND_NAMES, CacheConfig, EngineConfig
 from engine.kv_layout import KV_CACHE_DTYPE_NAMES
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -66,7 +66,12 @@ def add_kv_cache_dtype_flag(
     """``--kv-cache-dtype``: part of the KV layout and fingerprint, so every component (router,
     prefill and decode workers, the cluster commands) takes the same flag."""
     add_flag(
-        parser, "--kv-cache-dtype", env, default="auto", choices=KV_CACHE_DTYPE_NAMES, help=help
+        parser,
+        "--kv-cache-dtype",
+        env,
+        default=field_default(CacheConfig, "kv_cache_dtype"),
+        choices=KV_CACHE_DTYPE_NAMES,
+        help=help,
     )
 
 
@@ -77,7 +82,7 @@ def add_engine_flag(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         parser,
         "--engine",
         env,
-        default=EngineBackend.NATIVE.value,
+        default=field_default(EngineConfig, "backend"),
         choices=ENGINE_BACKEND_NAMES,
         help="the workers' engine: native (exact reference, CPU default) or vllm",
     )
@@ -90,19 +95,19 @@ def csv(value: str) -> tuple[str, ...]:
 def add_server_flags(
     parser: argparse.ArgumentParser, default_port: int, env: Mapping[str, str] | None = None
 ) -> None:
-    add_flag(parser, "--host", env, default="127.0.0.1", help="address to bind")
+    add_flag(parser, "--host", env, default=field_default(ServerConfig, "host"), help="bind to")
     add_flag(
         parser, "--advertise-host", env, default=None, help="host peers dial (default: --host)"
     )
     add_flag(
         parser, "--redis", env, default="", help="Redis URL: registry + prefix index (optional)"
     )
-    add_flag(parser, "--redis-namespace", env, default="pdserve", help="key prefix in Redis")
+    namespace = field_default(RedisConfig, "namespace")
+    add_flag(parser, "--redis-namespace", env, default=namespace, help="key prefix in Redis")
     add_flag(parser, "--port", env, type=int, default=default_port, help="gRPC port (0: ephemeral)")
     add_flag(parser, "--metrics-port", env, type=int, default=None, help="Prometheus /metrics port")
-    add_flag(
-        parser, "--drain-timeout-s", env, type=float, default=30.0, help="graceful drain bound"
-    )
+    drain_s = field_default(ServerConfig, "drain_timeout_s")
+    add_flag(parser, "--drain-timeout-s", env, type=float, default=drain_s, help="drain bound")
     add_flag(parser, "--tls-cert", env, default=None, help="TLS certificate chain (PEM)")
     add_flag(parser, "--tls-key", env, default=None, help="TLS private key (PEM)")
     add_flag(parser, "--tls-ca", env, default=None, help="CA internal peers must chain to")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 from decode_service.config import DecodeConfig
 from engine.config import (
-    DEFAULT_MAX_BUFFERED_TOKENS,
     AttentionBackend,
     CacheConfig,
     EngineBackend,
@@ -82,13 +82,18 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         choices=[b.value for b in AttentionBackend],
     )
     add_flag(
-        parser, "--kv-backend", env, default="grpc", choices=NETWORK_BACKENDS, help="KV transfer"
+        parser,
+        "--kv-backend",
+        env,
+        default=field_default(PrefillConfig, "kv_backend"),
+        choices=NETWORK_BACKENDS,
+        help="KV transfer",
     )
     add_flag(
         parser,
         "--ray-address",
         env,
-        default="auto",
+        default=field_default(PrefillConfig, "ray_address"),
         help="Ray cluster for --kv-backend ray: auto or the GCS HOST:PORT (in a Ray actor: unused)",
     )
     add_flag(parser, "--worker-id", env, default=None, help="registry id (default: <role>-<8 hex>)")
@@ -97,7 +102,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--fault-exit-on-token",
         env,
         type=int,
-        default=EngineConfig.__dataclass_fields__["fault_exit_on_token"].default,
+        default=field_default(EngineConfig, "fault_exit_on_token"),
         help="fault injection (tests): exit with code 70 on a prompt holding this token id",
     )
     add_flag(
@@ -197,15 +202,15 @@ def add_prefill_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | 
     add_flag(
         parser, "--kv-port", env, type=int, default=50071, help="KV sender port (0: ephemeral)"
     )
-    add_flag(
-        parser, "--max-pull-s", env, type=float, default=60.0, help="longest one KV pull may take"
-    )
+    pull_s = field_default(PrefillConfig, "max_pull_s")
+    add_flag(parser, "--max-pull-s", env, type=float, default=pull_s, help="longest KV pull")
 
 
 def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_server_flags(parser, 50062, env)
     add_engine_flags(parser, env)
-    add_flag(parser, "--transfer-timeout-s", env, type=float, default=60.0)
+    timeout_s = field_default(DecodeConfig, "transfer_timeout_s")
+    add_flag(parser, "--transfer-timeout-s", env, type=float, default=timeout_s)
     add_flag(
         parser,
         "--prefill-peers",
@@ -219,7 +224,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--max-buffered-tokens",
         env,
         type=int,
-        default=DEFAULT_MAX_BUFFERED_TOKENS,
+        default=field_default(DecodeConfig, "max_buffered_tokens"),
         help="output tokens a request may have unread before it is paused",
     )
     add_flag(
@@ -227,7 +232,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--heartbeat-s",
         env,
         type=float,
-        default=1.0,
+        default=field_default(DecodeConfig, "heartbeat_s"),
         help="a quiet stream sends an empty message this often (router stall detection)",
     )
     add_spec_flags(parser, env)
@@ -243,16 +248,19 @@ def add_spec_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
         choices=[m.value for m in SpecMethod],
         help="propose tokens by n-gram lookup or with a draft model; output is unchanged",
     )
-    add_flag(parser, "--num-speculative-tokens", env, type=int, default=3)
-    add_flag(parser, "--spec-ngram-min", env, type=int, default=2)
-    add_flag(parser, "--spec-ngram-max", env, type=int, default=4)
+    spec = functools.partial(field_default, SpeculativeConfig)
+    add_flag(
+        parser, "--num-speculative-tokens", env, type=int, default=spec("num_speculative_tokens")
+    )
+    add_flag(parser, "--spec-ngram-min", env, type=int, default=spec("ngram_min"))
+    add_flag(parser, "--spec-ngram-max", env, type=int, default=spec("ngram_max"))
     add_flag(parser, "--spec-draft-model", env, default=None, help="draft checkpoint directory")
     add_flag(
         parser,
         "--spec-max-batch-size",
         env,
         type=int,
-        default=16,
+        default=spec("max_batch_size"),
         help="steps decoding more requests than this do not speculate",
     )
     add_flag(
@@ -260,7 +268,7 @@ def add_spec_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
         "--spec-min-acceptance",
         env,
         type=float,
-        default=0.3,
+        default=spec("min_acceptance"),
         help="a request whose recent acceptance is below this sits out (doubling) steps",
     )
 
