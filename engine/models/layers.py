@@ -23,13 +23,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
-        dtype = x.dtype
-        if dtype == torch.float32:
-            # Same arithmetic as below in one fused kernel.
+        if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # HF: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps), cast back, times the weight in
+        # x's dtype. rms_norm computes the same in fp32 and casts back (bit for bit, checked
+        # by tests/engine/test_layers_exact.py) in one kernel instead of six.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] fp32
@@ -54,7 +53,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables (rotate-half convention), indexed by absolute position."""
+    """Precomputed cos/sin tables (rotate-half convention), indexed by absolute position. The
+    sin table's first half is negated: ``rotate_half(x) * sin == x.roll(half) * signed_sin``
+    exactly (a sign flip is exact), so rotation takes one roll instead of slices, a negation
+    and a concatenation."""
 
     def __init__(
         self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype
@@ -65,27 +67,25 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        sin = emb.sin().to(dtype)
+        half = head_dim // 2
+        self.register_buffer("signed_sin", torch.cat((-sin[:, :half], sin[:, half:]), -1), False)
         self.cos: torch.Tensor
-        self.sin: torch.Tensor
+        self.signed_sin: torch.Tensor
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a step's positions, ``[num_tokens, 1, head_dim]``; once per step."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, signed sin for a step's positions, ``[num_tokens, 1, head_dim]``; once per
+        step."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
 def apply_rotary(
-    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]: queries, keys, or both side by side
     cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    signed_sin: torch.Tensor,  # RotaryEmbedding.lookup's
+) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``, rounded op by op as it is."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class GatedMLP(nn.Module):

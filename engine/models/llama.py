@@ -45,13 +45,15 @@ class Attention(nn.Module):
         cfg = self.config
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_q_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        heads = [cfg.num_q_heads, cfg.num_kv_heads]
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.view(num_tokens, sum(heads), cfg.head_dim)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            q, k = qk.split(heads, dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # Queries and keys side by side: one rotation for both (per token and head alike).
+        q, k = apply_rotary(qk, *rope).split(heads, dim=1)
         out = paged_attention(q, k, v.contiguous(), cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, cfg.q_size))
 
