@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -33,6 +34,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
+from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class AsyncEngine(ServingEngine):
         *,
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         heartbeat_s: float | None = None,
+        stall_at_step: int | None = None,
     ) -> None:
         if max_buffered_tokens < 2:
             raise ValueError(f"max_buffered_tokens must be >= 2, got {max_buffered_tokens}")
@@ -71,6 +74,7 @@ class AsyncEngine(ServingEngine):
         self._on_dead = on_dead  # told once, when a step fails
         self.max_buffered_tokens = max_buffered_tokens
         self.heartbeat_s = heartbeat_s
+        self._stall_at_step = stall_at_step  # fault injection (EngineConfig.fault_stall_at_step)
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._streams: dict[str, _Stream] = {}
@@ -81,6 +85,7 @@ class AsyncEngine(ServingEngine):
         # Refreshed after every step and every call: stats RPCs must not wait behind a long
         # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
         self.stats: EngineStats = engine.stats()
+        self.progress = StepProgress()
         engine.defer_copy_waits()  # _run waits for them, outside the lock
 
     # ---- what the model is (fixed once loaded) ---------------------------------------------
@@ -279,6 +284,7 @@ class AsyncEngine(ServingEngine):
         engine = self._engine
         while True:
             await self._wakeup.wait()
+            self.progress.working()
             copy = engine.take_copy_wait()
             if copy is not None:  # a host-tier copy gates the next step
                 # The lock is free: calls go on meanwhile. A failed copy fails the next step
@@ -287,9 +293,10 @@ class AsyncEngine(ServingEngine):
             async with self._lock:
                 if not engine.has_unfinished_requests():
                     self._wakeup.clear()
+                    self.progress.progressed(stepped=False)
                     continue
                 try:
-                    updates = await finish_in_thread(engine.step)
+                    updates = await finish_in_thread(self._step)
                 except Exception as exc:
                     logger.exception("engine step failed; failing every request")
                     self.error = exc
@@ -298,12 +305,20 @@ class AsyncEngine(ServingEngine):
                     if self._on_dead is not None:
                         self._on_dead(exc)
                     return
+                self.progress.progressed(stepped=True)
                 self._deliver(updates)
                 self._refresh_stats()
                 if engine.last_step_idle:
                     # Nothing could be scheduled (no free blocks, everything paused): wait for
                     # a call to change that instead of spinning.
                     self._wakeup.clear()
+
+    def _step(self) -> list[RequestUpdate]:
+        """One engine step (in the step thread)."""
+        if self._stall_at_step == self.progress.num_steps + 1:
+            logger.error("fault injection: step %d blocks for good", self._stall_at_step)
+            threading.Event().wait()  # outside the GIL, like a hung device sync
+        return self._engine.step()
 
     def _deliver(self, updates: list[RequestUpdate]) -> None:
         """Queues each update for its consumer (under the lock, right after the step), and
@@ -333,4 +348,5 @@ async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> Async
         on_dead=hooks.on_dead,
         max_buffered_tokens=hooks.max_buffered_tokens,
         heartbeat_s=hooks.heartbeat_s,
+        stall_at_step=config.fault_stall_at_step,
     )

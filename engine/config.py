@@ -171,6 +171,13 @@ class EngineConfig:
     # Fault injection, for tests of poison prompts: the worker process exits (code 70, as a
     # crash would) on a request whose prompt holds this token id. None: off.
     fault_exit_on_token: int | None = None
+    # Fault injection, for tests of stuck steps: the native engine's step number N blocks
+    # outside the GIL for good, as a hung device sync does. None: off.
+    fault_stall_at_step: int | None = None
+    # A worker whose engine has had work and completed no step for this long fails its
+    # liveness probe (/livez: the orchestrator restarts it). Routers stop routing to it sooner,
+    # after their own stall_timeout_s (engine/step_progress.py).
+    liveness_stall_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:
@@ -179,6 +186,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if not self.liveness_stall_s > 0:
+            raise ValueError(f"liveness_stall_s must be > 0, got {self.liveness_stall_s}")
+        if self.fault_stall_at_step is not None and self.fault_stall_at_step < 1:
+            raise ValueError(f"fault_stall_at_step must be >= 1, got {self.fault_stall_at_step}")
         refused = self.meaningless_options()
         if refused:
             raise ValueError(
@@ -194,6 +205,7 @@ class EngineConfig:
             "--device": self.device is not None,
             "--num-threads": self.num_threads is not None,  # vLLM binds its own threads
             "--attention-backend": self.attention_backend is not None,
+            "--fault-stall-at-step": self.fault_stall_at_step is not None,
             "--speculative-method": self.speculative is not None,
             "--host-cache-gib": self.cache.host_cache_gib > 0,
             "--kv-cache-dtype": self.cache.kv_cache_dtype.quantized,

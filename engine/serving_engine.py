@@ -35,6 +35,7 @@ from engine.kv_layout import KVCacheLayout
 from engine.kv_pages import KVPages
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
+from engine.step_progress import StepProgress
 
 T = TypeVar("T")
 
@@ -76,6 +77,8 @@ class ServingEngine(ABC):
     stats: EngineStats
     # Set by a worker that publishes to a prefix index: then ``take_kv_events`` returns events.
     collect_kv_events: bool
+    # Written by the engine's loop only: whether its steps complete (``engine/step_progress.py``).
+    progress: StepProgress
 
     # ---- what the model and cache are (fixed once started) ---------------------------------
     @property

@@ -312,24 +312,35 @@ class Dispatcher:
         self, call: grpc.aio.UnaryStreamCall, worker: Worker
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """A worker's stream, message by message (heartbeats included), until its finish.
-        ``WorkerLost`` when the worker fails or stays silent for ``stall_timeout_s``."""
+        ``WorkerLost`` when the worker fails, stays silent for ``stall_timeout_s``, or turns
+        lost meanwhile (its stats stopped answering, or its engine completed no step for
+        ``stall_timeout_s``: heartbeats from a worker whose step hangs prove nothing)."""
+        lost = asyncio.ensure_future(worker.lost.wait())
         with self.pool.dispatched(worker):
             try:
                 while True:
-                    async with asyncio.timeout(self.config.stall_timeout_s):
-                        message = await call.read()
+                    read = asyncio.ensure_future(call.read())
+                    await asyncio.wait(
+                        {read, lost},
+                        timeout=self.config.stall_timeout_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    if not read.done():
+                        read.cancel()
+                        what = "turned unhealthy" if lost.done() else "silent for stall_timeout_s"
+                        raise stalled(worker, what, Phase.STREAM)
+                    message = read.result()
                     if message == grpc.aio.EOF:
                         return
                     assert isinstance(message, decode_pb2.DecodeResponse)
                     yield message
                     if message.finish_reason:
                         return  # finished: a break before EOF changes nothing
-            except TimeoutError:
-                raise stalled(worker, "silent for stall_timeout_s", Phase.STREAM) from None
             except grpc.aio.AioRpcError as exc:
                 verdict = classify(Phase.STREAM, event(exc))
                 raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None
             finally:
+                lost.cancel()
                 call.cancel()  # client gone or worker given up on: stop its request too
 
     async def renew(self, worker: Worker, request_id: str, lease_token: str) -> None:

@@ -39,6 +39,14 @@ def is_stalled(
     return num_stats_timeouts >= limit or (record_expired and num_stats_timeouts > 0)
 
 
+def engine_stalled(engine_stalled_s: float, stall_timeout_s: float) -> bool:
+    """Whether a worker that answers is stuck all the same: its engine has had work and
+    completed no step for ``stall_timeout_s`` (a step blocked outside the GIL, as a hung device
+    sync is: its heartbeats and stats answers go on). It leaves routing and its calls are
+    given up on, like a worker that stopped answering (engine/step_progress.py)."""
+    return engine_stalled_s >= stall_timeout_s
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
     address: str

@@ -82,6 +82,7 @@ class RequestCore:
             config.decode_addresses,
             config.decode_policy,
             tls=config.server.tls,
+            stall_timeout_s=config.stall_timeout_s,
         )
         fingerprint = await asyncio.to_thread(
             engine_fingerprint,

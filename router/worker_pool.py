@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.policy import (
     RoutingPolicy,
     WorkerLoad,
+    engine_stalled,
     is_stalled,
     rank_decode,
 )
@@ -127,9 +129,12 @@ class Worker:
         else:
             self.lost.set()
 
-    async def refresh(self, fingerprint: str, block_size: int) -> None:
+    async def refresh(
+        self, fingerprint: str, block_size: int, stall_timeout_s: float = math.inf
+    ) -> None:
         """Asks for its stats; ``fingerprint`` and ``block_size`` are the router's, which its
-        stats' layout must match (a restart at the same address may bring another model)."""
+        stats' layout must match (a restart at the same address may bring another model); an
+        engine that completed no step for ``stall_timeout_s`` makes it unhealthy."""
         stub = self.prefill_stub if self.role is Role.PREFILL else self.decode_stub
         try:
             self.stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
@@ -155,6 +160,10 @@ class Worker:
             logger.info("%s worker %s now matches the router", self.role.value, self.address)
         self.refused = refused
         self.suspected = False
+        stalled_s = self.stats.engine_stalled_s
+        if engine_stalled(stalled_s, stall_timeout_s):
+            self.set_healthy(False, f"its engine completed no step for {stalled_s:.1f} s")
+            return
         self.set_healthy(True)
 
 
@@ -165,8 +174,10 @@ class WorkerPool:
         decode: tuple[str, ...] = (),
         decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED,
         tls: TlsConfig | None = None,
+        stall_timeout_s: float = math.inf,
     ) -> None:
         self.channels = ChannelPool(tls=tls)
+        self.stall_timeout_s = stall_timeout_s  # an engine this long without a step: unhealthy
         self.decode_policy = decode_policy
         self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
@@ -254,7 +265,8 @@ class WorkerPool:
         await self.channels.retain(in_use | self._static)
 
     async def refresh(self, fingerprint: str, block_size: int) -> None:
-        await asyncio.gather(*(w.refresh(fingerprint, block_size) for w in self.workers))
+        stall_s = self.stall_timeout_s
+        await asyncio.gather(*(w.refresh(fingerprint, block_size, stall_s) for w in self.workers))
         for role, pool in self.pools.items():
             workers = pool.values()
             metrics.HEALTHY_WORKERS.labels(role.value).set(sum(w.routable for w in workers))

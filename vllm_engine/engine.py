@@ -30,6 +30,7 @@ from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
+from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread
 from engine.tokenizer import Tokenizer
 from vllm_engine.bridge import Bridge
@@ -89,7 +90,7 @@ class VllmEngine(ServingEngine):
         self.error: BaseException | None = None
         self.collect_kv_events = False
         self._kv_events: list[KVEvents] = []
-        self._num_steps = 0
+        self.progress = StepProgress()
         self.stats = self._stats()
 
     # ---- what the model and cache are ------------------------------------------------------
@@ -264,9 +265,11 @@ class VllmEngine(ServingEngine):
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
+            self.progress.working()
             async with self._lock:
                 if not self._has_work():
                     self._wakeup.clear()
+                    self.progress.progressed(stepped=False)
                     continue
                 events = self._bridge.events
                 try:
@@ -279,7 +282,7 @@ class VllmEngine(ServingEngine):
                     if self._hooks.on_dead is not None:
                         self._hooks.on_dead(exc)
                     return
-                self._num_steps += 1
+                self.progress.progressed(stepped=True)
                 for output in outputs:
                     if isinstance(output, RequestOutput):
                         self._table.deliver(output)
@@ -310,7 +313,7 @@ class VllmEngine(ServingEngine):
             num_preemptions=0,
             num_prompt_tokens_computed=self._table.num_prompt_tokens_computed,
             num_prefix_hit_tokens=self._table.num_prefix_hit_tokens,
-            num_steps=self._num_steps,
+            num_steps=self.progress.num_steps,
         )
 
     def _check_alive(self) -> None:

@@ -43,7 +43,9 @@ def _serve(service: Service, config: ServerConfig, role: Role, *, reflect: bool 
         print(f"pdserve {role.value} {event} {address}", flush=True)
 
     if config.metrics_port is not None:
-        port = start_metrics_server(config.host, config.metrics_port, lambda: service.serving)
+        port = start_metrics_server(
+            config.host, config.metrics_port, lambda: service.serving, service.alive
+        )
         announce("metrics", f"{config.host}:{port}")
     asyncio.run(serve(service, config, reflect=reflect, on_event=announce))
     return 0

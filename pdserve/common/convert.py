@@ -115,6 +115,7 @@ def stats_to_proto(
     max_model_len: int,
     num_inflight: int,
     draining: bool,
+    engine_stalled_s: float = 0.0,
 ) -> common_pb2.WorkerStats:
     return common_pb2.WorkerStats(
         num_waiting=stats.num_waiting,
@@ -131,6 +132,7 @@ def stats_to_proto(
         num_inflight=num_inflight,
         draining=draining,
         layout=layout_to_proto(layout),
+        engine_stalled_s=engine_stalled_s,
     )
 
 

@@ -90,6 +90,10 @@ DRAFT_PROMPT_TOKENS = Counter(
     "pdserve_draft_prompt_tokens_total", "Prompt tokens the draft model computed"
 )
 ENGINE_STEPS = Counter("pdserve_engine_steps_total", "Engine steps that ran the model")
+ENGINE_STALLED = Gauge(
+    "pdserve_engine_stalled_seconds",
+    "How long the engine has had work without completing a step (0: progressing or idle)",
+)
 
 # Workers: the host-memory KV tier (--host-cache-gib).
 HOST_HIT_TOKENS = Counter(
@@ -212,10 +216,16 @@ class EngineObserver:
         self._last[key] = total
 
 
-def start_metrics_server(host: str, port: int, serving: Callable[[], bool] | None = None) -> int:
-    """Serves ``/metrics`` (Prometheus) and ``/healthz`` (200 while ``serving()``, else 503:
-    a plain-HTTP readiness probe, for ports whose gRPC health needs a client certificate).
-    Returns the bound port (``port`` 0 picks one)."""
+def start_metrics_server(
+    host: str,
+    port: int,
+    serving: Callable[[], bool] | None = None,
+    alive: Callable[[], bool] | None = None,
+) -> int:
+    """Serves ``/metrics`` (Prometheus), ``/healthz`` (200 while ``serving()``, else 503:
+    a plain-HTTP readiness probe, for ports whose gRPC health needs a client certificate) and
+    ``/livez`` (200 while ``alive()``, else 503: a liveness probe that sees a stuck engine,
+    which a TCP check does not). Returns the bound port (``port`` 0 picks one)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -224,6 +234,9 @@ def start_metrics_server(host: str, port: int, serving: Callable[[], bool] | Non
             elif self.path == "/healthz":
                 ok = serving is None or serving()
                 status, body, kind = (200 if ok else 503), (b"ok" if ok else b"not serving"), ""
+            elif self.path == "/livez":
+                ok = alive is None or alive()
+                status, body, kind = (200 if ok else 503), (b"ok" if ok else b"stalled"), ""
             else:
                 status, body, kind = 404, b"not found", ""
             self.send_response(status)

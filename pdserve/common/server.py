@@ -84,6 +84,11 @@ class Service(ABC):
     @abstractmethod
     def num_inflight(self) -> int: ...
 
+    def alive(self) -> bool:
+        """Liveness (``/livez``): False when the process should be restarted although it
+        answers (a stuck engine). Called from the metrics server's threads."""
+        return True
+
     async def drain(self, timeout_s: float, poll_s: float = 0.05) -> None:
         """Refuse new work and wait for in-flight requests, up to ``timeout_s``."""
         self.draining = True

@@ -235,6 +235,7 @@ class WorkerStats(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     NUM_PAUSED_FIELD_NUMBER: _builtins.int
     KV_ADDRESS_FIELD_NUMBER: _builtins.int
+    ENGINE_STALLED_S_FIELD_NUMBER: _builtins.int
     num_waiting: _builtins.int
     num_running: _builtins.int
     num_pinned: _builtins.int
@@ -252,6 +253,11 @@ class WorkerStats(_message.Message):
     """requests whose reader stopped reading: blocks kept, no seat"""
     kv_address: _builtins.str
     """a prefill worker's KV sender (what its handles name)"""
+    engine_stalled_s: _builtins.float
+    """Seconds the engine has had work without completing a step (0: progressing or idle),
+    measured when this answer was made: a step blocked outside the GIL (a hung device sync)
+    stops this, not the heartbeats (engine/step_progress.py).
+    """
     @_builtins.property
     def layout(self) -> Global___KVCacheLayout: ...
     def __init__(
@@ -272,10 +278,11 @@ class WorkerStats(_message.Message):
         layout: Global___KVCacheLayout | None = ...,
         num_paused: _builtins.int = ...,
         kv_address: _builtins.str = ...,
+        engine_stalled_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "kv_address", b"kv_address", "layout", b"layout", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_inflight", b"num_inflight", "num_paused", b"num_paused", "num_pinned", b"num_pinned", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens_computed", b"num_prompt_tokens_computed", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "engine_stalled_s", b"engine_stalled_s", "kv_address", b"kv_address", "layout", b"layout", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_inflight", b"num_inflight", "num_paused", b"num_paused", "num_pinned", b"num_pinned", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens_computed", b"num_prompt_tokens_computed", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -65,6 +65,15 @@ class WorkerService(Service):
         self._membership: Membership | None = None
         self._observer = metrics.EngineObserver()
 
+    def alive(self) -> bool:
+        """Not while the engine has had work and completed no step for liveness_stall_s
+        (engine/step_progress.py): restarting is the one cure for a hung device."""
+        engine = self._engine
+        if engine is None:
+            return True  # loading: the startup probe's business
+        stalled_s = engine.progress.stalled_s()
+        return stalled_s < self.engine_config.liveness_stall_s
+
     @property
     def membership(self) -> Membership | None:
         return self._membership
@@ -84,6 +93,8 @@ class WorkerService(Service):
         )
         self._engine = await self._build_engine(self.engine_config, hooks)
         metrics.observe_kv_layout(self._engine.kv_layout)
+        # Read at scrape time: a stuck step updates nothing.
+        metrics.ENGINE_STALLED.set_function(self._engine.progress.stalled_s)
         self._engine.start()
         self._observer(self._engine.stats)
         await self.prepare()
@@ -219,4 +230,5 @@ class WorkerService(Service):
             max_model_len=engine.max_model_len,
             num_inflight=self._inflight,
             draining=self.draining,
+            engine_stalled_s=engine.progress.stalled_s(),
         )

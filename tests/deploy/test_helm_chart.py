@@ -131,7 +131,10 @@ def test_probes_drain_hook_and_security_context(helm: str) -> None:
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
         else:
             assert c["readinessProbe"]["grpc"]["port"] == grpc_port  # the standard health
-        assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"  # not health: draining is alive
+        if role == "router":
+            assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"  # draining is alive
+        else:  # progress of the engine, not health (draining is alive) nor a TCP check
+            assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]

@@ -93,7 +93,7 @@ def test_refusals_and_channels_of_departed_workers_are_forgotten() -> None:
         pool = WorkerPool()
         bad = _record("bad", Role.DECODE, 5, model_fingerprint="other:fp")
         pool.sync([_record("d1", Role.DECODE, 3), bad], FP, 16)
-        assert pool._refused == {"bad"}
+        assert pool._refused == {"bad": Role.DECODE}
         assert pool.decode["127.0.0.1:3"].decode_stub is not None  # its first call opens a channel
         pool.channels.get("127.0.0.1:9")  # e.g. a release to a prefill worker that left
         await pool.close_unused_channels()
@@ -101,7 +101,7 @@ def test_refusals_and_channels_of_departed_workers_are_forgotten() -> None:
         pool.decode["127.0.0.1:3"].set_healthy(False, "test")
         pool.sync([], FP, 16)
         await pool.close_unused_channels()
-        assert pool._refused == set() and pool.channels._channels == {}
+        assert pool._refused == {} and pool.channels._channels == {}
         await pool.close()
 
     asyncio.run(run())

@@ -122,9 +122,12 @@ spec:
             periodSeconds: 5
             failureThreshold: 60
           {{- include "pdserve.readinessProbe" (dict "root" $root "port" $pool.port) | nindent 10 }}
+          # Progress, not a TCP check: /livez fails once the engine has had work and completed
+          # no step for --liveness-stall-s (a hung device sync); the process still answers.
           livenessProbe:
-            tcpSocket:
-              port: grpc
+            httpGet:
+              path: /livez
+              port: metrics
             periodSeconds: 10
             failureThreshold: 6
           lifecycle:

@@ -87,7 +87,10 @@ class ServiceActor:
         self._loop = asyncio.get_running_loop()
         if spec.server.metrics_port is not None:
             port = start_metrics_server(
-                spec.server.host, spec.server.metrics_port, lambda: spec.service.serving
+                spec.server.host,
+                spec.server.metrics_port,
+                lambda: spec.service.serving,
+                spec.service.alive,
             )
             self._metrics_address = f"{spec.server.host}:{port}"
 

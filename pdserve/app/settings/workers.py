@@ -107,6 +107,22 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(
         parser,
+        "--fault-stall-at-step",
+        env,
+        type=int,
+        default=field_default(EngineConfig, "fault_stall_at_step"),
+        help="fault injection (tests): the engine's step N blocks for good (a hung device sync)",
+    )
+    add_flag(
+        parser,
+        "--liveness-stall-s",
+        env,
+        type=float,
+        default=field_default(EngineConfig, "liveness_stall_s"),
+        help="an engine with work and no step completed this long fails /livez",
+    )
+    add_flag(
+        parser,
         "--ucx-tls",
         env,
         default=None,
@@ -181,6 +197,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         backend=EngineBackend(args.engine),
         fault_exit_on_token=args.fault_exit_on_token,
+        fault_stall_at_step=args.fault_stall_at_step,
+        liveness_stall_s=args.liveness_stall_s,
         vllm=vllm_options(args),
     )
 
