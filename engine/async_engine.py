@@ -35,7 +35,7 @@ from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
 from engine.step_progress import StepProgress
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, step_executor
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class AsyncEngine(ServingEngine):
         self._wakeup = asyncio.Event()
         self._streams: dict[str, _Stream] = {}
         self._task: asyncio.Task[None] | None = None
+        self._step_thread = step_executor()  # steps never wait for a shared pool's thread
         self.error: BaseException | None = None
         self.collect_kv_events = False  # set by a worker that publishes to a prefix index
         self._kv_events: list[KVEvents] = []
@@ -133,6 +134,7 @@ class AsyncEngine(ServingEngine):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._step_thread.shutdown(wait=False)
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(
@@ -296,7 +298,7 @@ class AsyncEngine(ServingEngine):
                     self.progress.progressed(stepped=False)
                     continue
                 try:
-                    updates = await finish_in_thread(self._step)
+                    updates = await finish_in_thread(self._step, executor=self._step_thread)
                 except Exception as exc:
                     logger.exception("engine step failed; failing every request")
                     self.error = exc

@@ -14,7 +14,7 @@ import time
 import grpc
 
 from engine.kv_pages import KVPages
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -119,7 +119,11 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
                 await context.write(kv_transfer_pb2.KVMessage(header=header))
                 for spec in plan:
                     ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
-                    await context.write(await finish_in_thread(self._encode, spec, ids))
+                    await context.write(
+                        await finish_in_thread(
+                            self._encode, spec, ids, executor=transfer_executor()
+                        )
+                    )
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -190,7 +194,9 @@ class GrpcKVReceiver(KVReceiver):
             if checker is None:
                 raise KVTransferError(TransferErrorCode.CORRUPTED, "chunk before header")
             # Checked and copied into the cache off the event loop, while gRPC receives the next.
-            await finish_in_thread(self._write_chunk, checker, message.chunk, block_ids)
+            await finish_in_thread(
+                self._write_chunk, checker, message.chunk, block_ids, executor=transfer_executor()
+            )
         if checker is None or not checker.complete:
             raise KVTransferError(TransferErrorCode.CORRUPTED, "stream ended before all chunks")
         return checker.num_bytes

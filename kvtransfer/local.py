@@ -11,7 +11,7 @@ import time
 from typing import ClassVar
 
 from engine.kv_pages import KVPages
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -75,7 +75,9 @@ class LocalKVReceiver(KVReceiver):
                 )
             for layer in range(self.cache.layout.num_layers):
                 data = sender.cache.read_layer(layer, source_ids)
-                await finish_in_thread(self.cache.write_layer, layer, block_ids, data)
+                await finish_in_thread(
+                    self.cache.write_layer, layer, block_ids, data, executor=transfer_executor()
+                )
                 num_bytes += data.numel() * data.element_size()
         finally:
             await sender.leases.checkin(handle.request_id)

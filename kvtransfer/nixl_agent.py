@@ -148,6 +148,15 @@ class NixlAgent:
         stop: threading.Event,
         deadline_s: float,
     ) -> None:
+        # It may have queued for a transfer thread: a READ that starts after its hold ended
+        # could read blocks the sender already reused.
+        if stop.is_set():
+            raise ReadStopped()
+        if time.monotonic() > deadline_s:
+            raise KVTransferError(
+                TransferErrorCode.UNAVAILABLE,
+                f"NIXL READ from {remote_agent} not started before its deadline",
+            )
         try:
             local_array = np.array(local_rows, dtype=np.uint64)
             remote_array = np.array(remote_rows, dtype=np.uint64)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from engine.kv_cache import KVCache
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     KVHandle,
     KVReceiver,
@@ -139,7 +139,9 @@ class NixlKVReceiver(KVReceiver):
                 ) from None
             await self._read(peer, local_rows, remote_rows, min(deadline_s, hold_deadline_s))
             if self.verify:
-                digest = await finish_in_thread(block_digest, self.cache, block_ids)
+                digest = await finish_in_thread(
+                    block_digest, self.cache, block_ids, executor=transfer_executor()
+                )
                 if digest != checkout.digest:
                     raise KVTransferError(
                         TransferErrorCode.CORRUPTED,
@@ -156,7 +158,9 @@ class NixlKVReceiver(KVReceiver):
         stop = threading.Event()
         agent = self.agent
         work = (peer.agent_name, peer.mem_type, local_rows, remote_rows, stop, deadline_s)
-        read = asyncio.ensure_future(asyncio.to_thread(agent.read, *work))
+        read = asyncio.ensure_future(
+            finish_in_thread(agent.read, *work, executor=transfer_executor())
+        )
         try:
             await asyncio.shield(read)
         except asyncio.CancelledError:
@@ -198,7 +202,9 @@ class NixlKVReceiver(KVReceiver):
             if mismatch is not None:
                 raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
             try:
-                name = await finish_in_thread(self.agent.add_remote, response.agent_metadata)
+                name = await finish_in_thread(
+                    self.agent.add_remote, response.agent_metadata, executor=transfer_executor()
+                )
             except Exception as exc:  # metadata NIXL cannot use (another NIXL, corrupted)
                 raise KVTransferError(
                     TransferErrorCode.UNAVAILABLE, f"{address}: NIXL add_remote_agent: {exc}"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.kv_cache import KVCache
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import BlockLeases, KVHandle, KVSender
 from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
@@ -135,7 +135,9 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
 
         async def held() -> bytes:
             try:
-                return await finish_in_thread(block_digest, self.cache, block_ids)
+                return await finish_in_thread(
+                    block_digest, self.cache, block_ids, executor=transfer_executor()
+                )
             finally:
                 await self.leases.checkin(request_id)
 
@@ -147,7 +149,9 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         recorded = self._digests.get(request_id)
         if recorded is not None:
             return await asyncio.shield(recorded)
-        return await finish_in_thread(block_digest, self.cache, block_ids)
+        return await finish_in_thread(
+            block_digest, self.cache, block_ids, executor=transfer_executor()
+        )
 
     async def Handshake(
         self, request: nixl_pb2.NixlHandshakeRequest, context: grpc.aio.ServicerContext

@@ -32,7 +32,7 @@ from ray.exceptions import RayError
 
 from engine.dtypes import torch_dtype
 from engine.kv_cache import KVCache, KVCacheLayout
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
@@ -183,7 +183,9 @@ class RayKVSender(KVSender):
             staged = self._staged.get(request_id, {}).get(layers)
             if staged is None:
                 async with self._stage_lock:
-                    staged = await finish_in_thread(self._put, block_ids, layers)
+                    staged = await finish_in_thread(
+                        self._put, block_ids, layers, executor=transfer_executor()
+                    )
                 self._staged.setdefault(request_id, {})[layers] = staged
         finally:
             await self.leases.checkin(request_id)  # may end the lease, dropping _staged
@@ -279,7 +281,12 @@ class RayKVReceiver(KVReceiver):
             payload = await reply.refs[0]
             assert payload is not None
             error = await finish_in_thread(
-                self._write, payload, layers, reply.layer_digests, block_ids
+                self._write,
+                payload,
+                layers,
+                reply.layer_digests,
+                block_ids,
+                executor=transfer_executor(),
             )
             return error, payload.nbytes
         finally:

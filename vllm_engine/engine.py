@@ -31,7 +31,7 @@ from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
 from engine.step_progress import StepProgress
-from engine.threads import finish_in_thread
+from engine.threads import finish_in_thread, step_executor
 from engine.tokenizer import Tokenizer
 from vllm_engine.bridge import Bridge
 from vllm_engine.events import BufferingPublisher, CachedBlocks
@@ -87,6 +87,7 @@ class VllmEngine(ServingEngine):
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._step_thread = step_executor()  # steps never wait for a shared pool's thread
         self.error: BaseException | None = None
         self.collect_kv_events = False
         self._kv_events: list[KVEvents] = []
@@ -133,6 +134,7 @@ class VllmEngine(ServingEngine):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._step_thread.shutdown(wait=False)
         self._bridge.close()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -273,7 +275,7 @@ class VllmEngine(ServingEngine):
                     continue
                 events = self._bridge.events
                 try:
-                    outputs = await finish_in_thread(self._llm.step)
+                    outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
                 except Exception as exc:
                     logger.exception("vLLM step failed; failing every request")
                     self.error = exc
