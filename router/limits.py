@@ -28,6 +28,11 @@ class RequestLimits:
     max_concurrent_tokenizations: int = 4  # off the event loop, at most this many at once
     max_queued_tokenizations: int = 64  # waiting for one of those: past this, refused
     max_choices: int = 64  # OpenAI API: prompts x n of one request
+    # What a whole response may come to, estimated before any work from choices x max_tokens x
+    # (a token, and its top logprobs): a non-streamed response is held until its last token.
+    max_output_bytes: int = 256 << 20
+    max_concurrent_requests: int = 4096  # public requests in flight: past this, 429
+    request_body_timeout_s: int = 30  # an HTTP body must arrive within this (else 408)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -38,6 +43,34 @@ class RequestLimits:
                 f"max_prompt_bytes ({self.max_prompt_bytes}) must be <= max_request_bytes "
                 f"({self.max_request_bytes})"
             )
+
+
+# What one output token may weigh in a whole response (its id, text and JSON), and one logprob
+# entry (token text, id, value, JSON): generous upper estimates, not measurements.
+OUTPUT_TOKEN_BYTES = 24
+LOGPROB_BYTES = 48
+
+
+def output_bytes(max_tokens: list[int], top_logprobs: int | None) -> int:
+    """The estimated size of a whole response whose choices generate up to ``max_tokens``
+    each, with ``top_logprobs`` per token (None: no logprobs; 0: the chosen token's only)."""
+    per_token = OUTPUT_TOKEN_BYTES
+    if top_logprobs is not None:
+        per_token += LOGPROB_BYTES * (1 + top_logprobs)
+    return sum(max_tokens) * per_token
+
+
+def check_output(max_tokens: list[int], top_logprobs: int | None, limits: RequestLimits) -> None:
+    """Raises ValueError (a ``ResourceError`` where raised by the core) naming the fields
+    and ``--max-output-bytes`` when the response could outgrow it."""
+    estimate = output_bytes(max_tokens, top_logprobs)
+    if estimate > limits.max_output_bytes:
+        logprobs = f" with {top_logprobs} top logprobs each" if top_logprobs is not None else ""
+        raise ValueError(
+            f"{len(max_tokens)} choice(s) of up to {max(max_tokens)} tokens{logprobs} could "
+            f"come to {estimate} bytes, more than --max-output-bytes ({limits.max_output_bytes}):"
+            " lower max_tokens, n or logprobs"
+        )
 
 
 def _over(field: str, what: str, value: int, limit_name: str, limit: int) -> str:

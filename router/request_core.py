@@ -30,7 +30,7 @@ from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.generation import Generation
 from router.output_stream import OutputStream
-from router.prompts import PromptReader
+from router.prompts import Overloaded, PromptReader
 from router.worker_errors import WorkerError
 from router.worker_pool import WorkerPool
 
@@ -157,9 +157,18 @@ class RequestCore:
                     f"holds {best.num_blocks * best.block_size} tokens of KV cache"
                 )
 
-    def track(self) -> InFlight:
+    def track(self, admit: bool = True) -> InFlight:
         """One public request, counted in flight from its admission to its last byte (drain
-        waits for it). Every frontend takes one per request and ends it exactly once."""
+        waits for it). Every frontend takes one per request and ends it exactly once.
+        ``admit``: refuse it (``Overloaded``) when ``--max-concurrent-requests`` are in
+        flight; False: a count of a request already admitted (a stream outliving its
+        handler)."""
+        limit = self.config.limits.max_concurrent_requests
+        if admit and self._inflight >= limit:
+            raise Overloaded(
+                f"{self._inflight} requests in flight, the router's --max-concurrent-requests "
+                f"({limit}); retry"
+            )
         self._inflight += 1
         metrics.ROUTER_INFLIGHT.inc()
         metrics.ROUTER_ARRIVALS.inc()

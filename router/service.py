@@ -60,6 +60,9 @@ def parse_request(data: bytes) -> router_pb2.GenerateRequest | Unparsable:
         return Unparsable("the request is not a valid pdserve.v1.GenerateRequest")
 
 
+# HTTP connections allowed beyond --max-concurrent-requests (keep-alives between requests).
+HTTP_SPARE_CONNECTIONS = 256
+
 class RouterService(Service):
     name = "pdserve.v1.Router"
     public = True  # TLS without client certificates: API keys authenticate clients
@@ -103,7 +106,10 @@ class RouterService(Service):
 
         server = self.config.server
         app = build_app(self.core, self.config.model_name)
-        self._http = HttpServer(app, server.host, self.config.http_port, server.tls)
+        # Connections (idle keep-alives and slow senders too) are bounded past the requests
+        # the router admits: uvicorn answers 503 beyond, the router's own check 429 before.
+        connections = self.config.limits.max_concurrent_requests + HTTP_SPARE_CONNECTIONS
+        self._http = HttpServer(app, server.host, self.config.http_port, server.tls, connections)
         return {"http": await self._http.start()}
 
     async def load(self) -> None:
@@ -121,7 +127,12 @@ class RouterService(Service):
         """A server stream written with ``context.write`` (not yielded): each write is bounded
         by ``client_idle_timeout_s``, so a client that stops reading is cancelled, and what it
         held on the workers freed, instead of pinning them forever."""
-        with self.core.track():
+        try:
+            inflight = self.core.track()
+        except Overloaded as exc:
+            metrics.REQUEST_ERRORS.labels("RESOURCE_EXHAUSTED").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        with inflight:
             await self._generate(data, context)
 
     async def _generate(self, data: bytes, context: grpc.aio.ServicerContext) -> None:

@@ -28,6 +28,7 @@ from router.openai.chat_template import ChatTemplate
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
 from router.openai.serving import ClientGone, OpenAIServing, Prepared, new_client_id, until
 from router.openai.sse import BoundedResponse, EventStream
+from router.prompts import Overloaded
 from router.request_core import RequestCore
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,23 @@ def error_response(error: errors.ApiError, request_id: str | None = None) -> JSO
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused past ``limit`` bytes: by its Content-Length before reading, else
-    while it arrives (chunked), never buffering more than the limit."""
+async def read_body(request: Request, limit: int, timeout_s: int) -> bytes:
+    """The body, refused past ``limit`` bytes (by its Content-Length before reading, else
+    while it arrives, never buffering more than the limit) or when it has not all arrived
+    within ``timeout_s`` (a trickled body would hold its request, and a drain, for ever)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise errors.too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.too_large(None, limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.too_large(None, limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise errors.body_too_slow(timeout_s) from None
     return b"".join(chunks)
 
 
@@ -72,6 +78,7 @@ _CODE_NAMES = {
     400: "INVALID_ARGUMENT",
     401: "UNAUTHENTICATED",
     404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED",
     413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
     503: "UNAVAILABLE",
@@ -147,14 +154,20 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
     async def run(request: Request, kind: type[pydantic.BaseModel]) -> Response:
         start_s = time.perf_counter()
         admit(request)
-        inflight = core.track()  # from admission to the last byte: drain waits for it
+        try:
+            inflight = core.track()  # from admission to the last byte: drain waits for it
+        except Overloaded as exc:
+            error = errors.from_exception(exc)
+            assert error is not None
+            return error_response(error)
         try:
             return await respond(request, kind, start_s)
         finally:
             inflight.end()
 
     async def respond(request: Request, kind: type[pydantic.BaseModel], start_s: float) -> Response:
-        data = await read_body(request, config.limits.max_request_bytes)
+        limits = config.limits
+        data = await read_body(request, limits.max_request_bytes, limits.request_body_timeout_s)
         body = (
             _parse(kind, data)
             if len(data) < _PARSE_IN_THREAD_BYTES
@@ -172,7 +185,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
             if prepared.plan.stream:
                 started = await until(request.receive, serving.start_stream(prepared))
                 # The stream's own count: it outlives this handler.
-                counted = core.track()
+                counted = core.track(admit=False)
                 return EventStream(
                     started.events, started.close, idle_s, client_id, headers, counted.end
                 )

@@ -8,6 +8,9 @@ from pdserve's refusals to HTTP statuses (the gRPC frontend's codes, translated)
 | missing or wrong API key | 401 |
 | a ``model`` this router does not serve | 404 |
 | body over ``--max-request-bytes`` | 413 |
+| body not received within ``--request-body-timeout-s`` | 408 |
+| a response that could outgrow ``--max-output-bytes`` | 400, naming max_tokens, n, logprobs |
+| ``--max-concurrent-requests`` in flight | 429, ``Retry-After`` |
 | overloaded (RESOURCE_EXHAUSTED) | 429, ``Retry-After`` |
 | draining, loading, no worker (UNAVAILABLE) | 503, ``Retry-After`` |
 | anything else | 500, no internals (they go to the log, with the request id) |
@@ -71,6 +74,14 @@ def model_not_found(model: str, served: str) -> ApiError:
         f"The model {model!r} does not exist: this server serves {served!r}",
         param="model",
         code="model_not_found",
+    )
+
+
+def body_too_slow(timeout_s: int) -> ApiError:
+    return ApiError(
+        408,
+        f"the request body did not arrive within --request-body-timeout-s ({timeout_s})",
+        code="request_timeout",
     )
 
 

@@ -52,17 +52,24 @@ class TokenText:
 
 @dataclass
 class ChoiceOutput:
-    """One choice as it accumulates (non-streamed responses, and the usage of streamed ones)."""
+    """One choice as it accumulates: a non-streamed response's whole text, tokens and
+    logprobs; a streamed one's counts only (what it sent is not kept)."""
 
     index: int
     prompt_index: int
     prompt_token_ids: list[int]
-    text: str = ""
+    # Text as it arrives, joined once at the end: appending to one string is quadratic.
+    pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    num_tokens: int = 0  # generated so far (streamed or not)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -81,7 +88,7 @@ def total_usage(choices: Sequence[ChoiceOutput]) -> dict[str, Any]:
         prompts.setdefault(c.prompt_index, c)
     return usage(
         sum(len(c.prompt_token_ids) for c in prompts.values()),
-        sum(len(c.token_ids) for c in choices),
+        sum(c.num_tokens for c in choices),
         sum(c.num_cached_tokens for c in prompts.values()),
     )
 

@@ -22,11 +22,19 @@ logger = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TlsConfig | None) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        tls: TlsConfig | None,
+        limit_concurrency: int | None = None,
+    ) -> None:
         self.config = uvicorn.Config(
             app,
             host=host,
             port=port,
+            limit_concurrency=limit_concurrency,
             lifespan="off",
             log_config=None,
             access_log=False,

@@ -25,6 +25,7 @@ from starlette.types import Receive
 
 from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import router_pb2
+from router.limits import check_output
 from router.openai import errors
 from router.openai.chat_template import ChatTemplate
 from router.openai.choices import Choice, merged
@@ -46,7 +47,7 @@ from router.openai.responses import (
     usage_chunk,
 )
 from router.openai.sse import DONE, disconnected, event
-from router.request_core import RequestCore
+from router.request_core import RequestCore, ResourceError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -146,6 +147,7 @@ class OpenAIServing:
         start_s: float,
         add_special_tokens: bool = True,
     ) -> Prepared:
+        limits = self.core.config.limits
         choices: list[Choice] = []
         outputs: list[ChoiceOutput] = []
         for p, prompt in enumerate(plan.prompts):
@@ -164,6 +166,11 @@ class OpenAIServing:
                 choice_params = dataclasses.replace(params, seed=seed)
                 choices.append(Choice(index, p, prompt_ids, choice_params))
                 outputs.append(ChoiceOutput(index, p, prompt_ids))
+        if not plan.stream:  # held whole until its last token: bounded before any work
+            try:
+                check_output([c.params.max_tokens for c in choices], plan.logprobs, limits)
+            except ValueError as exc:
+                raise ResourceError(str(exc)) from None
         env = Envelope(
             kind,
             f"{kind.id_prefix}{client_id}",
@@ -223,7 +230,7 @@ class OpenAIServing:
                         yield event(body)
                 async for index, response in _prepend(first, stream):
                     c = outputs[index]
-                    _record(c, response)
+                    _count(c, response)
                     if response.HasField("final"):
                         body = chunk_body(
                             env,
@@ -276,10 +283,19 @@ async def _prepend(
 
 
 def _record(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
+    """A non-streamed choice keeps everything: its response is built at the end."""
     if response.HasField("chunk"):
-        choice.text += response.chunk.text
+        choice.pieces.append(response.chunk.text)
         choice.token_ids.extend(response.chunk.token_ids)
         choice.logprobs.extend(response.chunk.logprobs)
+    _count(choice, response)
+
+
+def _count(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
+    """A streamed choice keeps counts only: what it sent is gone (a long stream with
+    logprobs would otherwise grow without bound)."""
+    if response.HasField("chunk"):
+        choice.num_tokens += len(response.chunk.token_ids)
     else:
         final = response.final
         choice.finish_reason = finish_reason_from_proto(final.finish_reason)

@@ -205,8 +205,8 @@ class _Text(TokenText):
 def test_response_bodies_usage_and_logprobs() -> None:
     text = _Text()
     choices = [
-        ChoiceOutput(0, 0, [7, 8, 9], "abé", [1, 2], list(ENTRIES), "length", 3),
-        ChoiceOutput(1, 0, [7, 8, 9], "ab", [1], ENTRIES[:1], "stop", 3),
+        ChoiceOutput(0, 0, [7, 8, 9], ["ab", "é"], [1, 2], list(ENTRIES), "length", 3, 2),
+        ChoiceOutput(1, 0, [7, 8, 9], ["ab"], [1], ENTRIES[:1], "stop", 3, 1),
     ]
     env = Envelope(Kind.COMPLETION, "cmpl-r", 100, "m", True, True)
     body = response_body(env, choices, text)
@@ -264,7 +264,7 @@ def test_chunks() -> None:
     assert legacy["choices"][0]["logprobs"]["text_offset"] == [0]
     again = chunk_body(completion_env, c, "é", [2], ENTRIES[1:], text)
     assert again["choices"][0]["logprobs"]["text_offset"] == [2]  # continues the choice's text
-    c.token_ids.extend([1, 2])
+    c.num_tokens += 2  # what the stream counted (it keeps no tokens)
     assert usage_chunk(completion_env, [c])["usage"]["completion_tokens"] == 2
 
 

@@ -1,0 +1,139 @@
+"""Requests that would pin or swamp a router, each refused by name before any work:
+- a non-streamed response that could outgrow ``--max-output-bytes`` (many choices x many
+  tokens x top logprobs: it is held whole until its last token): 400 naming the flag;
+- a body trickled in (``Content-Length`` then a byte now and then): 408 after
+  ``--request-body-timeout-s``, instead of a request (and a drain) held for ever;
+- ``--max-concurrent-requests`` in flight: the next is 429 with Retry-After (HTTP) and
+  RESOURCE_EXHAUSTED (gRPC), both naming the flag.
+Before, each was accepted: the one-huge-request probe started generating, the trickled body
+was still open after 90 s, and no request was ever refused for load."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx2
+import pytest
+
+from pdserve.app.client import router_channel
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from tests.faults.faults_util import metric, stats
+from tests.services.harness import wait_for
+
+pytestmark = pytest.mark.slow
+BODY_TIMEOUT_S = 2
+MAX_OUTPUT_BYTES = 1 << 20
+MAX_CONCURRENT = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    config = ClusterConfig(
+        model=str(llama_dir),
+        router_http_port=0,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        router_args=(
+            "--local-prefill-tokens", "0",
+            "--max-output-bytes", str(MAX_OUTPUT_BYTES),
+            "--request-body-timeout-s", str(BODY_TIMEOUT_S),
+            "--max-concurrent-requests", str(MAX_CONCURRENT),
+        ),
+    )  # fmt: skip
+    with LocalCluster(config) as c:
+        yield c
+
+
+def test_a_response_that_could_outgrow_the_output_budget_is_refused_before_any_work(
+    cluster: LocalCluster,
+) -> None:
+    computed = asyncio.run(stats(cluster.prefill[0])).num_prompt_tokens_computed
+    body = {"prompt": [5, 6, 7], "n": 16, "max_tokens": 1000, "logprobs": 5, "ignore_eos": True}
+    r = httpx2.post(f"{cluster.http_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "--max-output-bytes" in message and "16 choice(s) of up to 1000 tokens" in message
+    assert asyncio.run(stats(cluster.prefill[0])).num_prompt_tokens_computed == computed
+    # Within the budget (fewer tokens), the same request is served.
+    small = {**body, "max_tokens": 4, "n": 2}
+    assert httpx2.post(f"{cluster.http_url}/v1/completions", json=small, timeout=60).is_success
+
+
+def test_a_trickled_body_is_refused_after_the_body_timeout(cluster: LocalCluster) -> None:
+    host, _, port = cluster.http_url.removeprefix("http://").rpartition(":")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100\r\n\r\n"
+    )
+    start = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head.encode())
+        sock.settimeout(1.0)
+        reply = b""
+        for _ in range(60):  # a byte a second, for far longer than the timeout
+            try:
+                sock.sendall(b" ")
+                reply += sock.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if reply:
+                break
+    elapsed = time.monotonic() - start
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"--request-body-timeout-s" in reply
+    assert BODY_TIMEOUT_S <= elapsed < 30  # refused at the timeout, not at the client's end
+
+
+def test_requests_past_the_concurrency_limit_are_refused_for_load(cluster: LocalCluster) -> None:
+    long = {"prompt": [9, 10, 11], "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def run() -> None:
+        async with httpx2.AsyncClient(base_url=cluster.http_url, timeout=120) as client:
+            streams = [client.stream("POST", "/v1/completions", json=long) for _ in range(2)]
+            opened = [await s.__aenter__() for s in streams]
+            try:
+                assert all(r.status_code == 200 for r in opened)
+
+                async def full() -> bool:
+                    inflight = metric(cluster.router, "pdserve_router_inflight_requests")
+                    return inflight == MAX_CONCURRENT
+
+                await wait_for(full, 60.0, "both streams in flight")
+                refused = await client.post(
+                    "/v1/completions", json={"prompt": [5], "max_tokens": 2}
+                )
+                assert refused.status_code == 429 and "retry-after" in refused.headers
+                assert "--max-concurrent-requests" in refused.json()["error"]["message"]
+                async with router_channel(cluster.address) as channel:
+                    request = router_pb2.GenerateRequest(
+                        prompt_token_ids=[5], sampling=common_pb2.SamplingParams(max_tokens=2)
+                    )
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in router_pb2_grpc.RouterStub(channel).Generate(request):
+                            pass
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-concurrent-requests" in (err.value.details() or "")
+            finally:
+                for s in streams:
+                    await s.__aexit__(None, None, None)
+
+        async def drained() -> bool:
+            return metric(cluster.router, "pdserve_router_inflight_requests") == 0
+
+        await wait_for(drained, 60.0, "the streams ended")
+        served = await client_post(cluster, {"prompt": [5], "max_tokens": 2})
+        assert served == 200  # room again
+
+    asyncio.run(run())
+
+
+async def client_post(cluster: LocalCluster, body: dict[str, object]) -> int:
+    async with httpx2.AsyncClient(base_url=cluster.http_url, timeout=60) as client:
+        return (await client.post("/v1/completions", json=body)).status_code
