@@ -25,6 +25,9 @@ GRPC_OPTIONS: list[tuple[str, int | str]] = [
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 20_000),
+    # A ping's ack is awaited this long (gRPC's default is a minute, whatever the keepalive
+    # timeout says).
+    ("grpc.http2.ping_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]

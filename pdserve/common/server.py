@@ -36,6 +36,10 @@ class ServerConfig:
     # it, traffic is plaintext, which is allowed on a loopback address only, unless insecure.
     tls: TlsConfig | None = None
     insecure: bool = False
+    # HTTP/2 pings to the callers of open calls this often, each answered within as long: a
+    # caller gone silent (a frozen router, a partition without a reset) has its calls
+    # cancelled, and what they held freed, within 2 x keepalive_s (gRPC's default: 2 hours).
+    keepalive_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.tls is None and not self.insecure and not is_loopback(self.host):
@@ -49,6 +53,8 @@ class ServerConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.keepalive_s >= 1:
+            raise ValueError(f"keepalive_s must be >= 1, got {self.keepalive_s}")
 
 
 # The trailer of a call a component refused because it is draining or still loading: nothing
@@ -114,7 +120,18 @@ class ServiceServer:
     def __init__(self, service: Service, config: ServerConfig, *, reflect: bool = False) -> None:
         self.service = service
         self.config = config
-        options = SERVER_OPTIONS
+        keepalive_ms = int(config.keepalive_s * 1000)
+        options = [
+            *SERVER_OPTIONS,
+            ("grpc.keepalive_time_ms", keepalive_ms),
+            ("grpc.keepalive_timeout_ms", keepalive_ms),
+            # Keep pinging while no data moves (gRPC stops after 2): a frozen caller's full
+            # window is exactly when no data moves. And await each ack keepalive_s only
+            # (gRPC's own ping timeout is a minute, whatever the keepalive timeout says).
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_time_between_pings_ms", keepalive_ms),
+            ("grpc.http2.ping_timeout_ms", keepalive_ms),
+        ]
         if service.max_request_bytes is not None:
             limit = ("grpc.max_receive_message_length", service.max_request_bytes)
             options = [o for o in options if o[0] != limit[0]] + [limit]

@@ -108,6 +108,14 @@ def add_server_flags(
     add_flag(parser, "--metrics-port", env, type=int, default=None, help="Prometheus /metrics port")
     drain_s = field_default(ServerConfig, "drain_timeout_s")
     add_flag(parser, "--drain-timeout-s", env, type=float, default=drain_s, help="drain bound")
+    add_flag(
+        parser,
+        "--keepalive-s",
+        env,
+        type=float,
+        default=field_default(ServerConfig, "keepalive_s"),
+        help="ping callers of open calls this often; a silent one is cut after twice this",
+    )
     add_flag(parser, "--tls-cert", env, default=None, help="TLS certificate chain (PEM)")
     add_flag(parser, "--tls-key", env, default=None, help="TLS private key (PEM)")
     add_flag(parser, "--tls-ca", env, default=None, help="CA internal peers must chain to")
@@ -147,6 +155,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout_s,
+        keepalive_s=args.keepalive_s,
         tls=tls_config(args),
         insecure=args.insecure,
     )
