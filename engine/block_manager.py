@@ -178,6 +178,14 @@ class BlockManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
         return stored
 
+    def stats_fields(self) -> dict[str, int]:
+        """Its part of ``EngineStats``."""
+        return {
+            "num_blocks": self.num_blocks,
+            "num_free_blocks": self.num_free_blocks,
+            "num_cached_blocks": self.num_cached_blocks,
+        }
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks are queued for eviction before the head
         (heads are the prefixes other requests share); unhashed blocks are reused first."""

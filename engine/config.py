@@ -59,8 +59,17 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     # Token budget of one step; prompts longer than this are prefilled in chunks.
     max_num_batched_tokens: int = 2048
+    # Paused requests (their reader stopped reading) keep their KV blocks up to these bounds:
+    # past either, the oldest pause gives its blocks back (it recomputes them when its reader
+    # catches up), and paused requests give theirs back first when blocks run short.
+    max_paused_requests: int = 32
+    max_pause_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.max_paused_requests < 0:
+            raise ValueError(f"max_paused_requests must be >= 0, got {self.max_paused_requests}")
+        if not self.max_pause_s > 0:
+            raise ValueError(f"max_pause_s must be > 0, got {self.max_pause_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

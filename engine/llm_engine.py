@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from concurrent.futures import Future
 
 from engine.block_hash import BlockHash
@@ -149,7 +150,7 @@ class LLMEngine:
         """Its consumer stopped reading: the request keeps its blocks but stops being scheduled
         and gives up its seat. False when it holds no seat (waiting) or is gone."""
         req = self._requests.get(request_id)
-        return req is not None and self.scheduler.pause(req.seq)
+        return req is not None and self.scheduler.pause(req.seq, time.monotonic())
 
     def resume(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -162,7 +163,7 @@ class LLMEngine:
         through the hooks around it (``_before_schedule``, ``_runnable``, ``_widen``,
         ``_after_step``), never as branches here."""
         self._before_schedule()
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(time.monotonic())
         updates = [self._finish(self._requests[s.request_id], s.status) for s in out.dropped]
         if not self._runnable(out, bool(updates)):
             return updates
@@ -377,18 +378,11 @@ class LLMEngine:
         return self.block_manager.blocks_needed(num_tokens)
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        """Each component reports its own counters; the engine adds its request counts."""
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting)
-            + len(self.scheduler.ready)
-            + len(self.scheduler.loading),
-            num_running=len(self.scheduler.running),
-            num_paused=len(self.scheduler.paused),
+            **self.scheduler.stats_fields(),
+            **self.block_manager.stats_fields(),
             num_pinned=len(self.pinned),
-            num_blocks=bm.num_blocks,
-            num_free_blocks=bm.num_free_blocks,
-            num_cached_blocks=bm.num_cached_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens,
             num_steps=self.num_steps,

@@ -10,8 +10,11 @@ first.
 
 Sequences whose KV is already in the cache but that hold no decode seat wait in ``ready``
 (imported from a prefill worker, or resumed after a pause) and take free seats first. A paused
-sequence (its consumer stopped reading) keeps its blocks but is neither scheduled nor counted
-against ``max_num_seqs`` until it is resumed.
+sequence (its consumer stopped reading) is neither scheduled nor counted against
+``max_num_seqs`` until it is resumed; it keeps its blocks only while it is among the
+``max_paused_requests`` newest pauses and younger than ``max_pause_s``, and it is the first to
+give them back when blocks run short (before any sequence whose reader reads). One that gave
+them back is recomputed when resumed, like a preempted one: a slow reader cannot hold KV.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class SchedulerOutput:
     loads: list[tuple[Sequence, list[tuple[int, int]]]] = field(default_factory=list)
     # Sequences that can never fit in the cache; finished with reason "length".
     dropped: list[Sequence] = field(default_factory=list)
+    # Paused sequences past max_paused_requests or max_pause_s: blocks given back, still paused.
+    released: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,7 +80,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.ready: deque[Sequence] = deque()  # KV in the cache, waiting for a seat
-        self.paused: list[Sequence] = []  # blocks kept, no seat, not scheduled
+        self.paused: list[Sequence] = []  # no seat, not scheduled; oldest pause first
+        self._paused_at: dict[str, float] = {}  # request id -> when it paused
         self.loading: list[Sequence] = []  # blocks being copied in from the host tier
         self.num_preemptions = 0
 
@@ -93,9 +99,10 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.ready.append(seq)
 
-    def pause(self, seq: Sequence) -> bool:
-        """Takes a running (or ready) sequence out of scheduling, keeping its blocks. False when
-        it holds no seat to give up (waiting: it produces nothing until admitted anyway)."""
+    def pause(self, seq: Sequence, now: float = 0.0) -> bool:
+        """Takes a running (or ready) sequence out of scheduling, keeping its blocks for now
+        (``now``: the clock ``schedule`` is given). False when it holds no seat to give up
+        (waiting: it produces nothing until admitted anyway)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.ready:
@@ -103,6 +110,7 @@ class Scheduler:
         else:
             return seq in self.paused
         self.paused.append(seq)
+        self._paused_at[seq.request_id] = now
         return True
 
     def loaded(self, seq: Sequence) -> None:
@@ -111,12 +119,20 @@ class Scheduler:
         self.ready.append(seq)
 
     def resume(self, seq: Sequence) -> None:
+        """Back to scheduling: with its blocks, for a seat; without (it gave them back), to
+        the front of the waiting queue, to be recomputed."""
         if seq in self.paused:
             self.paused.remove(seq)
-            self.ready.append(seq)
+            del self._paused_at[seq.request_id]
+            if seq.block_table:
+                self.ready.append(seq)
+            else:
+                self.waiting.appendleft(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """One step's batch. ``now``: a monotonic clock reading (for ``max_pause_s``)."""
         out = SchedulerOutput()
+        self._bound_paused(now, out)  # no shortage: admissions go on (unlike a preemption)
         budget = self.config.max_num_batched_tokens
         # Ready sequences take free seats first: each costs one token, and they hold blocks.
         while self.ready and len(self.running) < self.config.max_num_seqs:
@@ -194,6 +210,11 @@ class Scheduler:
         Returns False when ``seq`` itself had to be preempted (or dropped).
         """
         while not self.block_manager.allocate_slots(seq, num_new):
+            holders = self._paused_holders()
+            if holders:  # a reader that stopped reading yields before any that reads
+                self._release_paused(holders[0])
+                out.preempted.append(holders[0])
+                continue
             victim = self.ready.pop() if self.ready else self.running.pop()
             self.block_manager.free(victim)
             if victim is seq and self._never_fits(seq):
@@ -207,12 +228,40 @@ class Scheduler:
                 return False
         return True
 
+    def stats_fields(self) -> dict[str, int]:
+        """Its part of ``EngineStats``."""
+        return {
+            "num_waiting": len(self.waiting) + len(self.ready) + len(self.loading),
+            "num_running": len(self.running),
+            "num_paused": len(self.paused),
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def _paused_holders(self) -> list[Sequence]:
+        """Paused sequences that still hold blocks, oldest pause first."""
+        return [s for s in self.paused if s.block_table]
+
+    def _bound_paused(self, now: float, out: SchedulerOutput) -> None:
+        holders = self._paused_holders()
+        excess = len(holders) - self.config.max_paused_requests
+        for i, seq in enumerate(holders):
+            if i < excess or now - self._paused_at[seq.request_id] >= self.config.max_pause_s:
+                self._release_paused(seq)
+                out.released.append(seq)
+
+    def _release_paused(self, seq: Sequence) -> None:
+        """A paused sequence gives its blocks back; it stays paused (recomputed on resume)."""
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.num_preemptions += 1
+
     def _never_fits(self, seq: Sequence) -> bool:
         """Even an empty cache could not hold this sequence's next step."""
         return self.block_manager.blocks_needed(seq.num_tokens) > self.block_manager.num_blocks
 
     def remove(self, seq: Sequence) -> None:
         """Stop scheduling a sequence; the caller owns freeing (or pinning) its blocks."""
+        self._paused_at.pop(seq.request_id, None)
         for queue in (self.running, self.waiting, self.ready, self.paused, self.loading):
             if seq in queue:
                 queue.remove(seq)

@@ -83,3 +83,45 @@ def test_a_request_waiting_for_a_seat_sends_heartbeats(llama_dir: Path) -> None:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_a_pause_past_max_pause_s_gives_its_blocks_back_and_resumes_exactly(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """A slow reader cannot hold KV: past ``max_pause_s`` its blocks go back (another request
+    keeps the engine stepping), and when it reads again it is recomputed: same tokens."""
+    slow_prompt, busy_prompt = list(range(30, 50)), list(range(60, 75))
+    busy_params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    llm = make_llm(llama_dir)
+    reference = llm.generate([slow_prompt], PARAMS)[0].token_ids
+    busy_reference = llm.generate([busy_prompt], busy_params)[0].token_ids
+
+    async def run() -> None:
+        config = EngineConfig(
+            model=str(llama_dir),
+            cache=CacheConfig(num_blocks=64),
+            scheduler=SchedulerConfig(max_pause_s=0.001),  # past it by the next step
+        )
+        engine = AsyncEngine(LLMEngine(config), max_buffered_tokens=4)
+        engine.start()
+        try:
+            slow = engine.generate("slow", slow_prompt, PARAMS)
+            tokens = (await anext(slow)).new_token_ids  # then nobody reads
+
+            async def paused() -> bool:
+                return engine.stats.num_paused == 1
+
+            await wait_for(paused, 30.0, "the unread request is paused")
+            held = engine.stats.num_preemptions
+            busy_tokens: list[int] = []
+            async for update in engine.generate("busy", busy_prompt, busy_params):
+                busy_tokens.extend(update.new_token_ids)  # steps, past the pause bound
+            assert busy_tokens == busy_reference
+            assert engine.stats.num_preemptions == held + 1  # the pause gave its blocks back
+            async for update in slow:
+                tokens.extend(update.new_token_ids)
+            assert tokens == reference  # recomputed, exactly
+        finally:
+            await engine.close()
+
+    asyncio.run(run())

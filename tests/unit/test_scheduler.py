@@ -543,3 +543,48 @@ def test_a_running_sequence_short_of_blocks_takes_them_from_seatless_ready_ones(
     assert sorted(finished) == ["a", "b", "c"]
     sched.block_manager.check_no_leaks()
     assert sched.block_manager.num_used_blocks == 0
+
+
+def _paused_scheduler(num_blocks: int, **bounds: float) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, **bounds)  # type: ignore[arg-type]
+    return Scheduler(config, BlockManager(num_blocks, BS, True))
+
+
+def test_a_paused_sequence_gives_its_blocks_back_before_a_reading_one_is_preempted() -> None:
+    sched = _paused_scheduler(4)
+    slow = _imported(sched, "slow", 0)  # 2 blocks of 4: the prompt's 6 tokens, then 2 more
+    fast = _imported(sched, "fast", 10)
+    step(sched)
+    assert sched.pause(slow, now=0.0)
+    for _ in range(2):  # fast fills its last block, then needs a new one: none is free
+        out = step(sched)
+    assert ids(out.preempted) == ["slow"] and batch(out) == [("fast", 1)]
+    assert slow.block_table == [] and slow.num_computed_tokens == 0  # given back, recomputed
+    assert ids(sched.paused) == ["slow"] and fast in sched.running  # still paused, fast runs
+    sched.resume(slow)
+    assert ids(sched.waiting) == ["slow"]  # to be recomputed, first in line
+
+
+def test_past_max_paused_requests_the_oldest_pauses_give_their_blocks_back() -> None:
+    sched = _paused_scheduler(64, max_paused_requests=1)
+    a, b = _imported(sched, "a", 0), _imported(sched, "b", 10)
+    step(sched)
+    assert sched.pause(a, now=1.0) and sched.pause(b, now=2.0)
+    out = sched.schedule(now=3.0)
+    assert ids(out.released) == ["a"] and out.preempted == []
+    assert a.block_table == [] and b.block_table != []
+    sched.resume(b)
+    assert ids(sched.ready) == ["b"]  # with its blocks: for a seat
+
+
+def test_past_max_pause_s_a_pause_gives_its_blocks_back() -> None:
+    sched = _paused_scheduler(64, max_pause_s=10.0)
+    a = _imported(sched, "a", 0)
+    step(sched)
+    assert sched.pause(a, now=100.0)
+    assert sched.schedule(now=109.9).released == []
+    assert ids(sched.schedule(now=110.0).released) == ["a"]
+    assert a.block_table == [] and ids(sched.paused) == ["a"]
+    assert sched.schedule(now=200.0).released == []  # once
+    sched.remove(a)
+    sched.block_manager.check_no_leaks()

@@ -35,6 +35,14 @@ from pdserve.app.settings.flags import (
 from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
 
 
+# Every SchedulerConfig field is a flag of the same name, of this type.
+SCHEDULER_FLAGS: dict[str, type] = {
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_paused_requests": int,
+    "max_pause_s": float,
+}
+
 def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
     add_engine_flag(parser, env)
@@ -70,9 +78,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         default=None,
         help="torch threads of this worker (default: the CPUs it may run on)",
     )
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name, kind in SCHEDULER_FLAGS.items():
         flag = "--" + name.replace("_", "-")
-        add_flag(parser, flag, env, type=int, default=field_default(SchedulerConfig, name))
+        add_flag(parser, flag, env, type=kind, default=field_default(SchedulerConfig, name))
     add_flag(parser, "--device", env, default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
     add_flag(
         parser,
@@ -190,9 +198,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             host_cache_gib=args.host_cache_gib,
             kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
-        ),
+        scheduler=SchedulerConfig(**{name: getattr(args, name) for name in SCHEDULER_FLAGS}),
         attention_backend=AttentionBackend(backend) if backend else None,
         num_threads=args.num_threads,
         backend=EngineBackend(args.engine),
