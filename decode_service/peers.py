@@ -18,8 +18,8 @@ import grpc
 from redis.exceptions import RedisError
 
 from pdserve.cluster.registry import Registry
-from pdserve.common.role import Role
 from pdserve.common.channels import ChannelPool
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -30,11 +30,11 @@ from kvtransfer import (
 )
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
-from pdserve.common.role import Role
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
 from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pdserve.worker.service import WorkerService
 

@@ -19,8 +19,8 @@ from kvtransfer import KVSender, SenderOptions, make_sender
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_to_proto
 from pdserve.cluster.registry import WorkerRecord
-from pdserve.common.role import Role
 from pdserve.common.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.service import WorkerService
 from prefill_service.config import PrefillConfig

@@ -63,6 +63,7 @@ def parse_request(data: bytes) -> router_pb2.GenerateRequest | Unparsable:
 # HTTP connections allowed beyond --max-concurrent-requests (keep-alives between requests).
 HTTP_SPARE_CONNECTIONS = 256
 
+
 class RouterService(Service):
     name = "pdserve.v1.Router"
     public = True  # TLS without client certificates: API keys authenticate clients

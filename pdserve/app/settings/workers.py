@@ -34,7 +34,6 @@ from pdserve.app.settings.flags import (
 )
 from prefill_service.config import DEFAULT_LEASE_S, PrefillConfig
 
-
 # Every SchedulerConfig field is a flag of the same name, of this type.
 SCHEDULER_FLAGS: dict[str, type] = {
     "max_num_seqs": int,
@@ -42,6 +41,7 @@ SCHEDULER_FLAGS: dict[str, type] = {
     "max_paused_requests": int,
     "max_pause_s": float,
 }
+
 
 def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
