@@ -35,6 +35,7 @@ from pdserve.app.client import router_channel
 from pdserve.app.embedded_redis import EmbeddedRedis
 from pdserve.app.local_cluster import ClusterConfig, Component, LocalCluster
 from pdserve.common.convert import sampling_to_proto
+from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
 STALL_S = 3.0  # the router's --stall-timeout-s here: a stopped worker's streams move after it
@@ -173,7 +174,7 @@ async def leaked_blocks(cluster: LocalCluster, settle_s: float = 30.0) -> int:
             async with router_channel(c.address) as channel:
                 stub: Any = (
                     prefill_pb2_grpc.PrefillWorkerStub(channel)
-                    if c.role == "prefill"
+                    if c.role is Role.PREFILL
                     else decode_pb2_grpc.DecodeWorkerStub(channel)
                 )
                 s = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=10)
