@@ -73,6 +73,15 @@ def check_output(max_tokens: list[int], top_logprobs: int | None, limits: Reques
         )
 
 
+def check_request_id(request_id: str) -> None:
+    """A client's request id goes into log lines (``request_id=...``) and worker ids: a
+    newline, any control character or a space in it would forge or split log lines. Raises
+    ValueError naming the field and the character."""
+    bad = next((c for c in request_id if c.isspace() or not c.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"request_id may not hold {bad!r} (whitespace or a control character)")
+
+
 def _over(field: str, what: str, value: int, limit_name: str, limit: int) -> str:
     flag = "--" + limit_name.replace("_", "-")
     return f"{field} has {value} {what}, more than {flag} ({limit})"
@@ -88,6 +97,7 @@ def check_request(
         raise ValueError(
             _over("request_id", "bytes", request_id_bytes, name, limits.max_request_id_bytes)
         )
+    check_request_id(request.request_id)
     if request.HasField("prompt"):
         prompt_bytes = len(request.prompt.encode())
         if prompt_bytes > limits.max_prompt_bytes:

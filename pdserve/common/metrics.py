@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
@@ -248,7 +249,42 @@ def start_metrics_server(
         def log_message(self, format: str, *args: object) -> None:
             return None  # scrapes every few seconds are not log lines
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+    Handler.timeout = METRICS_IDLE_S  # a connection that sends nothing is dropped
+    server = _BoundedHTTPServer((host, port), Handler, METRICS_MAX_CONNECTIONS)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return int(server.server_port)
+
+
+# The metrics server holds a thread per connection: at most this many, each dropped after this
+# long without a request (5000 idle sockets once meant 5000 threads in a worker).
+METRICS_MAX_CONNECTIONS = 32
+METRICS_IDLE_S = 5.0
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, up to ``max_connections``; past it, connections are closed at
+    once (a scraper retries next interval)."""
+
+    daemon_threads = True
+
+    def __init__(
+        self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int
+    ) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

@@ -13,6 +13,7 @@ from pdserve's refusals to HTTP statuses (the gRPC frontend's codes, translated)
 | ``--max-concurrent-requests`` in flight | 429, ``Retry-After`` |
 | overloaded (RESOURCE_EXHAUSTED) | 429, ``Retry-After`` |
 | draining, loading, no worker (UNAVAILABLE) | 503, ``Retry-After`` |
+| a worker's PERMISSION_DENIED, FAILED_PRECONDITION, DATA_LOSS | 503, ``Retry-After`` |
 | anything else | 500, no internals (they go to the log, with the request id) |
 """
 
@@ -158,6 +159,12 @@ _GRPC_TO_HTTP = {
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
+    # The cluster's state, not a bug: no worker could take the request as things are (a
+    # decode worker that does not know the prefill worker yet, a worker of another model,
+    # KV that failed its digest). The router's log has the worker's words.
+    grpc.StatusCode.PERMISSION_DENIED: 503,
+    grpc.StatusCode.FAILED_PRECONDITION: 503,
+    grpc.StatusCode.DATA_LOSS: 503,
 }
 
 

@@ -166,6 +166,12 @@ def test_the_error_map() -> None:
          None, "1"),
         (WorkerError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker"), 503, None, "1"),
         (WorkerError(grpc.StatusCode.INVALID_ARGUMENT, "seed must be >= 0"), 400, "seed", None),
+        # The cluster's state, not a bug (before: 500, logged as one).
+        (WorkerError(grpc.StatusCode.PERMISSION_DENIED, "10.0.0.1:5 is no known peer"), 503,
+         None, "1"),
+        (WorkerError(grpc.StatusCode.FAILED_PRECONDITION, "10.0.0.1:5 serves model B"), 503,
+         None, "1"),
+        (WorkerError(grpc.StatusCode.DATA_LOSS, "10.0.0.1:5: digest differs"), 503, None, "1"),
     ]  # fmt: skip
     for exc, status, param, retry in cases:
         error = errors.from_exception(exc)

@@ -1,4 +1,5 @@
-"""``router/limits.py``'s output budget: exact estimates and the refusal that names it."""
+"""``router/limits.py``: the output budget (exact estimates, the refusal that names it) and the
+request ids that could forge log lines."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from router.limits import (
     OUTPUT_TOKEN_BYTES,
     RequestLimits,
     check_output,
+    check_request_id,
     output_bytes,
 )
 
@@ -31,3 +33,14 @@ def test_at_the_limit_passes_and_one_byte_over_is_refused() -> None:
     check_output([1000], None, limits)
     with pytest.raises(ValueError, match="1 choice"):
         check_output([1001], None, limits)
+
+
+@pytest.mark.parametrize("request_id", ["a\nb", "a\rb", "a b", "a\tb", "a\x00b", "a\u2028b"])
+def test_a_request_id_that_would_forge_log_lines_is_refused(request_id: str) -> None:
+    with pytest.raises(ValueError, match="request_id may not hold"):
+        check_request_id(request_id)
+
+
+@pytest.mark.parametrize("request_id", ["", "req-1", "chatcmpl-9f/+=:.", "ünïcode-id"])
+def test_printable_request_ids_pass(request_id: str) -> None:
+    check_request_id(request_id)
