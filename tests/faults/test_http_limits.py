@@ -39,12 +39,16 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         router_http_port=0,
         log_dir=tmp_path_factory.mktemp("logs"),
         router_args=(
-            "--local-prefill-tokens", "0",
-            "--max-output-bytes", str(MAX_OUTPUT_BYTES),
-            "--request-body-timeout-s", str(BODY_TIMEOUT_S),
-            "--max-concurrent-requests", str(MAX_CONCURRENT),
+            "--local-prefill-tokens",
+            "0",
+            "--max-output-bytes",
+            str(MAX_OUTPUT_BYTES),
+            "--request-body-timeout-s",
+            str(BODY_TIMEOUT_S),
+            "--max-concurrent-requests",
+            str(MAX_CONCURRENT),
         ),
-    )  # fmt: skip
+    )
     with LocalCluster(config) as c:
         yield c
 

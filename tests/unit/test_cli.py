@@ -65,14 +65,15 @@ def test_every_serving_flag_reads_its_environment_variable(monkeypatch) -> None:
 
 def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -> None:
     from pdserve.app import settings
-    from pdserve.app.cli import _cluster_config, build_parser
+    from pdserve.app.cli import build_parser
     from pdserve.app.ray_deploy.commands import _deployment_spec
+    from pdserve.app.up_command import cluster_config
 
     flags = ["--speculative-method", "draft", "--spec-draft-model", "/d"]
     flags += ["--num-speculative-tokens", "5"]
     args = build_parser().parse_args(["up", "--model", "/m", *flags])
     args.redis_url = "redis://127.0.0.1:1"  # what `pdserve up` sets once Redis is up
-    cluster = _cluster_config(args)
+    cluster = cluster_config(args)
     decode = settings.parse_service_flags(Role.DECODE, ["--model", "/m", *cluster.decode_args])
     spec = decode.engine.speculative  # type: ignore[union-attr]
     assert spec is not None and (spec.draft_model, spec.num_speculative_tokens) == ("/d", 5)
@@ -83,17 +84,18 @@ def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -
     bad = build_parser().parse_args(["up", "--model", "/m", "--speculative-method", "draft"])
     bad.redis_url = ""
     with pytest.raises(ValueError, match="spec_draft_model"):
-        _cluster_config(bad)
+        cluster_config(bad)
 
 
 def _up_configs(*flags: str) -> dict[str, Any]:
     """The configs ``pdserve up --model /m FLAGS`` gives its prefill, decode and router."""
     from pdserve.app import settings
-    from pdserve.app.cli import _cluster_config, build_parser
+    from pdserve.app.cli import build_parser
+    from pdserve.app.up_command import cluster_config
 
     args = build_parser().parse_args(["up", "--model", "/m", *flags])
     args.redis_url = "redis://127.0.0.1:1"  # what `pdserve up` sets once Redis is up
-    cluster = _cluster_config(args)
+    cluster = cluster_config(args)
     argv = {"prefill": cluster.prefill_args, "decode": cluster.decode_args}
     # `pdserve up` gives the router its Redis when it starts it, not in router_args.
     argv["router"] = ("--redis", args.redis_url, *cluster.router_args)

@@ -68,16 +68,17 @@ def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
 def test_tensor_parallel_vllm_workers_serve_colocated_only() -> None:
     """Their ranks run in processes of their own, out of the connector's reach: a prefill
     worker is refused by name, before anything starts; a colocated cluster is fine."""
-    from pdserve.app.cli import _cluster_config, build_parser
+    from pdserve.app.cli import build_parser
+    from pdserve.app.up_command import cluster_config
 
     flags = ["up", "--model", "/m", "--engine", "vllm", "--tensor-parallel-size", "2"]
     args = build_parser().parse_args(flags)
     args.redis_url = ""
     with pytest.raises(ValueError, match="--tensor-parallel-size > 1 on a prefill worker"):
-        _cluster_config(args)
+        cluster_config(args)
     args = build_parser().parse_args([*flags, "--colocated"])
     args.redis_url = ""
-    assert "--tensor-parallel-size" in _cluster_config(args).decode_args
+    assert "--tensor-parallel-size" in cluster_config(args).decode_args
 
 
 def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
