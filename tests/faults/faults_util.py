@@ -55,6 +55,7 @@ class Stream:
     text: str = ""
     finish_reason: str | None = None
     error: grpc.aio.AioRpcError | None = None
+    final: router_pb2.GenerateFinal | None = None
 
 
 async def run_streams(
@@ -72,6 +73,7 @@ async def run_streams(
                     stream.token_ids.extend(response.chunk.token_ids)
                     stream.text += response.chunk.text
                 else:
+                    stream.final = response.final
                     stream.finish_reason = finish_reason_from_proto(response.final.finish_reason)
         except grpc.aio.AioRpcError as exc:
             stream.error = exc

@@ -18,16 +18,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve.app.client import router_channel
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
-from pdserve.common.convert import finish_reason_from_proto
-from pdserve.v1 import router_pb2, router_pb2_grpc
 from tests.faults.faults_util import (
-    Stream,
     compare,
     metric,
     requests_for,
@@ -68,26 +63,6 @@ def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCl
                     os.kill(component.process.pid, signal.SIGCONT)
 
 
-async def _generate(
-    address: str, request: router_pb2.GenerateRequest, stream: Stream
-) -> router_pb2.GenerateFinal | None:
-    """One client stream into ``stream`` as it arrives; returns its final message."""
-    final = None
-    async with router_channel(address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        try:
-            async for response in stub.Generate(request, timeout=300.0):
-                if response.HasField("chunk"):
-                    stream.token_ids.extend(response.chunk.token_ids)
-                    stream.text += response.chunk.text
-                else:
-                    final = response.final
-                    stream.finish_reason = finish_reason_from_proto(final.finish_reason)
-        except grpc.aio.AioRpcError as exc:
-            stream.error = exc
-    return final
-
-
 def test_prefill_worker_frozen_mid_pull_is_given_up_on_within_the_stall_timeout(
     cluster: LocalCluster, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
@@ -111,8 +86,7 @@ def test_prefill_worker_frozen_mid_pull_is_given_up_on_within_the_stall_timeout(
         # The decode worker takes the Decode call only once resumed: the pull cannot begin
         # before the prefill worker is frozen.
         os.kill(decode.process.pid, signal.SIGSTOP)
-        stream = Stream(request)
-        task = asyncio.create_task(_generate(cluster.address, request, stream))
+        (stream,), (task,) = await run_streams(cluster.address, [request], timeout_s=300.0)
 
         async def first_token() -> bool:
             assert not task.done(), f"the stream ended early: {stream}"
@@ -141,7 +115,7 @@ def test_prefill_worker_frozen_mid_pull_is_given_up_on_within_the_stall_timeout(
         await wait_for(given_up, STALL_S + GIVE_UP_SLACK_S, "the router gave up", poll_s=0.05)
         gave_up_s = time.monotonic() - frozen_at
         async with asyncio.timeout(STALL_S + FINISH_SLACK_S - gave_up_s):
-            final = await task
+            await task
         finished_s = time.monotonic() - frozen_at
         print(f"frozen prefill worker given up on after {gave_up_s:.1f} s, done {finished_s:.1f} s")
         assert gave_up_s <= STALL_S + GIVE_UP_SLACK_S
@@ -149,7 +123,7 @@ def test_prefill_worker_frozen_mid_pull_is_given_up_on_within_the_stall_timeout(
 
         print("\n".join(compare(llm, [stream], references, params)))
         assert stream.token_ids == undisturbed[0].token_ids
-        assert final is not None and final.num_migrations == 1
+        assert stream.final is not None and stream.final.num_migrations == 1
         # Given up on as frozen (not at the pull's own deadline: a "transfer" migration).
         assert metric(cluster.router, "pdserve_migrations_total", 'reason="stall"') == stalls + 1
         assert metric(cluster.router, "pdserve_migrations_total", 'reason="transfer"') == transfers
