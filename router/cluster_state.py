@@ -39,7 +39,7 @@ class ClusterState:
         self.registry: Registry | None = None
         self.index: RedisPrefixIndex | None = None
         if config is not None:
-            self._redis = connect(config.url)
+            self._redis = connect(config.url, password=config.password)
             self.registry = Registry(self._redis, config.namespace, config.ttl_s)
             self.index = RedisPrefixIndex(self._redis, config.namespace)
         self._up = True

@@ -195,8 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("drain", _cmd_drain, "ask a worker to drain, deregister and exit"),
     ):
         admin = sub.add_parser(name, help=text)
-        add_flag(admin, "--redis", default="", help="Redis URL")
-        add_flag(admin, "--redis-namespace", default="pdserve", help="key prefix in Redis")
+        settings.add_redis_flags(admin, None, "Redis URL")
         if name == "drain":
             admin.add_argument("worker_id")
         admin.set_defaults(func=func)

@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +129,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.app.embedded_redis import EmbeddedRedis
+    from pdserve.app.embedded_redis import EmbeddedRedis, redacted
     from pdserve.app.local_cluster import LocalCluster
 
     check_model(args.model, args.engine)  # before anything is started
@@ -140,6 +141,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs its own
         signal.signal(sig, lambda *_: stop.set())
     redis = None if args.redis else EmbeddedRedis().start()
+    if redis is not None:
+        redis.supervise(_redis_restarted)
     args.redis_url = args.redis or (redis.url if redis else "")
     cluster = LocalCluster(cluster_config(args))
     control = None
@@ -155,7 +158,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
             control, port = serve_control(cluster, cluster.config.host, args.control_port)
             print(f"pdserve up control {cluster.config.host}:{port}", flush=True)
         print(
-            f"pdserve cluster ready: router {cluster.address}, redis {args.redis_url}", flush=True
+            f"pdserve cluster ready: router {cluster.address}, redis {redacted(args.redis_url)}",
+            flush=True,
         )
         stop.wait()
         print("draining ...", flush=True)
@@ -167,6 +171,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
             redis.stop()
     print(f"stopped: {codes}")
     return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _redis_restarted(code: int) -> None:
+    # The workers re-register and re-publish their cached blocks on their next heartbeat.
+    print(f"pdserve up: redis-server exited with {code}; restarted (empty)", file=sys.stderr)
 
 
 def _local_ray(address: str) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -19,6 +19,9 @@ class RedisConfig:
     ttl_s: float = DEFAULT_TTL_S  # a silent worker leaves routing after this
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     publish_interval_s: float = 0.05  # KV event batching window
+    # AUTH password kept out of the URL: no escaping, never in argv, never printed or logged
+    # (PDSERVE_REDIS_PASSWORD; a password inside the URL wins).
+    password: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -34,11 +37,12 @@ class RedisConfig:
             raise ValueError(f"publish_interval_s must be > 0, got {self.publish_interval_s}")
 
 
-def connect(url: str, timeout_s: float = 1.0) -> Redis:
+def connect(url: str, timeout_s: float = 1.0, password: str = "") -> Redis:
     """A client that fails fast: no hidden retries (they would stall every request while Redis
     is down, and hide a Redis restart from the snapshot logic); callers retry on their own."""
     return Redis.from_url(
         url,
+        password=password or None,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),

@@ -39,7 +39,7 @@ class Membership:
         self.engine = engine
         self.record = record
         self.on_drain_request = on_drain_request
-        redis = connect(config.url)
+        redis = connect(config.url, password=config.password)
         self.registry = Registry(redis, config.namespace, config.ttl_s)
         self.index = RedisPrefixIndex(redis, config.namespace)
         self._redis = redis

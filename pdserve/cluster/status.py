@@ -12,7 +12,7 @@ _COLUMNS = ("ROLE", "WORKER", "ADDRESS", "STATE", "RUN", "QUEUE", "KV USED/TOTAL
 
 
 async def status_table(config: RedisConfig) -> str:
-    redis = connect(config.url, timeout_s=5.0)
+    redis = connect(config.url, timeout_s=5.0, password=config.password)
     try:
         records = await Registry(redis, config.namespace, config.ttl_s).workers()
         index = RedisPrefixIndex(redis, config.namespace)
@@ -41,7 +41,7 @@ async def status_table(config: RedisConfig) -> str:
 
 
 async def request_drain(config: RedisConfig, worker_id: str) -> bool:
-    redis = connect(config.url, timeout_s=5.0)
+    redis = connect(config.url, timeout_s=5.0, password=config.password)
     try:
         return await Registry(redis, config.namespace, config.ttl_s).request_drain(worker_id)
     finally:

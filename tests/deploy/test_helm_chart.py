@@ -17,6 +17,8 @@ import yaml
 
 from engine.kv_layout import KVCacheDtype
 from pdserve.app import settings
+from pdserve.app.embedded_redis import DISABLED_COMMANDS
+from pdserve.app.settings.flags import REDIS_PASSWORD_ENV
 from pdserve.common.role import Role
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,9 +159,10 @@ def _flags(role: str) -> set[str]:
     sub = next(
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     ).choices[role]
-    return {
+    flags = {
         settings.env_name(s) for a in sub._actions for s in a.option_strings if s.startswith("--")
     }
+    return flags | {REDIS_PASSWORD_ENV}  # read from the environment only, never a flag
 
 
 def test_every_pdserve_variable_is_a_real_flag_and_pools_share_one_shape(helm: str) -> None:
@@ -183,9 +186,18 @@ def test_every_pdserve_variable_is_a_real_flag_and_pools_share_one_shape(helm: s
 def test_redis_bundled_or_external(helm: str) -> None:
     bundled = render(helm)
     find(bundled, "StatefulSet", "rel-pdserve-redis")
-    url = env(container(bundled, "prefill"))["PDSERVE_REDIS"]
-    assert url == "redis://:$(REDIS_PASSWORD)@rel-pdserve-redis:6379/0"
+    variables = env(container(bundled, "prefill"))
+    # The password beside the URL, not inside it: nothing in it needs escaping.
+    assert variables["PDSERVE_REDIS"] == "redis://rel-pdserve-redis:6379/0"
+    assert variables[REDIS_PASSWORD_ENV] == {
+        "secretKeyRef": {"name": "rel-pdserve-redis", "key": "password"}
+    }
     assert find(bundled, "Secret", "rel-pdserve-redis")["data"]["password"]
+    server = find(bundled, "StatefulSet", "rel-pdserve-redis")["spec"]["template"]["spec"]
+    args = server["containers"][0]["args"]
+    renamed = {args[i + 1] for i, a in enumerate(args) if a == "--rename-command"}
+    assert renamed == set(DISABLED_COMMANDS)
+    assert all(args[i + 2] == "" for i, a in enumerate(args) if a == "--rename-command")
     external = render(helm, "-f", str(CHART / "ci" / "external-redis-values.yaml"))
     assert not [m for m in external if m["kind"] == "StatefulSet"]
     for role in ("router", "prefill", "decode"):

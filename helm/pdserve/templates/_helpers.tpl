@@ -64,16 +64,17 @@ podSelector:
     app.kubernetes.io/part-of: pdserve
 {{- end -}}
 
-{{/* PDSERVE_REDIS (and the password it is built from) for every component. */}}
+{{/* PDSERVE_REDIS for every component, and the password beside it (not in the URL: any
+     character may be in it, nothing needs escaping). */}}
 {{- define "pdserve.redisEnv" -}}
 {{- if eq .Values.redis.mode "bundled" }}
-- name: REDIS_PASSWORD
+- name: PDSERVE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ default (printf "%s-redis" (include "pdserve.fullname" .)) .Values.redis.bundled.existingSecret }}
       key: password
 - name: PDSERVE_REDIS
-  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "pdserve.fullname" .) | quote }}
+  value: {{ printf "redis://%s-redis:6379/0" (include "pdserve.fullname" .) | quote }}
 {{- else if .Values.redis.external.existingSecret.name }}
 - name: PDSERVE_REDIS
   valueFrom:

@@ -36,10 +36,11 @@ class Controller:
         if not self.redis_url:
             if len([n for n in ray.nodes() if n["Alive"]]) > 1:
                 raise ValueError(
-                    "the embedded Redis listens on 127.0.0.1: a multi-node Ray cluster needs "
-                    "--redis URL, reachable from every node"
+                    "the embedded Redis listens on a local unix socket: a multi-node Ray "
+                    "cluster needs --redis URL, reachable from every node"
                 )
             self._redis = EmbeddedRedis().start()
+            self._redis.supervise()  # the registry outlives a killed redis-server
             self.redis_url = self._redis.url
         self._router = self._spawn(Role.ROUTER.value, spec.router_config(self.redis_url), 0.0, 0.0)
         self._pools: dict[Role, dict[int, Any]] = {Role.PREFILL: {}, Role.DECODE: {}}

@@ -24,6 +24,7 @@ from pdserve.app.settings.clients import (
 )
 from pdserve.app.settings.flags import (
     add_flag,
+    add_redis_flags,
     add_server_flags,
     env_name,
     redis_config,
@@ -47,6 +48,7 @@ __all__ = [
     "add_client_flags",
     "add_cluster_flags",
     "add_flag",
+    "add_redis_flags",
     "add_server_flags",
     "add_service_flags",
     "decode_passthrough",

@@ -99,11 +99,7 @@ def add_server_flags(
     add_flag(
         parser, "--advertise-host", env, default=None, help="host peers dial (default: --host)"
     )
-    add_flag(
-        parser, "--redis", env, default="", help="Redis URL: registry + prefix index (optional)"
-    )
-    namespace = field_default(RedisConfig, "namespace")
-    add_flag(parser, "--redis-namespace", env, default=namespace, help="key prefix in Redis")
+    add_redis_flags(parser, env, "Redis URL: registry + prefix index (optional)")
     add_flag(parser, "--port", env, type=int, default=default_port, help="gRPC port (0: ephemeral)")
     add_flag(parser, "--metrics-port", env, type=int, default=None, help="Prometheus /metrics port")
     drain_s = field_default(ServerConfig, "drain_timeout_s")
@@ -135,8 +131,26 @@ def add_server_flags(
     )
 
 
+REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
+
+
+def add_redis_flags(
+    parser: argparse.ArgumentParser, env: Mapping[str, str] | None, help_text: str
+) -> None:
+    """``--redis`` and ``--redis-namespace``. The password is not a flag (argv is readable by
+    every user of the host): it comes from ``PDSERVE_REDIS_PASSWORD``, or inside the URL."""
+    add_flag(parser, "--redis", env, default="", help=help_text)
+    namespace = field_default(RedisConfig, "namespace")
+    add_flag(parser, "--redis-namespace", env, default=namespace, help="key prefix in Redis")
+    parser.set_defaults(
+        redis_password=(os.environ if env is None else env).get(REDIS_PASSWORD_ENV, "")
+    )
+
+
 def redis_config(args: argparse.Namespace) -> RedisConfig | None:
-    return RedisConfig(url=args.redis, namespace=args.redis_namespace) if args.redis else None
+    if not args.redis:
+        return None
+    return RedisConfig(url=args.redis, namespace=args.redis_namespace, password=args.redis_password)
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig | None:
