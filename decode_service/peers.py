@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import grpc
 from redis.exceptions import RedisError
 
+from pdserve.cluster.last_known import LastKnownWorkers
 from pdserve.cluster.registry import Registry
 from pdserve.common.channels import ChannelPool
 from pdserve.common.role import Role
@@ -47,11 +48,20 @@ def peer_refusal(peers: Mapping[str, str], prefill_address: str, kv_address: str
 
 class PeerDirectory:
     def __init__(
-        self, static: tuple[str, ...], registry: Registry | None, channels: ChannelPool
+        self,
+        static: tuple[str, ...],
+        registry: Registry | None,
+        channels: ChannelPool,
+        last_known: LastKnownWorkers | None = None,
     ) -> None:
         self.static = static
         self.registry = registry
         self.channels = channels
+        self.last_known = last_known or LastKnownWorkers(None)
+        # Peers from before a restart: probed like static ones until the registry answers.
+        self._remembered = {
+            r.address for r in self.last_known.load() if r.role is Role.PREFILL and r.kv_address
+        }
         self._peers: dict[str, str] = {}
         self._refreshed_s = -_MIN_REFRESH_S
         self._lock = asyncio.Lock()
@@ -103,15 +113,23 @@ class PeerDirectory:
             peers: dict[str, str] = {}
             if self.registry is not None:
                 try:
-                    for record in await self.registry.workers():
-                        if record.role is Role.PREFILL and record.kv_address:
-                            peers[record.address] = record.kv_address
+                    records = [
+                        r
+                        for r in await self.registry.workers()
+                        if r.role is Role.PREFILL and r.kv_address
+                    ]
                 except (RedisError, OSError) as exc:
                     logger.warning("prefill peers: registry unavailable (%s)", exc)
                     peers.update(self._peers)
-            # Static peers, and known ones whose record is gone (Redis restarted empty): kept
-            # while they answer, at the address we learned, with the same KV sender.
-            probed = sorted({*self.static, *(a for a in self._peers if a not in peers)})
+                else:
+                    peers.update((r.address, r.kv_address) for r in records)
+                    self.last_known.save(records)
+                    self._remembered.clear()
+            # Static peers, remembered ones, and known ones whose record is gone (Redis
+            # restarted empty): kept while they answer, with the KV sender they name.
+            probed = sorted(
+                {*self.static, *self._remembered, *(a for a in self._peers if a not in peers)}
+            )
             kv_addresses = await asyncio.gather(*(self._kv_address(a) for a in probed))
             for address, kv_address in zip(probed, kv_addresses, strict=True):
                 if kv_address:

@@ -30,6 +30,7 @@ from kvtransfer import (
 )
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
+from pdserve.cluster.last_known import LastKnownWorkers
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
@@ -85,7 +86,11 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 make_receiver, self.config.kv_backend, pages, options
             )
         registry = self.membership.registry if self.membership is not None else None
-        self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels)
+        redis = self.config.redis
+        last_known = LastKnownWorkers(redis.last_known_file if redis is not None else None)
+        self._peers = PeerDirectory(
+            self.config.prefill_peers, registry, self._channels, last_known
+        )
         self._peers.start()
 
     async def close(self) -> None:

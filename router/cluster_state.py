@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 
 from engine.block_hash import hash_blocks, root_hash
 from pdserve.cluster.config import RedisConfig, connect
+from pdserve.cluster.last_known import LastKnownWorkers
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
 from pdserve.common import metrics
@@ -23,6 +24,7 @@ from router.worker_pool import Worker, WorkerPool
 logger = logging.getLogger(__name__)
 
 _DISCOVERY_INTERVAL_S = 0.5
+_WAIT_LOG_S = 10.0
 
 
 class ClusterState:
@@ -38,6 +40,8 @@ class ClusterState:
         self._redis: Redis | None = None
         self.registry: Registry | None = None
         self.index: RedisPrefixIndex | None = None
+        self.last_known = LastKnownWorkers(config.last_known_file if config else None)
+        self._discovered = False  # the registry was read at least once since start
         if config is not None:
             self._redis = connect(config.url, password=config.password)
             self.registry = Registry(self._redis, config.namespace, config.ttl_s)
@@ -61,21 +65,44 @@ class ClusterState:
             records = await self.registry.workers()
         except (RedisError, OSError) as exc:
             self._set_up(False, exc)
+            if not self._discovered:
+                # Started during an outage: the workers known before the restart are
+                # candidates, routable once they answer GetStats with our layout.
+                self._discovered = True
+                remembered = self.last_known.load()
+                if remembered:
+                    logger.warning("routing to %d last-known workers", len(remembered))
+                    self.pool.sync(
+                        remembered, self.fingerprint, self.block_size, heartbeating=False
+                    )
             return
         self._set_up(True)
+        self._discovered = True
         self.pool.sync(records, self.fingerprint, self.block_size)
+        self.last_known.save(records)
         await self.pool.close_unused_channels()
 
     async def wait_ready(
-        self, timeout_s: float, needs_prefill: bool = True, poll_s: float = 0.1
+        self, timeout_s: float | None, needs_prefill: bool = True, poll_s: float = 0.1
     ) -> None:
-        """Until a decode worker (and a prefill worker, if needed) answers; else TimeoutError."""
+        """Until a decode worker (and a prefill worker, if needed) answers; TimeoutError past
+        ``timeout_s`` (None: no bound: a cold GPU load can take long, and a router that exits
+        would only crash-loop). What it waits for is logged every ``_WAIT_LOG_S``."""
+        loop = asyncio.get_running_loop()
+        next_log = loop.time() + _WAIT_LOG_S
         async with asyncio.timeout(timeout_s):
             while True:
                 await self.discover()
                 await self.pool.refresh(self.fingerprint, self.block_size)
                 if self.pool.ready(needs_prefill):
                     return
+                if loop.time() >= next_log:
+                    next_log = loop.time() + _WAIT_LOG_S
+                    logger.warning(
+                        "waiting for workers: %s; redis %s",
+                        self.pool.readiness(needs_prefill),
+                        "up" if self._up else "unreachable",
+                    )
                 await asyncio.sleep(poll_s)
 
     def start(self, stats_interval_s: float) -> None:

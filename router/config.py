@@ -57,7 +57,9 @@ class RouterConfig:
     # The name clients pass as `model` (and /v1/models lists); None: `model` as given.
     served_model_name: str | None = None
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
-    ready_timeout_s: float = 120.0  # waiting for workers at start-up
+    # Waiting for workers at start-up (the API answers 503 meanwhile). None: no bound: a cold
+    # GPU load or a Redis outage must not turn the router into a crash loop.
+    ready_timeout_s: float | None = None
     # Colocated (the vLLM-style baseline): no prefill pool; every request is prefilled and
     # decoded by one decode worker's engine. Same router, same workers, for fair comparisons.
     colocated: bool = False
@@ -67,6 +69,8 @@ class RouterConfig:
         return self.served_model_name or self.model
 
     def __post_init__(self) -> None:
+        if self.ready_timeout_s is not None and self.ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
         if self.colocated and self.prefill_addresses:
             raise ValueError("a colocated router takes no prefill_addresses")
         needs_prefill = not self.colocated

@@ -202,12 +202,20 @@ class WorkerPool:
     def workers(self) -> list[Worker]:
         return [*self.prefill.values(), *self.decode.values()]
 
-    def sync(self, records: list[WorkerRecord], fingerprint: str, block_size: int) -> None:
+    def sync(
+        self,
+        records: list[WorkerRecord],
+        fingerprint: str,
+        block_size: int,
+        heartbeating: bool = True,
+    ) -> None:
         """Follow the registry: add new workers (if their KV layout matches), mark draining
         ones, and drop those whose record is gone once they are also draining or unhealthy.
         (A record can vanish while its worker is fine, e.g. just after a Redis restart and
         before the next heartbeat; dropping a healthy worker then would drop traffic. Its
-        next stats timeout, though, marks it stalled at once.) Static workers stay."""
+        next stats timeout, though, marks it stalled at once.) Static workers stay.
+        ``heartbeating=False``: remembered records (``pdserve/cluster/last_known.py``), whose
+        workers are routable only once their stats answer."""
         seen: set[str] = set()
         for record in records:
             pool = self.pools[record.role]
@@ -222,7 +230,11 @@ class WorkerPool:
             if worker is None:
                 # It heartbeats; stats follow at the next refresh.
                 worker = Worker(
-                    record.address, record.role, self.channels, record.worker_id, healthy=True
+                    record.address,
+                    record.role,
+                    self.channels,
+                    record.worker_id,
+                    healthy=heartbeating,
                 )
                 pool[record.address] = worker
                 logger.info("%s worker %s joined", record.role.value, record.address)
@@ -300,6 +312,15 @@ class WorkerPool:
     def ready(self, needs_prefill: bool = True) -> bool:
         prefill = any(w.routable for w in self.prefill.values()) or not needs_prefill
         return prefill and any(w.routable for w in self.decode.values())
+
+    def readiness(self, needs_prefill: bool = True) -> str:
+        """What ``ready`` lacks, for the start-up log: routable / known per pool."""
+        roles = (Role.PREFILL, Role.DECODE) if needs_prefill else (Role.DECODE,)
+        return ", ".join(
+            f"{sum(w.routable for w in self.pools[r].values())} of "
+            f"{len(self.pools[r])} {r.value} workers routable"
+            for r in roles
+        )
 
     @property
     def max_model_len(self) -> int:

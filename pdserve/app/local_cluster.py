@@ -18,6 +18,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -131,6 +132,18 @@ class LocalCluster:
         self._lock = threading.Lock()  # the component lists, against the supervisors
         self._draining: list[Component] = []  # asked to go (a scale-down)
         self.num_restarts = 0  # over all components
+        # Each component's last-known workers (a restart during a Redis outage reads them).
+        self._state_dir = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+
+    def _redis_args(self, name: str) -> list[str]:
+        cfg = self.config
+        if not cfg.redis_url:
+            return []
+        last_known = os.path.join(self._state_dir.name, f"{name}-workers.json")
+        return [
+            *("--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace),
+            *("--last-known-workers", last_known),
+        ]
 
     @property
     def address(self) -> str:
@@ -187,8 +200,9 @@ class LocalCluster:
         """Starts one more prefill or decode worker (not waited for). Bad flags: ValueError."""
         cfg = self.config
         args = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
-        if cfg.redis_url:
-            args += ["--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace]
+        with self._lock:
+            name = f"{role.value}-{len(self._group(role))}"
+        args += self._redis_args(name)
         if role is Role.PREFILL:
             args += ["--kv-port", "0", *cfg.prefill_args]
         else:
@@ -198,9 +212,8 @@ class LocalCluster:
             args += list(cfg.decode_args)
         config = settings.parse_service_flags(role, [*args, *extra_args], with_environment=True)
         with self._lock:
-            group = self._group(role)
-            component = self._spawn(f"{role.value}-{len(group)}", config)
-            group.append(component)
+            component = self._spawn(name, config)
+            self._group(role).append(component)
         return component
 
     def live_workers(self, role: Role) -> list[Component]:
@@ -262,7 +275,7 @@ class LocalCluster:
             if cfg.colocated:
                 router_args.append("--colocated")
             if cfg.redis_url:
-                router_args += ["--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace]
+                router_args += self._redis_args(Role.ROUTER.value)
             else:
                 if self.prefill:
                     router_args += ["--prefill", ",".join(w.address for w in self.prefill)]
@@ -317,10 +330,9 @@ class LocalCluster:
             print(f"pdserve up: {component.name} stays down", file=sys.stderr, flush=True)
 
     def _restart(self, old: Component) -> Component | None:
-        config = old.config
-        if not self.config.redis_url or old.role is Role.ROUTER:
-            # Peers know it by its address (static lists, the router's port): keep the port.
-            config = _same_ports(config, old)
+        # Peers know it by its address (static lists, the router's port, and last-known
+        # workers while Redis is down): keep its ports, as a restarted container in its pod.
+        config = _same_ports(old.config, old)
         with self._lock:
             if self._stopping.is_set():
                 return None
@@ -349,6 +361,7 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     c.process.kill()
                     codes[c.name] = c.process.wait()
+        self._state_dir.cleanup()
         return codes
 
     def __enter__(self) -> LocalCluster:

@@ -22,6 +22,9 @@ class RedisConfig:
     # AUTH password kept out of the URL: no escaping, never in argv, never printed or logged
     # (PDSERVE_REDIS_PASSWORD; a password inside the URL wins).
     password: str = field(default="", repr=False)
+    # Where the router and decode workers keep the workers they last read from the registry,
+    # for a restart during an outage (pdserve/cluster/last_known.py); None: not kept.
+    last_known_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("redis://", "rediss://", "unix://")):

@@ -176,8 +176,19 @@ class ServiceServer:
     async def shutdown(self) -> None:
         self.service.serving = False
         await self.health.enter_graceful_shutdown()
-        await self.service.drain(self.config.drain_timeout_s)
-        await self.server.stop(grace=1.0)
+        if self.service.public:
+            # GOAWAY at drain start: a client on a persistent channel opens a new connection
+            # (through its load balancer, to another replica) for its next call, instead of
+            # being refused here until the drain ends; calls in flight go on meanwhile.
+            # Internal ports keep accepting (and refusing by name: NOT_ACCEPTING) while they
+            # drain: a prefill worker's leases are released by calls that arrive then.
+            grace_s = self.config.drain_timeout_s + 1.0
+            stopped = asyncio.create_task(self.server.stop(grace=grace_s))
+            await self.service.drain(self.config.drain_timeout_s)
+            await stopped
+        else:
+            await self.service.drain(self.config.drain_timeout_s)
+            await self.server.stop(grace=1.0)
         await self.service.close()
 
 

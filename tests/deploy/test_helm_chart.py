@@ -144,6 +144,15 @@ def test_probes_drain_hook_and_security_context(helm: str) -> None:
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the only writable path
         drain_s = float(env(c)["PDSERVE_DRAIN_TIMEOUT_S"])
         assert spec["terminationGracePeriodSeconds"] > drain_s
+        model = next(m for m in c["volumeMounts"] if m["name"] == "model")
+        assert model["readOnly"] is True  # whatever the source: only the init container writes
+        state = next(m for m in c["volumeMounts"] if m["name"] == "state")
+        assert env(c)["PDSERVE_LAST_KNOWN_WORKERS"].startswith(state["mountPath"] + "/")
+        assert {"name": "state", "emptyDir": {"sizeLimit": "16Mi"}} in spec["volumes"]
+        if role == "router":  # serves on while the endpoints drop it, then drains (GOAWAY)
+            pre_stop = c["lifecycle"]["preStop"]["exec"]["command"]
+            assert pre_stop[0] == "sleep"
+            assert spec["terminationGracePeriodSeconds"] >= drain_s + float(pre_stop[1])
     for role in ("prefill", "decode"):
         c = container(manifests, role)
         hook = " ".join(c["lifecycle"]["preStop"]["exec"]["command"])
@@ -220,6 +229,10 @@ def test_model_comes_from_one_path_for_every_pool(helm: str) -> None:
         assert env(spec["containers"][0])["PDSERVE_MODEL"] == "/models/Qwen3-8B"
         volume = next(v for v in spec["volumes"] if v["name"] == "model")
         assert volume["persistentVolumeClaim"]["claimName"] == "pdserve-model-cache"
+        # The downloader writes the weights; the server that runs them cannot.
+        assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
+        served = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model")
+        assert served["readOnly"] is True
 
 
 def test_network_policies_isolate_workers_and_redis(helm: str) -> None:

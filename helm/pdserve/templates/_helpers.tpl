@@ -87,6 +87,8 @@ podSelector:
 {{- end }}
 - name: PDSERVE_REDIS_NAMESPACE
   value: {{ .Values.redis.keyPrefix | quote }}
+- name: PDSERVE_LAST_KNOWN_WORKERS  # read after a restart while Redis is down
+  value: /var/lib/pdserve/workers.json
 {{- end -}}
 
 {{/* What every pdserve container needs: the model, the KV layout, a writable /tmp. */}}
@@ -170,6 +172,9 @@ readinessProbe:
 {{- end }}
 - name: tmp
   emptyDir: {}
+- name: state
+  emptyDir:
+    sizeLimit: 16Mi
 {{- if .Values.tls.enabled }}
 - name: tls
   secret:
@@ -177,12 +182,17 @@ readinessProbe:
 {{- end }}
 {{- end -}}
 
+{{/* A serving container's mounts: the model read-only whatever its source (only the
+     download init container writes it), /tmp, the last-known workers (pdserve/cluster/
+     last_known.py: an emptyDir outlives a container restart), the TLS secret. */}}
 {{- define "pdserve.volumeMounts" -}}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
-  readOnly: {{ ne .Values.model.source "download" }}
+  readOnly: true
 - name: tmp
   mountPath: /tmp
+- name: state
+  mountPath: /var/lib/pdserve
 {{- if .Values.tls.enabled }}
 - name: tls
   mountPath: {{ .Values.tls.mountPath }}
@@ -223,7 +233,10 @@ initContainers:
     securityContext:
       {{- toYaml .Values.securityContext | nindent 6 }}
     volumeMounts:
-      {{- include "pdserve.volumeMounts" . | nindent 6 }}
+      - name: model  # the one writer of the model volume
+        mountPath: {{ .Values.model.mountPath }}
+      - name: tmp
+        mountPath: /tmp
 {{- end }}
 {{- end }}
 {{- end -}}

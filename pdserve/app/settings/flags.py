@@ -100,6 +100,14 @@ def add_server_flags(
         parser, "--advertise-host", env, default=None, help="host peers dial (default: --host)"
     )
     add_redis_flags(parser, env, "Redis URL: registry + prefix index (optional)")
+    add_flag(
+        parser,
+        "--last-known-workers",
+        env,
+        default=field_default(RedisConfig, "last_known_file"),
+        help="file of the workers last read from Redis, used after a restart while Redis is "
+        "down (router and decode workers)",
+    )
     add_flag(parser, "--port", env, type=int, default=default_port, help="gRPC port (0: ephemeral)")
     add_flag(parser, "--metrics-port", env, type=int, default=None, help="Prometheus /metrics port")
     drain_s = field_default(ServerConfig, "drain_timeout_s")
@@ -150,7 +158,12 @@ def add_redis_flags(
 def redis_config(args: argparse.Namespace) -> RedisConfig | None:
     if not args.redis:
         return None
-    return RedisConfig(url=args.redis, namespace=args.redis_namespace, password=args.redis_password)
+    return RedisConfig(
+        url=args.redis,
+        namespace=args.redis_namespace,
+        password=args.redis_password,
+        last_known_file=getattr(args, "last_known_workers", None),  # servers only
+    )
 
 
 def tls_config(args: argparse.Namespace) -> TlsConfig | None:

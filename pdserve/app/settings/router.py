@@ -106,6 +106,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         env,
         type=float,
         default=field_default(RouterConfig, "ready_timeout_s"),
+        help="exit when no worker is ready after this long (default: wait, logging each 10 s)",
     )
     add_flag(parser, "--api-key-file", env, default=None, help="API keys, one per line (re-read)")
     for name in RequestLimits.__dataclass_fields__:
