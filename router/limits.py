@@ -33,6 +33,10 @@ class RequestLimits:
     max_output_bytes: int = 256 << 20
     max_concurrent_requests: int = 4096  # public requests in flight: past this, 429
     request_body_timeout_s: int = 30  # an HTTP body must arrive within this (else 408)
+    # An HTTP request's head (request line + headers), before anything else runs: at most
+    # this many bytes (else 431), complete within this long of its first byte (else 408).
+    max_header_bytes: int = 64 << 10
+    request_header_timeout_s: int = 10
 
     def __post_init__(self) -> None:
         for f in fields(self):

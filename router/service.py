@@ -110,7 +110,9 @@ class RouterService(Service):
         # Connections (idle keep-alives and slow senders too) are bounded past the requests
         # the router admits: uvicorn answers 503 beyond, the router's own check 429 before.
         connections = self.config.limits.max_concurrent_requests + HTTP_SPARE_CONNECTIONS
-        self._http = HttpServer(app, server.host, self.config.http_port, server.tls, connections)
+        self._http = HttpServer(
+            app, server.host, self.config.http_port, server.tls, self.config.limits, connections
+        )
         return {"http": await self._http.start()}
 
     async def load(self) -> None:

@@ -42,6 +42,11 @@ HTTP_REQUESTS = Counter(
 AUTH_FAILURES = Counter(
     "pdserve_auth_failures_total", "Requests refused for a missing or wrong API key"
 )
+HTTP_HEAD_REFUSED = Counter(
+    "pdserve_http_head_refused_total",
+    "HTTP connections closed for a request head too large (431) or too slow (408)",
+    ["status"],
+)
 DECODE_RETRIES = Counter(
     "pdserve_decode_admission_retries_total", "Decode admissions refused for lack of KV blocks"
 )

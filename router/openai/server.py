@@ -17,6 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdserve.common.tls import TlsConfig
+from router.limits import RequestLimits
+from router.openai.http_protocol import bounded_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +30,14 @@ class HttpServer:
         host: str,
         port: int,
         tls: TlsConfig | None,
+        limits: RequestLimits,
         limit_concurrency: int | None = None,
     ) -> None:
         self.config = uvicorn.Config(
             app,
             host=host,
             port=port,
+            http=bounded_protocol(limits.max_header_bytes, limits.request_header_timeout_s),
             limit_concurrency=limit_concurrency,
             lifespan="off",
             log_config=None,

@@ -4,9 +4,12 @@
 - a body trickled in (``Content-Length`` then a byte now and then): 408 after
   ``--request-body-timeout-s``, instead of a request (and a drain) held for ever;
 - ``--max-concurrent-requests`` in flight: the next is 429 with Retry-After (HTTP) and
-  RESOURCE_EXHAUSTED (gRPC), both naming the flag.
+  RESOURCE_EXHAUSTED (gRPC), both naming the flag;
+- a request head (request line + headers) past ``--max-header-bytes``, as one huge header or
+  many small ones: 431; one trickled in: 408 after ``--request-header-timeout-s``.
 Before, each was accepted: the one-huge-request probe started generating, the trickled body
-was still open after 90 s, and no request was ever refused for load."""
+was still open after 90 s, no request was ever refused for load, and a 10 MB header or
+100 000 headers were parsed whole."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ pytestmark = pytest.mark.slow
 BODY_TIMEOUT_S = 2
 MAX_OUTPUT_BYTES = 1 << 20
 MAX_CONCURRENT = 2
+MAX_HEADER_BYTES = 16384
+HEADER_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,10 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             str(BODY_TIMEOUT_S),
             "--max-concurrent-requests",
             str(MAX_CONCURRENT),
+            "--max-header-bytes",
+            str(MAX_HEADER_BYTES),
+            "--request-header-timeout-s",
+            str(HEADER_TIMEOUT_S),
         ),
     )
     with LocalCluster(config) as c:
@@ -99,6 +108,54 @@ def test_a_trickled_body_is_refused_after_the_body_timeout(cluster: LocalCluster
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"--request-body-timeout-s" in reply
     assert BODY_TIMEOUT_S <= elapsed < 30  # refused at the timeout, not at the client's end
+
+
+def _exchange(cluster: LocalCluster, pieces: list[bytes], gap_s: float = 0.0) -> bytes:
+    """Sends ``pieces`` (``gap_s`` apart, stopping once the router answers or closes), then
+    reads the reply to its end (the router closes the connection after a refusal)."""
+    host, _, port = cluster.http_url.removeprefix("http://").rpartition(":")
+    reply = b""
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.settimeout(gap_s or None)
+        for piece in pieces:
+            try:
+                sock.sendall(piece)
+                if gap_s:
+                    reply += sock.recv(4096)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if reply:
+                break
+        sock.settimeout(30)
+        while more := sock.recv(4096):
+            reply += more
+    return reply
+
+
+def test_request_heads_too_large_or_too_slow_are_refused_before_anything_runs(
+    cluster: LocalCluster,
+) -> None:
+    refused = metric(cluster.router, "pdserve_http_head_refused_total")
+    start = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    huge = _exchange(cluster, [start + b"X-Pad: " + b"a" * (MAX_HEADER_BYTES + 4096) + b"\r\n"])
+    assert huge.startswith(b"HTTP/1.1 431") and b"--max-header-bytes" in huge, huge[:200]
+    many = b"".join(b"X-%05d: a\r\n" % i for i in range(2000))  # 24 KB of small headers
+    assert _exchange(cluster, [start + many]).startswith(b"HTTP/1.1 431")
+    began = time.monotonic()
+    slow = _exchange(cluster, [start] + [b"X"] * 60, gap_s=0.5)  # a byte each 0.5 s
+    elapsed = time.monotonic() - began
+    assert slow.startswith(b"HTTP/1.1 408") and b"--request-header-timeout-s" in slow, slow[:200]
+    assert HEADER_TIMEOUT_S <= elapsed < 25  # at the timeout, not when the client gave up
+    # Within the bounds, on one keep-alive connection, requests go on being served.
+    fine = start + b"X-Pad: " + b"a" * 8192 + b"\r\n\r\n"
+    host, _, port = cluster.http_url.removeprefix("http://").rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for _ in range(3):
+            sock.sendall(fine)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    assert metric(cluster.router, "pdserve_http_head_refused_total") == refused + 3
 
 
 def test_requests_past_the_concurrency_limit_are_refused_for_load(cluster: LocalCluster) -> None:
