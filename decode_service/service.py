@@ -88,9 +88,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         registry = self.membership.registry if self.membership is not None else None
         redis = self.config.redis
         last_known = LastKnownWorkers(redis.last_known_file if redis is not None else None)
-        self._peers = PeerDirectory(
-            self.config.prefill_peers, registry, self._channels, last_known
-        )
+        self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels, last_known)
         self._peers.start()
 
     async def close(self) -> None:

@@ -17,11 +17,13 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # Set when tokenizer_config asks for a BOS that tokenizer.json's post-processor lacks.
         self._add_bos_token_id = add_bos_token_id
-        self.special_token_ids = frozenset(
-            token_id
-            for token_id, added in tokenizer.get_added_tokens_decoder().items()
-            if added.special
-        )
+        added = tokenizer.get_added_tokens_decoder().items()
+        self.special_token_ids = frozenset(token_id for token_id, a in added if a.special)
+        # The strings a plain ``encode`` turns into control tokens ("<|im_end|>"), and a copy of
+        # the tokenizer that reads them as text: for what users wrote (``encode_as_text``).
+        self.special_strings = frozenset(a.content for _, a in added if a.special and a.content)
+        self._as_text = HFTokenizer.from_str(tokenizer.to_str())
+        self._as_text.encode_special_tokens = True
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer | None:
@@ -49,6 +51,16 @@ class Tokenizer:
         if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added, and none recognised in it:
+        "<|im_end|>" written by a user is those characters, not the end of their turn."""
+        ids: list[int] = self._as_text.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
+
+    def has_special_string(self, text: str) -> str | None:
+        """The first control-token string found in ``text``, or None."""
+        return next((s for s in sorted(self.special_strings) if s in text), None)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # Ids past the tokenizer's vocabulary (padded embedding rows) carry no text.

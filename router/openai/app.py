@@ -2,7 +2,7 @@
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``; ``GET /health``
 (503 while loading or draining) and ``GET /metrics`` (the process's Prometheus registry).
 
-Every ``/v1/*`` route needs the API key when keys are configured; health and metrics do not.
+Every ``/v1/*`` route and ``/metrics`` need the API key when keys are configured; health does not.
 A body is counted as it arrives and refused (413) past ``--max-request-bytes`` before any
 parsing; a large one is parsed off the event loop. Errors have OpenAI's shape
 (``router/openai/errors.py``); a bug answers 500 with the request id only, its traceback logged.
@@ -127,7 +127,11 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         return Response(status_code=200 if core.lifecycle.serving else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        # The public port is outside the metrics NetworkPolicy: here, the API key guards it
+        # (operators scrape the metrics port, where the policy applies).
+        if not core.authorized(request.headers.get("authorization")):
+            raise errors.unauthorized()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     def admit(request: Request) -> None:

@@ -35,6 +35,9 @@ _SPECIAL = (
     "mask_token",
 )
 # transformers fills `reasoning_content` (and `thinking`, for gpt-oss templates) from these.
+# Brackets a message's index in place of its content (a private-use character: never text
+# a template writes), to find where each content lands in the rendered prompt.
+_MARK = "\ue000"
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
@@ -127,6 +130,36 @@ class ChatTemplate:
                 t.get("content") if isinstance(t, dict) else t for t in extra
             ]
         return cls(source, special)
+
+    def render_parts(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[tuple[str, bool]] | None:
+        """The prompt as (text, is_message_content) parts, in order, or None when the
+        template does not copy each message's content verbatim (it trims or rewrites it), so
+        the contents cannot be told apart from the template's own text. Their concatenation
+        is exactly ``render``'s text."""
+        whole = self.render(messages, add_generation_prompt)
+        marked = [dict(m) for m in messages]
+        contents: list[str] = []
+        for message in marked:
+            content = message.get("content")
+            if isinstance(content, str):
+                if _MARK in content:
+                    return None
+                message["content"] = f"{_MARK}{len(contents)}{_MARK}"
+                contents.append(content)
+        pieces = self.render(marked, add_generation_prompt).split(_MARK)
+        parts: list[tuple[str, bool]] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                parts.append((piece, False))
+            elif not piece.isdigit() or int(piece) >= len(contents):
+                return None  # the template cut a marker apart: not verbatim
+            else:
+                parts.append((contents[int(piece)], True))
+        if len(pieces) % 2 == 0 or "".join(text for text, _ in parts) != whole:
+            return None
+        return [(text, is_content) for text, is_content in parts if text]
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

@@ -17,7 +17,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGPROBS
+from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
+from router.openai.chat_template import ChatTemplate
 
 
 class _Body(BaseModel):
@@ -232,12 +234,45 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def chat_prompt(
+    template: ChatTemplate,
+    tokenizer: Tokenizer | None,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+) -> Prompt:
+    """The rendered chat as a prompt. Where a message's content holds a control-token string
+    ("<|im_end|>"), that content is tokenized as text and the template's own text as usual,
+    so a user cannot end their turn or open another role by typing its marker. A template
+    that rewrites contents (so they cannot be located in its output) is refused then."""
+    rendered = template.render(messages, add_generation_prompt)
+    found = [
+        (i, tokenizer.has_special_string(m["content"]))
+        for i, m in enumerate(messages)
+        if tokenizer is not None and isinstance(m.get("content"), str)
+    ]
+    marked = [(i, s) for i, s in found if s is not None]
+    if tokenizer is None or not marked:
+        return Prompt(text=rendered)
+    parts = template.render_parts(messages, add_generation_prompt)
+    if parts is None:
+        i, special = marked[0]
+        raise InvalidParameter(
+            f"messages[{i}].content",
+            f"messages[{i}].content holds the control token {special!r}, and this model's chat "
+            "template rewrites message contents, so it cannot be kept as text",
+        )
+    ids: list[int] = []
+    for text, is_content in parts:
+        ids += tokenizer.encode_as_text(text) if is_content else tokenizer.encode(text, False)
+    return Prompt(token_ids=tuple(ids))
+
+
 def _check_logprobs(param: str, value: int | None) -> None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise InvalidParameter(param, f"{param} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
-def chat_plan(body: ChatCompletionRequest, rendered: str, max_choices: int) -> Plan:
+def chat_plan(body: ChatCompletionRequest, prompt: Prompt, max_choices: int) -> Plan:
     if body.tools:
         raise InvalidParameter("tools", "tools are not supported")
     if body.functions:
@@ -251,7 +286,7 @@ def chat_plan(body: ChatCompletionRequest, rendered: str, max_choices: int) -> P
     _check_logprobs("top_logprobs", body.top_logprobs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _plan(body, (Prompt(text=rendered),), max_tokens, logprobs, max_choices)
+    return _plan(body, (prompt,), max_tokens, logprobs, max_choices)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:

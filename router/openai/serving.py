@@ -34,6 +34,7 @@ from router.openai.protocol import (
     CompletionRequest,
     Plan,
     chat_plan,
+    chat_prompt,
     completion_plan,
     message_dicts,
 )
@@ -128,8 +129,10 @@ class OpenAIServing:
         template = self.template
         add_prompt = body.add_generation_prompt is not False
         # A template is code and messages can be megabytes: in a tokenization slot.
-        rendered = await self.core.prompts.in_thread(lambda: template.render(messages, add_prompt))
-        plan = chat_plan(body, rendered, self.core.config.limits.max_choices)
+        prompt = await self.core.prompts.in_thread(
+            lambda: chat_prompt(template, self.core.tokenizer, messages, add_prompt)
+        )
+        plan = chat_plan(body, prompt, self.core.config.limits.max_choices)
         return await self._prepare(Kind.CHAT, plan, client_id, start_s, add_special_tokens=False)
 
     async def prepare_completion(

@@ -88,7 +88,9 @@ def test_limits_keys_health_and_metrics(http_cluster: LocalCluster) -> None:
     not_json = httpx2.post(f"{base}/v1/completions", content=b"{nope", headers=AUTH, timeout=60)
     assert not_json.status_code == 400 and not_json.json()["error"]["param"] == "body"
     assert httpx2.get(f"{base}/health", timeout=60).status_code == 200  # no key needed
-    scrape = httpx2.get(f"{base}/metrics", timeout=60)
+    # The public port is outside the metrics NetworkPolicy: /metrics there needs the key.
+    assert httpx2.get(f"{base}/metrics", timeout=60).status_code == 401
+    scrape = httpx2.get(f"{base}/metrics", headers=AUTH, timeout=60)
     assert scrape.status_code == 200
     assert 'pdserve_http_requests_total{route="/v1/completions",status="413"}' in scrape.text
 
