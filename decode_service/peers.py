@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from redis.exceptions import RedisError
@@ -53,8 +53,12 @@ class PeerDirectory:
         registry: Registry | None,
         channels: ChannelPool,
         last_known: LastKnownWorkers | None = None,
+        on_change: Callable[[Mapping[str, str]], Awaitable[None]] | None = None,
     ) -> None:
+        """``on_change(peers)`` is awaited after a refresh that changed the peers (control
+        address -> KV sender): the owner drops what it keeps for departed ones."""
         self.static = static
+        self.on_change = on_change
         self.registry = registry
         self.channels = channels
         self.last_known = last_known or LastKnownWorkers(None)
@@ -134,7 +138,9 @@ class PeerDirectory:
             for address, kv_address in zip(probed, kv_addresses, strict=True):
                 if kv_address:
                     peers[address] = kv_address
-            self._peers = peers
+            changed, self._peers = peers != self._peers, peers
+            if changed and self.on_change is not None:
+                await self.on_change(peers)
 
     async def _kv_address(self, address: str) -> str:
         stub = prefill_pb2_grpc.PrefillWorkerStub(self.channels.get(address))

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
@@ -88,8 +88,16 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         registry = self.membership.registry if self.membership is not None else None
         redis = self.config.redis
         last_known = LastKnownWorkers(redis.last_known_file if redis is not None else None)
-        self._peers = PeerDirectory(self.config.prefill_peers, registry, self._channels, last_known)
+        self._peers = PeerDirectory(
+            self.config.prefill_peers, registry, self._channels, last_known, self._peers_changed
+        )
         self._peers.start()
+
+    async def _peers_changed(self, peers: Mapping[str, str]) -> None:
+        """Departed prefill peers: their channels retire, the receiver forgets their senders."""
+        await self._channels.retain(set(peers))
+        if self._receiver is not None:
+            await self._receiver.retain_peers(set(peers.values()))
 
     async def close(self) -> None:
         if self._peers is not None:

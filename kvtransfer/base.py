@@ -169,6 +169,13 @@ class KVReceiver(ABC):
         """Releases connections."""
         return None
 
+    async def retain_peers(self, kv_addresses: set[str]) -> None:
+        """Called by the decode service whenever its set of prefill peers changes (their KV
+        senders' addresses): drop what is kept for any other sender (connections, NIXL remote
+        agents, handshake locks), so departed peers do not accumulate. A pull in flight keeps
+        what it uses until it ends."""
+        return None
+
     def check_handle(self, handle: KVHandle, block_ids: list[int]) -> None:
         mismatch = self.cache.layout.mismatch(handle.layout)
         if mismatch is not None:

@@ -158,6 +158,9 @@ class GrpcKVReceiver(KVReceiver):
     async def close(self) -> None:
         await self._channels.close()
 
+    async def retain_peers(self, kv_addresses: set[str]) -> None:
+        await self._channels.retain(kv_addresses)  # retired channels close after a grace
+
     async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
         self.check_handle(handle, block_ids)
         start = time.perf_counter()

@@ -90,6 +90,15 @@ class NixlKVReceiver(KVReceiver):
         await self._channels.close()
         await asyncio.to_thread(self.agent.close)
 
+    async def retain_peers(self, kv_addresses: set[str]) -> None:
+        for address, peer in list(self._peers.items()):
+            if address not in kv_addresses:
+                await self._forget(peer)  # its remote agent goes once no READ uses it
+        for address, lock in list(self._handshakes.items()):
+            if address not in kv_addresses and not lock.locked():
+                del self._handshakes[address]
+        await self._channels.retain(kv_addresses)
+
     def _stub(self, address: str) -> nixl_pb2_grpc.NixlControlStub:
         return nixl_pb2_grpc.NixlControlStub(self._channels.get(address))
 
