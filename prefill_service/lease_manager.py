@@ -33,6 +33,7 @@ class LeaseManager(BlockLeases):
         self._table = LeaseTable(lease_s)
         self._changed = asyncio.Event()
         self._reaper: asyncio.Task[None] | None = None
+        self._frees: set[asyncio.Task[None]] = set()  # frees whose caller may have gone
 
     def __len__(self) -> int:
         return len(self._table)
@@ -52,6 +53,7 @@ class LeaseManager(BlockLeases):
         lease still held."""
         for request_id in self._table.expire(float("inf")):
             await self._free(request_id)
+        await asyncio.gather(*self._frees, return_exceptions=True)  # of cancelled callers
 
     # ---- the lease's life -------------------------------------------------------------------
     def grant(self, request_id: str, block_ids: list[int]) -> str:
@@ -85,11 +87,22 @@ class LeaseManager(BlockLeases):
 
     # ---- the one free path ------------------------------------------------------------------
     async def _free(self, request_id: str) -> None:
+        """Frees the blocks, then tells the sender. The table has forgotten the lease by now,
+        so this must run to its end even when the caller is cancelled (a ``Release`` whose
+        caller went away): else the sender's staged objects or digests would never go."""
+        task = asyncio.ensure_future(self._free_now(request_id))
+        self._frees.add(task)
+        task.add_done_callback(self._frees.discard)
+        await asyncio.shield(task)
+
+    async def _free_now(self, request_id: str) -> None:
         assert self._engine is not None, "a lease exists only once the engine does"
-        await self._engine.free_pinned(request_id)
-        if self._sender is not None:
-            self._sender.lease_ended(request_id)
-        metrics.LEASED_REQUESTS.set(len(self._table))
+        try:
+            await self._engine.free_pinned(request_id)
+        finally:
+            if self._sender is not None:
+                self._sender.lease_ended(request_id)
+            metrics.LEASED_REQUESTS.set(len(self._table))
 
     async def _expire_forever(self) -> None:
         while True:

@@ -5,7 +5,7 @@ their lease."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from kvtransfer.wire import handle_from_proto
 from pdserve.app.ray_deploy.objects import live_objects
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from prefill_service.lease_manager import LeaseManager
 from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
 from tests.ray_util import no_new_objects
 from tests.services.harness import (
@@ -91,6 +92,7 @@ class _Pulled:
     handle: KVHandle
     block_ids: list[int]
     decode: LLMEngine
+    leases: LeaseManager
 
     @property
     def num_bytes(self) -> int:
@@ -123,7 +125,7 @@ async def _prefilled_on_ray(llama_dir: Path) -> AsyncIterator[_Pulled]:
         block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
         assert block_ids is not None
         handle = handle_from_proto(response.handle)
-        yield _Pulled(sender, stub, receiver, handle, block_ids, decode)
+        yield _Pulled(sender, stub, receiver, handle, block_ids, decode, prefill.leases)
         decode.abort("r")
         decode.block_manager.check_no_leaks()
     finally:
@@ -151,6 +153,35 @@ def test_staged_object_lives_until_the_lease_ends(llama_dir: Path) -> None:
             assert p.sender.num_staged == 0
 
     asyncio.run(run())
+
+
+def test_a_release_cancelled_mid_free_still_ends_the_lease_at_the_sender(
+    llama_dir: Path,
+) -> None:
+    """A Release whose caller goes away while the blocks are being freed: the table forgot the
+    lease already, so the free runs on to the sender's ``lease_ended`` (its staged object goes);
+    before, the cancellation skipped it and the object stayed in the store for good."""
+
+    async def run() -> None:
+        async with _prefilled_on_ray(llama_dir) as p:
+            await p.receiver.pull(p.handle, p.block_ids)
+            assert p.sender.num_staged == 1
+            leases = p.leases
+            ending = asyncio.create_task(leases.end("r", p.handle.lease_token))
+            while len(leases) > 0:  # until the table forgot it: the free has begun
+                await asyncio.sleep(0)
+            ending.cancel()
+            await asyncio.gather(ending, return_exceptions=True)
+            await wait_for(_staged_none(p.sender), 30.0, "the sender dropped the object")
+
+    asyncio.run(run())
+
+
+def _staged_none(sender: RayKVSender) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return sender.num_staged == 0
+
+    return check
 
 
 def test_a_lost_mailbox_is_replaced_under_the_same_name(llama_dir: Path) -> None:
