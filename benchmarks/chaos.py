@@ -1,14 +1,17 @@
 """Chaos: an open-loop load on a local cluster (2 prefill + 2 decode, embedded Redis, the
-supervisor restarting killed workers) while a seeded schedule injects one fault at a time:
-kill -9 of a random worker, SIGSTOP/SIGCONT of a random worker, a Redis restart.
+supervisor restarting killed workers, every setting at its default: the stall timeout too)
+while a scenario injects faults one at a time (``chaos_scenarios.py``): ``mixed`` (kill -9 of
+a decode worker, SIGSTOP of one past the stall timeout, kill -9 of redis-server),
+``stuck-step`` (a decode worker whose engine step blocks for good), ``redis-outage-restart``
+(Redis down, a decode worker killed and restarted during the outage, Redis back).
 
 The same seeded workload also runs without faults, in the same invocation: the baseline. Every
 completed stream is compared token for token with one engine (``engine.LLM``); a difference at
-a logit near-tie (<= 1e-4) is counted apart, anything else is a failure. Reported: requests,
-completed identical / near-tie, failed, hung (no end within --hang-s), migrations (router
-counter), leaked blocks on the workers afterwards, client-side TTFT/TPOT p50/p99, and the p99
-of the gap a migration added (router histogram, bucket bound). Goal: 0 failed, 0 hung, 0
-leaked. Ends with one JSON line.
+a logit near-tie (<= 1e-4) is counted apart, anything else is a failure. Reported per
+scenario: requests, completed identical / near-tie, failed, hung (no end within --hang-s),
+migrations (router counter), time from each fault to the router's reaction, leaked blocks on
+the workers afterwards, the router's peak RSS, client-side TTFT/TPOT p50/p99. Goal: 0 failed,
+0 hung, 0 leaked. Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -17,28 +20,31 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
-import signal
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from bench_inputs import ensure_model  # sibling module
+from chaos_scenarios import SCENARIOS, Schedule  # sibling module
 
 from engine import LLM, SamplingParams
 from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
 from pdserve.app.bench.stats import RequestRecord, percentile, summarize
 from pdserve.app.client import router_channel
 from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import ClusterConfig, Component, LocalCluster
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.settings.flags import field_default
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from router.config import RouterConfig
 
-STALL_S = 3.0  # the router's --stall-timeout-s here: a stopped worker's streams move after it
+# The router's default stall timeout: faults are detected at the bound users get.
+STALL_S = float(field_default(RouterConfig, "stall_timeout_s"))
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,15 +52,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=120, help="requests per run (120)")
     p.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (4)")
     p.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
-    p.add_argument("--faults", type=int, default=6, help="faults injected, one at a time (6)")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)",
+    )
     p.add_argument("--hang-s", type=float, default=120.0, help="a stream this late is hung")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=("tiny", "small"), default="tiny", help="checkpoint size")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
-    p.add_argument("--smoke", action="store_true", help="CI: 24 requests, 2 faults")
+    p.add_argument("--smoke", action="store_true", help="24 requests, the mixed scenario")
     args = p.parse_args()
     if args.smoke:
-        args.requests, args.faults, args.max_tokens = 24, 2, 64
+        args.requests, args.scenarios, args.max_tokens = 24, "mixed", 64
+    unknown = set(args.scenarios.split(",")) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenarios {sorted(unknown)}; choose from {list(SCENARIOS)}")
     return args
 
 
@@ -123,46 +136,6 @@ async def drive(
         return outcomes, records, clock() - start
 
 
-def inject(cluster: LocalCluster, redis: EmbeddedRedis, args: argparse.Namespace) -> list[str]:
-    """The seeded fault schedule, one fault at a time, spread over the load's duration; each
-    fault ends (worker restarted and ready, process resumed, Redis back) before the next."""
-    rng = random.Random(args.seed + 2)
-    duration_s = args.requests / args.rate
-    gap_s = duration_s / (args.faults + 1)
-    done: list[str] = []
-    for k in range(args.faults):
-        time.sleep(gap_s * (0.5 + rng.random()) if k else gap_s)
-        kind = ("kill", "stop", "redis")[k % 3]
-        if kind == "redis":
-            redis.stop()
-            time.sleep(1.0)
-            redis.start()
-            done.append("redis restart")
-            continue
-        workers = [c for c in [*cluster.prefill, *cluster.decode] if c.address]
-        victim = rng.choice(workers)
-        if kind == "kill":
-            victim.process.send_signal(signal.SIGKILL)
-            _wait_restarted(cluster, victim)
-            done.append(f"kill -9 {victim.name}")
-        else:
-            os.kill(victim.process.pid, signal.SIGSTOP)
-            time.sleep(STALL_S + 2.0)
-            os.kill(victim.process.pid, signal.SIGCONT)
-            done.append(f"SIGSTOP {victim.name} {STALL_S + 2.0:g} s")
-    return done
-
-
-def _wait_restarted(cluster: LocalCluster, victim: Component, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        current = next(c for c in cluster.components if c.name == victim.name)
-        if current is not victim and current.address:
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"{victim.name} was not restarted within {timeout_s} s")
-
-
 async def leaked_blocks(cluster: LocalCluster, settle_s: float = 30.0) -> int:
     """Blocks still referenced on the live workers once the load is over (waited for)."""
     deadline = time.monotonic() + settle_s
@@ -209,7 +182,8 @@ def migration_extra_p99_s(outcomes: list[Outcome], records: list[RequestRecord])
     return percentile(extra, 99) if extra else 0.0
 
 
-def run(model_dir: Path, llm: LLM, args: argparse.Namespace, faults: bool) -> dict[str, Any]:
+def run(model_dir: Path, llm: LLM, args: argparse.Namespace, scenario: str) -> dict[str, Any]:
+    """One run of the workload: under ``scenario``'s faults, or none (``""``: the baseline)."""
     prompts, params = workload(args)
     references = llm.generate(prompts, params)
     with EmbeddedRedis() as redis:
@@ -220,17 +194,28 @@ def run(model_dir: Path, llm: LLM, args: argparse.Namespace, faults: bool) -> di
             redis_url=redis.url,
             log_level="WARNING",
             restart_delay_s=0.5,
-            router_args=("--local-prefill-tokens", "0", "--stall-timeout-s", str(STALL_S)),
+            router_args=("--local-prefill-tokens", "0"),
         )
         with LocalCluster(config) as cluster:
-            loop_task: list[str] = []
+            schedule = Schedule()
+            assert cluster.router is not None
+            router = psutil.Process(cluster.router.process.pid)
+            peak_rss = [router.memory_info().rss]
 
             async def go() -> tuple[list[Outcome], list[RequestRecord], float]:
                 load = asyncio.create_task(drive(cluster.address, prompts, params, args))
-                if faults:
-                    loop_task.extend(await asyncio.to_thread(inject, cluster, redis, args))
+                while not load.done() and scenario:
+                    faults = asyncio.to_thread(
+                        SCENARIOS[scenario], cluster, redis, STALL_S, duration_s, args.seed
+                    )
+                    schedule.faults.extend((await faults).faults)
+                    break
+                while not load.done():  # the router's RSS while the load runs
+                    peak_rss.append(router.memory_info().rss)
+                    await asyncio.wait([load], timeout=0.5)
                 return await load
 
+            duration_s = args.requests / args.rate
             outcomes, records, duration_s = asyncio.run(go())
             leaked = asyncio.run(leaked_blocks(cluster))
             lines = router_metrics(cluster)
@@ -262,43 +247,56 @@ def run(model_dir: Path, llm: LLM, args: argparse.Namespace, faults: bool) -> di
         "tpot_p99_s": summary.tpot_s.p99,
         "migration_extra_p99_s": migration_extra_p99_s(outcomes, records),
         "migrated_streams": sum(o.num_migrations > 0 for o in outcomes),
-        "faults": loop_task,
+        "router_peak_rss_mb": round(max(peak_rss) / 2**20, 1),
+        "faults": [
+            f"{f.what} ({'not detected' if f.detection_s is None else f'{f.detection_s:.1f} s'})"
+            for f in schedule.faults
+        ],
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
     }
+
+
+KEYS = [
+    "completed_identical",
+    "completed_near_tie",
+    "failed",
+    "hung",
+    "migrations",
+    "migrated_streams",
+    "leaked_blocks",
+    "router_peak_rss_mb",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "migration_extra_p99_s",
+]
 
 
 def main() -> None:
     args = parse_args()
     model_dir = ensure_model(args)
     llm = LLM(str(model_dir))
-    chaos = run(model_dir, llm, args, faults=True)
-    baseline = run(model_dir, llm, args, faults=False)
+    scenarios = args.scenarios.split(",")
+    results = {name: run(model_dir, llm, args, name) for name in scenarios}
+    baseline = run(model_dir, llm, args, "")
     print(f"\n{args.requests} requests at {args.rate}/s on 2 prefill + 2 decode ({model_dir.name})")
-    print("faults: " + "; ".join(chaos["faults"]))
-    keys = [
-        "completed_identical",
-        "completed_near_tie",
-        "failed",
-        "hung",
-        "migrations",
-        "migrated_streams",
-        "leaked_blocks",
-        "ttft_p50_s",
-        "ttft_p99_s",
-        "tpot_p50_s",
-        "tpot_p99_s",
-        "migration_extra_p99_s",
-    ]
-    print(f"{'':<24}{'chaos':>12}{'baseline':>12}")
-    for key in keys:
-        a, b = chaos[key], baseline[key]
+    print(f"router stall timeout {STALL_S:g} s (the default)")
+    for name in scenarios:
+        print(f"{name}: " + "; ".join(results[name]["faults"]))
+    print(f"{'':<24}" + "".join(f"{n:>22}" for n in [*scenarios, "baseline"]))
+    for key in KEYS:
         fmt = (lambda v: f"{v * 1e3:.1f}ms") if key.endswith("_s") else str
-        print(f"{key:<24}{fmt(a):>12}{fmt(b):>12}")
-    ok = chaos["failed"] == chaos["hung"] == chaos["leaked_blocks"] == 0
+        row = [results[n][key] for n in scenarios] + [baseline[key]]
+        print(f"{key:<24}" + "".join(f"{fmt(v):>22}" for v in row))
+    ok = all(r["failed"] == r["hung"] == r["leaked_blocks"] == 0 for r in results.values())
     print(f"goal (0 failed, 0 hung, 0 leaked under faults): {'met' if ok else 'MISSED'}")
-    if chaos["errors"]:
-        print("errors: " + " | ".join(chaos["errors"]))
-    report = {"benchmark": "chaos", **{k: v for k, v in chaos.items() if k != "errors"}}
+    for name in scenarios:
+        if results[name]["errors"]:
+            print(f"{name} errors: " + " | ".join(results[name]["errors"]))
+    report: dict[str, Any] = {"benchmark": "chaos", "stall_timeout_s": STALL_S}
+    for name in scenarios:
+        report[name] = {k: v for k, v in results[name].items() if k != "errors"}
     report["baseline"] = {k: v for k, v in baseline.items() if k not in ("faults", "errors")}
     print(json.dumps(report))
 

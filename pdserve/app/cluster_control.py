@@ -16,6 +16,7 @@ from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
 from pdserve.app.capacity.scale_target import LOAD_GAUGES, choose_victims
 from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.role import WORKER_ROLES, Role
+from pdserve.common.tls import TlsConfig
 from pdserve.v1 import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -92,11 +93,19 @@ class ClusterControl(control_pb2_grpc.ClusterControlServicer):
         return self._pools()
 
 
-def serve_control(cluster: LocalCluster, host: str, port: int) -> tuple[grpc.Server, int]:
+def serve_control(
+    cluster: LocalCluster, host: str, port: int, tls: TlsConfig | None = None
+) -> tuple[grpc.Server, int]:
+    """With ``tls`` (the cluster's ``--tls-*``): mutual TLS, so only a holder of a certificate
+    from the cluster's CA can resize the pools; without, plaintext on ``host``."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     control_pb2_grpc.add_ClusterControlServicer_to_server(ClusterControl(cluster), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bind = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(bind)
+    else:
+        bound = server.add_secure_port(bind, tls.server_credentials(require_client_auth=True))
     if bound == 0:
-        raise OSError(f"could not bind the control port to {host}:{port}")
+        raise OSError(f"could not bind the control port to {bind}")
     server.start()
     return server, bound

@@ -42,7 +42,7 @@ def add_up_command(sub: Any) -> None:
         type=int,
         default=None,
         help="the pools' control RPC for `pdserve autoscale --target local` (0: ephemeral; "
-        "unset: off). On the cluster's host: whoever reaches it can resize the pools",
+        "unset: off). Mutual TLS with --tls-*; else whoever reaches it can resize the pools",
     )
     add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
@@ -154,8 +154,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"  OpenAI API {cluster.http_url}/v1", flush=True)
         if args.control_port is not None:  # pdserve autoscale --target local
             from pdserve.app.cluster_control import serve_control
+            from pdserve.common.tls import TlsConfig
 
-            control, port = serve_control(cluster, cluster.config.host, args.control_port)
+            tls = None  # the cluster's own certificates (checked together by cluster_config)
+            if args.tls_cert:
+                tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
+            control, port = serve_control(cluster, cluster.config.host, args.control_port, tls)
             print(f"pdserve up control {cluster.config.host}:{port}", flush=True)
         print(
             f"pdserve cluster ready: router {cluster.address}, redis {redacted(args.redis_url)}",

@@ -102,8 +102,10 @@ def test_chaos_smoke_run_loses_nothing_under_faults(tmp_path: Path) -> None:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["benchmark"] == "chaos" and len(report["faults"]) == 2
-    for run in (report, report["baseline"]):
+    assert report["benchmark"] == "chaos" and report["stall_timeout_s"] == 30.0  # the default
+    faults = report["mixed"]["faults"]
+    assert len(faults) == 3 and not any("not detected" in f for f in faults), faults
+    for run in (report["mixed"], report["baseline"]):
         assert run["failed"] == run["hung"] == run["leaked_blocks"] == 0
         assert run["completed_identical"] + run["completed_near_tie"] == run["requests"] == 24
     # Whether a fault hits a stream depends on timing; the baseline has none to hit.

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.app import settings
 from pdserve.app.settings import add_flag
+from pdserve.common.tls import DEFAULT_SERVER_NAME
 
 if TYPE_CHECKING:
     from pdserve.app.capacity.scale_target import ScaleTarget
@@ -41,7 +43,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     if args.target == "local":
         if not args.control:
             raise ValueError("--target local needs --control HOST:PORT (pdserve up --control-port)")
-        local = LocalTarget(args.control)
+        local = LocalTarget(args.control, tls=settings.tls_config(args))
         return _autoscale(args, policy, local, lambda: urls or [local.router_metrics_url()])
     if args.target == "ray":
         from pdserve.app.capacity.scale_target import RayTarget
@@ -115,6 +117,9 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     add_flag(auto, "--profile", type=Path, required=True)
     add_flag(auto, "--target", default="kubernetes", choices=("kubernetes", "local", "ray"))
     add_flag(auto, "--control", default=None, help="--target local: pdserve up's control address")
+    for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
+        add_flag(auto, flag, default=None, help="--target local: the cluster's mutual TLS")
+    add_flag(auto, "--tls-server-name", default=DEFAULT_SERVER_NAME, help="its certificate name")
     add_flag(auto, "--ray-address", default="auto", help="--target ray: the Ray cluster")
     add_flag(auto, "--ray-namespace", default="pdserve", help="--target ray: the deployment's")
     add_flag(auto, "--metrics-url", action="append", default=[], help="a router's /metrics URL")

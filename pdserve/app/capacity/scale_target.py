@@ -23,6 +23,7 @@ from typing import Any
 
 from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
 from pdserve.common.role import Role
+from pdserve.common.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +133,18 @@ class LocalTarget(ScaleTarget):
     """A ``pdserve up`` cluster, through its supervisor's control RPC (``--control-port``):
     the supervisor picks and drains the least-loaded workers itself."""
 
-    def __init__(self, address: str, timeout_s: float = SCALE_TIMEOUT_S) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = SCALE_TIMEOUT_S, tls: TlsConfig | None = None
+    ) -> None:
         import grpc
 
         from pdserve.v1 import control_pb2_grpc
 
-        self._channel = grpc.insecure_channel(address)
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:  # the cluster's CA and a certificate it signed (pdserve up --tls-*)
+            credentials = tls.channel_credentials()
+            self._channel = grpc.secure_channel(address, credentials, tls.channel_options())
         self._stub = control_pb2_grpc.ClusterControlStub(self._channel)
         self.timeout_s = timeout_s  # a scale-up waits for new workers to load their model
 
