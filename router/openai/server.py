@@ -3,8 +3,9 @@
 until then) and stopped after the drain.
 
 TLS, when the router has it, is server-only (API keys authenticate clients), from the same
-certificate files as the gRPC port; unlike gRPC's, uvicorn's certificate is read once, so a
-renewal takes effect at the router's next restart.
+certificate files as the gRPC port. uvicorn reads them once; here a change of the files (a
+cert-manager renewal) is looked for every ``CERT_RECHECK_S`` and loaded into the live SSL
+context, so new connections get the new certificate without a restart (open ones keep theirs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from router.limits import RequestLimits
 from router.openai.http_protocol import bounded_protocol
 
 logger = logging.getLogger(__name__)
+
+CERT_RECHECK_S = 5.0
 
 
 class HttpServer:
@@ -47,7 +50,9 @@ class HttpServer:
             ssl_keyfile=tls.key_file if tls is not None else None,
         )
         self._server = uvicorn.Server(self.config)
+        self._tls = tls
         self._task: asyncio.Task[None] | None = None
+        self._cert_watch: asyncio.Task[None] | None = None
         self._sockets: list[socket.socket] = []
         self.address = ""
 
@@ -69,14 +74,36 @@ class HttpServer:
         if not self._server.started:
             raise OSError(f"http: could not listen on {self.config.host}:{self.config.port}")
         self._task = asyncio.create_task(self._server.main_loop(), name="http")
+        if self._tls is not None:
+            self._cert_watch = asyncio.create_task(self._watch_certificates(self._tls))
         port = sock.getsockname()[1]
         host = f"[{self.config.host}]" if family == socket.AF_INET6 else self.config.host
         self.address = f"{host}:{port}"
         return self.address
 
+    async def _watch_certificates(self, tls: TlsConfig) -> None:
+        seen = tls.mtimes()
+        while True:
+            await asyncio.sleep(CERT_RECHECK_S)
+            try:
+                now = tls.mtimes()
+                if now == seen:
+                    continue
+                assert self.config.ssl is not None
+                # The same context, new chain: later handshakes present it.
+                self.config.ssl.load_cert_chain(tls.cert_file, tls.key_file)
+            except (OSError, ValueError) as exc:  # files mid-swap: look again next time
+                logger.warning("http: certificate not reloaded yet: %s", exc)
+                continue
+            seen = now
+            logger.info("http: certificate reloaded from %s", tls.cert_file)
+
     async def stop(self) -> None:
         """Stops accepting, lets open responses finish briefly (the drain already waited for
         the requests), closes."""
+        if self._cert_watch is not None:
+            self._cert_watch.cancel()
+            await asyncio.gather(self._cert_watch, return_exceptions=True)
         if self._task is None:
             return
         self._server.should_exit = True
