@@ -256,6 +256,7 @@ class Dispatcher:
         pull (its stats stop answering: ``Worker.lost``) is given up on the same way: the
         decode worker's pull would otherwise wait for its own transfer timeout."""
         call = worker.decode_stub.Decode(request)
+        worker.track(call)  # a relay: a certificate renewal must not cut it
         what = f"decode worker {worker.address}"
         try:
             while True:

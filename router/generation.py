@@ -261,6 +261,7 @@ class Generation:
             model_fingerprint=self.dispatch.cluster.fingerprint,
         )
         call = worker.decode_stub.PrefillAndDecode(request)
+        worker.track(call)  # a relay: a certificate renewal must not cut it
         # Counted in flight from the call on: a burst of short prompts spreads over workers.
         with self.pool.dispatched(worker):
             try:

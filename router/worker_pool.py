@@ -99,6 +99,12 @@ class Worker:
     def decode_stub(self) -> decode_pb2_grpc.DecodeWorkerStub:
         return self._current_stubs()[1]
 
+    def track(self, call: grpc.aio.Call) -> None:
+        """``call`` was just made on a stub of this worker's (no await since): its channel
+        stays open, even once retired, until the call ends (``ChannelPool.track``)."""
+        assert self._channel is not None
+        self.channels.track(self._channel, call)
+
     def load(self) -> WorkerLoad:
         stats = self.stats
         return WorkerLoad(

@@ -63,6 +63,7 @@ TRANSFER_OPTIONS = [*GRPC_OPTIONS, *CLIENT_OPTIONS]
 
 
 Options = list[tuple[str, int | str]]
+_OPEN_CALLS_POLL_S = 1.0
 
 
 def insecure_channel(address: str, options: Options = GRPC_OPTIONS) -> grpc.aio.Channel:
@@ -110,6 +111,8 @@ class ChannelPool:
         self._mtimes = tls.mtimes() if tls is not None else ()
         self._checked_s = time.monotonic()
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+        # Long calls (token relays) on each channel: a retired one closes only once they end.
+        self._open_calls: dict[grpc.aio.Channel, int] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         self._check_certificates()
@@ -145,8 +148,22 @@ class ChannelPool:
             del self._channels[address]
             self._retire(channel, self.left_grace_s)
 
+    def track(self, channel: grpc.aio.Channel, call: grpc.aio.Call) -> None:
+        """``call``, on ``channel``, may outlive a retirement's grace (a stream that relays a
+        long generation): the channel, once retired, closes after the grace and after the
+        call ends, so a certificate renewal does not cut it (and re-prefill it)."""
+        self._open_calls[channel] = self._open_calls.get(channel, 0) + 1
+        call.add_done_callback(lambda _: self._untrack(channel))
+
+    def _untrack(self, channel: grpc.aio.Channel) -> None:
+        left = self._open_calls.get(channel, 1) - 1
+        if left:
+            self._open_calls[channel] = left
+        else:
+            self._open_calls.pop(channel, None)
+
     def _retire(self, channel: grpc.aio.Channel, grace_s: float) -> None:
-        task = asyncio.get_running_loop().create_task(_close_later(channel, grace_s))
+        task = asyncio.get_running_loop().create_task(self._close_later(channel, grace_s))
         self._retired[channel] = task
         task.add_done_callback(functools.partial(self._closed, channel))
 
@@ -159,6 +176,15 @@ class ChannelPool:
         for address in gone:
             self._retire(self._channels.pop(address), self.left_grace_s)
 
+    async def _close_later(self, channel: grpc.aio.Channel, grace_s: float) -> None:
+        """Not ``channel.close(grace)``: that refuses new calls at once, and once cancelled
+        (at ``ChannelPool.close``) leaves the channel closing for ever. Tracked calls still
+        open past the grace keep it (a dead peer's fail by keepalive, so this ends)."""
+        await asyncio.sleep(grace_s)
+        while channel in self._open_calls:
+            await asyncio.sleep(_OPEN_CALLS_POLL_S)
+        await channel.close()
+
     async def close(self) -> None:
         channels, self._channels = self._channels, {}
         retired, self._retired = self._retired, {}
@@ -167,10 +193,3 @@ class ChannelPool:
         await asyncio.gather(*retired.values(), return_exceptions=True)
         for channel in [*channels.values(), *retired]:
             await channel.close()
-
-
-async def _close_later(channel: grpc.aio.Channel, grace_s: float) -> None:
-    """Not ``channel.close(grace)``: that refuses new calls at once, and once cancelled (at
-    ``ChannelPool.close``) leaves the channel closing for ever."""
-    await asyncio.sleep(grace_s)
-    await channel.close()

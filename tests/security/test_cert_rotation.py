@@ -115,3 +115,43 @@ def test_router_worker_stubs_follow_the_pool_across_a_renewal(
             await server.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_renewal_does_not_cut_a_long_call_on_the_retired_channel(tmp_path: Path) -> None:
+    """A relay (here a health Watch stream) open when the files change keeps its channel past
+    the retirement's grace, until it ends; then the channel closes. Before, the channel was
+    closed at the grace, cutting every generation older than it (and re-prefilling it)."""
+    pki = make_pki(tmp_path / "pki")
+    tls = TlsConfig(str(pki.cert), str(pki.key), str(pki.ca))
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        port = server.add_secure_port(
+            "127.0.0.1:0", tls.server_credentials(require_client_auth=True)
+        )
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        pool = ChannelPool(tls=tls, recheck_s=0.0, retired_grace_s=0.1)
+        try:
+            channel = pool.get(address)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            pool.track(channel, watch)
+            await watch.read()  # the stream is up
+            later_ns = os.stat(pki.cert).st_mtime_ns + 1_000_000_000
+            os.utime(pki.cert, ns=(later_ns, later_ns))
+            assert pool.get(address) is not channel  # retired
+            closing = pool._retired[channel]
+            await asyncio.sleep(0.5)  # well past the grace
+            assert not closing.done() and not watch.done()
+            await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            update = await watch.read()  # the old channel still carries the stream
+            assert update.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+            await asyncio.wait_for(closing, 10)  # once it ended, the channel goes
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    asyncio.run(run())
