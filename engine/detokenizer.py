@@ -28,9 +28,11 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._emitted = 0
         self.stopped = False
-        self.text = ""
+        # Only the text not emitted yet (held back for stop strings, at most a delta more):
+        # emitted text is never retracted, so keeping it all would only make each append
+        # copy the whole output (quadratic over a long generation).
+        self._pending = ""
 
     @classmethod
     def for_sequence(
@@ -70,16 +72,16 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> None:
         if not delta:
             return
-        # A stop string may straddle earlier text: search a window that covers both.
-        start = max(0, len(self.text) - self._holdback)
-        self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        # A stop string may straddle earlier text: search a window that covers both. The
+        # last ``_holdback`` characters are never emitted before this, so they are pending.
+        start = max(0, len(self._pending) - self._holdback)
+        self._pending += delta
+        hits = [i for i in (self._pending.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self._pending = self._pending[: min(hits)]
             self.stopped = True
 
     def _take(self, final: bool) -> str:
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._holdback)
-        delta = self.text[self._emitted : end]
-        self._emitted = end
+        end = len(self._pending) if final else max(0, len(self._pending) - self._holdback)
+        delta, self._pending = self._pending[:end], self._pending[end:]
         return delta

@@ -260,7 +260,7 @@ class Dispatcher:
         what = f"decode worker {worker.address}"
         try:
             while True:
-                message = await self._read_unless_lost(call, prefill_worker)
+                message = await self._read_unless_lost(call, worker, prefill_worker)
                 if message == grpc.aio.EOF:
                     raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
                 assert isinstance(message, decode_pb2.DecodeResponse)
@@ -285,27 +285,30 @@ class Dispatcher:
             raise
 
     async def _read_unless_lost(
-        self, call: grpc.aio.UnaryStreamCall, prefill_worker: Worker
+        self, call: grpc.aio.UnaryStreamCall, worker: Worker, prefill_worker: Worker
     ) -> object:
         """The call's next message; ``TimeoutError`` after ``stall_timeout_s`` of silence;
-        ``WorkerLost`` (a stall of the prefill worker) if the prefill worker turns lost."""
+        ``WorkerLost`` (a stall) if the prefill worker or the decode worker ``worker`` turns
+        lost meanwhile: heartbeats from a decode worker whose engine step hangs (its admission
+        waits behind that step) prove nothing, as in ``relay``."""
         read = asyncio.ensure_future(call.read())
-        lost = asyncio.ensure_future(prefill_worker.lost.wait())
-        was_lost = False
+        watched = [asyncio.ensure_future(w.lost.wait()) for w in (prefill_worker, worker)]
         try:
             await asyncio.wait(
-                {read, lost},
+                {read, *watched},
                 timeout=self.config.stall_timeout_s,
                 return_when=asyncio.FIRST_COMPLETED,
             )
-            was_lost = lost.done() and not lost.cancelled()
         finally:
-            lost.cancel()
+            for waiting in watched:
+                waiting.cancel()
             if not read.done():
                 read.cancel()
         if read.done() and not read.cancelled():
             return read.result()
-        if was_lost:
+        if worker.lost.is_set():
+            raise stalled(worker, "turned unhealthy during admission", Phase.ADMISSION)
+        if prefill_worker.lost.is_set():
             raise stalled(prefill_worker, "stopped answering during the KV pull", Phase.ADMISSION)
         raise TimeoutError
 

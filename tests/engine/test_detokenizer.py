@@ -53,7 +53,22 @@ def test_stop_string_is_cut_and_never_streamed(tokenizer: Tokenizer) -> None:
             break
     assert stopped
     streamed += detok.finish()
-    assert streamed == detok.text == "alpha beta "
+    assert streamed == "alpha beta "
+
+
+def test_a_long_output_keeps_only_its_unemitted_tail(tokenizer: Tokenizer) -> None:
+    """Each append copies only what is held back (a stop string's length), never the whole
+    output: before, ``text += delta`` on the whole output made a 128k-token stream quadratic
+    (seconds of the router's event loop)."""
+    stop = ("NEVER-SEEN",)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=stop)
+    ids = tokenizer.encode("word " * 2000, add_special_tokens=False)
+    streamed = []
+    for token_id in ids:
+        streamed.append(detok.add_token(token_id)[0])
+        assert len(detok._pending) <= len(stop[0]) + 16  # the holdback and one delta
+    streamed.append(detok.finish())
+    assert "".join(streamed) == tokenizer.decode(ids)
 
 
 def test_ids_outside_tokenizer_vocab_decode_to_nothing(tokenizer: Tokenizer) -> None:

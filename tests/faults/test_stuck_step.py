@@ -114,6 +114,49 @@ def test_a_stuck_decode_step_migrates_its_streams_and_fails_liveness(
         victim.process.kill()
 
 
+@pytest.fixture
+def round_robin(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
+    """As ``cluster``, decode placement in turn: half the streams go to the stuck worker."""
+    config = two_decode_workers(
+        llama_dir,
+        redis_url,
+        tmp_path,
+        router_args=("--stall-timeout-s", str(STALL_S), "--decode-policy", "round_robin"),
+    )
+    config = dataclasses.replace(config, num_decode=1, max_restarts=0, stop_timeout_s=5.0)
+    with LocalCluster(config) as c:
+        yield c
+
+
+def test_admissions_waiting_behind_a_stuck_decode_step_move_on(
+    round_robin: LocalCluster, llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """The stuck worker's first step never returns, so its later admissions (reserve, pull,
+    admit: engine calls between steps) wait behind it while the worker heartbeats them. They
+    must move on once the worker turns unroutable, like its streams. Before, admission watched
+    only the prefill worker: those requests hung until the client's deadline."""
+    cluster = round_robin
+    prompts = [[40 + i, *range(100, 112 + i)] for i in range(8)]
+    params = mixed_params(8, max_tokens=24)
+    llm = make_llm(llama_dir)
+    references = llm.generate(prompts, params)
+    victim = _add_stuck_worker(cluster, Role.DECODE, step=1)
+
+    async def run() -> None:
+        await _joined(cluster, Role.DECODE, 2)
+        streams, tasks = await run_streams(
+            cluster.address, requests_for(prompts, params), timeout_s=120.0
+        )
+        await asyncio.gather(*tasks)
+        print("\n".join(compare(llm, streams, references, params)))
+        assert metric(cluster.router, "pdserve_migrations_total", 'reason="stall"') >= 2
+
+    try:
+        asyncio.run(run())
+    finally:
+        victim.process.kill()
+
+
 def test_a_stuck_prefill_step_is_given_up_on_and_prefilled_elsewhere(
     cluster: LocalCluster, llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
