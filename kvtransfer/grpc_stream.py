@@ -35,6 +35,7 @@ from kvtransfer.codec import (
     slabs_per_chunk,
     tensor_bytes,
 )
+from pdserve.common import peer_token
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
@@ -78,7 +79,8 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         return self._address
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = peer_token.server_interceptors()  # the cluster's token, if any
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(self, self._server)
         port = add_port(self._server, f"{self.host}:{self.port}", self.tls)
         self._address = f"{self.advertise_host}:{port}"

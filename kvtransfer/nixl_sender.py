@@ -27,6 +27,7 @@ from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import BlockLeases, KVHandle, KVSender
 from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
+from pdserve.common import peer_token
 from pdserve.common.channels import SERVER_OPTIONS
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
@@ -86,7 +87,8 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
 
     async def start(self) -> None:
         self._agent = await asyncio.to_thread(NixlAgent, "prefill", self.cache, self.ucx_tls)
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        interceptors = peer_token.server_interceptors()  # the cluster's token, if any
+        self._server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         nixl_pb2_grpc.add_NixlControlServicer_to_server(self, self._server)
         port = add_port(self._server, f"{self.host}:{self.port}", self.tls)
         self._address = f"{self.advertise_host}:{port}"

@@ -58,6 +58,8 @@ class ClusterConfig:
     max_restarts: int = 5
     restart_delay_s: float = 1.0
     restart_delay_max_s: float = 30.0
+    # Every component's token for internal calls (pdserve/common/peer_token.py); "": none.
+    peer_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < (0 if self.colocated else 1):
@@ -166,6 +168,9 @@ class LocalCluster:
         if not isinstance(config, RouterConfig):
             # A readable registry id per incarnation, for `pdserve status` and `pdserve drain`.
             config = dataclasses.replace(config, worker_id=f"{name}-{uuid.uuid4().hex[:6]}")
+        if cfg.peer_token:
+            server = dataclasses.replace(config.server, peer_token=cfg.peer_token)
+            config = dataclasses.replace(config, server=server)
         stderr = None
         if cfg.log_dir is not None:
             cfg.log_dir.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,10 @@ flags turned into each pool's worker flags, checked by name before anything star
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -144,7 +146,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if redis is not None:
         redis.supervise(_redis_restarted)
     args.redis_url = args.redis or (redis.url if redis else "")
-    cluster = LocalCluster(cluster_config(args))
+    # A random token on every internal call: other users of this host reach the workers'
+    # loopback ports, but not past the router's API keys (pdserve/common/peer_token.py).
+    token = settings.environment_peer_token() or secrets.token_hex(16)
+    cluster = LocalCluster(dataclasses.replace(cluster_config(args), peer_token=token))
     control = None
     try:
         cluster.start()

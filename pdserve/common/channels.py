@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from pdserve.common import peer_token
 from pdserve.common.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -72,10 +73,14 @@ def insecure_channel(address: str, options: Options = GRPC_OPTIONS) -> grpc.aio.
 
 def peer_channel(address: str, tls: TlsConfig | None, options: Options) -> grpc.aio.Channel:
     """A channel to another pdserve service: mutual TLS when ``tls`` is set."""
+    interceptors = peer_token.client_interceptors()
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     return grpc.aio.secure_channel(
-        address, tls.channel_credentials(), options=[*options, *tls.channel_options()]
+        address,
+        tls.channel_credentials(),
+        options=[*options, *tls.channel_options()],
+        interceptors=interceptors,
     )
 
 

@@ -13,12 +13,13 @@ import logging
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.common import peer_token
 from pdserve.common.channels import SERVER_OPTIONS
 from pdserve.common.tls import TlsConfig, add_port, is_loopback
 
@@ -40,6 +41,9 @@ class ServerConfig:
     # caller gone silent (a frozen router, a partition without a reset) has its calls
     # cancelled, and what they held freed, within 2 x keepalive_s (gRPC's default: 2 hours).
     keepalive_s: float = 20.0
+    # The cluster's token for internal calls (pdserve/common/peer_token.py): internal ports
+    # refuse calls without it, and this component sends it on its own. "": none.
+    peer_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.tls is None and not self.insecure and not is_loopback(self.host):
@@ -135,7 +139,10 @@ class ServiceServer:
         if service.max_request_bytes is not None:
             limit = ("grpc.max_receive_message_length", service.max_request_bytes)
             options = [o for o in options if o[0] != limit[0]] + [limit]
-        self.server = grpc.aio.server(options=options)
+        if config.peer_token:
+            peer_token.use(config.peer_token)  # for this process's channels to peers too
+        interceptors = [] if service.public else peer_token.server_interceptors()
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         service.register(self.server)

@@ -50,12 +50,15 @@ async def generate_many(
         return list(await asyncio.gather(*(generate(stub, r, timeout_s=300) for r in requests)))
 
 
-def start_up(*flags: str) -> tuple[subprocess.Popen[str], str]:
-    """Runs ``pdserve up FLAGS`` and returns the process and the router address it announced."""
+def start_up(*flags: str, seen: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Runs ``pdserve up FLAGS`` and returns the process and the router address it announced.
+    ``seen``: gets every line printed up to the ready line."""
     command = [sys.executable, "-m", "pdserve.cli", "up", *flags]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     for line in process.stdout:
+        if seen is not None:
+            seen.append(line)
         if "ready" in line and "router" in line:
             return process, line.split("router ")[1].split(",")[0]
     process.wait()

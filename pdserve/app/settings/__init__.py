@@ -23,10 +23,12 @@ from pdserve.app.settings.clients import (
     worker_passthrough,
 )
 from pdserve.app.settings.flags import (
+    PEER_TOKEN_ENV,
     add_flag,
     add_redis_flags,
     add_server_flags,
     env_name,
+    environment_peer_token,
     redis_config,
     server_config,
     tls_config,
@@ -43,6 +45,7 @@ from pdserve.app.settings.workers import (
 from pdserve.common.role import Role
 
 __all__ = [
+    "PEER_TOKEN_ENV",
     "ROUTER_FAULT_FLAGS",
     "ServiceConfig",
     "add_client_flags",
@@ -54,6 +57,7 @@ __all__ = [
     "decode_passthrough",
     "engine_config",
     "env_name",
+    "environment_peer_token",
     "from_json",
     "parse_service_flags",
     "redis_config",

@@ -100,6 +100,7 @@ def add_server_flags(
         parser, "--advertise-host", env, default=None, help="host peers dial (default: --host)"
     )
     add_redis_flags(parser, env, "Redis URL: registry + prefix index (optional)")
+    parser.set_defaults(peer_token=(os.environ if env is None else env).get(PEER_TOKEN_ENV, ""))
     add_flag(
         parser,
         "--last-known-workers",
@@ -140,6 +141,12 @@ def add_server_flags(
 
 
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
+PEER_TOKEN_ENV = "PDSERVE_PEER_TOKEN"  # a secret: never a flag (argv is public on a host)
+
+
+def environment_peer_token() -> str:
+    """``PDSERVE_PEER_TOKEN`` ("" when unset)."""
+    return os.environ.get(PEER_TOKEN_ENV, "")
 
 
 def add_redis_flags(
@@ -185,4 +192,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         keepalive_s=args.keepalive_s,
         tls=tls_config(args),
         insecure=args.insecure,
+        peer_token=args.peer_token,
     )
