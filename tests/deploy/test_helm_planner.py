@@ -30,6 +30,21 @@ def test_the_planner_gets_a_role_limited_to_what_it_uses(helm: str) -> None:
         },
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
     ]
+    # RBAC cannot limit a patch's fields: an admission policy lets the planner's pod updates
+    # change the deletion-cost annotation only (not an image, a label, another annotation).
+    policy = find(manifests, "ValidatingAdmissionPolicy", "default-rel-pdserve-planner-pod-patches")
+    (condition,) = policy["spec"]["matchConditions"]
+    account = "system:serviceaccount:default:rel-pdserve-planner"
+    assert condition["expression"] == f"request.userInfo.username == '{account}'"
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"]
+    (rule,) = policy["spec"]["validations"]
+    assert "object.spec == oldObject.spec" in rule["expression"]
+    assert "pod-deletion-cost" in rule["message"]
+    bound = find(manifests, "ValidatingAdmissionPolicyBinding", policy["metadata"]["name"])
+    assert bound["spec"]["validationActions"] == ["Deny"]
+    assert bound["spec"]["policyName"] == policy["metadata"]["name"]
+    older = render(helm, "-f", VALUES, "--kube-version", "1.29.0")  # no such API there
+    assert not [m for m in older if m["kind"] == "ValidatingAdmissionPolicy"]
     binding = find(manifests, "RoleBinding", "rel-pdserve-planner")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "rel-pdserve-planner", "namespace": "default"}
