@@ -156,7 +156,8 @@ def redis_outage_restart(
     wait_restarted(cluster, victim)
     time.sleep(duration_s / 4)
     redis.start()
-    schedule.faults.append(Fault("redis-server back"))
+    up = _timed(cluster, lambda: router_metric(cluster, "pdserve_redis_up") == 1, 30.0)
+    schedule.faults.append(Fault("redis-server back (seen up)", up))
     return schedule
 
 

@@ -73,9 +73,7 @@ class _StreamUnary(_SendToken, grpc.aio.StreamUnaryClientInterceptor):
 
 
 class _StreamStream(_SendToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(
-        self, continuation: Any, details: Any, requests: Any
-    ) -> Any:
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._with_token(details), requests)
 
 

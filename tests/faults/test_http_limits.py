@@ -78,33 +78,14 @@ def test_a_response_that_could_outgrow_the_output_budget_is_refused_before_any_w
 
 
 def test_a_trickled_body_is_refused_after_the_body_timeout(cluster: LocalCluster) -> None:
-    host, _, port = cluster.http_url.removeprefix("http://").rpartition(":")
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         "Content-Length: 100\r\n\r\n"
     )
     start = time.monotonic()
-    with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(head.encode())
-        sock.settimeout(1.0)
-        reply = b""
-        for _ in range(60):  # a byte a second, for far longer than the timeout
-            try:
-                sock.sendall(b" ")
-                reply += sock.recv(4096)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if reply:
-                break
-        elapsed = time.monotonic() - start
-        sock.settimeout(10.0)
-        while b"request-body-timeout" not in reply:  # the body may come in its own segment
-            more = sock.recv(4096)
-            if not more:
-                break
-            reply += more
+    # A byte a second, for far longer than the timeout.
+    reply = _exchange(cluster, [head.encode()] + [b" "] * 60, gap_s=1.0)
+    elapsed = time.monotonic() - start
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"--request-body-timeout-s" in reply
     assert BODY_TIMEOUT_S <= elapsed < 30  # refused at the timeout, not at the client's end

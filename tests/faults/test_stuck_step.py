@@ -52,15 +52,29 @@ def _livez(component: Component) -> int:
         return exc.code
 
 
-@pytest.fixture
-def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
+def _cluster(llama_dir: Path, redis_url: str, tmp_path: Path, *router_args: str) -> LocalCluster:
     """One prefill and one decode worker; the test adds the worker whose step sticks."""
     config = two_decode_workers(
-        llama_dir, redis_url, tmp_path, router_args=("--stall-timeout-s", str(STALL_S))
+        llama_dir,
+        redis_url,
+        tmp_path,
+        router_args=("--stall-timeout-s", str(STALL_S), *router_args),
     )
     # A stuck worker cannot drain (its step holds the engine): it is killed, not restarted.
     config = dataclasses.replace(config, num_decode=1, max_restarts=0, stop_timeout_s=5.0)
-    with LocalCluster(config) as c:
+    return LocalCluster(config)
+
+
+@pytest.fixture
+def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
+    with _cluster(llama_dir, redis_url, tmp_path) as c:
+        yield c
+
+
+@pytest.fixture
+def round_robin(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
+    """Decode placement in turn: half the streams go to the stuck worker."""
+    with _cluster(llama_dir, redis_url, tmp_path, "--decode-policy", "round_robin") as c:
         yield c
 
 
@@ -112,20 +126,6 @@ def test_a_stuck_decode_step_migrates_its_streams_and_fails_liveness(
         asyncio.run(run())
     finally:
         victim.process.kill()
-
-
-@pytest.fixture
-def round_robin(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
-    """As ``cluster``, decode placement in turn: half the streams go to the stuck worker."""
-    config = two_decode_workers(
-        llama_dir,
-        redis_url,
-        tmp_path,
-        router_args=("--stall-timeout-s", str(STALL_S), "--decode-policy", "round_robin"),
-    )
-    config = dataclasses.replace(config, num_decode=1, max_restarts=0, stop_timeout_s=5.0)
-    with LocalCluster(config) as c:
-        yield c
 
 
 def test_admissions_waiting_behind_a_stuck_decode_step_move_on(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -114,38 +115,63 @@ async def both_sides_freed(
     await wait_for(lambda: all_blocks_free(prefill), timeout_s, "prefill blocks freed")
 
 
-def prefill_stub(server: ServiceServer) -> prefill_pb2_grpc.PrefillWorkerStub:
+def prefill_stub(server: Any) -> prefill_pb2_grpc.PrefillWorkerStub:
     return prefill_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(server.address))
 
 
-def decode_stub(server: ServiceServer) -> decode_pb2_grpc.DecodeWorkerStub:
+def decode_stub(server: Any) -> decode_pb2_grpc.DecodeWorkerStub:
     return decode_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(server.address))
 
 
-async def failed_decode(
-    prefill_server: ServiceServer,
-    decode_server: ServiceServer,
-    prompt: list[int],
-    params: SamplingParams,
-    request_id: str = "r",
-) -> grpc.aio.AioRpcError:
-    """Prefills ``prompt`` on one worker and decodes its handle on the other, which must fail:
-    the decode stream's error (a test of a refused or failed pull). The servers: anything
-    with an ``address`` (in-process servers, a cluster's workers)."""
+async def prefilled_request(
+    prefill_server: Any, prompt: list[int], params: SamplingParams, request_id: str = "r"
+) -> decode_pb2.DecodeRequest:
+    """Prefills ``prompt`` on ``prefill_server`` (anything with an ``address``: an in-process
+    server, a cluster's worker); the ``Decode`` request that continues it, naming the prefill
+    worker as its peers know it (an in-process server's advertised address)."""
     sampling = sampling_to_proto(params)
     prefilled = await prefill_stub(prefill_server).Prefill(
         prefill_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling
         )
     )
-    request = decode_pb2.DecodeRequest(
+    known_as = (
+        prefill_server.service.address
+        if isinstance(prefill_server, ServiceServer)
+        else prefill_server.address
+    )
+    return decode_pb2.DecodeRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=sampling,
         first_token_id=prefilled.first_token_id,
         handle=prefilled.handle,
-        prefill_address=prefill_server.address,
+        prefill_address=known_as,
     )
+
+
+async def disaggregated(
+    prefill_server: Any,
+    decode_server: Any,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str = "r",
+) -> list[int]:
+    """One request prefilled on one worker and decoded on the other: the decoded tokens."""
+    request = await prefilled_request(prefill_server, prompt, params, request_id)
+    return [t async for r in decode_stub(decode_server).Decode(request) for t in r.token_ids]
+
+
+async def failed_decode(
+    prefill_server: Any,
+    decode_server: Any,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str = "r",
+) -> grpc.aio.AioRpcError:
+    """Prefills ``prompt`` on one worker and decodes its handle on the other, which must fail:
+    the decode stream's error (a test of a refused or failed pull)."""
+    request = await prefilled_request(prefill_server, prompt, params, request_id)
     try:
         async for _ in decode_stub(decode_server).Decode(request):
             pass

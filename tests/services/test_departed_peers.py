@@ -8,33 +8,15 @@ import asyncio
 import uuid
 from pathlib import Path
 
-import grpc
-
 from pdserve.cluster.config import RedisConfig
-from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServiceServer
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.services.harness import start_decode, start_prefill, wait_for
+from tests.services.harness import disaggregated, start_decode, start_prefill, wait_for
 from tests.services.test_transfer_failures import PARAMS, PROMPT
 
 
 async def _disaggregated(prefill: ServiceServer, decode: ServiceServer, request_id: str) -> None:
-    sampling = sampling_to_proto(PARAMS)
-    async with grpc.aio.insecure_channel(prefill.address) as channel:
-        prefilled = await prefill_pb2_grpc.PrefillWorkerStub(channel).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling
-            )
-        )
-    request = decode_pb2.DecodeRequest(
-        request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling,
-        first_token_id=prefilled.first_token_id, handle=prefilled.handle,
-        prefill_address=prefill.service.address,
-    )  # fmt: skip
-    async with grpc.aio.insecure_channel(decode.address) as channel:
-        stream = decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request)
-        tokens = [t async for r in stream for t in r.token_ids]
-    assert len(tokens) == PARAMS.max_tokens - 1
+    tokens = await disaggregated(prefill, decode, PROMPT, PARAMS, request_id)
+    assert len(tokens) == PARAMS.max_tokens - 1  # the first came from prefill
 
 
 def test_a_departed_prefill_peer_is_forgotten(llama_dir: Path, redis_url: str) -> None:
