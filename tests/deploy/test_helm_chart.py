@@ -18,7 +18,7 @@ import yaml
 from engine.kv_layout import KVCacheDtype
 from pdserve.app import settings
 from pdserve.app.embedded_redis import DISABLED_COMMANDS
-from pdserve.app.settings.flags import REDIS_PASSWORD_ENV
+from pdserve.app.settings.flags import PEER_TOKEN_ENV, REDIS_PASSWORD_ENV
 from pdserve.common.role import Role
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +171,7 @@ def _flags(role: str) -> set[str]:
     flags = {
         settings.env_name(s) for a in sub._actions for s in a.option_strings if s.startswith("--")
     }
-    return flags | {REDIS_PASSWORD_ENV}  # read from the environment only, never a flag
+    return flags | {REDIS_PASSWORD_ENV, PEER_TOKEN_ENV}  # secrets: the environment only
 
 
 def test_every_pdserve_variable_is_a_real_flag_and_pools_share_one_shape(helm: str) -> None:
@@ -202,6 +202,11 @@ def test_redis_bundled_or_external(helm: str) -> None:
         "secretKeyRef": {"name": "rel-pdserve-redis", "key": "password"}
     }
     assert find(bundled, "Secret", "rel-pdserve-redis")["data"]["password"]
+    # One per-release token for internal calls, on every component, from one Secret.
+    assert find(bundled, "Secret", "rel-pdserve-peer-token")["data"]["token"]
+    for role in ("router", "prefill", "decode"):
+        token = env(container(bundled, role))[PEER_TOKEN_ENV]
+        assert token == {"secretKeyRef": {"name": "rel-pdserve-peer-token", "key": "token"}}
     server = find(bundled, "StatefulSet", "rel-pdserve-redis")["spec"]["template"]["spec"]
     args = server["containers"][0]["args"]
     renamed = {args[i + 1] for i, a in enumerate(args) if a == "--rename-command"}

@@ -130,6 +130,13 @@ podSelector:
 - name: PDSERVE_INSECURE  # plaintext between pods: tls.enabled=false (see NOTES)
   value: "true"
 {{- end }}
+{{- if and .Values.peerToken.enabled (not .Values.ray.enabled) }}
+- name: PDSERVE_PEER_TOKEN  # pdserve/common/peer_token.py
+  valueFrom:
+    secretKeyRef:
+      name: {{ printf "%s-peer-token" (include "pdserve.fullname" .) }}
+      key: token
+{{- end }}
 {{ include "pdserve.redisEnv" . }}
 {{- end -}}
 
