@@ -76,6 +76,7 @@ class Membership:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         need_snapshot, next_beat = True, 0.0
+        wait_s = self.config.publish_interval_s
         while not self._stopping:
             try:
                 if need_snapshot:
@@ -98,6 +99,7 @@ class Membership:
                     if await self.registry.drain_requested(self.worker_id):
                         self.on_drain_request()
                 metrics.REDIS_UP.set(1)
+                wait_s = self.config.publish_interval_s
             except (RedisError, OSError) as exc:
                 if not need_snapshot:
                     logger.warning("redis unavailable (%s); serving continues", exc)
@@ -105,6 +107,10 @@ class Membership:
                 # Whatever was not published is covered by the snapshot after reconnecting.
                 need_snapshot = True
                 self.engine.take_kv_events()
+                # Retried at the heartbeat's pace: a refused connection fails at once, and an
+                # early beat asked for (a drain) would otherwise turn this into a busy loop.
+                self._beat_now.clear()
+                wait_s = self.config.heartbeat_s
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.publish_interval_s):
+                async with asyncio.timeout(wait_s):
                     await self._beat_now.wait()

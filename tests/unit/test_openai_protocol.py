@@ -72,14 +72,16 @@ def test_prompt_shapes() -> None:
 
 
 def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
-    plan = chat_plan(chat(logprobs=True, top_logprobs=3), "rendered", 64)
+    plan = chat_plan(chat(logprobs=True, top_logprobs=3), Prompt(text="rendered"), 64)
     assert plan.prompts == (Prompt(text="rendered"),) and plan.fill_context
     assert plan.logprobs == 3 and plan.sampling.logprobs == 3
     assert not plan.sampling.HasField("max_tokens")
-    capped = chat_plan(chat(max_completion_tokens=7, max_tokens=99), "r", 64)
+    capped = chat_plan(chat(max_completion_tokens=7, max_tokens=99), Prompt(text="r"), 64)
     assert capped.sampling.max_tokens == 7 and not capped.fill_context
-    assert chat_plan(chat(logprobs=True), "r", 64).logprobs == 0
-    streamed = chat_plan(chat(stream=True, stream_options={"include_usage": True}), "r", 64)
+    assert chat_plan(chat(logprobs=True), Prompt(text="r"), 64).logprobs == 0
+    streamed = chat_plan(
+        chat(stream=True, stream_options={"include_usage": True}), Prompt(text="r"), 64
+    )
     assert streamed.stream and streamed.include_usage
 
 
@@ -97,9 +99,9 @@ def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
         (lambda: completion_plan(completion(top_k=1 << 40), 64), "top_k"),
         (lambda: completion_plan(completion(stream_options={"include_usage": True}), 64),
          "stream_options"),
-        (lambda: chat_plan(chat(top_logprobs=2), "r", 64), "top_logprobs"),
-        (lambda: chat_plan(chat(tools=[{"type": "function"}]), "r", 64), "tools"),
-        (lambda: chat_plan(chat(response_format={"type": "json_object"}), "r", 64),
+        (lambda: chat_plan(chat(top_logprobs=2), Prompt(text="r"), 64), "top_logprobs"),
+        (lambda: chat_plan(chat(tools=[{"type": "function"}]), Prompt(text="r"), 64), "tools"),
+        (lambda: chat_plan(chat(response_format={"type": "json_object"}), Prompt(text="r"), 64),
          "response_format"),
     ],
 )  # fmt: skip
@@ -285,17 +287,22 @@ def test_null_means_the_default_and_types_are_strict() -> None:
     assert (plan.n, plan.stream, plan.logprobs, plan.return_token_ids) == (1, False, None, False)
     chat_nulls = {"logprobs": None, "add_generation_prompt": None, "top_logprobs": None}
     body = {"messages": [{"role": "user", "content": "x"}], **chat_nulls}
-    assert chat_plan(ChatCompletionRequest.model_validate_json(json.dumps(body)), "r", 64).n == 1
+    assert (
+        chat_plan(
+            ChatCompletionRequest.model_validate_json(json.dumps(body)), Prompt(text="r"), 64
+        ).n
+        == 1
+    )
     for field, value in (("logprobs", True), ("n", "2"), ("stream", 1), ("max_tokens", 2.5)):
         with pytest.raises(pydantic.ValidationError) as err:
             CompletionRequest.model_validate_json(json.dumps({"prompt": "x", field: value}))
         assert errors.from_validation(err.value).param == field
     with pytest.raises(InvalidParameter) as refused:
-        chat_plan(chat(logprobs=True, top_logprobs=21), "r", 64)
+        chat_plan(chat(logprobs=True, top_logprobs=21), Prompt(text="r"), 64)
     assert refused.value.param == "top_logprobs"
     for field, value in (("functions", [{"name": "f"}]), ("tool_choice", "auto")):
         with pytest.raises(InvalidParameter) as refused:
-            chat_plan(chat(**{field: value}), "r", 64)
+            chat_plan(chat(**{field: value}), Prompt(text="r"), 64)
         assert refused.value.param == field
 
 
