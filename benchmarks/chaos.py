@@ -3,7 +3,9 @@ supervisor restarting killed workers, every setting at its default: the stall ti
 while a scenario injects faults one at a time (``chaos_scenarios.py``): ``mixed`` (kill -9 of
 a decode worker, SIGSTOP of one past the stall timeout, kill -9 of redis-server),
 ``stuck-step`` (a decode worker whose engine step blocks for good), ``redis-outage-restart``
-(Redis down, a decode worker killed and restarted during the outage, Redis back).
+(Redis down, a decode worker killed and restarted during the outage, Redis back),
+``frozen-router`` (the router SIGSTOPped past the workers' keepalive bound), ``hostile-http``
+(slowloris heads, trickled bodies and 1 MB heads on the HTTP port during the load).
 
 The same seeded workload also runs without faults, in the same invocation: the baseline. Every
 completed stream is compared token for token with one engine (``engine.LLM``); a difference at
@@ -192,6 +194,7 @@ def run(model_dir: Path, llm: LLM, args: argparse.Namespace, scenario: str) -> d
             num_prefill=2,
             num_decode=2,
             redis_url=redis.url,
+            router_http_port=0,  # the hostile-http scenario's target (idle otherwise)
             log_level="WARNING",
             restart_delay_s=0.5,
             router_args=("--local-prefill-tokens", "0"),

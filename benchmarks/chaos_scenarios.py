@@ -6,17 +6,27 @@ Redis is seen down (``pdserve_redis_up``): the time to detection reported."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
+import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import grpc
+
+from pdserve.app.client import router_channel
 from pdserve.app.embedded_redis import EmbeddedRedis
 from pdserve.app.local_cluster import Component, LocalCluster
+from pdserve.app.settings.flags import field_default
 from pdserve.common.role import Role
+from pdserve.common.server import ServerConfig
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 STUCK_AT_STEP = 150  # the stuck-step scenario's extra decode worker blocks at this step
 
@@ -161,9 +171,144 @@ def redis_outage_restart(
     return schedule
 
 
+def _worker_metric(worker: Component, name: str) -> float:
+    url = f"http://{worker.metrics_address}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith(name + " "))
+
+
+def frozen_router(
+    cluster: LocalCluster, redis: EmbeddedRedis, stall_s: float, duration_s: float, seed: int
+) -> Schedule:
+    """The router SIGSTOPped (a frozen or partitioned router sends no reset) while 4 long
+    streams of its own run beside the load, for longer than the workers' keepalive bound
+    (2 x --keepalive-s, 40 s): the decode workers must cut its calls and free their KV within
+    that bound. Resumed, the router carries on: the long streams' relays failed, so they
+    migrate and finish; the load's streams that waited through the freeze finish too."""
+    assert cluster.router is not None
+    schedule = Schedule()
+    keepalive_s = float(field_default(ServerConfig, "keepalive_s"))
+    time.sleep(duration_s / 3)
+    decode = [c for c in cluster.decode if c.process.poll() is None]
+    long_streams = _LongStreams(cluster.address, count=4, max_tokens=480)
+
+    def busy() -> bool:
+        return sum(_worker_metric(w, "pdserve_running_requests") for w in decode) >= 4
+
+    if _timed(cluster, busy, 60.0) is None:
+        raise TimeoutError("the long streams did not start")
+    os.kill(cluster.router.process.pid, signal.SIGSTOP)
+    try:
+        held = ("pdserve_running_requests", "pdserve_paused_requests", "pdserve_queue_depth")
+
+        def freed() -> bool:  # no request left: running, paused for its reader, or waiting
+            return all(_worker_metric(w, name) == 0 for w in decode for name in held)
+
+        detected = _timed(cluster, freed, 2 * keepalive_s + 30.0)
+    finally:
+        os.kill(cluster.router.process.pid, signal.SIGCONT)
+    what = f"SIGSTOP router, decode KV freed (bound {2 * keepalive_s:g} s)"
+    schedule.faults.append(Fault(what, detected))
+    ended = long_streams.wait()
+    schedule.faults.append(Fault(f"4 long streams after SIGCONT: {ended}"))
+    return schedule
+
+
+class _LongStreams:
+    """``count`` greedy streams of ``max_tokens`` through the router, in a thread of their own;
+    ``wait`` returns how they ended ("4 completed", or the errors)."""
+
+    def __init__(self, address: str, count: int, max_tokens: int) -> None:
+        self._ended: list[str] = []
+        # Top logprobs make each message large: the stream outgrows the relay's 16 KiB flow
+        # control window within the tiny model's context, so a frozen reader stalls it.
+        sampling = common_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=20
+        )
+        self._requests = [
+            router_pb2.GenerateRequest(prompt_token_ids=[3 + i, 5, 7], sampling=sampling)
+            for i in range(count)
+        ]
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(address),))
+        self._thread.start()
+
+    async def _run(self, address: str) -> None:
+        async with router_channel(address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            async def one(request: router_pb2.GenerateRequest) -> str:
+                try:
+                    async for _ in stub.Generate(request, timeout=600):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code().name
+                return "completed"
+
+            self._ended = list(await asyncio.gather(*(one(r) for r in self._requests)))
+
+    def wait(self) -> str:
+        self._thread.join()
+        return ", ".join(f"{self._ended.count(e)} {e}" for e in sorted(set(self._ended)))
+
+
+def hostile_http(
+    cluster: LocalCluster, redis: EmbeddedRedis, stall_s: float, duration_s: float, seed: int
+) -> Schedule:
+    """While the load runs (gRPC), the router's HTTP port gets 100 slowloris heads (a byte a
+    second), 10 trickled bodies and 10 heads of 1 MB: each must be refused (408 / 431) within
+    its bound (--request-header-timeout-s 10, --request-body-timeout-s 30), and the load must
+    not notice. Reported per kind: how many were refused, and after how long the last was."""
+    host, _, port = cluster.http_url.removeprefix("http://").rpartition(":")
+    kinds = ["head"] * 100 + ["body"] * 10 + ["huge"] * 10
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        replies = list(pool.map(lambda kind: _hostile(host, int(port), kind), kinds))
+    schedule = Schedule()
+    for kind in ("head", "body", "huge"):
+        mine = [r for k, r in zip(kinds, replies, strict=True) if k == kind]
+        refused = sum(status in (b"408", b"431") for status, _ in mine)
+        slowest = max(elapsed_s for _, elapsed_s in mine)
+        schedule.faults.append(Fault(f"{refused}/{len(mine)} {kind} refused, last", slowest))
+    return schedule
+
+
+def _hostile(host: str, port: int, kind: str) -> tuple[bytes, float]:
+    """One hostile connection: its reply's status code (b"" if none) and when it came."""
+    start = time.monotonic()
+    with socket.create_connection((host, port), timeout=60) as sock:
+        if kind == "huge":
+            pieces = [b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (1 << 20)]
+        elif kind == "body":
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+            pieces = [head] + [b" "] * 90
+        else:
+            pieces = [b"GET /health HTTP/1.1\r\n"] + [b"X"] * 90
+        sock.settimeout(1.0)
+        reply = b""
+        for piece in pieces:
+            try:
+                sock.sendall(piece)
+                reply += sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if reply:
+                break
+        sock.settimeout(10.0)
+        try:
+            while not reply.count(b" ") and (more := sock.recv(4096)):
+                reply += more
+        except OSError:
+            pass
+    return reply.split(b" ")[1] if reply.startswith(b"HTTP/1.1 ") else b"", time.monotonic() - start
+
+
 Scenario = Callable[[LocalCluster, EmbeddedRedis, float, float, int], Schedule]
 SCENARIOS: dict[str, Scenario] = {
     "mixed": mixed,
     "stuck-step": stuck_step,
     "redis-outage-restart": redis_outage_restart,
+    "frozen-router": frozen_router,
+    "hostile-http": hostile_http,
 }
