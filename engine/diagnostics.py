@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.sampler import SampleRequest, filtered_probs, seeded_noise
+from engine.sampler import SampleRequest, filtered_probs, processed_logits, seeded_noise
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -35,10 +35,12 @@ def sampler_choice(
     exponential race's log scores (log p - log q) for seeded sampling. Uses free blocks of
     ``engine`` and gives them back."""
     row = sequence_logits(engine, [*prompt, *output[:index]], params)[-1:]  # [1, vocab]
+    eos = () if params.ignore_eos else engine.runner.eos_token_ids
+    request = SampleRequest(params, index, prompt, output[:index], (*params.stop_ids, *eos))
+    row = processed_logits(row, [request])  # penalties, bias, min_tokens: as the sampler does
     if params.greedy:
         scores = row[0].double()
     else:
-        request = SampleRequest(params, index)
         probs = filtered_probs(row, [request])[0]
         noise = seeded_noise(probs.shape[-1], probs.device, request)
         scores = probs.double().log() - noise.double().log()

@@ -121,6 +121,7 @@ class LLMEngine:
         ):
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.validate_token_ids(list(params.stop_ids), "stop_token_ids")
+        self.validate_token_ids([token_id for token_id, _ in params.bias], "logit_bias")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:

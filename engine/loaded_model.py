@@ -65,7 +65,13 @@ class LoadedModel:
         self.num_blocks = self._num_blocks()
         self.kv_cache = KVCache(self.kv_layout, self.num_blocks, self.device)
         self.attention_backend = self._attention_backend()
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.attention_backend)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            self.device,
+            self.attention_backend,
+            eos_token_ids=mc.eos_token_ids,
+        )
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d, "
             "attention %s",

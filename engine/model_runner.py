@@ -39,6 +39,7 @@ class ModelRunner:
         device: torch.device,
         backend: AttentionBackend,
         seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -47,6 +48,7 @@ class ModelRunner:
         self.quantized = kv_cache.layout.kv_cache_dtype.quantized
         self.backend = backend
         self.sampler = Sampler(device, seed)
+        self.eos_token_ids = eos_token_ids  # what min_tokens masks, besides stop ids
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[SeqSamples]:
         """Runs the step; returns, in row order, the samples of each sequence that sampled:
@@ -67,8 +69,7 @@ class ModelRunner:
                 continue
             samplers.append(s)
             sample_rows.extend(range(row - num_sampled, row))
-            first = s.seq.num_output_tokens  # the output index of the first sampled row
-            requests.extend(SampleRequest(s.seq.params, first + i) for i in range(num_sampled))
+            requests.extend(self._sample_requests(s, num_sampled))
         if not samplers:
             return []
         with torch.inference_mode():
@@ -82,6 +83,28 @@ class ModelRunner:
             results.append(SeqSamples(s, out.token_ids[start:end], out.logprobs[start:end]))
             start = end
         return results
+
+    def _sample_requests(self, s: ScheduledSeq, num_sampled: int) -> list[SampleRequest]:
+        """One per sampled row, at its output index. With logit processing, row ``i`` of a
+        verified sequence counts the guesses before it as output: it is kept only if they
+        were, so its sample is the one a step at a time would have drawn."""
+        seq, params = s.seq, s.seq.params
+        first = seq.num_output_tokens  # the output index of the first sampled row
+        if not params.processes_logits:
+            return [SampleRequest(params, first + i) for i in range(num_sampled)]
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        eos = () if params.ignore_eos else self.eos_token_ids
+        stop_ids = (*params.stop_ids, *eos)
+        return [
+            SampleRequest(
+                params,
+                first + i,
+                seq.prompt_token_ids,
+                [*output, *s.spec_token_ids[:i]],
+                stop_ids,
+            )
+            for i in range(num_sampled)
+        ]
 
     def forward_logits(
         self, scheduled: list[ScheduledSeq]

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: logit processing (min_tokens, logit_bias, penalties), greedy,
+temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 Sampling uses the exponential race: token = argmax(p / q) with q ~ Exp(1) i.i.d., which draws
 from p exactly. A seeded request's noise comes from a generator seeded by (seed, output index)
@@ -9,6 +10,7 @@ number of tokens already generated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,12 @@ def step_seed(seed: int, output_index: int) -> int:
 class SampleRequest:
     params: SamplingParams
     output_index: int  # how many tokens this request has generated before this one
+    # For logit processing only (``params.processes_logits``), else empty: the request's
+    # prompt, its output before this token (a verified guess's row: the guesses before it
+    # too), and the ids min_tokens masks (its stop ids and, unless ignore_eos, EOS).
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+    stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,10 +56,12 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, requests: list[SampleRequest]
     ) -> SamplerOutput:  # logits: [num_requests, vocab] fp32
+        # Logprobs stay those of the raw logits (vLLM's default); the choice is processed.
+        processed = processed_logits(logits, requests)
         if all(r.params.greedy for r in requests):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = processed.argmax(dim=-1)
         else:
-            token_ids = self._sample(logits, requests)
+            token_ids = self._sample(processed, requests)
         ids = token_ids.tolist()
         return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, requests))
 
@@ -95,6 +105,39 @@ class Sampler:
                 )
             )
         return out
+
+
+def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """``logits`` (``[rows, vocab]``) after each row's logit processing, in vLLM v1's order:
+    min_tokens (stop ids masked while fewer tokens are out), logit_bias (added), then the
+    repetition penalty (over prompt and output ids: positive logits divided, negative
+    multiplied), the frequency penalty (times each id's count in the output) and the presence
+    penalty (once per id in the output). Rows without any: untouched (no copy at all when
+    no row has any). A function of the request's own tokens only: exact across processes."""
+    rows = [i for i, r in enumerate(requests) if r.params.processes_logits]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for row in rows:
+        r, p = requests[row], requests[row].params
+        if r.output_index < p.min_tokens and r.stop_ids:
+            out[row, list(r.stop_ids)] = float("-inf")
+        if p.logit_bias:
+            ids, biases = zip(*p.bias, strict=True)
+            index = torch.tensor(ids, device=out.device)
+            out[row, index] += torch.tensor(biases, device=out.device, dtype=out.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({*r.prompt_ids, *r.output_ids}), device=out.device)
+            if seen.numel():
+                values = out[row, seen]
+                penalty = p.repetition_penalty
+                out[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            output = torch.tensor(list(r.output_ids), device=out.device)
+            counts = torch.bincount(output, minlength=vocab)[:vocab].to(out.dtype)
+            out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 _MIN_TEMPERATURE = 1e-5
 
 
@@ -21,6 +23,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (of the raw model logits)
+    # Logit processing (engine/sampler.py ``processed_logits``), on every path that samples:
+    # penalties count the output (and, for repetition, the prompt) of the request so far,
+    # earlier output carried by a continuation included.
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of seen ids
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None  # id -> added
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) masked until this many are out
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -47,14 +57,46 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of ints, got {stop_ids!r}")
         for token_id in stop_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                )
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            )
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        bias = _logit_bias(self.logit_bias)
         # Normalised to tuples so the object stays immutable and hashable.
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         # Dividing logits by a near-zero temperature overflows fp32; it means greedy anyway.
         return self.temperature < _MIN_TEMPERATURE
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any penalty, bias or min_tokens changes the logits before sampling."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple(self.logit_bias or ())  # type: ignore[arg-type]
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -91,6 +133,27 @@ def check_continuation(
             f"prompt_token_ids has {num_tokens} tokens with num_generated_tokens > 0: at "
             f"max_model_len {max_model_len} that request is already finished"
         )
+
+
+def _logit_bias(
+    value: tuple[tuple[int, float], ...] | dict[int, float] | None,
+) -> tuple[tuple[int, float], ...]:
+    """Sorted (token id, bias) pairs; errors name ``logit_bias`` and the bad entry."""
+    if value is None:
+        return ()
+    pairs = list(value.items()) if isinstance(value, dict) else list(value)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries, more than {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias), got {pair!r}")
+        token_id, bias = pair
+        _check_int("logit_bias token id", token_id, minimum=0)
+        if not _is_real(bias) or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+        out[token_id] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _is_real(value: object) -> bool:

@@ -47,6 +47,7 @@ class PromptReader:
             raise ValueError("set exactly one of prompt and prompt_token_ids")
         params = sampling_from_proto(request.sampling)
         validate_token_ids(list(params.stop_ids), self.vocab_size, "stop_token_ids")
+        validate_token_ids([t for t, _ in params.bias], self.vocab_size, "logit_bias")
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
             return validate_prompt(prompt_ids, None, self.vocab_size, max_model_len), params

@@ -19,8 +19,15 @@ _FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 _FINISH_NAMES = {v: k for k, v in _FINISH_REASONS.items()}
-_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
-_OPTIONAL_FLOATS = ("temperature", "top_p", "min_p")
+_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens")
+_OPTIONAL_FLOATS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -33,6 +40,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias),
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -52,6 +60,12 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.processes_logits:  # defaults stay unset: a plain request's bytes do not change
+        msg.presence_penalty = params.presence_penalty
+        msg.frequency_penalty = params.frequency_penalty
+        msg.repetition_penalty = params.repetition_penalty
+        msg.min_tokens = params.min_tokens
+        msg.logit_bias.update(dict(params.bias))
     return msg
 
 

@@ -111,6 +111,11 @@ _FIELDS = frozenset(
         "logprobs",
         "n",
         "request_id",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
     ]
 )
 # Engine and router field names as the OpenAI API spells them.

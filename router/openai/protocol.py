@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
 from router.openai.chat_template import ChatTemplate
@@ -44,6 +44,7 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extra
     best_of: int | None = None
     user: str | None = None  # accepted and ignored
     # vLLM's extras.
@@ -122,16 +123,6 @@ class InvalidParameter(ValueError):
 
 
 def _refuse_unsupported(body: _Sampling) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value is not None and value != 0:
-            raise InvalidParameter(name, f"{name} is not supported (got {value}); omit it or 0")
-    if body.repetition_penalty is not None and body.repetition_penalty != 1:
-        raise InvalidParameter(
-            "repetition_penalty", "repetition_penalty is not supported; omit it or pass 1"
-        )
-    if body.logit_bias:
-        raise InvalidParameter("logit_bias", "logit_bias is not supported")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidParameter("best_of", "best_of is not supported (other than equal to n)")
     if body.stream_options is not None and not body.stream:
@@ -155,10 +146,36 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> common_pb2.SamplingPar
         msg.stop.extend(body.stop)
     if body.stop_token_ids:
         msg.stop_token_ids.extend(_ids("stop_token_ids", body.stop_token_ids))
+    if body.logit_bias:
+        msg.logit_bias.update(_logit_bias(body.logit_bias))
     return msg
 
 
-_NUMBERS = ("temperature", "top_p", "top_k", "min_p")
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+)
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's string keys as token ids (the count, range and vocabulary are checked after,
+    naming ``logit_bias`` too)."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidParameter(
+            "logit_bias", f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}"
+        )
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or not 0 <= int(key) < 1 << 32:
+            raise InvalidParameter("logit_bias", f"logit_bias key {key[:32]!r} is not a token id")
+        out[int(key)] = value
+    return out
 
 
 def _ids(param: str, ids: list[int]) -> tuple[int, ...]:

@@ -19,6 +19,17 @@ PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True),
     SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=5, ignore_eos=True),
+    # Penalties count the earlier output as output, not as prompt: carried explicitly.
+    SamplingParams(
+        max_tokens=24,
+        temperature=0.0,
+        ignore_eos=True,
+        presence_penalty=0.7,
+        frequency_penalty=0.9,
+        repetition_penalty=1.3,
+        logit_bias={7: 1.5},
+    ),
+    SamplingParams(max_tokens=24, temperature=0.9, seed=3, frequency_penalty=1.5, min_tokens=20),
 ]
 PROMPT = list(range(20, 45))
 
@@ -32,7 +43,11 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams, k: int) -
     return out
 
 
-@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded-top-p", "seeded-top-k"])
+@pytest.mark.parametrize(
+    "params",
+    PARAMS,
+    ids=["greedy", "seeded-top-p", "seeded-top-k", "greedy-penalized", "seeded-penalized"],
+)
 @pytest.mark.parametrize("k", [1, 7, 23])
 def test_continuing_after_k_tokens_gives_the_rest_of_one_run(
     llama_dir: Path, make_llm: Callable[..., LLM], params: SamplingParams, k: int
@@ -72,7 +87,7 @@ def test_prefill_a_continuation_on_a_and_decode_it_on_b(
     llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:
     a, b = make_llm(llama_dir).engine, make_llm(llama_dir).engine
-    params = PARAMS[1]
+    params = PARAMS[4]  # seeded and penalized: the decode worker counts the handed-over output
     whole = make_llm(llama_dir).generate([PROMPT], params)[0]
     k = 9
     request_id = a.add_request(

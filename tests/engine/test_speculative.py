@@ -18,12 +18,20 @@ _RNG = random.Random(7)
 PROMPTS = [
     [_RNG.randrange(1024) for _ in range(n)] for n in (3, 17, 40)
 ] + [[11, 12, 13, 14, 15] * 6, [5] * 9]  # fmt: skip
+PROMPTS += [[21, 22, 23, 24] * 5, [_RNG.randrange(1024) for _ in range(12)]]  # penalized
 PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
     SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=12, ignore_eos=True),
     SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),  # never speculates
+    # Each verified row counts the guesses before it as output (engine/model_runner.py).
+    SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.4
+    ),
+    SamplingParams(
+        max_tokens=24, temperature=0.8, seed=13, ignore_eos=True, repetition_penalty=1.5
+    ),
 ]
 # (method, which draft): the target as its own draft accepts nearly all; another random
 # checkpoint of the same vocabulary rejects nearly all.

@@ -4,6 +4,7 @@ near-tie check for migrated streams, metric scrapes, and leak checks on the surv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import urllib.request
 from dataclasses import dataclass, field
@@ -98,16 +99,32 @@ def requests_for(
 
 
 def mixed_params(n: int, max_tokens: int) -> list[SamplingParams]:
-    """Half greedy, half seeded top-p/top-k sampling."""
-    return [
-        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        if i % 2 == 0
-        else SamplingParams(
-            max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50, seed=100 + i,
-            ignore_eos=True,
-        )
-        for i in range(n)
-    ]  # fmt: skip
+    """Half greedy, half seeded top-p/top-k sampling; every second of each also penalized
+    (presence, frequency, repetition, a bias): a migrated stream's earlier output must count
+    as output on the worker that continues it."""
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        else:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.8,
+                top_p=0.95,
+                top_k=50,
+                seed=100 + i,
+                ignore_eos=True,
+            )
+        if i % 4 >= 2:
+            params = dataclasses.replace(
+                params,
+                presence_penalty=0.4,
+                frequency_penalty=0.3,
+                repetition_penalty=1.2,
+                logit_bias={7 + i: 1.0},
+            )
+        out.append(params)
+    return out
 
 
 def compare(

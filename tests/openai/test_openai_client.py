@@ -4,6 +4,7 @@ text completions, streamed and not, give exactly what one engine gives on the sa
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,34 @@ def test_text_completions_of_text_and_token_ids(
         assert_same(reference, prompt_ids, ids, text, params_of(SEEDED, 10))
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_penalties_bias_and_min_tokens_are_the_engines(
+    client: openai.OpenAI, reference: LLM, sampling: dict[str, Any]
+) -> None:
+    """Through the router, prefilled on one worker and decoded on another (the first token
+    from prefill: the decode worker counts it as output)."""
+    processing = {"presence_penalty": 0.6, "frequency_penalty": 1.1, "logit_bias": {"17": 3.0}}
+    prompt = [5, 17, 200, 33, 9, 17, 17]
+    r: Any = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=16,
+        extra_body={"return_token_ids": True, "repetition_penalty": 1.4, "min_tokens": 16},
+        **processing,
+        **sampling,
+    )
+    ids = r.choices[0].model_extra["token_ids"]
+    params = dataclasses.replace(
+        params_of(sampling, 16),
+        presence_penalty=0.6,
+        frequency_penalty=1.1,
+        repetition_penalty=1.4,
+        logit_bias={17: 3.0},
+        min_tokens=16,
+    )
+    assert_same(reference, prompt, ids, r.choices[0].text, params)
+
+
 def test_n_choices_with_a_seed_are_reproducible_and_use_seed_plus_i(
     client: openai.OpenAI, reference: LLM
 ) -> None:
@@ -242,7 +271,9 @@ def test_models_list_names_the_served_model(
     [
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 2.0}, "top_p"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"not-an-id": 1}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),  # past the vocabulary
         ({"extra_body": {"top_k": -5}}, "top_k"),
         ({"n": 0}, "n"),
         ({"max_tokens": 0}, "max_tokens"),

@@ -88,9 +88,9 @@ def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
 @pytest.mark.parametrize(
     ("build", "param"),
     [
-        (lambda: completion_plan(completion(presence_penalty=0.1), 64), "presence_penalty"),
-        (lambda: completion_plan(completion(frequency_penalty=-1), 64), "frequency_penalty"),
-        (lambda: completion_plan(completion(logit_bias={"5": 1.0}), 64), "logit_bias"),
+        (lambda: completion_plan(completion(logit_bias={"x5": 1.0}), 64), "logit_bias"),
+        (lambda: completion_plan(completion(logit_bias={str(i): 1.0 for i in range(301)}), 64),
+         "logit_bias"),
         (lambda: completion_plan(completion(echo=True), 64), "echo"),
         (lambda: completion_plan(completion(n=65), 64), "n"),
         (lambda: completion_plan(completion(prompt=["a"] * 9, n=8), 64), "n"),
@@ -116,6 +116,20 @@ def test_zero_penalties_and_unknown_fields_pass() -> None:
         completion(presence_penalty=0, frequency_penalty=0.0, user="u", something_new=1), 64
     )
     assert plan.num_choices == 1
+
+
+def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
+    body = completion(
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        repetition_penalty=1.2,
+        logit_bias={"5": 2.0, "9": -100},
+        min_tokens=3,
+    )
+    sampling = completion_plan(body, 64).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
+    assert sampling.repetition_penalty == 1.2 and sampling.min_tokens == 3
+    assert dict(sampling.logit_bias) == {5: 2.0, 9: -100.0}
 
 
 def test_messages_become_template_dicts() -> None:
