@@ -140,6 +140,27 @@ def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> tor
     return out
 
 
+def seeded_choice(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """Each row's token where every sampling row is seeded (another engine's processor: no
+    generator of its own): after logit processing, a greedy row's argmax, a sampling row's
+    exponential race with its seeded noise, as ``Sampler`` chooses."""
+    processed = processed_logits(logits, requests)
+    greedy = [r.params.greedy for r in requests]
+    if all(greedy):
+        return processed.argmax(dim=-1)
+    probs = filtered_probs(processed, requests)
+    vocab = probs.shape[-1]
+    noise = torch.stack(
+        [
+            torch.ones(vocab, device=probs.device) if g else seeded_noise(vocab, probs.device, r)
+            for g, r in zip(greedy, requests, strict=True)
+        ]
+    )
+    sampled = (probs / noise).argmax(dim=-1)
+    mask = torch.tensor(greedy, device=probs.device)
+    return torch.where(mask, processed.argmax(dim=-1), sampled)
+
+
 def filtered_probs(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
     """Each row's sampling distribution: ``[rows, vocab]`` logits through the request's
     temperature, then (vLLM v1's order) min-p, top-k and top-p, then softmax."""

@@ -44,7 +44,11 @@ class Request:
 
 
 def vllm_params(
-    params: SamplingParams, mode: Mode, offset: int, kv_params: dict[str, Any]
+    params: SamplingParams,
+    mode: Mode,
+    offset: int,
+    kv_params: dict[str, Any],
+    eos_token_ids: tuple[int, ...],
 ) -> VllmParams:
     """vLLM's side of a pdserve request: greedy over logits pdserve's sampler decided
     (``vllm_engine.sampler``), no text, no stop of its own but the length; ``offset``: output
@@ -58,7 +62,7 @@ def vllm_params(
         output_kind=RequestOutputKind.DELTA,
         logprobs=params.logprobs,
         extra_args={
-            EXTRA_ARGS_KEY: sampling_extra_args(params, offset),
+            EXTRA_ARGS_KEY: sampling_extra_args(params, offset, eos_token_ids),
             KV_PARAMS_KEY: kv_params,
         },
     )

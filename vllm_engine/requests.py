@@ -148,13 +148,6 @@ class RequestTable:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= vocab_size {vocab}")
-        if params.processes_logits:
-            # vLLM would apply its own penalties in its own order, and a continuation's earlier
-            # output would count as prompt there: not exact across P/D and migration yet.
-            raise ValueError(
-                "presence_penalty, frequency_penalty, repetition_penalty, logit_bias and "
-                "min_tokens are not supported with --engine vllm yet (use the native engine)"
-            )
         if num_generated:
             check_continuation(len(token_ids), num_generated, params, self._max_model_len)
         prompt = token_ids[: len(token_ids) - num_generated]
@@ -174,7 +167,7 @@ class RequestTable:
         self._llm.add_request(
             seq.request_id,
             {"prompt_token_ids": tokens},
-            vllm_params(params, mode, offset, kv_params),
+            vllm_params(params, mode, offset, kv_params, tuple(self._checkpoint.eos_token_ids)),
         )
         self.requests[seq.request_id] = req
         return req

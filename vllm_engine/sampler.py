@@ -1,14 +1,17 @@
 """pdserve's sampler inside vLLM: a logits processor that picks each token with pdserve's
 stateless seeded sampler (``engine.sampler``: the noise is a function of (seed, output index)
-alone) and leaves vLLM only that token to choose.
+alone) and pdserve's logit processing (penalties, logit_bias, min_tokens: a function of the
+request's own tokens), and leaves vLLM only that token to choose.
 
-vLLM runs every pdserve request greedily (temperature 0) over logits this processor has already
-reduced to one finite entry, so vLLM's own per-request generator (stateful: it would restart on
-a decode worker and after a migration) is never used. A greedy pdserve request is left alone:
-vLLM's argmax is pdserve's greedy rule. Logprobs are vLLM's raw ones, taken before any
-processor runs. A request's output index is the tokens it produced before this engine saw it
-(``offset``: its earlier output after a migration, plus the first token on a decode worker) plus
-what vLLM has generated for it so far.
+vLLM runs every pdserve request greedily (temperature 0, none of its own penalties) over logits
+this processor has already reduced to one finite entry, so vLLM's own per-request generator
+(stateful: it would restart on a decode worker and after a migration) is never used, nor its
+penalties (which would count a continuation's earlier output as prompt). A greedy request
+without logit processing is left alone: vLLM's argmax is pdserve's greedy rule. Logprobs are
+vLLM's raw ones, taken before any processor runs, as the native engine's are. A request's
+output is the tokens it produced before this engine saw it (the last ``offset`` tokens vLLM
+holds as its prompt: its earlier output after a migration, plus the first token on a decode
+worker) followed by what vLLM has generated for it so far.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from engine.sampler import SampleRequest, filtered_probs, seeded_noise
+from engine.sampler import SampleRequest, seeded_choice
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -31,9 +34,12 @@ if TYPE_CHECKING:
 EXTRA_ARGS_KEY = "pdserve_sampling"
 
 
-def sampling_extra_args(params: SamplingParams, offset: int) -> dict[str, Any]:
+def sampling_extra_args(
+    params: SamplingParams, offset: int, eos_token_ids: tuple[int, ...]
+) -> dict[str, Any]:
     """What the processor needs of a request, as vLLM carries it (plain values)."""
     seed = params.seed if params.seed is not None else random.getrandbits(63)
+    eos = () if params.ignore_eos else eos_token_ids
     return {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -41,6 +47,12 @@ def sampling_extra_args(params: SamplingParams, offset: int) -> dict[str, Any]:
         "min_p": params.min_p,
         "seed": seed,
         "offset": offset,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "logit_bias": [list(pair) for pair in params.bias],
+        "min_tokens": params.min_tokens,
+        "stop_ids": [*params.stop_ids, *eos],  # what min_tokens masks
     }
 
 
@@ -49,9 +61,18 @@ class _Row:
     params: SamplingParams
     offset: int
     output_ids: list[int]  # vLLM's live list of the request's generated tokens
+    # For logit processing only, else empty: vLLM's prompt split into the request's own
+    # prompt and its earlier output, and the ids min_tokens masks.
+    prompt_ids: list[int]
+    earlier_ids: list[int]
+    stop_ids: tuple[int, ...]
 
     def request(self) -> SampleRequest:
-        return SampleRequest(self.params, self.offset + len(self.output_ids))
+        index = self.offset + len(self.output_ids)
+        if not self.params.processes_logits:
+            return SampleRequest(self.params, index)
+        output = [*self.earlier_ids, *self.output_ids]
+        return SampleRequest(self.params, index, self.prompt_ids, output, self.stop_ids)
 
 
 class PdserveSampler(LogitsProcessor):
@@ -66,8 +87,8 @@ class PdserveSampler(LogitsProcessor):
             return
         for index in batch_update.removed:
             self._rows.pop(index, None)
-        for index, params, _, output_ids in batch_update.added:
-            row = _row(params, output_ids)
+        for index, params, prompt_ids, output_ids in batch_update.added:
+            row = _row(params, prompt_ids or [], output_ids)
             if row is None:
                 self._rows.pop(index, None)
             else:
@@ -84,9 +105,7 @@ class PdserveSampler(LogitsProcessor):
         if not rows:
             return logits
         requests = [self._rows[i].request() for i in rows]
-        probs = filtered_probs(logits[rows], requests)
-        noise = torch.stack([seeded_noise(probs.shape[-1], logits.device, r) for r in requests])
-        tokens = (probs / noise).argmax(dim=-1)
+        tokens = seeded_choice(logits[rows], requests)
         index = torch.tensor(rows, device=logits.device)
         chosen = torch.full_like(logits[rows], float("-inf"))
         chosen.scatter_(1, tokens[:, None], 0.0)
@@ -94,18 +113,31 @@ class PdserveSampler(LogitsProcessor):
         return logits
 
 
-def _row(params: vllm.SamplingParams | None, output_ids: list[int]) -> _Row | None:
+def _row(
+    params: vllm.SamplingParams | None, prompt_ids: list[int], output_ids: list[int]
+) -> _Row | None:
     extra = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
     if extra is None:
         return None
     ours = SamplingParams(
-        max_tokens=1,  # unused here: lengths and stops are pdserve's (engine.request_state)
+        # Unused here (lengths and stops are pdserve's: engine.request_state), but valid.
+        max_tokens=max(1, int(extra["min_tokens"])),
         temperature=extra["temperature"],
         top_p=extra["top_p"],
         top_k=extra["top_k"],
         min_p=extra["min_p"],
         seed=extra["seed"],
+        presence_penalty=extra["presence_penalty"],
+        frequency_penalty=extra["frequency_penalty"],
+        repetition_penalty=extra["repetition_penalty"],
+        logit_bias=tuple((int(i), float(b)) for i, b in extra["logit_bias"]) or None,
+        min_tokens=extra["min_tokens"],
     )
-    if ours.greedy:
+    if ours.greedy and not ours.processes_logits:
         return None  # vLLM's argmax is pdserve's greedy
-    return _Row(ours, int(extra["offset"]), output_ids)
+    offset = int(extra["offset"])
+    if not ours.processes_logits:
+        return _Row(ours, offset, output_ids, [], [], ())
+    split = len(prompt_ids) - offset
+    stop_ids = tuple(int(i) for i in extra["stop_ids"])
+    return _Row(ours, offset, output_ids, prompt_ids[:split], prompt_ids[split:], stop_ids)

@@ -25,6 +25,18 @@ from tests.services.harness import wait_for
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+_PENALTIES = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.4,
+    "repetition_penalty": 1.3,
+    "logit_bias": {5: 2.0, 9: -3.0},
+}
+# With logit processing, which counts the earlier output (the first token on a decode worker,
+# a migrated stream's output) as output, never as prompt.
+PENALIZED = (
+    dataclasses.replace(GREEDY, **_PENALTIES),  # type: ignore[arg-type]
+    dataclasses.replace(SEEDED, **_PENALTIES),  # type: ignore[arg-type]
+)
 Case = Callable[[ServingEngine, list[int]], Awaitable[None]]
 
 
@@ -71,7 +83,7 @@ def copy_pages(engine: ServingEngine, source: list[int]) -> Callable[[list[int]]
 
 async def prefilled_then_decoded_is_the_plain_run(engine: ServingEngine, prompt: list[int]) -> None:
     free = engine.stats.num_free_blocks
-    for params in (GREEDY, SEEDED):
+    for params in (GREEDY, SEEDED, *PENALIZED):
         plain = await collect(engine.generate("plain", prompt, params))
         assert plain.finish_reason == "length" and len(plain.token_ids) == params.max_tokens
         exported = await prefill(engine, "p", prompt, params)
@@ -95,7 +107,7 @@ async def a_continuation_gives_the_rest_of_the_run(
 ) -> None:
     """Migration: prompt + the first k outputs, with num_generated_tokens=k, continues exactly
     (the seeded sampler's output index included)."""
-    for params in (GREEDY, SEEDED):
+    for params in (GREEDY, SEEDED, *PENALIZED):
         plain = await collect(engine.generate("plain", prompt, params))
         k = 5
         rest = await collect(
@@ -171,6 +183,23 @@ async def stops_end_where_the_engine_says(engine: ServingEngine, prompt: list[in
         )
 
 
+async def logit_processing_decides_where_it_should(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    """A bias large enough picks every greedy token; min_tokens holds back a stop id biased
+    as much until that many tokens are out."""
+    biased = await collect(
+        engine.generate("b", prompt, dataclasses.replace(GREEDY, logit_bias={7: 100.0}))
+    )
+    assert biased.token_ids == [7] * GREEDY.max_tokens
+    params = dataclasses.replace(
+        GREEDY, logit_bias={9: 100.0}, stop_token_ids=[9], min_tokens=4, max_tokens=8
+    )
+    held = await collect(engine.generate("m", prompt, params))
+    assert held.finish_reason == "stop"
+    assert len(held.token_ids) == 5 and 9 not in held.token_ids[:4], held.token_ids
+
+
 async def kv_events_name_the_prompt_blocks(engine: ServingEngine, prompt: list[int]) -> None:
     """The prefix index hears of every full prompt block, by pdserve's one hasher."""
     prompt = [t + 7 for t in prompt]  # blocks no earlier case cached
@@ -192,5 +221,6 @@ CASES: list[Case] = [
     a_full_cache_refuses_admission_by_name,
     leaving_a_stream_aborts_and_frees,
     stops_end_where_the_engine_says,
+    logit_processing_decides_where_it_should,
     kv_events_name_the_prompt_blocks,
 ]

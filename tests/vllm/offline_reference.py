@@ -1,5 +1,6 @@
 """vLLM's own offline run, as the tests' independent reference: reads {model, prompts,
-max_tokens} as JSON on stdin, prints per prompt the greedy tokens and, per token, the gap between
+max_tokens, optional sampling: extra greedy SamplingParams such as penalties} as JSON on stdin,
+prints per prompt the greedy tokens and, per token, the gap between
 the two likeliest raw logprobs (the near-tie margin). Run as a script, in a process of its own."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ def main() -> None:
     spec = json.loads(sys.stdin.read())
     from vllm import LLM, SamplingParams
 
+    extra = spec.get("sampling", {})
     llm = LLM(
         spec["model"],
         dtype="float32",
@@ -22,9 +24,13 @@ def main() -> None:
         enforce_eager=True,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
+        # With penalties the near-tie margin is that of the logits the choice was made on.
+        logprobs_mode="processed_logprobs" if extra else "raw_logprobs",
     )
+    if "logit_bias" in extra:
+        extra["logit_bias"] = {int(k): v for k, v in extra["logit_bias"].items()}
     params = SamplingParams(
-        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2
+        temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, logprobs=2, **extra
     )
     # One prompt at a time: batch shapes like the served path's.
     rows = []

@@ -49,18 +49,3 @@ def test_vllm_engine_keeps_the_contract(
     assert engine.num_blocks == 24
     assert engine.kv_layout.page_layout.startswith("vllm-0.32.0/")
     loop.run_until_complete(case(engine, list(range(40, 110))))
-
-
-def test_logit_processing_is_refused_by_name_not_dropped(
-    loop_and_engine: tuple[asyncio.AbstractEventLoop, VllmEngine],
-) -> None:
-    """Penalties, bias and min_tokens are the native engine's so far (vLLM would count a
-    continuation's earlier output as prompt): refused by name rather than silently ignored."""
-    from engine.sampling_params import SamplingParams
-    from tests.contract.serving_engine_suite import collect
-
-    loop, engine = loop_and_engine
-    for extra in ({"presence_penalty": 0.5}, {"logit_bias": {3: 1.0}}, {"min_tokens": 2}):
-        params = SamplingParams(max_tokens=4, temperature=0.0, **extra)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="not supported with --engine vllm"):
-            loop.run_until_complete(collect(engine.generate("p", [1, 2, 3], params)))

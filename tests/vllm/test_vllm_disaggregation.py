@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -48,6 +49,15 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprob
 SEEDED = SamplingParams(
     max_tokens=24, temperature=0.9, top_p=0.9, top_k=40, seed=7, ignore_eos=True, logprobs=2
 )
+# pdserve's logit processing (in pdserve's sampler inside vLLM) against vLLM's own.
+PENALTIES = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.4,
+    "repetition_penalty": 1.3,
+    "logit_bias": {5: 2.0, 9: -3.0},
+}
+PENALIZED = dataclasses.replace(GREEDY, **PENALTIES)  # type: ignore[arg-type]
+VARIANTS = (("greedy", GREEDY), ("seeded", SEEDED), ("penalized", PENALIZED))
 
 
 def _prompt(length: int, salt: int = 0) -> list[int]:
@@ -73,6 +83,7 @@ def test_disaggregated_streams_equal_one_vllm_worker_and_vllms_offline_run(
 ) -> None:
     prompts = [_prompt(n, salt) for salt, n in enumerate(LENGTHS)]
     offline = offline_greedy(vllm_model("llama"), prompts, GREEDY.max_tokens)
+    offline_penalized = offline_greedy(vllm_model("llama"), prompts, GREEDY.max_tokens, PENALTIES)
 
     async def run() -> list[str]:
         reports = []
@@ -80,7 +91,7 @@ def test_disaggregated_streams_equal_one_vllm_worker_and_vllms_offline_run(
         decode_before = [(await stats(c)).num_prompt_tokens_computed for c in cluster.decode]
         served = {}
         for i, prompt in enumerate(prompts):
-            for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            for name, params in VARIANTS:
                 served[i, name] = await through_router(cluster.address, prompt, params)
         # The decode pool computed no prompt token: every prompt came from the prefill worker.
         decode_after = [(await stats(c)).num_prompt_tokens_computed for c in cluster.decode]
@@ -88,7 +99,7 @@ def test_disaggregated_streams_equal_one_vllm_worker_and_vllms_offline_run(
         prefill_after = (await stats(cluster.prefill[0])).num_prompt_tokens_computed
         assert prefill_after - prefill_before >= sum(LENGTHS)
         for i, prompt in enumerate(prompts):
-            for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+            for name, params in VARIANTS:
                 label = f"prompt of {len(prompt)} tokens, {name}"
                 got = served[i, name]
                 assert got.finish_reason == "length" and len(got.token_ids) == params.max_tokens
@@ -97,8 +108,11 @@ def test_disaggregated_streams_equal_one_vllm_worker_and_vllms_offline_run(
                     reports.append(report)
                 elif name == "greedy":
                     assert got.margins == pytest.approx(one.margins, abs=1e-4), label
-            if (report := same_or_near_tie(served[i, "greedy"], offline[i], "offline")) is not None:
-                reports.append(report)
+            for name, reference in (("greedy", offline), ("penalized", offline_penalized)):
+                report = same_or_near_tie(served[i, name], reference[i], f"offline {name}")
+                if report is not None:
+                    reports.append(report)
+            assert served[i, "penalized"].token_ids != served[i, "greedy"].token_ids
         return reports
 
     print("\n".join(asyncio.run(run())))

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -70,10 +71,14 @@ async def colocated(
     return run
 
 
-def offline_greedy(model: Path, prompts: list[list[int]], max_tokens: int) -> list[Run]:
-    """vLLM's own offline run (``vllm.LLM``, no pdserve code in the loop), greedy, in a process
-    of its own."""
+def offline_greedy(
+    model: Path, prompts: list[list[int]], max_tokens: int, sampling: dict[str, Any] | None = None
+) -> list[Run]:
+    """vLLM's own offline run (``vllm.LLM``, no pdserve code in the loop), greedy (with vLLM's
+    own penalties and bias where ``sampling`` names them), in a process of its own."""
     spec = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens}
+    if sampling:
+        spec["sampling"] = sampling
     done = subprocess.run(
         [sys.executable, "-m", "tests.vllm.offline_reference"],
         cwd=_ROOT,
