@@ -159,11 +159,12 @@ class AsyncEngine(ServingEngine):
                 num_generated_tokens=num_generated_tokens,
             )
 
-        return self._stream(request_id, admit)
+        return self._stream(request_id, admit, params)
 
     async def admit_prefilled(
         self, request: PrefilledRequest, fill: Callable[[list[int]], Awaitable[T]]
     ) -> T:
+        await self._compile_guide(request.params)
         block_ids = await self.call(lambda: self._engine.reserve_prefilled(request))
         if block_ids is None:
             needed = self.blocks_for(len(request.prompt_token_ids))
@@ -177,7 +178,9 @@ class AsyncEngine(ServingEngine):
 
     def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
         """Joins the admitted request (its KV is written) to the batch."""
-        return self._stream(request.request_id, lambda: self._engine.start_prefilled(request))
+        return self._stream(
+            request.request_id, lambda: self._engine.start_prefilled(request), request.params
+        )
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
         """A pinned request, as the decode side resumes it (no step touches a pinned request,
@@ -214,13 +217,20 @@ class AsyncEngine(ServingEngine):
         if self._on_step is not None:
             self._on_step(self.stats)
 
+    async def _compile_guide(self, params: SamplingParams) -> None:
+        """A structured output's grammar compiles in a worker thread, outside the lock, before
+        its request is admitted; admission then only copies the cached matcher."""
+        if params.structured is not None:
+            await asyncio.to_thread(self._engine.loaded.guides.compile, params.structured)
+
     async def _stream(
-        self, request_id: str, admit: Callable[[], RequestUpdate | None]
+        self, request_id: str, admit: Callable[[], RequestUpdate | None], params: SamplingParams
     ) -> AsyncGenerator[RequestUpdate, None]:
         """Runs ``admit`` (an engine call that adds ``request_id``) between steps, then yields
         the request's updates until it finishes or is prefilled. Leaving early, by
         cancellation or ``aclose``, aborts the request."""
         self._check_alive()
+        await self._compile_guide(params)
         stream = _Stream()
         async with self._lock:
             self._check_alive()

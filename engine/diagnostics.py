@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.sampler import SampleRequest, filtered_probs, processed_logits, seeded_noise
+from engine.sampler import (
+    SampleRequest,
+    filtered_probs,
+    guided_logits,
+    processed_logits,
+    seeded_noise,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
@@ -36,7 +42,13 @@ def sampler_choice(
     ``engine`` and gives them back."""
     row = sequence_logits(engine, [*prompt, *output[:index]], params)[-1:]  # [1, vocab]
     eos = () if params.ignore_eos else engine.runner.eos_token_ids
-    request = SampleRequest(params, index, prompt, output[:index], (*params.stop_ids, *eos))
+    allowed = None
+    if params.structured is not None:  # the grammar's mask after output[:index]
+        allowed = engine.loaded.guides.guide(params.structured, output[:index]).masks((), 1)[0]
+    request = SampleRequest(
+        params, index, prompt, output[:index], (*params.stop_ids, *eos), allowed
+    )
+    row = guided_logits(row, [request])
     row = processed_logits(row, [request])  # penalties, bias, min_tokens: as the sampler does
     if params.greedy:
         scores = row[0].double()

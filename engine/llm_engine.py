@@ -110,7 +110,10 @@ class LLMEngine:
         if num_generated:
             check_continuation(len(token_ids), num_generated, params, self.max_model_len)
         prompt = token_ids[: len(token_ids) - num_generated]
-        return Sequence(request_id, prompt, params, list(token_ids), prefill_only=prefill_only)
+        seq = Sequence(request_id, prompt, params, list(token_ids), prefill_only=prefill_only)
+        if params.structured is not None:  # compiled already when an AsyncEngine admits it
+            seq.guide = self.loaded.guides.guide(params.structured, seq.output_token_ids)
+        return seq
 
     def _check_new_request(self, request_id: str, params: SamplingParams) -> None:
         """One namespace for ids at every stage, and params checked against this model."""

@@ -15,6 +15,7 @@ from engine.block_hash import root_hash
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, AttentionBackend, EngineConfig
 from engine.dtypes import torch_dtype
 from engine.fingerprint import fingerprint_of
+from engine.guide import GuideCompiler
 from engine.kernels.cpu import load_cpu_kernels
 from engine.kv_cache import KVCache, KVCacheLayout
 from engine.loader import build_model
@@ -37,6 +38,9 @@ class LoadedModel:
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.guides = GuideCompiler(
+            model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self.max_model_len = self._max_model_len()
         self.block_size = config.cache.block_size
         self.device = torch.device(

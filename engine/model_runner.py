@@ -85,13 +85,20 @@ class ModelRunner:
         return results
 
     def _sample_requests(self, s: ScheduledSeq, num_sampled: int) -> list[SampleRequest]:
-        """One per sampled row, at its output index. With logit processing, row ``i`` of a
-        verified sequence counts the guesses before it as output: it is kept only if they
-        were, so its sample is the one a step at a time would have drawn."""
+        """One per sampled row, at its output index. With logit processing or a grammar, row
+        ``i`` of a verified sequence counts the guesses before it as output: it is kept only
+        if they were, so its sample is the one a step at a time would have drawn."""
         seq, params = s.seq, s.seq.params
         first = seq.num_output_tokens  # the output index of the first sampled row
+        allowed = (
+            seq.guide.masks(s.spec_token_ids, num_sampled)
+            if seq.guide is not None
+            else [None] * num_sampled
+        )
         if not params.processes_logits:
-            return [SampleRequest(params, first + i) for i in range(num_sampled)]
+            return [
+                SampleRequest(params, first + i, allowed=allowed[i]) for i in range(num_sampled)
+            ]
         output = seq.token_ids[seq.num_prompt_tokens :]
         eos = () if params.ignore_eos else self.eos_token_ids
         stop_ids = (*params.stop_ids, *eos)
@@ -102,6 +109,7 @@ class ModelRunner:
                 seq.prompt_token_ids,
                 [*output, *s.spec_token_ids[:i]],
                 stop_ids,
+                allowed[i],
             )
             for i in range(num_sampled)
         ]

@@ -51,12 +51,14 @@ class RequestState:
             seq.logprobs.append(logprobs)
             self.pending_logprobs.append(logprobs)
         stop_token = seq.params.is_stop_token(token_id, eos_token_ids)
+        # A complete structured output ends the request as a stop does.
+        complete = seq.guide is not None and seq.guide.accept(token_id)
         stop_string = False
         # A stop token ends the request but, as in vLLM, its text is not part of the output.
         if self.detokenizer is not None and not stop_token:
             text, stop_string = self.detokenizer.add_token(token_id)
             self.pending_text += text
-        if stop_token or stop_string:
+        if stop_token or stop_string or complete:
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
             return SequenceStatus.FINISHED_LENGTH

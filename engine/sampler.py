@@ -39,6 +39,9 @@ class SampleRequest:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids: tuple[int, ...] = ()
+    # Guided decoding (``params.structured``): ``[vocab]`` bool, the tokens its grammar
+    # allows at this row (engine/guide.py); None: no constraint.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,9 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, requests: list[SampleRequest]
     ) -> SamplerOutput:  # logits: [num_requests, vocab] fp32
-        # Logprobs stay those of the raw logits (vLLM's default); the choice is processed.
+        # The grammar's mask comes first, and the logprobs see it (as vLLM's do); otherwise
+        # they stay those of the raw logits (vLLM's default), and the choice is processed.
+        logits = guided_logits(logits, requests)
         processed = processed_logits(logits, requests)
         if all(r.params.greedy for r in requests):
             token_ids = processed.argmax(dim=-1)
@@ -105,6 +110,22 @@ class Sampler:
                 )
             )
         return out
+
+
+def guided_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """``logits`` with every token a guided row's grammar forbids at -inf (no copy when no
+    row is guided)."""
+    rows = [i for i, r in enumerate(requests) if r.allowed is not None]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for row in rows:
+        allowed = requests[row].allowed
+        assert allowed is not None
+        vocab = min(allowed.shape[-1], out.shape[-1])
+        out[row, :vocab].masked_fill_(~allowed[:vocab].to(out.device), float("-inf"))
+        out[row, vocab:] = float("-inf")  # ids past the tokenizer's table: never text
+    return out
 
 
 def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:

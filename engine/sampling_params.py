@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.structured_output import StructuredOutput
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
@@ -31,6 +33,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of seen ids
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None  # id -> added
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) masked until this many are out
+    # Guided decoding: the output must match this (engine/guide.py masks every sampled row).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
@@ -72,6 +76,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
         bias = _logit_bias(self.logit_bias)
         # Normalised to tuples so the object stays immutable and hashable.
         object.__setattr__(self, "stop", tuple(stop))

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.guide import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -64,6 +68,8 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Prefill-only requests keep their blocks pinned after the first token (disaggregation).
     prefill_only: bool = False
+    # Guided decoding (``params.structured``): the matcher its output has advanced.
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

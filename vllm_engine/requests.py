@@ -148,6 +148,11 @@ class RequestTable:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= vocab_size {vocab}")
+        if params.structured is not None:
+            raise ValueError(
+                f"{params.structured.field}: structured outputs are not supported with "
+                "--engine vllm yet (use the native engine)"
+            )
         if num_generated:
             check_continuation(len(token_ids), num_generated, params, self._max_model_len)
         prompt = token_ids[: len(token_ids) - num_generated]

@@ -11,6 +11,7 @@ from engine.kv_layout import NATIVE_PAGE_LAYOUT, KVCacheDtype, KVCacheLayout
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.structured_output import StructuredKind, StructuredOutput
 from pdserve.v1 import common_pb2
 
 _FINISH_REASONS = {
@@ -19,6 +20,13 @@ _FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 _FINISH_NAMES = {v: k for k, v in _FINISH_REASONS.items()}
+_STRUCTURED_KINDS = {
+    StructuredKind.JSON_SCHEMA: common_pb2.STRUCTURED_KIND_JSON_SCHEMA,
+    StructuredKind.JSON_OBJECT: common_pb2.STRUCTURED_KIND_JSON_OBJECT,
+    StructuredKind.REGEX: common_pb2.STRUCTURED_KIND_REGEX,
+    StructuredKind.CHOICE: common_pb2.STRUCTURED_KIND_CHOICE,
+}
+_STRUCTURED_NAMES = {v: k for k, v in _STRUCTURED_KINDS.items()}
 _OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens")
 _OPTIONAL_FLOATS = (
     "temperature",
@@ -41,8 +49,18 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logit_bias=dict(msg.logit_bias),
+        structured=_structured_from_proto(msg),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def _structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    if not msg.HasField("structured"):
+        return None
+    kind = _STRUCTURED_NAMES.get(msg.structured.kind)
+    if kind is None:
+        raise ValueError(f"structured.kind {msg.structured.kind} is not a known kind")
+    return StructuredOutput(kind, msg.structured.spec, msg.structured.field or "structured")
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -66,7 +84,15 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.repetition_penalty = params.repetition_penalty
         msg.min_tokens = params.min_tokens
         msg.logit_bias.update(dict(params.bias))
+    if params.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(params.structured))
     return msg
+
+
+def structured_to_proto(so: StructuredOutput) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(
+        kind=_STRUCTURED_KINDS[so.kind], spec=so.spec, field=so.field
+    )
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

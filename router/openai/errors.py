@@ -116,6 +116,11 @@ _FIELDS = frozenset(
         "repetition_penalty",
         "logit_bias",
         "min_tokens",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
     ]
 )
 # Engine and router field names as the OpenAI API spells them.

@@ -18,8 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from engine.tokenizer import Tokenizer
+from pdserve.common.convert import structured_to_proto
 from pdserve.v1 import common_pb2
 from router.openai.chat_template import ChatTemplate
+from router.openai.invalid_parameter import InvalidParameter
+from router.openai.structured import structured_output
 
 
 class _Body(BaseModel):
@@ -53,6 +56,12 @@ class _Sampling(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
+    # Output constraints (router/openai/structured.py): OpenAI's, then vLLM's.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class ContentPart(_Body):
@@ -76,7 +85,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -114,14 +122,6 @@ class Plan:
         return len(self.prompts) * self.n
 
 
-class InvalidParameter(ValueError):
-    """A 400 naming ``param``."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def _refuse_unsupported(body: _Sampling) -> None:
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidParameter("best_of", "best_of is not supported (other than equal to n)")
@@ -148,6 +148,15 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> common_pb2.SamplingPar
         msg.stop_token_ids.extend(_ids("stop_token_ids", body.stop_token_ids))
     if body.logit_bias:
         msg.logit_bias.update(_logit_bias(body.logit_bias))
+    structured = structured_output(
+        body.response_format,
+        body.structured_outputs,
+        body.guided_json,
+        body.guided_regex,
+        body.guided_choice,
+    )
+    if structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(structured))
     return msg
 
 
@@ -296,8 +305,6 @@ def chat_plan(body: ChatCompletionRequest, prompt: Prompt, max_choices: int) -> 
         raise InvalidParameter("functions", "functions are not supported")
     if body.tool_choice not in (None, "none"):
         raise InvalidParameter("tool_choice", "tool_choice is not supported (other than none)")
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise InvalidParameter("response_format", "only response_format type 'text' is supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
     _check_logprobs("top_logprobs", body.top_logprobs)

@@ -13,8 +13,10 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.structured_output import StructuredKind, StructuredOutput
 from tests.engine.test_disaggregation_hooks import _decode
 
+WORDS = StructuredOutput(StructuredKind.REGEX, "[a-z ,.]+", "guided_regex")
 PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=77, ignore_eos=True),
@@ -30,6 +32,9 @@ PARAMS = [
         logit_bias={7: 1.5},
     ),
     SamplingParams(max_tokens=24, temperature=0.9, seed=3, frequency_penalty=1.5, min_tokens=20),
+    # The continuing engine replays the grammar over the earlier output.
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, structured=WORDS),
+    SamplingParams(max_tokens=24, temperature=0.9, seed=4, ignore_eos=True, structured=WORDS),
 ]
 PROMPT = list(range(20, 45))
 
@@ -46,7 +51,15 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams, k: int) -
 @pytest.mark.parametrize(
     "params",
     PARAMS,
-    ids=["greedy", "seeded-top-p", "seeded-top-k", "greedy-penalized", "seeded-penalized"],
+    ids=[
+        "greedy",
+        "seeded-top-p",
+        "seeded-top-k",
+        "greedy-penalized",
+        "seeded-penalized",
+        "greedy-guided",
+        "seeded-guided",
+    ],
 )
 @pytest.mark.parametrize("k", [1, 7, 23])
 def test_continuing_after_k_tokens_gives_the_rest_of_one_run(

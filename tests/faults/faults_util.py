@@ -14,6 +14,7 @@ import grpc
 
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
+from engine.structured_output import StructuredKind, StructuredOutput
 from pdserve.app.client import router_channel
 from pdserve.app.local_cluster import ClusterConfig, Component, LocalCluster
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
@@ -98,10 +99,16 @@ def requests_for(
     ]
 
 
-def mixed_params(n: int, max_tokens: int) -> list[SamplingParams]:
+# A constraint no output completes before max_tokens: a guided stream runs its full length.
+OPEN_REGEX = StructuredOutput(StructuredKind.REGEX, "[a-z ,.]+", "guided_regex")
+
+
+def mixed_params(n: int, max_tokens: int, guided: bool = True) -> list[SamplingParams]:
     """Half greedy, half seeded top-p/top-k sampling; every second of each also penalized
     (presence, frequency, repetition, a bias): a migrated stream's earlier output must count
-    as output on the worker that continues it."""
+    as output on the worker that continues it. With ``guided``, streams 3 and 4 of every
+    eight (one seeded and penalized, one greedy) are held to a regular expression: the
+    continuing worker must replay its matcher over the earlier output."""
     out = []
     for i in range(n):
         if i % 2 == 0:
@@ -123,6 +130,8 @@ def mixed_params(n: int, max_tokens: int) -> list[SamplingParams]:
                 repetition_penalty=1.2,
                 logit_bias={7 + i: 1.0},
             )
+        if guided and i % 8 in (3, 4):
+            params = dataclasses.replace(params, structured=OPEN_REGEX)
         out.append(params)
     return out
 
