@@ -19,6 +19,9 @@ MAX_SCHEMA_DEPTH = 32  # nesting of objects and arrays in a schema
 MAX_CHOICES = 256
 # A schema that asks for JSON: any object (``response_format: {"type": "json_object"}``).
 ANY_OBJECT = '{"type": "object"}'
+# JSON is written as ``json.dumps`` writes it (", " and ": " between items and keys, no other
+# whitespace): free whitespace lets a weak model fill max_tokens with blanks.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class StructuredKind(enum.Enum):
@@ -62,9 +65,9 @@ class StructuredOutput:
 
         matcher = llguidance.LLMatcher
         if self.kind is StructuredKind.JSON_SCHEMA:
-            return matcher.grammar_from_json_schema(self.spec)
+            return matcher.grammar_from_json_schema(self.spec, _JSON_OPTIONS)  # type: ignore[arg-type]
         if self.kind is StructuredKind.JSON_OBJECT:
-            return matcher.grammar_from_json_schema(ANY_OBJECT)
+            return matcher.grammar_from_json_schema(ANY_OBJECT, _JSON_OPTIONS)  # type: ignore[arg-type]
         if self.kind is StructuredKind.REGEX:
             return matcher.grammar_from_regex(self.spec)
         # Lark string literals take JSON's escapes.

@@ -9,6 +9,7 @@ from engine.kv_layout import KVCacheDtype
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from router.limits import RequestLimits
+from router.openai.tool_parsers import PARSERS
 from router.policy import DECODE_POLICIES, RoutingPolicy
 
 
@@ -56,6 +57,9 @@ class RouterConfig:
     http_port: int | None = None
     # The name clients pass as `model` (and /v1/models lists); None: `model` as given.
     served_model_name: str | None = None
+    # How `tool_choice: auto` calls are read back (router/openai/tool_parsers.py); None: the
+    # format the chat template implies.
+    tool_call_parser: str | None = None
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
     # Waiting for workers at start-up (the API answers 503 meanwhile). None: no bound: a cold
     # GPU load or a Redis outage must not turn the router into a crash loop.
@@ -90,6 +94,10 @@ class RouterConfig:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         for name in (

@@ -109,7 +109,7 @@ class _CountRequests:
 def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     template = ChatTemplate.from_dir(core.config.model)
-    serving = OpenAIServing(core, served_model_name, template)
+    serving = OpenAIServing(core, served_model_name, template, core.config.tool_call_parser)
     config = core.config
     created = int(time.time())
 

@@ -132,13 +132,16 @@ class ChatTemplate:
         return cls(source, special)
 
     def render_parts(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[tuple[str, bool]] | None:
         """The prompt as (text, is_message_content) parts, in order, or None when the
         template does not copy each message's content verbatim (it trims or rewrites it), so
         the contents cannot be told apart from the template's own text. Their concatenation
         is exactly ``render``'s text."""
-        whole = self.render(messages, add_generation_prompt)
+        whole = self.render(messages, add_generation_prompt, tools)
         marked = [dict(m) for m in messages]
         contents: list[str] = []
         for message in marked:
@@ -148,7 +151,7 @@ class ChatTemplate:
                     return None
                 message["content"] = f"{_MARK}{len(contents)}{_MARK}"
                 contents.append(content)
-        pieces = self.render(marked, add_generation_prompt).split(_MARK)
+        pieces = self.render(marked, add_generation_prompt, tools).split(_MARK)
         parts: list[tuple[str, bool]] = []
         for k, piece in enumerate(pieces):
             if k % 2 == 0:
@@ -162,15 +165,19 @@ class ChatTemplate:
         return [(text, is_content) for text, is_content in parts if text]
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text. Messages are plain dicts (None values dropped, as transformers
-        does). Raises ``ChatTemplateError`` when the template refuses them."""
+        does); ``tools``: the request's, as OpenAI sends them (transformers passes them so).
+        Raises ``ChatTemplateError`` when the template refuses them."""
         plain = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
         try:
             return self._template.render(
                 messages=plain,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
 from pdserve.common.convert import structured_to_proto
 from pdserve.v1 import common_pb2
@@ -265,12 +266,13 @@ def chat_prompt(
     tokenizer: Tokenizer | None,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Prompt:
     """The rendered chat as a prompt. Where a message's content holds a control-token string
     ("<|im_end|>"), that content is tokenized as text and the template's own text as usual,
     so a user cannot end their turn or open another role by typing its marker. A template
     that rewrites contents (so they cannot be located in its output) is refused then."""
-    rendered = template.render(messages, add_generation_prompt)
+    rendered = template.render(messages, add_generation_prompt, tools)
     found = [
         (i, tokenizer.has_special_string(m["content"]))
         for i, m in enumerate(messages)
@@ -279,7 +281,7 @@ def chat_prompt(
     marked = [(i, s) for i, s in found if s is not None]
     if tokenizer is None or not marked:
         return Prompt(text=rendered)
-    parts = template.render_parts(messages, add_generation_prompt)
+    parts = template.render_parts(messages, add_generation_prompt, tools)
     if parts is None:
         i, special = marked[0]
         raise InvalidParameter(
@@ -298,19 +300,30 @@ def _check_logprobs(param: str, value: int | None) -> None:
         raise InvalidParameter(param, f"{param} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
-def chat_plan(body: ChatCompletionRequest, prompt: Prompt, max_choices: int) -> Plan:
-    if body.tools:
-        raise InvalidParameter("tools", "tools are not supported")
+def chat_plan(
+    body: ChatCompletionRequest,
+    prompt: Prompt,
+    max_choices: int,
+    tools: StructuredOutput | None = None,
+) -> Plan:
+    """``tools``: the constraint ``tool_choice`` puts on the output (router/openai/tools.py)."""
     if body.functions:
-        raise InvalidParameter("functions", "functions are not supported")
-    if body.tool_choice not in (None, "none"):
-        raise InvalidParameter("tool_choice", "tool_choice is not supported (other than none)")
+        raise InvalidParameter("functions", "functions are deprecated: use tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs: true")
     _check_logprobs("top_logprobs", body.top_logprobs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _plan(body, (prompt,), max_tokens, logprobs, max_choices)
+    plan = _plan(body, (prompt,), max_tokens, logprobs, max_choices)
+    if tools is not None:
+        if plan.sampling.HasField("structured"):
+            raise InvalidParameter(
+                "tool_choice",
+                f"tool_choice {body.tool_choice!r} leaves no room for another "
+                f"output constraint ({plan.sampling.structured.field})",
+            )
+        plan.sampling.structured.CopyFrom(structured_to_proto(tools))
+    return plan
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:

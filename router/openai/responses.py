@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2
+from router.openai.tools import NO_TOOLS, ToolMode, ToolPlan
 
 
 class Kind(enum.Enum):
@@ -158,21 +159,28 @@ class Envelope:
 
 
 def response_body(
-    env: Envelope, choices: Sequence[ChoiceOutput], text: TokenText
+    env: Envelope, choices: Sequence[ChoiceOutput], text: TokenText, tools: ToolPlan = NO_TOOLS
 ) -> dict[str, Any]:
-    """A whole (non-streamed) response."""
+    """A whole (non-streamed) response; a chat's tool calls parsed out of its text."""
     body = env.head(chunk=False)
     out = []
     for c in choices:
         replay = ChoiceOutput(c.index, c.prompt_index, c.prompt_token_ids)
         logprobs = _logprobs(env.kind, c.logprobs, text, replay) if env.logprobs else None
         item: dict[str, Any] = {"index": c.index}
+        finish_reason = c.finish_reason
         if env.kind is Kind.CHAT:
             item["message"] = {"role": "assistant", "content": c.text}
+            if tools.mode is not ToolMode.NONE:
+                content, calls = tools.calls(c.text)
+                item["message"]["content"] = content
+                if calls:
+                    item["message"]["tool_calls"] = [call.body() for call in calls]
+                finish_reason = tools.finish_reason(calls, finish_reason)
         else:
             item["text"] = c.text
         item["logprobs"] = logprobs
-        item["finish_reason"] = c.finish_reason
+        item["finish_reason"] = finish_reason
         if env.return_token_ids:
             item["token_ids"] = c.token_ids
             if env.kind is Kind.COMPLETION:
@@ -196,16 +204,19 @@ def chunk_body(
     first: bool = False,
     finish_reason: str | None = None,
     include_usage: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk of one choice. ``first``: the choice's opening chunk, which carries
     the role (chat: sent before any token, content "") and, with ``return_token_ids``, the
-    prompt's ids."""
+    prompt's ids. ``tool_calls``: a chat's calls, each whole in one delta."""
     body = env.head(chunk=True)
     item: dict[str, Any] = {"index": choice.index}
     if env.kind is Kind.CHAT:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
         if text and not first:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         item["delta"] = delta
     else:
         item["text"] = text

@@ -48,6 +48,8 @@ from router.openai.responses import (
     usage_chunk,
 )
 from router.openai.sse import DONE, disconnected, event
+from router.openai.tool_parsers import ToolStream, detect_parser
+from router.openai.tools import NO_TOOLS, ToolPlan, template_messages, tool_plan
 from router.request_core import RequestCore, ResourceError
 
 logger = logging.getLogger(__name__)
@@ -100,16 +102,23 @@ class Prepared:
     outputs: list[ChoiceOutput]
     client_id: str
     start_s: float
+    tools: ToolPlan = NO_TOOLS
 
 
 class OpenAIServing:
     def __init__(
-        self, core: RequestCore, served_model_name: str, template: ChatTemplate | None
+        self,
+        core: RequestCore,
+        served_model_name: str,
+        template: ChatTemplate | None,
+        tool_parser: str | None = None,
     ) -> None:
+        """``tool_parser``: how ``auto`` tool calls are read back (None: the template's)."""
         self.core = core
         self.served_model_name = served_model_name
         self.template = template
         self.token_text = TokenText(core.tokenizer)
+        self.tool_parser = tool_parser or detect_parser(template.source if template else None)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -125,15 +134,19 @@ class OpenAIServing:
                 " use /v1/completions",
                 "messages",
             )
-        messages = message_dicts(body)
+        tools = tool_plan(body.tools, body.tool_choice, self.tool_parser)
+        messages = template_messages(message_dicts(body))
         template = self.template
         add_prompt = body.add_generation_prompt is not False
         # A template is code and messages can be megabytes: in a tokenization slot.
         prompt = await self.core.prompts.in_thread(
-            lambda: chat_prompt(template, self.core.tokenizer, messages, add_prompt)
+            lambda: chat_prompt(template, self.core.tokenizer, messages, add_prompt, tools.tools)
         )
-        plan = chat_plan(body, prompt, self.core.config.limits.max_choices)
-        return await self._prepare(Kind.CHAT, plan, client_id, start_s, add_special_tokens=False)
+        plan = chat_plan(body, prompt, self.core.config.limits.max_choices, tools.structured)
+        prepared = await self._prepare(
+            Kind.CHAT, plan, client_id, start_s, add_special_tokens=False
+        )
+        return dataclasses.replace(prepared, tools=tools)
 
     async def prepare_completion(
         self, body: CompletionRequest, client_id: str, start_s: float
@@ -195,7 +208,7 @@ class OpenAIServing:
                 _record(prepared.outputs[index], response)
 
         def encode() -> bytes:
-            body = response_body(prepared.env, prepared.outputs, self.token_text)
+            body = response_body(prepared.env, prepared.outputs, self.token_text, prepared.tools)
             return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
         size = sum(len(c.token_ids) + 20 * len(c.logprobs) for c in prepared.outputs)
@@ -225,6 +238,7 @@ class OpenAIServing:
         # OpenAI's rule: with include_usage, every chunk has a usage field (null but the last).
         usage = plan.include_usage
         opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
+        readers = [prepared.tools.stream() for _ in outputs]  # tool calls read out of text
         try:
             async with contextlib.aclosing(stream):
                 if env.kind is Kind.CHAT:
@@ -234,30 +248,23 @@ class OpenAIServing:
                 async for index, response in _prepend(first, stream):
                     c = outputs[index]
                     _count(c, response)
+                    reader = readers[index]
                     if response.HasField("final"):
-                        body = chunk_body(
-                            env,
-                            c,
-                            "",
-                            [],
-                            [],
-                            text,
-                            finish_reason=c.finish_reason,
-                            include_usage=usage,
-                        )
-                        yield event(body)
+                        for body in _final_chunks(env, c, reader, prepared.tools, text, usage):
+                            yield event(body)
                         continue
                     chunk = response.chunk
+                    piece = chunk.text if reader is None else reader.feed(chunk.text)
                     # Tokens without text yet (a partial UTF-8 character, held back) make a
                     # chunk only when the client asked to see tokens.
                     wants_tokens = env.logprobs or env.return_token_ids
-                    if not chunk.text and not (chunk.token_ids and wants_tokens):
+                    if not piece and not (chunk.token_ids and wants_tokens):
                         continue
                     opening, opened[index] = not opened[index], True
                     body = chunk_body(
                         env,
                         c,
-                        chunk.text,
+                        piece,
                         chunk.token_ids,
                         chunk.logprobs,
                         text,
@@ -274,6 +281,32 @@ class OpenAIServing:
                 error = errors.internal(prepared.client_id)
             yield event(error.body())
         yield DONE
+
+
+def _final_chunks(
+    env: Envelope,
+    c: ChoiceOutput,
+    reader: ToolStream | None,
+    tools: ToolPlan,
+    text: TokenText,
+    usage: bool,
+) -> list[dict[str, Any]]:
+    """A choice's last chunks: the held text's content and tool calls (when it had tools),
+    then its finish reason."""
+    out = []
+    finish_reason = c.finish_reason
+    if reader is not None:
+        rest, calls = reader.finish()
+        finish_reason = tools.finish_reason(calls, finish_reason)
+        bodies = [call.body(k) for k, call in enumerate(calls)] or None
+        if rest or bodies:
+            out.append(
+                chunk_body(env, c, rest or "", [], [], text, include_usage=usage, tool_calls=bodies)
+            )
+    out.append(
+        chunk_body(env, c, "", [], [], text, finish_reason=finish_reason, include_usage=usage)
+    )
+    return out
 
 
 async def _prepend(

@@ -11,7 +11,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.kv_layout import KVCacheLayout
-from engine.sampler import SampleRequest, filtered_probs, seeded_noise
+from engine.sampler import SampleRequest, filtered_probs, processed_logits, seeded_noise
 from engine.sampling_params import SamplingParams
 from vllm_engine.events import CachedBlocks
 from vllm_engine.kv_pages import SKIP_BLOCK, PageShapeError, VllmKVPages, page_halves
@@ -98,7 +98,7 @@ def _vllm_params(params: SamplingParams, offset: int):  # type: ignore[no-untype
     from vllm import SamplingParams as VllmParams
 
     return VllmParams(
-        temperature=0.0, extra_args={EXTRA_ARGS_KEY: sampling_extra_args(params, offset)}
+        temperature=0.0, extra_args={EXTRA_ARGS_KEY: sampling_extra_args(params, offset, (0,))}
     )
 
 
@@ -133,3 +133,26 @@ def test_the_sampler_leaves_vllm_pdserves_seeded_choice_in_any_row() -> None:
     )
     out = sampler.apply(logits[[0, 2]].clone())
     assert int(out[1].argmax()) == token
+
+
+def test_the_sampler_counts_a_continuations_earlier_output_as_output() -> None:
+    """vLLM's prompt is the request's prompt then its earlier output (``offset`` tokens):
+    penalties see the split, as the native engine does."""
+    params = SamplingParams(
+        temperature=0.0,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={3: 2.0},
+        min_tokens=4,
+    )
+    logits = torch.randn(1, 50)
+    sampler = PdserveSampler(None, torch.device("cpu"), False)  # type: ignore[arg-type]
+    outputs = [7]
+    added = [(0, _vllm_params(params, 2), [1, 2, 3, 4, 0], outputs)]  # earlier output: 4, 0
+    sampler.update_state(BatchUpdate(batch_size=1, removed=[], added=added, moved=[]))
+    want = SampleRequest(params, 3, [1, 2, 3], [4, 0, 7], (0,))
+    expected = int(processed_logits(logits, [want]).argmax())
+    out = sampler.apply(logits.clone())
+    assert int(out[0].argmax()) == expected and torch.isinf(out[0]).sum() == 49
+    assert torch.isinf(processed_logits(logits, [want])[0, 0])  # EOS held back by min_tokens

@@ -20,6 +20,7 @@ from pdserve.app.settings.flags import (
 )
 from router.config import RouterConfig
 from router.limits import RequestLimits
+from router.openai.tool_parsers import PARSERS
 from router.policy import DECODE_POLICIES, RoutingPolicy
 
 
@@ -135,6 +136,15 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(
         parser,
+        "--tool-call-parser",
+        env,
+        default=None,
+        choices=sorted(PARSERS),
+        help="how tool_choice 'auto' calls are read out of the model's text (default: the "
+        "format the chat template writes, if it names one)",
+    )
+    add_flag(
+        parser,
         "--migration-limit",
         env,
         type=int,
@@ -193,5 +203,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         api_key_file=args.api_key_file,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
+        tool_call_parser=args.tool_call_parser,
         limits=RequestLimits(**{n: getattr(args, n) for n in RequestLimits.__dataclass_fields__}),
     )
