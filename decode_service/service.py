@@ -223,6 +223,9 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                             logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
                             finish_reason=finish_reason_to_proto(update.finish_reason),
                             num_cached_tokens=update.num_cached_tokens,
+                            prompt_logprobs=[
+                                logprobs_to_proto(lp) for lp in update.prompt_logprobs
+                            ],
                         )
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -90,13 +90,16 @@ class BlockManager:
         """Prefix-cache hits for a sequence about to be admitted.
 
         At least one token is always left to compute: its logits produce the next token.
+        None while the prompt's logprobs are wanted: every position is computed.
         """
+        if seq.needs_prompt_logprobs:
+            return []
         return self.find_cached_prefix(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
 
     def host_prefix(self, seq: Sequence, num_device_hits: int) -> list[int]:
         """Host-tier slots of the blocks right after ``num_device_hits`` device hits, as far
         as the host tier holds them (leaving a token to compute, as ``cached_prefix`` does)."""
-        if self.host_index is None:
+        if self.host_index is None or seq.needs_prompt_logprobs:
             return []
         end = (seq.num_tokens - 1) // self.block_size
         return self.host_index.lookup(seq.block_hashes[num_device_hits:end])

@@ -94,6 +94,7 @@ class LLMEngine:
         self._check_new_request(request_id, params)
         token_ids = self.validate_prompt(prompt)
         seq = self._sequence(request_id, token_ids, params, num_generated_tokens, prefill_only)
+        seq.wants_prompt_logprobs = params.prompt_logprobs is not None and not num_generated_tokens
         self._hash(seq)
         self._requests[request_id] = self._state(seq)
         self.scheduler.add(seq)

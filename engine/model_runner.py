@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import prompt_logprobs
 from engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
 from engine.config import AttentionBackend
 from engine.kv_cache import KVCache
@@ -58,6 +59,9 @@ class ModelRunner:
         Reads each sequence's ``num_computed_tokens`` as it was *before* this step.
         """
         ordered, hidden = self._forward(scheduled)
+        if any(s.seq.needs_prompt_logprobs for s in ordered):
+            with torch.inference_mode():
+                prompt_logprobs.collect(self.model, ordered, hidden)
         sample_rows: list[int] = []
         requests: list[SampleRequest] = []
         samplers: list[ScheduledSeq] = []

@@ -20,6 +20,8 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     # Set once for prefill-only requests: the first token is sampled and the blocks are pinned.
     prefilled: bool = False
+    # Once, with the first token: the prompt's logprobs (``params.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -35,8 +37,10 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def apply(self, update: RequestUpdate) -> None:
+        self.prompt_logprobs.extend(update.prompt_logprobs)
         self.token_ids.extend(update.new_token_ids)
         self.text += update.new_text
         self.logprobs.extend(update.new_logprobs)

@@ -21,6 +21,7 @@ class RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     reported_cached: bool = False
+    reported_prompt_logprobs: bool = False
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -75,7 +76,11 @@ class RequestState:
         return status
 
     def flush(self, finish_reason: str | None, prefilled: bool = False) -> RequestUpdate:
-        """What was appended since the last flush, as one update."""
+        """What was appended since the last flush, as one update (the first with a token
+        carries the prompt's logprobs, when they were wanted)."""
+        prompt_logprobs = []
+        if self.pending_ids and not self.reported_prompt_logprobs:
+            prompt_logprobs, self.reported_prompt_logprobs = self.seq.prompt_logprobs, True
         update = RequestUpdate(
             request_id=self.seq.request_id,
             new_token_ids=self.pending_ids,
@@ -84,6 +89,7 @@ class RequestState:
             finish_reason=finish_reason,
             num_cached_tokens=max(self.seq.num_cached_tokens, 0),
             prefilled=prefilled,
+            prompt_logprobs=prompt_logprobs,
         )
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         self.reported_cached = True

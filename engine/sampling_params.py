@@ -25,6 +25,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (of the raw model logits)
+    # Top-n logprobs per prompt token after the first (each token's own logprob always): the
+    # worker that prefills computes them (engine/prompt_logprobs.py); None: none, no cost.
+    prompt_logprobs: int | None = None
     # Logit processing (engine/sampler.py ``processed_logits``), on every path that samples:
     # penalties count the output (and, for repetition, the prompt) of the request so far,
     # earlier output carried by a continuation included.
@@ -51,6 +54,12 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
+            if self.prompt_logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}"
+                )
         stop = (
             () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         )

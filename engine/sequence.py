@@ -70,6 +70,10 @@ class Sequence:
     prefill_only: bool = False
     # Guided decoding (``params.structured``): the matcher its output has advanced.
     guide: Guide | None = None
+    # ``params.prompt_logprobs`` on the engine that prefills the client's prompt (not a
+    # continuation's): entry i is prompt token i + 1's, filled as the prefill runs.
+    wants_prompt_logprobs: bool = False
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -86,6 +90,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: no prefix-cache hit may skip their positions."""
+        return self.wants_prompt_logprobs and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def num_prompt_tokens_in(self, num_new_tokens: int) -> int:
         """How many of the next ``num_new_tokens`` tokens to compute are prompt tokens."""

@@ -120,6 +120,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 first_token_id=exported.first_token_id,
                 num_cached_tokens=last.num_cached_tokens,
                 finish_reason=finish_reason_to_proto(last.finish_reason),
+                prompt_logprobs=[logprobs_to_proto(lp) for lp in last.prompt_logprobs],
             )
             if exported.first_token_logprobs is not None:
                 response.first_token_logprobs.CopyFrom(

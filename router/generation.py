@@ -221,7 +221,9 @@ class Generation:
         leased = prefilled.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
         admitted = False
         try:
-            yield out.chunk([prefilled.first_token_id], first_logprobs)
+            yield out.chunk(
+                [prefilled.first_token_id], first_logprobs, list(prefilled.prompt_logprobs)
+            )
             if not leased:  # the first token ended it
                 yield Ended(prefilled.finish_reason)
                 return
@@ -296,7 +298,9 @@ class Generation:
         hits = 0
         async for message in self.dispatch.relay(call, worker):
             if message.token_ids:
-                yield out.chunk(list(message.token_ids), list(message.logprobs))
+                yield out.chunk(
+                    list(message.token_ids), list(message.logprobs), list(message.prompt_logprobs)
+                )
             hits = max(hits, message.num_cached_tokens)
             finish_reason = message.finish_reason
         if local is not None and local.of_the_client_prompt:

@@ -41,8 +41,12 @@ class OutputStream:
         self._migrated_at_s: float | None = None  # last token before a migration
 
     def chunk(
-        self, token_ids: list[int], logprobs: list[common_pb2.TokenLogprobs]
+        self,
+        token_ids: list[int],
+        logprobs: list[common_pb2.TokenLogprobs],
+        prompt_logprobs: list[common_pb2.TokenLogprobs] | None = None,
     ) -> router_pb2.GenerateResponse:
+        """``prompt_logprobs``: the worker's, with the first token (the client's prompt)."""
         text = ""
         for token_id in token_ids:
             # As in the engine: a stop token ends the request and contributes no text.
@@ -60,7 +64,9 @@ class OutputStream:
                 self._migrated_at_s = None
         self.output_token_ids.extend(token_ids)
         return router_pb2.GenerateResponse(
-            chunk=router_pb2.TokenChunk(token_ids=token_ids, text=text, logprobs=logprobs)
+            chunk=router_pb2.TokenChunk(
+                token_ids=token_ids, text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            )
         )
 
     @property

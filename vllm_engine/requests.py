@@ -148,6 +148,10 @@ class RequestTable:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= vocab_size {vocab}")
+        if params.prompt_logprobs is not None:
+            raise ValueError(
+                "prompt_logprobs: not supported with --engine vllm yet (use the native engine)"
+            )
         if params.structured is not None:
             raise ValueError(
                 f"{params.structured.field}: structured outputs are not supported with "

@@ -27,7 +27,7 @@ _STRUCTURED_KINDS = {
     StructuredKind.CHOICE: common_pb2.STRUCTURED_KIND_CHOICE,
 }
 _STRUCTURED_NAMES = {v: k for k, v in _STRUCTURED_KINDS.items()}
-_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens")
+_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs")
 _OPTIONAL_FLOATS = (
     "temperature",
     "top_p",
@@ -78,6 +78,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.processes_logits:  # defaults stay unset: a plain request's bytes do not change
         msg.presence_penalty = params.presence_penalty
         msg.frequency_penalty = params.frequency_penalty

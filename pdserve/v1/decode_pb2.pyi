@@ -117,6 +117,7 @@ class DecodeResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     ADMITTED_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     transfer_s: _builtins.float
     num_cached_tokens: _builtins.int
@@ -137,6 +138,10 @@ class DecodeResponse(_message.Message):
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """PrefillAndDecode with sampling.prompt_logprobs: on the message with the first token."""
+
     def __init__(
         self,
         *,
@@ -147,10 +152,11 @@ class DecodeResponse(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         admitted: _builtins.bool = ...,
         queued: _builtins.bool = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -116,6 +116,7 @@ class PrefillResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     HANDLE_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
@@ -129,6 +130,10 @@ class PrefillResponse(_message.Message):
     def handle(self) -> Global___KVHandle:
         """set when finish_reason is UNSPECIFIED"""
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """sampling.prompt_logprobs: prompt token i + 1's logprobs at i (the client's prompt only)."""
+
     def __init__(
         self,
         *,
@@ -138,10 +143,11 @@ class PrefillResponse(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         handle: Global___KVHandle | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "handle", b"handle"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -61,21 +61,27 @@ class TokenChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
+        """sampling.prompt_logprobs: on the first chunk, prompt token i + 1's logprobs at i."""
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

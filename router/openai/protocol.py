@@ -2,15 +2,16 @@
 ``Plan``: which prompts, how many choices, what sampling. Pure: no I/O.
 
 Fields follow OpenAI's API and vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``, ``return_token_ids``). Every optional field may be ``null`` (its default),
-as OpenAI's spec allows. Types are strict (JSON types as the spec says: ``true`` is not 1,
-``"5"`` is not 5). Unknown fields are ignored, as vLLM and SGLang do; known fields pdserve
-cannot honour (penalties, ``logit_bias``, ``echo``, tools and functions) are refused by name
-rather than silently dropped.
+``stop_token_ids``, ``return_token_ids``, ``prompt_logprobs``, the structured-output fields).
+Every optional field may be ``null`` (its default), as OpenAI's spec allows. Types are strict
+(JSON types as the spec says: ``true`` is not 1, ``"5"`` is not 5). Unknown fields are
+ignored, as vLLM and SGLang do; known fields pdserve cannot honour (``suffix``, ``functions``,
+``best_of`` other than ``n``) are refused by name rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ class _Sampling(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
+    prompt_logprobs: int | None = None  # vLLM's: top-n logprobs of each prompt token
     # Output constraints (router/openai/structured.py): OpenAI's, then vLLM's.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -117,6 +119,8 @@ class Plan:
     return_token_ids: bool
     logprobs: int | None  # top logprobs per token (0: the chosen token's only); None: off
     fill_context: bool  # no max_tokens given (chat): generate up to the model's length
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs, the list)
+    prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs`` field, as asked
 
     @property
     def num_choices(self) -> int:
@@ -224,6 +228,9 @@ def _plan(
     sampling = _sampling(body, max_tokens)
     if logprobs is not None:
         sampling.logprobs = logprobs
+    _check_logprobs("prompt_logprobs", body.prompt_logprobs)
+    if body.prompt_logprobs is not None:
+        sampling.prompt_logprobs = body.prompt_logprobs
     options = body.stream_options
     return Plan(
         prompts=prompts,
@@ -235,6 +242,7 @@ def _plan(
         return_token_ids=bool(body.return_token_ids),
         logprobs=logprobs,
         fill_context=max_tokens is None,
+        prompt_logprobs=body.prompt_logprobs,
     )
 
 
@@ -343,11 +351,13 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
 
 
 def completion_plan(body: CompletionRequest, max_choices: int) -> Plan:
-    if body.echo:
-        raise InvalidParameter("echo", "echo is not supported")
     if body.suffix:
         raise InvalidParameter("suffix", "suffix is not supported")
     prompts = completion_prompts(body.prompt)
     _check_logprobs("logprobs", body.logprobs)
     # OpenAI's default for text completions is 16 tokens (the engine's default too).
-    return _plan(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)
+    plan = _plan(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)
+    if body.echo and body.logprobs is not None:  # the prompt's entries lead the list
+        wanted = max(body.logprobs, body.prompt_logprobs or 0)
+        plan.sampling.prompt_logprobs = wanted
+    return dataclasses.replace(plan, echo=bool(body.echo))

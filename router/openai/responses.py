@@ -67,6 +67,9 @@ class ChoiceOutput:
     num_cached_tokens: int = 0
     num_tokens: int = 0  # generated so far (streamed or not)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
+    prompt_text: str | None = None  # as the client sent it (None: token ids)
+    # Prompt token i + 1's logprobs at i (``prompt_logprobs``, or ``echo`` with logprobs).
+    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -131,6 +134,55 @@ def completion_logprobs(
     }
 
 
+def echo_text(choice: ChoiceOutput, text: TokenText) -> str:
+    if choice.prompt_text is not None:
+        return choice.prompt_text
+    tokenizer = text.tokenizer
+    if tokenizer is None:
+        return "".join(text(t) for t in choice.prompt_token_ids)
+    return tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False)
+
+
+def echo_logprobs(choice: ChoiceOutput, text: TokenText) -> dict[str, Any]:
+    """The prompt's part of a completions logprobs list (``echo``): its first token has none
+    (nothing comes before it), each later one the worker's logprob."""
+    entries: list[common_pb2.TokenLogprobs | None] = [None, *choice.prompt_logprobs]
+    entries += [None] * (len(choice.prompt_token_ids) - len(entries))
+    tokens, offsets = [], []
+    for token_id in choice.prompt_token_ids:
+        token = text(token_id)
+        tokens.append(token)
+        offsets.append(choice.text_offset)
+        choice.text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob if e is not None else None for e in entries],
+        "top_logprobs": [dict(_top(e, text)) if e is not None else None for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def vllm_prompt_logprobs(choice: ChoiceOutput, text: TokenText) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) a map from token id
+    to its logprob, rank (1: the likeliest) and text: the prompt's own token and the top-n."""
+    out: list[Any] = [None]
+    for e in choice.prompt_logprobs:
+        top = zip(e.top_token_ids, e.top_logprobs, strict=True)
+        entry = {
+            str(t): {"logprob": lp, "rank": rank + 1, "decoded_token": text(t)}
+            for rank, (t, lp) in enumerate(top)
+        }
+        if str(e.token_id) not in entry:
+            rank = 1 + sum(lp > e.logprob for lp in e.top_logprobs)
+            entry[str(e.token_id)] = {
+                "logprob": e.logprob,
+                "rank": rank,
+                "decoded_token": text(e.token_id),
+            }
+        out.append(entry)
+    return out
+
+
 def _logprobs(
     kind: Kind,
     entries: Sequence[common_pb2.TokenLogprobs],
@@ -152,6 +204,8 @@ class Envelope:
     model: str
     logprobs: bool
     return_token_ids: bool
+    echo: bool = False  # completions: the prompt leads each choice's text and logprobs
+    prompt_logprobs: bool = False  # vLLM's per-choice ``prompt_logprobs`` list
 
     def head(self, chunk: bool) -> dict[str, Any]:
         obj = self.kind.chunk_object if chunk else self.kind.object
@@ -166,7 +220,13 @@ def response_body(
     out = []
     for c in choices:
         replay = ChoiceOutput(c.index, c.prompt_index, c.prompt_token_ids)
-        logprobs = _logprobs(env.kind, c.logprobs, text, replay) if env.logprobs else None
+        replay.prompt_text, replay.prompt_logprobs = c.prompt_text, c.prompt_logprobs
+        logprobs = None
+        if env.logprobs:
+            lead = echo_logprobs(replay, text) if env.echo else None
+            logprobs = _logprobs(env.kind, c.logprobs, text, replay)
+            if lead is not None:
+                logprobs = {k: lead[k] + logprobs[k] for k in lead}
         item: dict[str, Any] = {"index": c.index}
         finish_reason = c.finish_reason
         if env.kind is Kind.CHAT:
@@ -178,9 +238,11 @@ def response_body(
                     item["message"]["tool_calls"] = [call.body() for call in calls]
                 finish_reason = tools.finish_reason(calls, finish_reason)
         else:
-            item["text"] = c.text
+            item["text"] = echo_text(c, text) + c.text if env.echo else c.text
         item["logprobs"] = logprobs
         item["finish_reason"] = finish_reason
+        if env.prompt_logprobs:
+            item["prompt_logprobs"] = vllm_prompt_logprobs(c, text)
         if env.return_token_ids:
             item["token_ids"] = c.token_ids
             if env.kind is Kind.COMPLETION:
@@ -233,6 +295,25 @@ def chunk_body(
         body["prompt_token_ids"] = choice.prompt_token_ids
     if include_usage:
         body["usage"] = None  # as OpenAI: every chunk has the field, the last one the numbers
+    return body
+
+
+def echo_chunk(
+    env: Envelope, choice: ChoiceOutput, token_text: TokenText, include_usage: bool
+) -> dict[str, Any]:
+    """A streamed completion's opening chunk with ``echo`` or ``prompt_logprobs``: the prompt
+    (its text, its logprobs) before any generated token."""
+    body = env.head(chunk=True)
+    item: dict[str, Any] = {"index": choice.index, "text": ""}
+    if env.echo:
+        item["text"] = echo_text(choice, token_text)
+    item["logprobs"] = echo_logprobs(choice, token_text) if env.echo and env.logprobs else None
+    item["finish_reason"] = None
+    if env.prompt_logprobs:
+        item["prompt_logprobs"] = vllm_prompt_logprobs(choice, token_text)
+    body["choices"] = [item]
+    if include_usage:
+        body["usage"] = None
     return body
 
 

@@ -44,6 +44,7 @@ from router.openai.responses import (
     Kind,
     TokenText,
     chunk_body,
+    echo_chunk,
     response_body,
     usage_chunk,
 )
@@ -181,7 +182,7 @@ class OpenAIServing:
                 seed = plan.seed + i if plan.seed is not None else None
                 choice_params = dataclasses.replace(params, seed=seed)
                 choices.append(Choice(index, p, prompt_ids, choice_params))
-                outputs.append(ChoiceOutput(index, p, prompt_ids))
+                outputs.append(ChoiceOutput(index, p, prompt_ids, prompt_text=prompt.text))
         if not plan.stream:  # held whole until its last token: bounded before any work
             try:
                 check_output([c.params.max_tokens for c in choices], plan.logprobs, limits)
@@ -194,6 +195,8 @@ class OpenAIServing:
             self.served_model_name,
             plan.logprobs is not None,
             plan.return_token_ids,
+            echo=plan.echo,
+            prompt_logprobs=plan.prompt_logprobs is not None,
         )
         return Prepared(plan, env, choices, outputs, client_id, start_s)
 
@@ -239,6 +242,9 @@ class OpenAIServing:
         usage = plan.include_usage
         opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
         readers = [prepared.tools.stream() for _ in outputs]  # tool calls read out of text
+        # A completion's prompt (echo, prompt_logprobs) opens it, once its logprobs are here.
+        leads = env.kind is Kind.COMPLETION and (env.echo or env.prompt_logprobs)
+        echoed = [not leads] * len(outputs)
         try:
             async with contextlib.aclosing(stream):
                 if env.kind is Kind.CHAT:
@@ -254,6 +260,10 @@ class OpenAIServing:
                             yield event(body)
                         continue
                     chunk = response.chunk
+                    if not echoed[index]:
+                        echoed[index] = True
+                        c.prompt_logprobs.extend(chunk.prompt_logprobs)
+                        yield event(echo_chunk(env, c, text, usage))
                     piece = chunk.text if reader is None else reader.feed(chunk.text)
                     # Tokens without text yet (a partial UTF-8 character, held back) make a
                     # chunk only when the client asked to see tokens.
@@ -321,6 +331,7 @@ async def _prepend(
 def _record(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
     """A non-streamed choice keeps everything: its response is built at the end."""
     if response.HasField("chunk"):
+        choice.prompt_logprobs.extend(response.chunk.prompt_logprobs)
         choice.pieces.append(response.chunk.text)
         choice.token_ids.extend(response.chunk.token_ids)
         choice.logprobs.extend(response.chunk.logprobs)

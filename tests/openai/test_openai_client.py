@@ -193,9 +193,15 @@ def test_streamed_choices_of_several_prompts_merge_and_count(
 ) -> None:
     prompts = [[40, 41, 42, 43], [50, 51, 52]]
     stream = client.completions.create(
-        model=MODEL_NAME, prompt=prompts, max_tokens=6, n=2, stream=True,
-        stream_options={"include_usage": True}, extra_body={"return_token_ids": True}, **SEEDED,
-    )  # fmt: skip
+        model=MODEL_NAME,
+        prompt=prompts,
+        max_tokens=6,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+        **SEEDED,
+    )
     ids: dict[int, list[int]] = {i: [] for i in range(4)}
     finished = set()
     usage = None
@@ -240,6 +246,45 @@ def test_logprobs_are_the_engines(client: openai.OpenAI, reference: LLM, llama_d
     assert legacy.text_offset is not None and legacy.tokens is not None
     starts = [sum(len(t) for t in legacy.tokens[:i]) for i in range(len(legacy.tokens))]
     assert legacy.text_offset == starts
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_echo_and_prompt_logprobs_are_the_prefill_workers(
+    client: openai.OpenAI, reference: LLM, stream: bool
+) -> None:
+    """echo + logprobs (lm-eval's loglikelihood request) and vLLM's prompt_logprobs: the
+    prompt leads the text and the logprobs list, its entries the engine's own."""
+    prompt = [5, 17, 200, 33, 9, 41]
+    r: Any = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=3,
+        logprobs=2,
+        echo=True,
+        stream=stream,
+        extra_body={"prompt_logprobs": 1},
+        **GREEDY,
+    )
+    chunks = list(r) if stream else [r]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    (ref,) = reference.generate([prompt], params)
+    tokenizer = reference.engine.tokenizer
+    assert tokenizer is not None
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == tokenizer.decode(prompt, skip_special_tokens=False) + ref.text
+    token_logprobs = [
+        lp
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.token_logprobs
+    ]
+    assert token_logprobs[0] is None
+    want = [e.logprob for e in ref.prompt_logprobs] + [e.logprob for e in ref.logprobs]
+    assert token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    (vllm_style,) = [c.choices[0].model_extra["prompt_logprobs"] for c in chunks[:1]]
+    assert vllm_style[0] is None and len(vllm_style) == len(prompt)
+    for entry, e in zip(vllm_style[1:], ref.prompt_logprobs, strict=True):
+        assert entry[str(e.token_id)]["logprob"] == pytest.approx(e.logprob, abs=1e-5)
 
 
 def test_stop_strings_cut_the_text_as_the_engine_does(

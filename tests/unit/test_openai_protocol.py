@@ -30,6 +30,7 @@ from router.openai.responses import (
     response_body,
     usage_chunk,
 )
+from router.openai.tools import tool_plan
 from router.prompts import Overloaded
 from router.worker_errors import WorkerError
 
@@ -91,7 +92,7 @@ def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
         (lambda: completion_plan(completion(logit_bias={"x5": 1.0}), 64), "logit_bias"),
         (lambda: completion_plan(completion(logit_bias={str(i): 1.0 for i in range(301)}), 64),
          "logit_bias"),
-        (lambda: completion_plan(completion(echo=True), 64), "echo"),
+        (lambda: completion_plan(completion(prompt_logprobs=21), 64), "prompt_logprobs"),
         (lambda: completion_plan(completion(n=65), 64), "n"),
         (lambda: completion_plan(completion(prompt=["a"] * 9, n=8), 64), "n"),
         (lambda: completion_plan(completion(seed=-1), 64), "seed"),
@@ -100,7 +101,7 @@ def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
         (lambda: completion_plan(completion(stream_options={"include_usage": True}), 64),
          "stream_options"),
         (lambda: chat_plan(chat(top_logprobs=2), Prompt(text="r"), 64), "top_logprobs"),
-        (lambda: chat_plan(chat(tools=[{"type": "function"}]), Prompt(text="r"), 64), "tools"),
+        (lambda: tool_plan([{"type": "function"}], None, None), "tools[0].function"),
         (lambda: chat_plan(chat(response_format={"type": "xml"}), Prompt(text="r"), 64),
          "response_format.type"),
     ],
@@ -314,10 +315,12 @@ def test_null_means_the_default_and_types_are_strict() -> None:
     with pytest.raises(InvalidParameter) as refused:
         chat_plan(chat(logprobs=True, top_logprobs=21), Prompt(text="r"), 64)
     assert refused.value.param == "top_logprobs"
-    for field, value in (("functions", [{"name": "f"}]), ("tool_choice", "auto")):
-        with pytest.raises(InvalidParameter) as refused:
-            chat_plan(chat(**{field: value}), Prompt(text="r"), 64)
-        assert refused.value.param == field
+    with pytest.raises(InvalidParameter) as refused:
+        chat_plan(chat(functions=[{"name": "f"}]), Prompt(text="r"), 64)
+    assert refused.value.param == "functions"
+    with pytest.raises(InvalidParameter) as refused:
+        tool_plan(None, "auto", None)  # tool_choice without tools
+    assert refused.value.param == "tool_choice"
 
 
 def test_bodies_that_are_not_json_objects() -> None:
