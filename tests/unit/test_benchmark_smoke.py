@@ -165,3 +165,14 @@ def test_kv_tiers_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -> Non
         assert dtypes[kind]["bytes_per_token"] < dtypes["bfloat16"]["bytes_per_token"]
         assert dtypes[kind]["max_concurrent_seqs"] > dtypes["bfloat16"]["max_concurrent_seqs"]
         assert 0 < dtypes[kind]["agreement"] <= 1
+
+
+@pytest.mark.slow
+def test_structured_benchmark_quick_run_times_both_grammar_engines(tmp_path: Path) -> None:
+    report = quick_run("structured.py", tmp_path / "bench-model")
+    assert [r["batch"] for r in report["tpot"]] == [1, 2]
+    assert all(r["tpot_plain_ms"] > 0 and r["tpot_guided_ms"] > 0 for r in report["tpot"])
+    assert [s["schema"] for s in report["schemas"]] == ["person", "order", "list"]
+    for row in report["schemas"]:  # both engines walked the instance's tokens to its end
+        for engine in ("llguidance", "xgrammar"):
+            assert row[engine]["compile_ms"] > 0 and row[engine]["mask_mean_us"] > 0
