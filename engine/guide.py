@@ -72,9 +72,25 @@ class Guide:
         return unpack_bitmask(words, self._vocab_size)
 
 
+_SHARED: dict[tuple[str, int, tuple[int, ...]], GuideCompiler] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 class GuideCompiler:
     """The engine's grammar compiler and cache; thread-safe (``compile`` runs in worker
-    threads, ``guide`` in the step thread)."""
+    threads, ``guide`` in the step thread). ``shared``: one per model in a process, so the
+    pieces of one engine (vLLM's logits processor and pdserve's side of it) build the token
+    table and compile each grammar once."""
+
+    @classmethod
+    def shared(
+        cls, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> GuideCompiler:
+        key = (str(model_dir), vocab_size, tuple(eos_token_ids))
+        with _SHARED_LOCK:
+            if key not in _SHARED:
+                _SHARED[key] = cls(model_dir, vocab_size, eos_token_ids)
+            return _SHARED[key]
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._model_dir = model_dir

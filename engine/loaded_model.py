@@ -38,7 +38,7 @@ class LoadedModel:
         model_dir = Path(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.guides = GuideCompiler(
+        self.guides = GuideCompiler.shared(
             model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids
         )
         self.max_model_len = self._max_model_len()

@@ -165,7 +165,7 @@ def seeded_choice(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.
     """Each row's token where every sampling row is seeded (another engine's processor: no
     generator of its own): after logit processing, a greedy row's argmax, a sampling row's
     exponential race with its seeded noise, as ``Sampler`` chooses."""
-    processed = processed_logits(logits, requests)
+    processed = processed_logits(guided_logits(logits, requests), requests)
     greedy = [r.params.greedy for r in requests]
     if all(greedy):
         return processed.argmax(dim=-1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from vllm.outputs import RequestOutput
@@ -25,6 +26,7 @@ from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 from engine.block_hash import BlockHash
 from engine.checkpoint import CheckpointInfo
 from engine.config import EngineConfig
+from engine.guide import GuideCompiler
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
@@ -81,7 +83,10 @@ class VllmEngine(ServingEngine):
                 f"vllm-{bridge.vllm_version}/tp{config.vllm.tensor_parallel_size}",
             )
         )
-        self._table = RequestTable(llm, bridge, checkpoint, tokenizer, max_model_len)
+        self._guides = GuideCompiler.shared(
+            Path(config.model), llm.model_config.get_vocab_size(), checkpoint.eos_token_ids
+        )
+        self._table = RequestTable(llm, bridge, checkpoint, tokenizer, max_model_len, self._guides)
         self._fingerprint, self._max_model_len = fingerprint, max_model_len
         self._cached = cached
         self._lock = asyncio.Lock()
@@ -151,6 +156,7 @@ class VllmEngine(ServingEngine):
         return self._stream(
             request_id,
             lambda: self._table.add(request_id, prompt_ids, params, mode, num_generated_tokens),
+            params,
         )
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
@@ -165,6 +171,7 @@ class VllmEngine(ServingEngine):
         rid = request.request_id
         if self._pages is None:
             raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
+        await self._compile_guide(request.params)
         needed = self.blocks_for(len(request.prompt_token_ids))
         allocation = await self._call(
             lambda: self._table.add_remote(
@@ -228,9 +235,18 @@ class VllmEngine(ServingEngine):
                 self._wakeup.set()
 
     # ---- streams ----------------------------------------------------------------------------
+    async def _compile_guide(self, params: SamplingParams | None) -> None:
+        """A structured output's grammar compiles in a worker thread before admission."""
+        if params is not None and params.structured is not None:
+            await asyncio.to_thread(self._guides.compile, params.structured)
+
     async def _stream(
-        self, rid: str, admit: Callable[[], Request] | None
+        self,
+        rid: str,
+        admit: Callable[[], Request] | None,
+        params: SamplingParams | None = None,
     ) -> AsyncGenerator[RequestUpdate, None]:
+        await self._compile_guide(params)
         if admit is not None:
             await self._call(admit)
         req = self._table.requests.get(rid)

@@ -61,6 +61,8 @@ def vllm_params(
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         logprobs=params.logprobs,
+        # The client's prompt only (not a continuation's, nor one prefilled elsewhere).
+        prompt_logprobs=params.prompt_logprobs if offset == 0 and mode is not Mode.REMOTE else None,
         extra_args={
             EXTRA_ARGS_KEY: sampling_extra_args(params, offset, eos_token_ids),
             KV_PARAMS_KEY: kv_params,

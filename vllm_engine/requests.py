@@ -13,6 +13,7 @@ from vllm.outputs import RequestOutput
 from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
 from engine.checkpoint import CheckpointInfo
+from engine.guide import GuideCompiler
 from engine.outputs import PrefilledRequest, RequestUpdate
 from engine.prompt import validate_prompt, validate_token_ids
 from engine.request_state import RequestState
@@ -32,8 +33,9 @@ class RequestTable:
         checkpoint: CheckpointInfo,
         tokenizer: Tokenizer | None,
         max_model_len: int,
+        guides: GuideCompiler,
     ) -> None:
-        self._llm, self._bridge = llm, bridge
+        self._llm, self._bridge, self._guides = llm, bridge, guides
         self._checkpoint, self._tokenizer = checkpoint, tokenizer
         self._max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -126,6 +128,14 @@ class RequestTable:
                 seq.num_cached_tokens = cached
                 self.num_prefix_hit_tokens += cached
                 self.num_prompt_tokens_computed += max(seq.num_prompt_tokens - cached, 0)
+        if output.prompt_logprobs and not seq.prompt_logprobs:  # vLLM's, with its first token
+            seq.prompt_logprobs = [
+                lp
+                for tid, position in zip(
+                    seq.token_ids[1:], output.prompt_logprobs[1:], strict=False
+                )
+                if (lp := token_logprobs(tid, position, seq.params.prompt_logprobs)) is not None
+            ]
         completion = output.outputs[0] if output.outputs else None
         token_ids = list(completion.token_ids) if completion is not None else []
         logprobs = positions(completion.logprobs if completion else None, len(token_ids))
@@ -148,19 +158,16 @@ class RequestTable:
             raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs must be <= vocab_size {vocab}")
-        if params.prompt_logprobs is not None:
-            raise ValueError(
-                "prompt_logprobs: not supported with --engine vllm yet (use the native engine)"
-            )
-        if params.structured is not None:
-            raise ValueError(
-                f"{params.structured.field}: structured outputs are not supported with "
-                "--engine vllm yet (use the native engine)"
-            )
         if num_generated:
             check_continuation(len(token_ids), num_generated, params, self._max_model_len)
         prompt = token_ids[: len(token_ids) - num_generated]
-        return Sequence(rid, prompt, params, list(token_ids))
+        seq = Sequence(rid, prompt, params, list(token_ids))
+        if params.structured is not None:
+            # pdserve's side follows the output too: a complete constraint ends the request
+            # here (engine.request_state), as on the native engine; the masks are the
+            # logits processor's (vllm_engine/sampler.py).
+            seq.guide = self._guides.guide(params.structured, seq.output_token_ids)
+        return seq
 
     def _submit(
         self,

@@ -1,7 +1,8 @@
 """pdserve's sampler inside vLLM: a logits processor that picks each token with pdserve's
 stateless seeded sampler (``engine.sampler``: the noise is a function of (seed, output index)
-alone) and pdserve's logit processing (penalties, logit_bias, min_tokens: a function of the
-request's own tokens), and leaves vLLM only that token to choose.
+alone), pdserve's logit processing (penalties, logit_bias, min_tokens: a function of the
+request's own tokens) and its grammar's mask (structured outputs: the matcher is advanced by
+every token vLLM produced for the request), and leaves vLLM only that token to choose.
 
 vLLM runs every pdserve request greedily (temperature 0, none of its own penalties) over logits
 this processor has already reduced to one finite entry, so vLLM's own per-request generator
@@ -18,13 +19,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from engine.checkpoint import CheckpointInfo
+from engine.guide import Guide, GuideCompiler
 from engine.sampler import SampleRequest, seeded_choice
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredKind, StructuredOutput
 
 if TYPE_CHECKING:
     import vllm
@@ -53,7 +58,12 @@ def sampling_extra_args(
         "logit_bias": [list(pair) for pair in params.bias],
         "min_tokens": params.min_tokens,
         "stop_ids": [*params.stop_ids, *eos],  # what min_tokens masks
+        "structured": _structured_args(params.structured),
     }
+
+
+def _structured_args(so: StructuredOutput | None) -> list[str] | None:
+    return None if so is None else [so.kind.value, so.spec, so.field]
 
 
 @dataclass
@@ -66,18 +76,43 @@ class _Row:
     prompt_ids: list[int]
     earlier_ids: list[int]
     stop_ids: tuple[int, ...]
+    # Guided decoding: the matcher, advanced over the earlier output and ``consumed`` of
+    # ``output_ids``; None once the constraint is complete (pdserve ends the request there).
+    guide: Guide | None = None
+    consumed: int = 0
 
     def request(self) -> SampleRequest:
         index = self.offset + len(self.output_ids)
+        allowed = self._allowed()
         if not self.params.processes_logits:
-            return SampleRequest(self.params, index)
+            return SampleRequest(self.params, index, allowed=allowed)
         output = [*self.earlier_ids, *self.output_ids]
-        return SampleRequest(self.params, index, self.prompt_ids, output, self.stop_ids)
+        return SampleRequest(self.params, index, self.prompt_ids, output, self.stop_ids, allowed)
+
+    def _allowed(self) -> torch.Tensor | None:
+        """The grammar's mask after every token vLLM has produced for the request."""
+        if self.guide is None:
+            return None
+        while self.consumed < len(self.output_ids):
+            token_id = self.output_ids[self.consumed]
+            self.consumed += 1
+            if self.guide.accept(token_id):
+                self.guide = None  # complete: what vLLM samples next is discarded
+                return None
+        return self.guide.masks((), 1)[0]
 
 
 class PdserveSampler(LogitsProcessor):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         self._rows: dict[int, _Row] = {}
+        # Structured outputs: the process's compiler for this model (pdserve's side of the
+        # engine compiled each grammar before the request reached vLLM).
+        self._guides: GuideCompiler | None = None
+        if vllm_config is not None:
+            model = vllm_config.model_config.model
+            eos = CheckpointInfo.from_dir(model).eos_token_ids
+            vocab = vllm_config.model_config.get_vocab_size()
+            self._guides = GuideCompiler.shared(Path(model), vocab, eos)
 
     def is_argmax_invariant(self) -> bool:
         return False  # it picks the token itself
@@ -88,7 +123,7 @@ class PdserveSampler(LogitsProcessor):
         for index in batch_update.removed:
             self._rows.pop(index, None)
         for index, params, prompt_ids, output_ids in batch_update.added:
-            row = _row(params, prompt_ids or [], output_ids)
+            row = _row(params, prompt_ids or [], output_ids, self._guides)
             if row is None:
                 self._rows.pop(index, None)
             else:
@@ -114,7 +149,10 @@ class PdserveSampler(LogitsProcessor):
 
 
 def _row(
-    params: vllm.SamplingParams | None, prompt_ids: list[int], output_ids: list[int]
+    params: vllm.SamplingParams | None,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    guides: GuideCompiler | None = None,
 ) -> _Row | None:
     extra = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params is not None else None
     if extra is None:
@@ -133,11 +171,18 @@ def _row(
         logit_bias=tuple((int(i), float(b)) for i, b in extra["logit_bias"]) or None,
         min_tokens=extra["min_tokens"],
     )
-    if ours.greedy and not ours.processes_logits:
+    structured = extra.get("structured")
+    if ours.greedy and not ours.processes_logits and structured is None:
         return None  # vLLM's argmax is pdserve's greedy
     offset = int(extra["offset"])
-    if not ours.processes_logits:
-        return _Row(ours, offset, output_ids, [], [], ())
     split = len(prompt_ids) - offset
+    guide = None
+    if structured is not None:
+        assert guides is not None, "a guided request reached a processor with no model"
+        kind, spec, field = structured
+        so = StructuredOutput(StructuredKind(kind), spec, field)
+        guide = guides.guide(so, prompt_ids[split:])
+    if not ours.processes_logits:
+        return _Row(ours, offset, output_ids, [], [], (), guide)
     stop_ids = tuple(int(i) for i in extra["stop_ids"])
-    return _Row(ours, offset, output_ids, prompt_ids[:split], prompt_ids[split:], stop_ids)
+    return _Row(ours, offset, output_ids, prompt_ids[:split], prompt_ids[split:], stop_ids, guide)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -21,6 +22,7 @@ from engine.block_hash import hash_blocks, root_hash
 from engine.outputs import PrefilledRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import NoRoomError, ServingEngine
+from engine.structured_output import StructuredKind, StructuredOutput
 from tests.services.harness import wait_for
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -36,6 +38,12 @@ _PENALTIES = {
 PENALIZED = (
     dataclasses.replace(GREEDY, **_PENALTIES),  # type: ignore[arg-type]
     dataclasses.replace(SEEDED, **_PENALTIES),  # type: ignore[arg-type]
+)
+# Guided: the continuing engine replays the grammar over the earlier output.
+WORDS = StructuredOutput(StructuredKind.REGEX, "[a-z ,.]+", "guided_regex")
+GUIDED = (
+    dataclasses.replace(GREEDY, structured=WORDS),
+    dataclasses.replace(SEEDED, structured=WORDS, presence_penalty=0.5),
 )
 Case = Callable[[ServingEngine, list[int]], Awaitable[None]]
 
@@ -83,7 +91,7 @@ def copy_pages(engine: ServingEngine, source: list[int]) -> Callable[[list[int]]
 
 async def prefilled_then_decoded_is_the_plain_run(engine: ServingEngine, prompt: list[int]) -> None:
     free = engine.stats.num_free_blocks
-    for params in (GREEDY, SEEDED, *PENALIZED):
+    for params in (GREEDY, SEEDED, *PENALIZED, *GUIDED):
         plain = await collect(engine.generate("plain", prompt, params))
         assert plain.finish_reason == "length" and len(plain.token_ids) == params.max_tokens
         exported = await prefill(engine, "p", prompt, params)
@@ -107,7 +115,7 @@ async def a_continuation_gives_the_rest_of_the_run(
 ) -> None:
     """Migration: prompt + the first k outputs, with num_generated_tokens=k, continues exactly
     (the seeded sampler's output index included)."""
-    for params in (GREEDY, SEEDED, *PENALIZED):
+    for params in (GREEDY, SEEDED, *PENALIZED, *GUIDED):
         plain = await collect(engine.generate("plain", prompt, params))
         k = 5
         rest = await collect(
@@ -200,6 +208,44 @@ async def logit_processing_decides_where_it_should(
     assert len(held.token_ids) == 5 and 9 not in held.token_ids[:4], held.token_ids
 
 
+async def guided_outputs_hold_and_end_when_complete(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    """A regex holds over a whole run; a choice ends the request (stop) once it is made."""
+    for params in GUIDED:
+        out = await collect(engine.generate("g", prompt, params))
+        assert re.fullmatch(WORDS.spec, out.text) and len(out.token_ids) == params.max_tokens
+    choices = ["red", "green", "blue and grey"]
+    params = dataclasses.replace(GREEDY, structured=StructuredOutput.choice(choices))
+    out = await collect(engine.generate("c", prompt, params))
+    assert out.text in choices and out.finish_reason == "stop"
+
+
+async def prompt_logprobs_come_once_with_the_first_token(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    """Every prompt token after the first, with its top-n, on the first update with a token;
+    they are log-probabilities of a distribution whose top-n they list; a continuation has
+    none."""
+    params = dataclasses.replace(GREEDY, prompt_logprobs=2, logprobs=2)
+    updates = []
+    async with contextlib.aclosing(engine.generate("pl", prompt, params)) as stream:
+        async for update in stream:
+            updates.append(update)
+    first = next(u for u in updates if u.new_token_ids)
+    entries = first.prompt_logprobs
+    assert [e.token_id for e in entries] == prompt[1:]
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0] >= e.top_logprobs[1] for e in entries)
+    assert all(e.logprob <= e.top_logprobs[0] + 1e-6 and e.logprob <= 0 for e in entries)
+    assert all(not u.prompt_logprobs for u in updates if u is not first)
+    plain = await collect(engine.generate("plain", prompt, GREEDY))
+    assert first.new_token_ids[0] == plain.token_ids[0]
+    rest = await collect(
+        engine.generate("rest", prompt + plain.token_ids[:3], params, num_generated_tokens=3)
+    )
+    assert rest.prompt_logprobs == []
+
+
 async def kv_events_name_the_prompt_blocks(engine: ServingEngine, prompt: list[int]) -> None:
     """The prefix index hears of every full prompt block, by pdserve's one hasher."""
     prompt = [t + 7 for t in prompt]  # blocks no earlier case cached
@@ -222,5 +268,7 @@ CASES: list[Case] = [
     leaving_a_stream_aborts_and_frees,
     stops_end_where_the_engine_says,
     logit_processing_decides_where_it_should,
+    guided_outputs_hold_and_end_when_complete,
+    prompt_logprobs_come_once_with_the_first_token,
     kv_events_name_the_prompt_blocks,
 ]

@@ -49,3 +49,25 @@ def test_vllm_engine_keeps_the_contract(
     assert engine.num_blocks == 24
     assert engine.kv_layout.page_layout.startswith("vllm-0.32.0/")
     loop.run_until_complete(case(engine, list(range(40, 110))))
+
+
+def test_vllm_prompt_logprobs_are_hfs(
+    loop_and_engine: tuple[asyncio.AbstractEventLoop, VllmEngine],
+    vllm_model: Callable[[str], Path],
+) -> None:
+    """vLLM's own prompt logprobs, as pdserve passes them on: HF's log-softmax within 1e-4."""
+    import torch
+
+    from engine.sampling_params import SamplingParams
+    from tests.contract.serving_engine_suite import collect
+    from tests.engine.hf_reference import hf_logits, load_hf
+
+    loop, engine = loop_and_engine
+    prompt = [(31 * i + 7) % 900 + 3 for i in range(40)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    out = loop.run_until_complete(collect(engine.generate("hf", prompt, params)))
+    logp = torch.log_softmax(hf_logits(load_hf(vllm_model("llama")), prompt), dim=-1)
+    want = logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    got = torch.tensor([e.logprob for e in out.prompt_logprobs])
+    assert [e.token_id for e in out.prompt_logprobs] == prompt[1:]
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

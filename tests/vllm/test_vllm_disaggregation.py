@@ -316,7 +316,7 @@ def test_stats_name_the_vllm_layout(cluster: LocalCluster) -> None:
 
 def test_a_killed_vllm_decode_worker_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
     prompts = [_prompt(40 + 9 * i, 100 + i) for i in range(6)]
-    params = mixed_params(len(prompts), max_tokens=120, guided=False)  # vLLM: not yet
+    params = mixed_params(len(prompts), max_tokens=120)
 
     async def run() -> None:
         references = [
