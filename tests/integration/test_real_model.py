@@ -17,9 +17,10 @@ from engine import LLM, SamplingParams
 from engine.diagnostics import teacher_forced_agreement
 from engine.tokenizer import Tokenizer
 from pdserve.app.bench.workload import OPEN_ENDED_QUESTIONS
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import LocalCluster
 from router.openai.chat_template import ChatTemplate
 from tests.engine.hf_reference import assert_greedy_matches_but_for_ties, load_hf
+from tests.services.harness import openai_cluster
 
 pytestmark = pytest.mark.slow
 QUESTIONS = [
@@ -90,13 +91,7 @@ def test_the_engine_in_bf16_decodes_as_hf_in_bf16_but_for_ties_it_reports(
 def cluster(
     chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model=str(chat_model_dir),
-        router_http_port=0,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        router_args=("--local-prefill-tokens", "0", "--served-model-name", "smollm2"),
-    )
-    with LocalCluster(config) as c:
+    with openai_cluster(chat_model_dir, tmp_path_factory.mktemp("logs"), "smollm2") as c:
         yield c
 
 

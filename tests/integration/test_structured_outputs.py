@@ -18,8 +18,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.structured_output import MAX_SPEC_BYTES, StructuredKind, StructuredOutput
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import LocalCluster
 from tests.integration.test_real_model import hf_prompt
+from tests.services.harness import openai_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +51,7 @@ class Person(pydantic.BaseModel):
 def cluster(
     chat_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model=str(chat_model_dir),
-        router_http_port=0,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        router_args=("--local-prefill-tokens", "0", "--served-model-name", MODEL),
-    )
-    with LocalCluster(config) as c:
+    with openai_cluster(chat_model_dir, tmp_path_factory.mktemp("logs"), MODEL) as c:
         yield c
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import LocalCluster
 from tests.engine.hf_reference import hf_logits, load_hf
+from tests.services.harness import openai_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -67,26 +68,19 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model=str(llama_dir),
-        router_http_port=0,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        router_args=("--local-prefill-tokens", "0", "--served-model-name", MODEL),
-    )
-    with LocalCluster(config) as c:
+    with openai_cluster(llama_dir, tmp_path_factory.mktemp("logs"), MODEL) as c:
         yield c
 
 
 def _run_lm_eval(tmp_path: Path, model: str, model_args: str, *extra: str) -> None:
-    command = [
-        sys.executable, "-m", "lm_eval",
-        "--model", model,
-        "--model_args", f"model={MODEL},max_retries=1,num_concurrent=1,{model_args}",
-        "--include_path", str(tmp_path),
-        "--output_path", str(tmp_path / "out"),
-        "--log_samples",
-        *extra,
-    ]  # fmt: skip
+    flags = {
+        "--model": model,
+        "--model_args": f"model={MODEL},max_retries=1,num_concurrent=1,{model_args}",
+        "--include_path": str(tmp_path),
+        "--output_path": str(tmp_path / "out"),
+    }
+    command = [sys.executable, "-m", "lm_eval", *(x for kv in flags.items() for x in kv)]
+    command += ["--log_samples", *extra]
     env = {
         **os.environ,
         "OPENAI_API_KEY": "none",

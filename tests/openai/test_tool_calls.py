@@ -18,8 +18,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from router.openai.tools import MAX_TOOLS
+from tests.services.harness import openai_cluster
 
 MODEL = "tiny-tools"
 TEMPLATE = """\
@@ -89,13 +89,7 @@ def model_dir(model_factory: Callable[..., Path], tmp_path_factory: pytest.TempP
 
 @pytest.fixture(scope="module")
 def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    config = ClusterConfig(
-        model=str(model_dir),
-        router_http_port=0,
-        log_dir=tmp_path_factory.mktemp("logs"),
-        router_args=("--local-prefill-tokens", "0", "--served-model-name", MODEL),
-    )
-    with LocalCluster(config) as cluster:
+    with openai_cluster(model_dir, tmp_path_factory.mktemp("logs"), MODEL) as cluster:
         yield openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0)
 
 

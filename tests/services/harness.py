@@ -4,7 +4,8 @@ configurations cheaply. The multi-process path is covered by tests/integration."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_layout import KVCacheDtype
 from engine.sampling_params import SamplingParams
+from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -178,3 +180,17 @@ async def failed_decode(
     except grpc.aio.AioRpcError as exc:
         return exc
     raise AssertionError("the decode stream ended without the error it must end with")
+
+
+@contextlib.contextmanager
+def openai_cluster(
+    model: Path, log_dir: Path, served_model_name: str, *router_args: str
+) -> Iterator[LocalCluster]:
+    """A local cluster with the OpenAI HTTP API on, every prompt prefilled on the prefill
+    worker (disaggregated), serving ``model`` as ``served_model_name``."""
+    flags = ("--local-prefill-tokens", "0", "--served-model-name", served_model_name)
+    config = ClusterConfig(
+        model=str(model), router_http_port=0, log_dir=log_dir, router_args=(*flags, *router_args)
+    )
+    with LocalCluster(config) as cluster:
+        yield cluster
