@@ -130,6 +130,7 @@ class AsyncEngine(ServingEngine):
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -354,6 +355,9 @@ async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> Async
     may run on): one engine per worker process."""
     torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
     engine = await asyncio.to_thread(LLMEngine, config)
+    # Guided decoding's token table, before the worker is ready: building it holds the GIL
+    # (~0.3 s), which would stall the first guided request's process mid-serving.
+    await asyncio.to_thread(engine.loaded.guides.warm)
     return AsyncEngine(
         engine,
         on_stats=hooks.on_stats,

@@ -44,7 +44,8 @@ def sampler_choice(
     eos = () if params.ignore_eos else engine.runner.eos_token_ids
     allowed = None
     if params.structured is not None:  # the grammar's mask after output[:index]
-        allowed = engine.loaded.guides.guide(params.structured, output[:index]).masks((), 1)[0]
+        guide = engine.loaded.guides.guide(params.structured, output[:index], params.ignore_eos)
+        allowed = guide.masks((), 1)[0]
     request = SampleRequest(
         params, index, prompt, output[:index], (*params.stop_ids, *eos), allowed
     )

@@ -38,10 +38,19 @@ class Guide:
     """One request's matcher. ``masks`` computes the rows the sampler applies; ``accept``
     advances it by an output token and says whether the constraint is complete."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, field: str) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        field: str,
+        banned_eos: tuple[int, ...] = (),
+    ) -> None:
+        """``banned_eos``: an ``ignore_eos`` request's EOS ids, kept out of every mask that
+        allows anything else (the grammar could end there, the request does not)."""
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._field = field
+        self._banned_eos = list(banned_eos)
 
     def accept(self, token_id: int) -> bool:
         """Advances by ``token_id``; True once the output is complete (nothing more may
@@ -69,7 +78,11 @@ class Guide:
             consumed += 1
         if consumed:
             self._matcher.rollback(consumed)
-        return unpack_bitmask(words, self._vocab_size)
+        allowed = unpack_bitmask(words, self._vocab_size)
+        if self._banned_eos:
+            others = allowed.sum(dim=-1) > allowed[:, self._banned_eos].sum(dim=-1)
+            allowed[:, self._banned_eos] &= ~others[:, None]
+        return allowed
 
 
 _SHARED: dict[tuple[str, int, tuple[int, ...]], GuideCompiler] = {}
@@ -130,32 +143,40 @@ class GuideCompiler:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
 
-    def guide(self, spec: StructuredOutput, output_ids: Sequence[int]) -> Guide:
+    def guide(
+        self, spec: StructuredOutput, output_ids: Sequence[int], ignore_eos: bool = False
+    ) -> Guide:
         """A fresh matcher for one request, advanced past ``output_ids`` (a continued
         request's earlier output). Compiles first if the cache lost ``spec``."""
         with self._lock:
             cached = self._cache.get(spec)
         if cached is None:
             self.compile(spec)
-            return self.guide(spec, output_ids)
-        guide = Guide(cached.deep_copy(), self._vocab_size, spec.field)
+            return self.guide(spec, output_ids, ignore_eos)
+        banned = tuple(self._eos) if ignore_eos else ()
+        guide = Guide(cached.deep_copy(), self._vocab_size, spec.field, banned)
         for token_id in output_ids:
             guide.accept(token_id)
         return guide
 
+    def warm(self) -> None:
+        """Builds the token table ahead of the first guided request (engines call it in a
+        thread at start): otherwise that request's prefill would wait for it."""
+        if (self._model_dir / "tokenizer.json").is_file():
+            self._token_table()
+
     def _token_table(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the model's tokenizer, built once (~0.4 s)."""
+        """llguidance's view of the model's tokenizer (from tokenizer.json, by the Rust
+        tokenizers library: no transformers import), built once (~0.3 s)."""
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
-                from transformers import PreTrainedTokenizerFast
+                import llguidance
 
                 path = self._model_dir / "tokenizer.json"
                 if not path.is_file():
                     raise ValueError("structured outputs need a tokenizer; this model has none")
-                hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    hf, n_vocab=self._vocab_size, eos_token=self._eos or None
+                self._tokenizer = llguidance.LLTokenizer(
+                    str(path), n_vocab=self._vocab_size, eos_token=list(self._eos) or None
                 )
             return self._tokenizer
 

@@ -113,7 +113,9 @@ class LLMEngine:
         prompt = token_ids[: len(token_ids) - num_generated]
         seq = Sequence(request_id, prompt, params, list(token_ids), prefill_only=prefill_only)
         if params.structured is not None:  # compiled already when an AsyncEngine admits it
-            seq.guide = self.loaded.guides.guide(params.structured, seq.output_token_ids)
+            seq.guide = self.loaded.guides.guide(
+                params.structured, seq.output_token_ids, params.ignore_eos
+            )
         return seq
 
     def _check_new_request(self, request_id: str, params: SamplingParams) -> None:

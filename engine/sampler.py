@@ -130,6 +130,7 @@ def guided_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.
 
 def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
     """``logits`` (``[rows, vocab]``) after each row's logit processing, in vLLM v1's order:
+    bad_words (a word's last token masked where the output ends with the rest of it),
     min_tokens (stop ids masked while fewer tokens are out), logit_bias (added), then the
     repetition penalty (over prompt and output ids: positive logits divided, negative
     multiplied), the frequency penalty (times each id's count in the output) and the presence
@@ -144,6 +145,11 @@ def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> tor
         r, p = requests[row], requests[row].params
         if r.output_index < p.min_tokens and r.stop_ids:
             out[row, list(r.stop_ids)] = float("-inf")
+        for word in p.bad_words or ():  # vLLM applies these first; masks commute anyway
+            head, last = word[:-1], word[-1]
+            done = len(r.output_ids)
+            if done >= len(head) and tuple(r.output_ids[done - len(head) :]) == head:
+                out[row, last] = float("-inf")
         if p.logit_bias:
             ids, biases = zip(*p.bias, strict=True)
             index = torch.tensor(ids, device=out.device)

@@ -10,6 +10,8 @@ from engine.structured_output import StructuredOutput
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_BAD_WORDS = 128  # token sequences
+MAX_BAD_WORD_TOKENS = 32
 _MIN_TEMPERATURE = 1e-5
 
 
@@ -36,6 +38,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of seen ids
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None  # id -> added
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) masked until this many are out
+    # vLLM's bad_words, as token sequences (the router tokenizes the words): a sequence's
+    # last token is masked wherever the output ends with the rest of it (always, for one).
+    bad_words: tuple[tuple[int, ...], ...] | list[list[int]] | None = None
     # Guided decoding: the output must match this (engine/guide.py masks every sampled row).
     structured: StructuredOutput | None = None
 
@@ -88,6 +93,7 @@ class SamplingParams:
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
         bias = _logit_bias(self.logit_bias)
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
         # Normalised to tuples so the object stays immutable and hashable.
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(stop_ids))
@@ -107,6 +113,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.bad_words
         )
 
     @property
@@ -169,6 +176,23 @@ def _logit_bias(
             raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
         out[token_id] = float(bias)
     return tuple(sorted(out.items()))
+
+
+def _bad_words(
+    value: tuple[tuple[int, ...], ...] | list[list[int]] | None,
+) -> tuple[tuple[int, ...], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or len(value) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} token sequences")
+    out = []
+    for word in value:
+        if not isinstance(word, list | tuple) or not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words entries must be 1 to {MAX_BAD_WORD_TOKENS} token ids")
+        for token_id in word:
+            _check_int("bad_words token id", token_id, minimum=0)
+        out.append(tuple(word))
+    return tuple(out)
 
 
 def _is_real(value: object) -> bool:

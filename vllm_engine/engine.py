@@ -86,6 +86,7 @@ class VllmEngine(ServingEngine):
         self._guides = GuideCompiler.shared(
             Path(config.model), llm.model_config.get_vocab_size(), checkpoint.eos_token_ids
         )
+        self._guides.warm()  # built in the loading thread: it holds the GIL (~0.3 s)
         self._table = RequestTable(llm, bridge, checkpoint, tokenizer, max_model_len, self._guides)
         self._fingerprint, self._max_model_len = fingerprint, max_model_len
         self._cached = cached

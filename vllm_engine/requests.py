@@ -166,7 +166,9 @@ class RequestTable:
             # pdserve's side follows the output too: a complete constraint ends the request
             # here (engine.request_state), as on the native engine; the masks are the
             # logits processor's (vllm_engine/sampler.py).
-            seq.guide = self._guides.guide(params.structured, seq.output_token_ids)
+            seq.guide = self._guides.guide(
+                params.structured, seq.output_token_ids, params.ignore_eos
+            )
         return seq
 
     def _submit(

@@ -58,7 +58,9 @@ def sampling_extra_args(
         "logit_bias": [list(pair) for pair in params.bias],
         "min_tokens": params.min_tokens,
         "stop_ids": [*params.stop_ids, *eos],  # what min_tokens masks
+        "bad_words": [list(word) for word in params.bad_words or ()],
         "structured": _structured_args(params.structured),
+        "ignore_eos": params.ignore_eos,
     }
 
 
@@ -170,6 +172,7 @@ def _row(
         repetition_penalty=extra["repetition_penalty"],
         logit_bias=tuple((int(i), float(b)) for i, b in extra["logit_bias"]) or None,
         min_tokens=extra["min_tokens"],
+        bad_words=extra["bad_words"] or None,
     )
     structured = extra.get("structured")
     if ours.greedy and not ours.processes_logits and structured is None:
@@ -181,7 +184,7 @@ def _row(
         assert guides is not None, "a guided request reached a processor with no model"
         kind, spec, field = structured
         so = StructuredOutput(StructuredKind(kind), spec, field)
-        guide = guides.guide(so, prompt_ids[split:])
+        guide = guides.guide(so, prompt_ids[split:], bool(extra["ignore_eos"]))
     if not ours.processes_logits:
         return _Row(ours, offset, output_ids, [], [], (), guide)
     stop_ids = tuple(int(i) for i in extra["stop_ids"])

@@ -50,6 +50,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logit_bias=dict(msg.logit_bias),
         structured=_structured_from_proto(msg),
+        bad_words=[list(word.token_ids) for word in msg.bad_words] or None,
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -86,6 +87,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.repetition_penalty = params.repetition_penalty
         msg.min_tokens = params.min_tokens
         msg.logit_bias.update(dict(params.bias))
+        msg.bad_words.extend(common_pb2.TokenIds(token_ids=w) for w in params.bad_words or ())
     if params.structured is not None:
         msg.structured.CopyFrom(structured_to_proto(params.structured))
     return msg

@@ -121,6 +121,8 @@ _FIELDS = frozenset(
         "guided_json",
         "guided_regex",
         "guided_choice",
+        "prompt_logprobs",
+        "bad_words",
     ]
 )
 # Engine and router field names as the OpenAI API spells them.

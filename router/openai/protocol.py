@@ -59,6 +59,7 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
     prompt_logprobs: int | None = None  # vLLM's: top-n logprobs of each prompt token
+    bad_words: list[str] | None = None  # vLLM's (router/openai/bad_words.py)
     # Output constraints (router/openai/structured.py): OpenAI's, then vLLM's.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -120,6 +121,7 @@ class Plan:
     logprobs: int | None  # top logprobs per token (0: the chosen token's only); None: off
     fill_context: bool  # no max_tokens given (chat): generate up to the model's length
     echo: bool = False  # completions: the prompt leads the text (and its logprobs, the list)
+    bad_words: tuple[str, ...] = ()  # tokenized where the tokenizer is (the serving layer)
     prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs`` field, as asked
 
     @property
@@ -243,6 +245,7 @@ def _plan(
         logprobs=logprobs,
         fill_context=max_tokens is None,
         prompt_logprobs=body.prompt_logprobs,
+        bad_words=tuple(body.bad_words or ()),
     )
 
 

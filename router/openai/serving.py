@@ -24,9 +24,10 @@ from typing import Any, TypeVar
 from starlette.types import Receive
 
 from pdserve.common.convert import finish_reason_from_proto
-from pdserve.v1 import router_pb2
+from pdserve.v1 import common_pb2, router_pb2
 from router.limits import check_output
 from router.openai import errors
+from router.openai.bad_words import bad_words_ids
 from router.openai.chat_template import ChatTemplate
 from router.openai.choices import Choice, merged
 from router.openai.protocol import (
@@ -165,6 +166,9 @@ class OpenAIServing:
         add_special_tokens: bool = True,
     ) -> Prepared:
         limits = self.core.config.limits
+        if plan.bad_words:
+            ids = bad_words_ids(list(plan.bad_words), self.core.tokenizer)
+            plan.sampling.bad_words.extend(common_pb2.TokenIds(token_ids=w) for w in ids)
         choices: list[Choice] = []
         outputs: list[ChoiceOutput] = []
         for p, prompt in enumerate(plan.prompts):

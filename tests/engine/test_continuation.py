@@ -16,6 +16,7 @@ from engine.outputs import RequestOutput
 from engine.structured_output import StructuredKind, StructuredOutput
 from tests.engine.test_disaggregation_hooks import _decode
 
+BAD = [[t] for t in range(3, 300, 7)] + [[a, a + 1] for a in range(20, 60)]
 WORDS = StructuredOutput(StructuredKind.REGEX, "[a-z ,.]+", "guided_regex")
 PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3),
@@ -35,6 +36,8 @@ PARAMS = [
     # The continuing engine replays the grammar over the earlier output.
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, structured=WORDS),
     SamplingParams(max_tokens=24, temperature=0.9, seed=4, ignore_eos=True, structured=WORDS),
+    # A bad word's head may end the earlier output: it counts as output.
+    SamplingParams(max_tokens=24, temperature=0.9, seed=5, ignore_eos=True, bad_words=BAD),
 ]
 PROMPT = list(range(20, 45))
 
@@ -59,6 +62,7 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams, k: int) -
         "seeded-penalized",
         "greedy-guided",
         "seeded-guided",
+        "seeded-bad-words",
     ],
 )
 @pytest.mark.parametrize("k", [1, 7, 23])

@@ -18,6 +18,7 @@ from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SampleRequest, processed_logits
 
 RAW = torch.tensor([[1.0, -2.0, 3.0, 0.5], [1.0, -2.0, 3.0, 0.5]])
+NEG = float("-inf")
 
 
 def test_each_processing_step_gives_its_exact_values() -> None:
@@ -96,3 +97,24 @@ def test_a_bias_on_an_unknown_token_is_refused(
     vocab = llm.engine.model_config.vocab_size
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+
+
+def test_bad_words_mask_the_last_token_where_the_output_ends_with_the_rest() -> None:
+    params = SamplingParams(max_tokens=8, bad_words=[[3], [2, 1], [3, 0], [0, 2, 2]])
+    request = SampleRequest(params, 3, prompt_ids=[0], output_ids=[2, 2])
+    # [3]: always; [2, 1]: the output ends with 2; [3, 0]: it does not end with 3; [0, 2, 2]:
+    # the prompt's 0 is not output.
+    assert processed_logits(RAW[:1], [request])[0].tolist() == [1.0, float("-inf"), 3.0, NEG]
+
+
+def test_bad_words_keep_a_greedy_run_off_them(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    llm = make_llm(llama_dir)
+    prompt = [5, 17, 200, 33, 9]
+    (plain,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    word = plain.token_ids[2:4]  # a two-token word the plain run writes at 2
+    params = SamplingParams(max_tokens=12, temperature=0.0, bad_words=[word])
+    (out,) = llm.generate([prompt], params)
+    assert out.token_ids[:3] == plain.token_ids[:3] and out.token_ids[3] != word[1]
+    assert all(out.token_ids[i : i + 2] != word for i in range(len(out.token_ids) - 1))
