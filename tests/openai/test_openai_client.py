@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from engine import LLM, SamplingParams
 from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
 from pdserve.app.local_cluster import LocalCluster
+from router.openai.bad_words import bad_words_ids
 from tests.openai.conftest import API_KEY, MODEL_NAME
 
 pytestmark = pytest.mark.slow
@@ -137,6 +138,9 @@ def test_text_completions_of_text_and_token_ids(
         assert_same(reference, prompt_ids, ids, text, params_of(SEEDED, 10))
 
 
+BAD_WORDS = ["the", "ing", "and so"]
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_penalties_bias_and_min_tokens_are_the_engines(
     client: openai.OpenAI, reference: LLM, sampling: dict[str, Any]
@@ -149,7 +153,12 @@ def test_penalties_bias_and_min_tokens_are_the_engines(
         model=MODEL_NAME,
         prompt=prompt,
         max_tokens=16,
-        extra_body={"return_token_ids": True, "repetition_penalty": 1.4, "min_tokens": 16},
+        extra_body={
+            "return_token_ids": True,
+            "repetition_penalty": 1.4,
+            "min_tokens": 16,
+            "bad_words": BAD_WORDS,
+        },
         **processing,
         **sampling,
     )
@@ -161,6 +170,7 @@ def test_penalties_bias_and_min_tokens_are_the_engines(
         repetition_penalty=1.4,
         logit_bias={17: 3.0},
         min_tokens=16,
+        bad_words=bad_words_ids(BAD_WORDS, reference.engine.tokenizer),
     )
     assert_same(reference, prompt, ids, r.choices[0].text, params)
 
