@@ -130,7 +130,6 @@ class AsyncEngine(ServingEngine):
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
 
-
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
