@@ -80,14 +80,17 @@ def test_workers_free_a_frozen_routers_requests_within_the_keepalive_bound(
         os.kill(router.process.pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
 
-        async def paused() -> bool:  # the windows full, the buffers full: held, not running
-            return (await stats(decode)).num_paused == 4
-
-        await wait_for(paused, 60.0, "the frozen router's requests pause on the worker")
-
         async def freed() -> bool:
             s = await stats(decode)
             return s.num_running + s.num_paused + s.num_waiting == 0 and s.num_inflight == 0
+
+        async def paused_or_freed() -> bool:
+            # The windows full, the buffers full: held, not running. On a loaded box the
+            # keepalive can cut the caller before all four reach that point; then they are
+            # already freed, which is what this test is about.
+            return (await stats(decode)).num_paused == 4 or await freed()
+
+        await wait_for(paused_or_freed, 60.0, "the frozen router's requests pause or are freed")
 
         await wait_for(freed, 2 * KEEPALIVE_S + 30.0, "the decode worker frees them")
         freed_s = time.monotonic() - frozen_at
