@@ -31,7 +31,7 @@ from kvtransfer import (
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_from_proto
 from pdserve.cluster.last_known import LastKnownWorkers
-from pdserve.common import metrics
+from pdserve.common import metrics, tracing
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
 from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
@@ -168,8 +168,18 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                admission_s = time.perf_counter() - start
                 yield decode_pb2.DecodeResponse(
-                    admitted=True, transfer_s=time.perf_counter() - start
+                    admitted=True, transfer_s=admission_s, kv_pull_s=transfer_s
+                )
+                tracing.record_call(
+                    context.invocation_metadata(),
+                    "decode_worker.admission",
+                    (
+                        ("decode_worker.allocate", max(admission_s - transfer_s, 0.0)),
+                        ("decode_worker.kv_pull", transfer_s),
+                    ),
+                    {"pdserve.kv_blocks": num_blocks},
                 )
                 logger.info(
                     "request_id=%s admitted: %d blocks pulled in %.1f ms",

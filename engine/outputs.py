@@ -22,6 +22,8 @@ class RequestUpdate:
     prefilled: bool = False
     # Once, with the first token: the prompt's logprobs (``params.prompt_logprobs``).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # time.monotonic() when the engine first scheduled the request (None: it does not say).
+    first_scheduled_s: float | None = None
 
     @property
     def finished(self) -> bool:

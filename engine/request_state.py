@@ -90,6 +90,7 @@ class RequestState:
             num_cached_tokens=max(self.seq.num_cached_tokens, 0),
             prefilled=prefilled,
             prompt_logprobs=prompt_logprobs,
+            first_scheduled_s=self.seq.first_scheduled_s,
         )
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         self.reported_cached = True

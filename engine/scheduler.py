@@ -156,7 +156,7 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self.block_manager.cached_prefix(seq)
             num_computed = len(hits) * self.block_manager.block_size
-            if self._admit_loading(seq, hits, out):
+            if self._admit_loading(seq, hits, out, now):
                 continue
             num_new = min(seq.num_tokens - num_computed, budget)
             if not self.block_manager.allocate_slots(seq, num_new, hits):
@@ -168,6 +168,7 @@ class Scheduler:
             self.waiting.popleft()
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_computed
+                seq.first_scheduled_s = now
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -180,7 +181,9 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED_LENGTH
         return out
 
-    def _admit_loading(self, seq: Sequence, hits: list[int], out: SchedulerOutput) -> bool:
+    def _admit_loading(
+        self, seq: Sequence, hits: list[int], out: SchedulerOutput, now: float
+    ) -> bool:
         """A prefix that continues in the host tier: blocks for it are taken now and filled by
         copies, and ``seq`` waits in ``loading`` (no seat, no tokens of this step) until they
         are in. Its tokens count as computed: nothing recomputes them. False: no host hit, or
@@ -197,6 +200,7 @@ class Scheduler:
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.num_host_cached_tokens = len(slots) * bs
+            seq.first_scheduled_s = now
         seq.status = SequenceStatus.RUNNING
         self.loading.append(seq)
         out.loads.append((seq, list(zip(slots, seq.block_table[first:], strict=False))))

@@ -73,6 +73,9 @@ class Sequence:
     # ``params.prompt_logprobs`` on the engine that prefills the client's prompt (not a
     # continuation's): entry i is prompt token i + 1's, filled as the prefill runs.
     wants_prompt_logprobs: bool = False
+    # The scheduler's clock (``schedule(now)``: time.monotonic() in an engine) when it first
+    # admitted this sequence: where its queueing ended (router/phases.py).
+    first_scheduled_s: float | None = None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import replace
 
 import grpc
@@ -19,6 +20,7 @@ from kvtransfer import KVSender, SenderOptions, make_sender
 from kvtransfer.base import prompt_digest
 from kvtransfer.wire import handle_to_proto
 from pdserve.cluster.registry import WorkerRecord
+from pdserve.common import tracing
 from pdserve.common.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -88,6 +90,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
+        received_s = time.monotonic()
         request_id = request.request_id
         params = await self.accept(context, request_id, request.sampling)
         prompt = list(request.prompt_token_ids)
@@ -115,12 +118,24 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             # strand them. (A pinned request is never touched by a step: no lock needed.)
             exported = self.engine.export_prefilled(request_id)
             token = self.leases.grant(request_id, exported.block_ids)
+            queue_s, compute_s = _split(received_s, last.first_scheduled_s, time.monotonic())
             response = prefill_pb2.PrefillResponse(
                 request_id=request_id,
                 first_token_id=exported.first_token_id,
                 num_cached_tokens=last.num_cached_tokens,
                 finish_reason=finish_reason_to_proto(last.finish_reason),
                 prompt_logprobs=[logprobs_to_proto(lp) for lp in last.prompt_logprobs],
+                queue_s=queue_s,
+                compute_s=compute_s,
+            )
+            tracing.record_call(
+                context.invocation_metadata(),
+                "prefill_worker.prefill",
+                (("prefill_worker.queue", queue_s), ("prefill_worker.compute", compute_s)),
+                {
+                    "pdserve.prompt_tokens": len(prompt),
+                    "pdserve.cached_tokens": last.num_cached_tokens,
+                },
             )
             if exported.first_token_logprobs is not None:
                 response.first_token_logprobs.CopyFrom(
@@ -157,3 +172,12 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.WorkerStats:
         return self.stats()
+
+
+def _split(
+    received_s: float, first_scheduled_s: float | None, done_s: float
+) -> tuple[float, float]:
+    """A prefill call's queueing (received -> the engine's first step with it) and compute
+    (-> the first token), on time.monotonic(); all compute when the engine does not say."""
+    started_s = received_s if first_scheduled_s is None else max(first_scheduled_s, received_s)
+    return started_s - received_s, max(done_s - started_s, 0.0)

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _RETRY_FIRST_S = 0.01
 _RETRY_MAX_S = 0.25
 T = TypeVar("T")
+Metadata = tuple[tuple[str, str], ...]  # a call's extra metadata (the trace context)
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,15 @@ class Dispatcher:
             metrics.ROUTING_DECISIONS.labels("prefill", policy, chosen.reason).inc()
 
     async def prefill(
-        self, request: prefill_pb2.PrefillRequest, placement: Placement
+        self,
+        request: prefill_pb2.PrefillRequest,
+        placement: Placement,
+        metadata: Metadata = (),
     ) -> tuple[Worker, prefill_pb2.PrefillResponse]:
         """The first of the plan's prefill workers that answers. One that fails, times out or
         stalls (its stats calls stop answering) raises ``WorkerLost``: the request migrates,
         counted like any other worker failure; one whose cache turns out too small (a ``NEXT``
-        verdict) hands it to the next."""
+        verdict) hands it to the next. ``metadata``: the request's trace context."""
         num_prompt_tokens = len(request.prompt_token_ids)
         predicted = placement.plan.cached_tokens
         turned_away: WorkerError | None = None
@@ -145,7 +149,9 @@ class Dispatcher:
             if worker.departed:  # left the pool (its channel may be closed) since the plan
                 continue
             with self.pool.dispatched(worker, num_prompt_tokens - predicted):
-                call = worker.prefill_stub.Prefill(request, timeout=self.config.prefill_timeout_s)
+                call = worker.prefill_stub.Prefill(
+                    request, timeout=self.config.prefill_timeout_s, metadata=metadata or None
+                )
                 what = f"prefill worker {worker.address}"
                 try:
                     response = await self._unless_lost(call, worker)
@@ -195,11 +201,13 @@ class Dispatcher:
         prefill_worker: Worker,
         placement: Placement,
         avoid: frozenset[str] = frozenset(),
-    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float]:
+        metadata: Metadata = (),
+    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, decode_pb2.DecodeResponse]:
         """A decode worker that admitted the request and pulled its KV (its first message),
         tried in the plan's order first. Retries while every worker is full, renewing the
         lease, up to admission_timeout_s, re-ranked each time. ``WorkerLost`` when the handle
-        is spent (a pull failed, or a worker stalled in it)."""
+        is spent (a pull failed, or a worker stalled in it). Returns the call, its worker and
+        its admitted message (the worker's timings); ``metadata``: the trace context."""
         num_prompt_tokens = len(request.prompt_token_ids)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.admission_timeout_s
@@ -224,7 +232,7 @@ class Dispatcher:
                     continue
                 try:
                     with self.pool.dispatched(worker):
-                        admitted = await self._admission(request, worker, prefill_worker)
+                        admitted = await self._admission(request, worker, prefill_worker, metadata)
                 except _Denied as exc:
                     # A decode worker that does not know this prefill worker yet (just
                     # registered) refuses it; another may know it. Refused by all: final.
@@ -247,15 +255,19 @@ class Dispatcher:
             workers = self.pool.ranked_decode(num_prompt_tokens)
 
     async def _admission(
-        self, request: decode_pb2.DecodeRequest, worker: Worker, prefill_worker: Worker
-    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, float] | None:
+        self,
+        request: decode_pb2.DecodeRequest,
+        worker: Worker,
+        prefill_worker: Worker,
+        metadata: Metadata,
+    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, decode_pb2.DecodeResponse] | None:
         """One decode worker's answer: admitted (its call, after the KV pull), None when it is
         full or turned the request away (try another), ``WorkerLost`` when the handle may be
         spent (re-prefill), else the client's error. Heartbeats come during the pull; each
         silence is bounded by ``stall_timeout_s``. A prefill worker that freezes during the
         pull (its stats stop answering: ``Worker.lost``) is given up on the same way: the
         decode worker's pull would otherwise wait for its own transfer timeout."""
-        call = worker.decode_stub.Decode(request)
+        call = worker.decode_stub.Decode(request, metadata=metadata or None)
         worker.track(call)  # a relay: a certificate renewal must not cut it
         what = f"decode worker {worker.address}"
         try:
@@ -265,7 +277,7 @@ class Dispatcher:
                     raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
                 assert isinstance(message, decode_pb2.DecodeResponse)
                 if message.admitted:
-                    return call, worker, message.transfer_s
+                    return call, worker, message
         except TimeoutError:
             call.cancel()
             raise stalled(worker, "admission silent for stall_timeout_s", Phase.ADMISSION) from None

@@ -34,8 +34,10 @@ from router.dispatch import Dispatcher, Placement, prefill_request
 from router.failures import Action, Phase, classify
 from router.migration import Finished, attempt_id, continue_request
 from router.output_stream import OutputStream
+from router.phases import RequestPhase
 from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
+from router.request_trace import RequestTrace
 from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled
 from router.worker_pool import Worker, WorkerPool
 
@@ -67,8 +69,26 @@ class Generation:
         """One request, validated, as the client sees it: token chunks, then the final message.
         A worker that fails mid-flight is replaced (``router/migration.py``) up to
         ``migration_limit`` times, invisibly to the client; a prompt that keeps losing workers
-        before its first token is quarantined (``router/quarantine.py``). Raises
-        ``WorkerError``."""
+        before its first token is quarantined (``router/quarantine.py``). Its phases and trace:
+        ``router/request_trace.py``. Raises ``WorkerError``."""
+        trace = RequestTrace(request_id, out.start_s)
+        try:
+            async for response in self._generate(
+                request_id, client_id, prompt_ids, params, out, trace
+            ):
+                yield response
+        finally:
+            trace.finish()  # a no-op after the final message; else an error or the client gone
+
+    async def _generate(
+        self,
+        request_id: str,
+        client_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        out: OutputStream,
+        trace: RequestTrace,
+    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         digest = prompt_digest(prompt_ids)
         if self.quarantine.quarantined(digest):
             metrics.QUARANTINED.labels("refused").inc()
@@ -95,7 +115,7 @@ class Generation:
                 break
             attempt = Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
             try:
-                async for event in self._attempt(attempt, out):
+                async for event in self._attempt(attempt, out, trace):
                     if isinstance(event, router_pb2.GenerateResponse):
                         yield event
                     else:
@@ -111,6 +131,8 @@ class Generation:
                         f"{exc.message} (after {migrations} migrations: migration_limit)",
                     ) from None
                 migrations += 1
+                trace.failed(verdict.reason, exc.message)
+                trace.enter(RequestPhase.MIGRATION, reason=verdict.reason)
                 avoid.update(exc.avoid)
                 if verdict.suspect:
                     self.pool.suspect(exc.address, f"{verdict.reason}: {exc.message}")
@@ -131,6 +153,15 @@ class Generation:
         tail = out.tail()
         if tail:
             yield router_pb2.GenerateResponse(chunk=router_pb2.TokenChunk(text=tail))
+        trace.finish(
+            {
+                "pdserve.ttft_s": out.ttft_s,
+                "pdserve.prompt_tokens": out.num_prompt_tokens,
+                "pdserve.output_tokens": out.num_output_tokens,
+                "pdserve.migrations": migrations,
+                "pdserve.path": "local" if report.local_worker else "disaggregated",
+            }
+        )
         final = out.final(
             client_id,
             report.finish_reason,
@@ -138,6 +169,7 @@ class Generation:
             report.prefill_s,
             report.transfer_s,
             migrations,
+            trace.breakdown(),
         )
         metrics.TTFT_S.observe(out.ttft_s)
         metrics.TPOT_S.observe(out.mean_tpot_s)
@@ -176,7 +208,9 @@ class Generation:
                 f"token, the last {exc.address} ({exc.message})",
             ) from None
 
-    async def _attempt(self, attempt: Attempt, out: OutputStream) -> AsyncIterator[AttemptEvent]:
+    async def _attempt(
+        self, attempt: Attempt, out: OutputStream, trace: RequestTrace
+    ) -> AsyncIterator[AttemptEvent]:
         """One try at the rest of the request, as ``router/plan.py`` plans it: on a decode worker
         alone (conditional disaggregation, colocated) or disaggregated; its last event is
         ``Ended``. A local worker that turns it away is excluded and the attempt re-planned
@@ -184,19 +218,22 @@ class Generation:
         has). Raises ``WorkerLost`` to migrate."""
         prompt_ids = attempt.continuation.prompt_token_ids
         needs_prefill = not self.config.colocated
+        trace.enter(RequestPhase.ROUTE)
         if not self.pool.ready(needs_prefill):  # a worker may be back (or cleared) shortly
             await self.pool.wait_healthy(needs_prefill, timeout_s=self.config.stall_timeout_s)
         exclude: frozenset[str] = frozenset()
         local = True
         while True:
+            if trace.clock.current is not RequestPhase.ROUTE:  # re-planned
+                trace.enter(RequestPhase.ROUTE)
             placement = await self.dispatch.place(prompt_ids, attempt.avoid, exclude, local)
             if placement.plan.route is Route.DISAGGREGATED:
-                async for event in self._disaggregated(attempt, placement, out):
+                async for event in self._disaggregated(attempt, placement, out, trace):
                     yield event
                 return
             worker = placement.decode[0]
             try:
-                async for event in self._local(attempt, worker, out):
+                async for event in self._local(attempt, worker, out, trace):
                     yield event
             except TurnedAway:
                 exclude |= {worker.address}
@@ -205,14 +242,17 @@ class Generation:
             return
 
     async def _disaggregated(
-        self, attempt: Attempt, placement: Placement, out: OutputStream
+        self, attempt: Attempt, placement: Placement, out: OutputStream, trace: RequestTrace
     ) -> AsyncIterator[AttemptEvent]:
         """Prefill on a prefill worker, stream its first token, then decode elsewhere."""
         start = time.perf_counter()
+        trace.enter(RequestPhase.PREFILL_RPC, start)
         prompt_ids = attempt.continuation.prompt_token_ids
         num_generated = attempt.continuation.num_generated_tokens
         request = prefill_request(attempt.request_id, prompt_ids, num_generated, attempt.sampling)
-        prefill_worker, prefilled = await self.dispatch.prefill(request, placement)
+        prefill_worker, prefilled = await self.dispatch.prefill(
+            request, placement, trace.metadata()
+        )
         cached = prefilled.num_cached_tokens if attempt.of_the_client_prompt else 0
         yield Prefilled(time.perf_counter() - start, cached)
         first_logprobs = (
@@ -221,9 +261,13 @@ class Generation:
         leased = prefilled.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
         admitted = False
         try:
-            yield out.chunk(
+            first = out.chunk(
                 [prefilled.first_token_id], first_logprobs, list(prefilled.prompt_logprobs)
             )
+            then = RequestPhase.DECODE_ADMISSION if leased else RequestPhase.DECODE
+            sent_s = out.last_token_s or time.perf_counter()
+            trace.prefilled(sent_s, prefilled.queue_s, prefilled.compute_s, then)
+            yield first
             if not leased:  # the first token ended it
                 yield Ended(prefilled.finish_reason)
                 return
@@ -238,12 +282,13 @@ class Generation:
             )
             if prefilled.HasField("first_token_logprobs"):
                 decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
-            call, decode_worker, transfer_s = await self.dispatch.admit(
-                decode_request, prefill_worker, placement, attempt.avoid
+            call, decode_worker, message = await self.dispatch.admit(
+                decode_request, prefill_worker, placement, attempt.avoid, trace.metadata()
             )
             admitted = True  # the decode worker now owns ending the lease
-            yield Transferred(transfer_s)
-            async for event in self._relay(call, decode_worker, out, local=None):
+            trace.admitted(message.kv_pull_s)
+            yield Transferred(message.transfer_s)
+            async for event in self._relay(call, decode_worker, out, None, trace):
                 yield event
         finally:
             if leased and not admitted:
@@ -251,7 +296,7 @@ class Generation:
                 self.dispatch.release_later(prefill_worker, attempt.request_id, token)
 
     async def _local(
-        self, attempt: Attempt, worker: Worker, out: OutputStream
+        self, attempt: Attempt, worker: Worker, out: OutputStream, trace: RequestTrace
     ) -> AsyncIterator[AttemptEvent]:
         """Conditional disaggregation (or colocated): the decode worker prefills the prompt's
         uncached part. Raises ``TurnedAway`` (before any token) when it cannot take it now."""
@@ -262,7 +307,8 @@ class Generation:
             num_generated_tokens=attempt.continuation.num_generated_tokens,
             model_fingerprint=self.dispatch.cluster.fingerprint,
         )
-        call = worker.decode_stub.PrefillAndDecode(request)
+        trace.enter(RequestPhase.LOCAL_PREFILL)
+        call = worker.decode_stub.PrefillAndDecode(request, metadata=trace.metadata() or None)
         worker.track(call)  # a relay: a certificate renewal must not cut it
         # Counted in flight from the call on: a burst of short prompts spreads over workers.
         with self.pool.dispatched(worker):
@@ -281,7 +327,7 @@ class Generation:
             except BaseException:
                 call.cancel()
                 raise
-        async for update in self._relay(call, worker, out, local=attempt):
+        async for update in self._relay(call, worker, out, attempt, trace):
             yield update
 
     async def _relay(
@@ -290,6 +336,7 @@ class Generation:
         worker: Worker,
         out: OutputStream,
         local: Attempt | None,
+        trace: RequestTrace,
     ) -> AsyncIterator[AttemptEvent]:
         """Relays a worker's token stream to the client (heartbeats are not relayed), then
         ``Ended``. ``local``: the attempt the worker prefilled itself, whose cache hits count
@@ -298,9 +345,12 @@ class Generation:
         hits = 0
         async for message in self.dispatch.relay(call, worker):
             if message.token_ids:
-                yield out.chunk(
+                chunk = out.chunk(
                     list(message.token_ids), list(message.logprobs), list(message.prompt_logprobs)
                 )
+                if trace.clock.current is RequestPhase.LOCAL_PREFILL:  # its first token
+                    trace.enter(RequestPhase.DECODE, out.last_token_s)
+                yield chunk
             hits = max(hits, message.num_cached_tokens)
             finish_reason = message.finish_reason
         if local is not None and local.of_the_client_prompt:

@@ -104,7 +104,9 @@ class OutputStream:
         prefill_s: float,
         transfer_s: float,
         num_migrations: int = 0,
+        phases: dict[str, float] | None = None,
     ) -> router_pb2.GenerateResponse:
+        """The final message; ``phases``: seconds by phase (``router/phases.py``)."""
         if (
             self._detokenizer is not None
             and self._detokenizer.stopped
@@ -126,6 +128,7 @@ class OutputStream:
                     mean_tpot_s=self.mean_tpot_s,
                     prefill_s=prefill_s,
                     transfer_s=transfer_s,
+                    phases=phases,
                 ),
                 num_migrations=num_migrations,
             )

@@ -67,6 +67,8 @@ HTTP_SPARE_CONNECTIONS = 256
 class RouterService(Service):
     name = "pdserve.v1.Router"
     public = True  # TLS without client certificates: API keys authenticate clients
+    trace_name = "pdserve-router"
+    roots_traces = True  # a request's trace starts here (pdserve/common/tracing.py)
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config

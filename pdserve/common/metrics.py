@@ -134,6 +134,13 @@ MIGRATION_ADDED_S = Histogram(
     "Gap a migration added to a stream: from the failure to the next token",
     buckets=_LATENCY_BUCKETS_S,
 )
+REQUEST_PHASE_S = Histogram(
+    "pdserve_request_phase_seconds",
+    "Seconds a finished request spent in each phase (router/phases.py; the phases before the "
+    "first token add up to its TTFT)",
+    ["phase"],
+    buckets=_LATENCY_BUCKETS_S,
+)
 CLIENT_IDLE_CANCELS = Counter(
     "pdserve_client_idle_cancels_total",
     "Streams cancelled because the client read nothing for --client-idle-timeout-s",

@@ -19,9 +19,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.common import peer_token
+from pdserve.common import peer_token, tracing
 from pdserve.common.channels import SERVER_OPTIONS
 from pdserve.common.tls import TlsConfig, add_port, is_loopback
+from pdserve.common.tracing import TracingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class ServerConfig:
     # The cluster's token for internal calls (pdserve/common/peer_token.py): internal ports
     # refuse calls without it, and this component sends it on its own. "": none.
     peer_token: str = field(default="", repr=False)
+    # Request traces (pdserve/common/tracing.py); off unless it names a collector.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         if self.tls is None and not self.insecure and not is_loopback(self.host):
@@ -83,6 +86,9 @@ class Service(ABC):
     request_stop: Callable[[], None] | None = None
     # Why the service stopped itself (a dead engine); the process then exits non-zero.
     failure: BaseException | None = None
+    # Its name in traces (``service.name`` of its spans), and whether it starts them.
+    trace_name: str = "pdserve"
+    roots_traces: bool = False
 
     @abstractmethod
     def register(self, server: grpc.aio.Server) -> None: ...
@@ -224,6 +230,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # ops: `kill -USR1` shows waits
     service.request_stop = stop.set
+    tracing.configure(config.tracing, service.trace_name, service.roots_traces)
     server = ServiceServer(service, config, reflect=reflect)
     address = await server.start()
     on_event("listening", address)
@@ -245,4 +252,5 @@ async def serve(
         await asyncio.gather(load, return_exceptions=True)
     logger.info("%s: draining", service.name)
     await server.shutdown()
+    await asyncio.to_thread(tracing.shutdown)  # the last spans out (bounded by the SDK)
     logger.info("%s: stopped", service.name)

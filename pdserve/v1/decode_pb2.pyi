@@ -118,6 +118,7 @@ class DecodeResponse(_message.Message):
     ADMITTED_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    KV_PULL_S_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     transfer_s: _builtins.float
     num_cached_tokens: _builtins.int
@@ -126,6 +127,10 @@ class DecodeResponse(_message.Message):
     """Decode only"""
     queued: _builtins.bool
     """PrefillAndDecode only"""
+    kv_pull_s: _builtins.float
+    """Decode, on the admitted message: how long the KV pull itself took (transfer_s is the
+    whole admission as this worker saw it).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Decode: the message with admitted set (once the KV is pulled into blocks of this worker)
@@ -153,10 +158,11 @@ class DecodeResponse(_message.Message):
         admitted: _builtins.bool = ...,
         queued: _builtins.bool = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
+        kv_pull_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "kv_pull_s", b"kv_pull_s", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -117,11 +117,18 @@ class PrefillResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     HANDLE_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    QUEUE_S_FIELD_NUMBER: _builtins.int
+    COMPUTE_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set when the first token already ends the request; then no blocks are leased."""
+    queue_s: _builtins.float
+    """Where the call's time went on this worker (router/phases.py): received -> the engine's
+    first step with the request (0 when the engine does not say), then -> the first token.
+    """
+    compute_s: _builtins.float
     @_builtins.property
     def first_token_logprobs(self) -> _common_pb2.TokenLogprobs:
         """set when sampling.logprobs is set"""
@@ -144,10 +151,12 @@ class PrefillResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         handle: Global___KVHandle | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
+        queue_s: _builtins.float = ...,
+        compute_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "handle", b"handle"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

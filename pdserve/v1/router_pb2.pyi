@@ -117,10 +117,31 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 class Timings(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class PhasesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TTFT_S_FIELD_NUMBER: _builtins.int
     MEAN_TPOT_S_FIELD_NUMBER: _builtins.int
     PREFILL_S_FIELD_NUMBER: _builtins.int
     TRANSFER_S_FIELD_NUMBER: _builtins.int
+    PHASES_FIELD_NUMBER: _builtins.int
     ttft_s: _builtins.float
     """request received -> first token sent"""
     mean_tpot_s: _builtins.float
@@ -129,6 +150,12 @@ class Timings(_message.Message):
     """prefill call (queueing + compute) as seen by the router"""
     transfer_s: _builtins.float
     """decode admission + KV pull as seen by the decode worker"""
+    @_builtins.property
+    def phases(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Seconds by phase (router/phases.py, over every attempt): those before the first token
+        add up to ttft_s.
+        """
+
     def __init__(
         self,
         *,
@@ -136,10 +163,11 @@ class Timings(_message.Message):
         mean_tpot_s: _builtins.float = ...,
         prefill_s: _builtins.float = ...,
         transfer_s: _builtins.float = ...,
+        phases: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mean_tpot_s", b"mean_tpot_s", "prefill_s", b"prefill_s", "transfer_s", b"transfer_s", "ttft_s", b"ttft_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mean_tpot_s", b"mean_tpot_s", "phases", b"phases", "prefill_s", b"prefill_s", "transfer_s", b"transfer_s", "ttft_s", b"ttft_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,6 +55,7 @@ class WorkerService(Service):
 
             build_engine = build_native_engine
         self._build_engine = build_engine
+        self.trace_name = f"pdserve-{self.role.value}"  # continues the router's traces
         self.engine_config = engine_config
         self.max_buffered_tokens = max_buffered_tokens
         self.heartbeat_s = heartbeat_s

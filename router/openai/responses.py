@@ -70,6 +70,9 @@ class ChoiceOutput:
     prompt_text: str | None = None  # as the client sent it (None: token ids)
     # Prompt token i + 1's logprobs at i (``prompt_logprobs``, or ``echo`` with logprobs).
     prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    # From the final message: the router's TTFT and where the time went (router/phases.py).
+    ttft_s: float = 0.0
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -90,11 +93,16 @@ def total_usage(choices: Sequence[ChoiceOutput]) -> dict[str, Any]:
     prompts: dict[int, ChoiceOutput] = {}
     for c in choices:
         prompts.setdefault(c.prompt_index, c)
-    return usage(
+    total = usage(
         sum(len(c.prompt_token_ids) for c in prompts.values()),
         sum(c.num_tokens for c in choices),
         sum(c.num_cached_tokens for c in prompts.values()),
     )
+    # pdserve's extension: each choice's TTFT and seconds by phase (docs/observability.md).
+    total["timings"] = [
+        {"index": c.index, "ttft_s": c.ttft_s, "phases_s": c.phases_s} for c in choices
+    ]
+    return total
 
 
 def _top(entry: common_pb2.TokenLogprobs, text: TokenText) -> list[tuple[str, float]]:

@@ -351,6 +351,8 @@ def _count(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
         final = response.final
         choice.finish_reason = finish_reason_from_proto(final.finish_reason)
         choice.num_cached_tokens = final.usage.cached_tokens
+        choice.ttft_s = final.timings.ttft_s
+        choice.phases_s = dict(final.timings.phases)
 
 
 def new_client_id(header: str | None) -> str:

@@ -48,14 +48,20 @@ def _bench(router: str, out: Path, *flags: str) -> subprocess.CompletedProcess[s
     return subprocess.run([*command, *flags], capture_output=True, text=True, timeout=300)
 
 
-def _check_outputs(out: Path, num_requests: int) -> dict[str, object]:
+def _check_outputs(out: Path, num_requests: int, ttft_phases: set[str]) -> dict[str, object]:
     results = json.loads((out / "results.json").read_text())  # strict JSON: no NaN
     summary = results["summary"]
     assert summary["num_completed"] == num_requests and summary["num_failed"] == 0
     assert len(results["requests"]) == num_requests
     for request in results["requests"]:
         assert 0 < request["ttft_s"] <= request["e2e_s"]
-    for name in ("latency_cdf.png", "latency_over_time.png"):
+        # The router's phases before the first token: its TTFT, within the client's.
+        router_ttft = sum(request["phases_s"][p] for p in ttft_phases)
+        assert 0 < router_ttft <= request["ttft_s"]
+    assert ttft_phases <= set(summary["phases_s"])
+    for distribution in summary["phases_s"].values():
+        assert 0 <= distribution["p50"] <= distribution["p90"]
+    for name in ("latency_cdf.png", "latency_over_time.png", "phases.png"):
         with Image.open(out / name) as image:
             image.verify()  # a complete, decodable PNG
         with Image.open(out / name) as image:
@@ -75,7 +81,10 @@ def test_closed_loop_bench_on_a_disaggregated_cluster(llama_dir: Path, tmp_path:
         )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "goodput" in done.stdout and "6/6 requests" in done.stderr
-    summary = _check_outputs(tmp_path / "out", 6)
+    assert "prefill_compute" in done.stdout and "kv_transfer" in done.stdout  # the phase table
+    summary = _check_outputs(
+        tmp_path / "out", 6, {"router", "route", "prefill_queue", "prefill_compute", "prefill_rpc"}
+    )
     assert summary["slo_fraction"] == 1.0
     assert summary["output_token_throughput"] > 0
 
@@ -98,7 +107,7 @@ def test_colocated_cluster_matches_one_engine_and_takes_open_loop_load(
         "--num-requests", "8", "--input-len", "32", "--output-len", "4", "--seed", "3",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    _check_outputs(tmp_path / "out", 8)
+    _check_outputs(tmp_path / "out", 8, {"router", "route", "local_prefill"})
     router = colocated.router
     assert router is not None
     with urllib.request.urlopen(f"http://{router.metrics_address}/metrics") as reply:

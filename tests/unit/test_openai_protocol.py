@@ -238,6 +238,10 @@ def test_response_bodies_usage_and_logprobs() -> None:
         "completion_tokens": 3,
         "total_tokens": 6,
         "prompt_tokens_details": {"cached_tokens": 3},
+        "timings": [
+            {"index": 0, "ttft_s": 0.0, "phases_s": {}},
+            {"index": 1, "ttft_s": 0.0, "phases_s": {}},
+        ],
     }
     first = body["choices"][0]
     assert first["logprobs"] == {

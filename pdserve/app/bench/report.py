@@ -10,7 +10,7 @@ from typing import Any
 
 from pdserve.app.bench.stats import Distribution, RequestRecord, Summary
 
-PLOTS = ("latency_cdf.png", "latency_over_time.png")
+PLOTS = ("latency_cdf.png", "latency_over_time.png", "phases.png")
 
 
 def table(summary: Summary) -> str:
@@ -42,7 +42,18 @@ def table(summary: Summary) -> str:
         f"goodput                {s.goodput:.2f} req/s ({s.slo_fraction:.1%} of requests within "
         f"{slos or 'no SLO'})"
     )
+    lines += phase_table(s.phases_s)
     return "\n".join(lines)
+
+
+def phase_table(phases: dict[str, Distribution]) -> list[str]:
+    """The router's phases (router/phases.py), per request: where TTFT and the rest went."""
+    if not phases:
+        return []
+    lines = [f"{'phase (ms)':<22}{'mean':>10}{'p50':>10}{'p90':>10}"]
+    for name, d in phases.items():
+        lines.append(f"{name:<22}" + "".join(f"{1e3 * v:>10.1f}" for v in (d.mean, d.p50, d.p90)))
+    return lines
 
 
 def _clean(value: Any) -> Any:
@@ -66,6 +77,7 @@ def record_json(r: RequestRecord) -> dict[str, Any]:
         "tpot_s": r.tpot_s if r.ok else None,
         "e2e_s": r.e2e_s if r.ok else None,
         "error": r.error,
+        "phases_s": r.phases_s,
     }
 
 
@@ -119,5 +131,21 @@ def plot(out_dir: Path, records: list[RequestRecord], title: str) -> list[Path]:
     fig.tight_layout()
     paths.append(out_dir / PLOTS[1])
     fig.savefig(paths[1], dpi=100)
+    plt.close(fig)
+
+    # Each request's phases stacked, in send order: where its TTFT (and the rest) went.
+    names = list(dict.fromkeys(n for r in done for n in r.phases_s))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    bottoms = [0.0] * len(done)
+    for name in names:
+        heights = [r.phases_s.get(name, 0.0) * 1e3 for r in done]
+        ax.bar(range(len(done)), heights, bottom=bottoms, label=name, width=0.9)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    ax.set(title=f"{title}: phases per request", xlabel="request (send order)", ylabel="ms")
+    if names:
+        ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    paths.append(out_dir / PLOTS[2])
+    fig.savefig(paths[2], dpi=100)
     plt.close(fig)
     return paths

@@ -99,8 +99,9 @@ async def _grpc(config: LoadConfig) -> AsyncIterator[Send]:
                         if response.chunk.token_ids:
                             record.chunk_times_s.append(clock() - start)
                             record.num_output_tokens += len(response.chunk.token_ids)
-                    else:  # token counts only; every time is the client's own
+                    else:  # token counts and the router's phases; other times are ours
                         record.num_prompt_tokens = response.final.usage.prompt_tokens
+                        record.phases_s = dict(response.final.timings.phases)
             except grpc.aio.AioRpcError as exc:
                 record.error = f"{exc.code().name}: {exc.details()}"
 
@@ -129,6 +130,8 @@ async def _http(config: LoadConfig) -> AsyncIterator[Send]:
             record.chunk_times_s = result.chunk_times_s
             record.num_output_tokens = sum(result.num_chunk_tokens)
             record.num_prompt_tokens = int(result.usage.get("prompt_tokens", 0))
+            timings = result.usage.get("timings") or [{}]
+            record.phases_s = dict(timings[0].get("phases_s") or {})
 
         yield send
 

@@ -23,6 +23,8 @@ class RequestRecord:
     chunk_times_s: list[float] = field(default_factory=list)  # arrival of each streamed chunk
     num_output_tokens: int = 0
     error: str = ""  # the gRPC status, when it failed
+    # Where the router says the time went (router/phases.py): seconds by phase.
+    phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -91,6 +93,8 @@ class Summary:
     slo_fraction: float  # of all requests, the share within both SLOs
     slo_ttft_s: float | None
     slo_tpot_s: float | None
+    # Seconds by phase over completed requests (a phase a request had no part in counts 0).
+    phases_s: dict[str, Distribution] = field(default_factory=dict)
 
 
 def meets_slo(record: RequestRecord, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
@@ -129,4 +133,11 @@ def summarize(
         slo_fraction=len(good) / len(records) if records else math.nan,
         slo_ttft_s=slo_ttft_s,
         slo_tpot_s=slo_tpot_s,
+        phases_s=phase_distributions(done),
     )
+
+
+def phase_distributions(records: list[RequestRecord]) -> dict[str, Distribution]:
+    """Per phase, in the order phases first appear: its seconds over ``records``."""
+    names = list(dict.fromkeys(name for r in records for name in r.phases_s))
+    return {n: Distribution.of([r.phases_s.get(n, 0.0) for r in records]) for n in names}

@@ -19,6 +19,7 @@ from engine.kv_layout import KV_CACHE_DTYPE_NAMES
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from pdserve.common.tls import DEFAULT_SERVER_NAME, TlsConfig
+from pdserve.common.tracing import TracingConfig
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -121,6 +122,7 @@ def add_server_flags(
         default=field_default(ServerConfig, "keepalive_s"),
         help="ping callers of open calls this often; a silent one is cut after twice this",
     )
+    add_tracing_flags(parser, env)
     add_flag(parser, "--tls-cert", env, default=None, help="TLS certificate chain (PEM)")
     add_flag(parser, "--tls-key", env, default=None, help="TLS private key (PEM)")
     add_flag(parser, "--tls-ca", env, default=None, help="CA internal peers must chain to")
@@ -138,6 +140,39 @@ def add_server_flags(
         action="store_true",
         help="allow plaintext on a non-loopback address (trusted networks only)",
     )
+
+
+# OpenTelemetry's own variables, read when the flags are not set (docs/observability.md).
+OTEL_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+OTEL_RATIO_ENV = "OTEL_TRACES_SAMPLER_ARG"
+
+
+def add_tracing_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """``--otlp-endpoint`` and ``--trace-sample-ratio`` (every server, and ``pdserve up``,
+    which hands them to each component)."""
+    environ = os.environ if env is None else env
+    endpoint = next((environ[name] for name in OTEL_ENDPOINT_ENVS if environ.get(name)), "")
+    ratio = environ.get(OTEL_RATIO_ENV) or field_default(TracingConfig, "sample_ratio")
+    add_flag(
+        parser,
+        "--otlp-endpoint",
+        env,
+        default=endpoint or field_default(TracingConfig, "endpoint"),
+        help="OTLP/gRPC collector for request traces, e.g. http://localhost:4317 (unset: no "
+        f"traces; else {OTEL_ENDPOINT_ENVS[0]} or {OTEL_ENDPOINT_ENVS[1]})",
+    )
+    add_flag(
+        parser,
+        "--trace-sample-ratio",
+        env,
+        type=float,
+        default=ratio,
+        help=f"share of requests the router traces (else {OTEL_RATIO_ENV})",
+    )
+
+
+def tracing_config(args: argparse.Namespace) -> TracingConfig:
+    return TracingConfig(endpoint=args.otlp_endpoint, sample_ratio=float(args.trace_sample_ratio))
 
 
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
@@ -193,4 +228,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         tls=tls_config(args),
         insecure=args.insecure,
         peer_token=args.peer_token,
+        tracing=tracing_config(args),
     )

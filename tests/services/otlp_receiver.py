@@ -1,0 +1,106 @@
+"""A real OTLP/gRPC trace receiver for tests: OpenTelemetry's own collector service definition
+(``opentelemetry.proto.collector.trace.v1.TraceService``), served on loopback port 0, keeping
+every span it is sent. What a collector (otel-collector, Jaeger, Tempo) receives, decoded
+from the wire by the protocol's own messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error: bool
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+def _value(v: common_pb2.AnyValue) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind is not None else None
+
+
+class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, spans: list[ReceivedSpan], lock: threading.Lock) -> None:
+        self.spans, self.lock = spans, lock
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        received = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                for s in scope.spans:
+                    received.append(
+                        ReceivedSpan(
+                            service=str(resource.get("service.name", "")),
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_id=s.parent_span_id.hex(),
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                            error=s.status.code == s.status.STATUS_CODE_ERROR,
+                        )
+                    )
+        with self.lock:
+            self.spans.extend(received)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class OtlpReceiver:
+    def __init__(self) -> None:
+        self._spans: list[ReceivedSpan] = []
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
+            _Servicer(self._spans, self._lock), self._server
+        )
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"http://127.0.0.1:{port}"
+
+    def spans(self) -> list[ReceivedSpan]:
+        with self._lock:
+            return list(self._spans)
+
+    def wait(
+        self, done: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 60.0
+    ) -> list[ReceivedSpan]:
+        """The spans once ``done`` holds for them (polled; exporters batch), bounded."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            spans = self.spans()
+            if done(spans):
+                return spans
+            if time.monotonic() > deadline:
+                names = sorted({(s.service, s.name) for s in spans})
+                raise AssertionError(f"spans not received within {timeout_s} s; got {names}")
+            time.sleep(0.05)
+
+    def __enter__(self) -> OtlpReceiver:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(grace=None)
