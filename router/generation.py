@@ -71,7 +71,7 @@ class Generation:
         ``migration_limit`` times, invisibly to the client; a prompt that keeps losing workers
         before its first token is quarantined (``router/quarantine.py``). Its phases and trace:
         ``router/request_trace.py``. Raises ``WorkerError``."""
-        trace = RequestTrace(request_id, out.start_s)
+        trace = RequestTrace(request_id, out.start_s, self.config.colocated)
         try:
             async for response in self._generate(
                 request_id, client_id, prompt_ids, params, out, trace
@@ -159,7 +159,6 @@ class Generation:
                 "pdserve.prompt_tokens": out.num_prompt_tokens,
                 "pdserve.output_tokens": out.num_output_tokens,
                 "pdserve.migrations": migrations,
-                "pdserve.path": "local" if report.local_worker else "disaggregated",
             }
         )
         final = out.final(

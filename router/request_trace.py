@@ -27,8 +27,10 @@ _SPAN_NAMES = {
 
 
 class RequestTrace:
-    def __init__(self, request_id: str, start_s: float) -> None:
+    def __init__(self, request_id: str, start_s: float, colocated: bool = False) -> None:
         self.clock = PhaseClock(start_s)
+        self._colocated = colocated
+        self.path = "none"  # the last attempt's (disaggregated, local, colocated)
         self._root: trace.Span | None = None
         self._span: trace.Span | None = None
         tracer = tracing.tracer()
@@ -53,6 +55,10 @@ class RequestTrace:
         """The request moves on to ``phase`` (at ``now``, default: the current time)."""
         now = time.perf_counter() if now is None else now
         self.clock.enter(phase, now)
+        if phase is RequestPhase.PREFILL_RPC:
+            self.path = "disaggregated"
+        elif phase is RequestPhase.LOCAL_PREFILL:
+            self.path = "colocated" if self._colocated else "local"
         if self._root is not None:
             self._end_span(now)
             self._span = self._start(phase, now, attrs)
@@ -115,11 +121,12 @@ class RequestTrace:
         now = time.perf_counter()
         self.clock.close(now)
         for phase, seconds in self.clock.totals().items():
-            metrics.REQUEST_PHASE_S.labels(phase.value).observe(seconds)
+            metrics.REQUEST_PHASE_S.labels(phase.value, self.path).observe(seconds)
         if self._root is not None:
             self._end_span(now)
             for name, seconds in self.breakdown().items():
                 self._root.set_attribute(f"pdserve.phase.{name}_s", seconds)
+            self._root.set_attribute("pdserve.path", self.path)
             for key, value in (attributes or {}).items():
                 self._root.set_attribute(key, value)
             self._root.end(end_time=tracing.ns(now))

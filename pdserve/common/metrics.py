@@ -64,6 +64,10 @@ KV_BLOCKS_USED = Gauge("pdserve_kv_blocks_used", "KV blocks referenced by reques
 KV_BLOCKS_FREE = Gauge("pdserve_kv_blocks_free", "KV blocks free (cached or empty)")
 LEASED_REQUESTS = Gauge("pdserve_leased_requests", "Prefilled requests awaiting a KV pull")
 LEASES_EXPIRED = Counter("pdserve_leases_expired_total", "Leases freed by expiry, not by decode")
+PREEMPTIONS = Counter(
+    "pdserve_preemptions_total",
+    "Running requests preempted for KV room (their blocks freed; recomputed when resumed)",
+)
 PAUSED = Gauge(
     "pdserve_paused_requests", "Requests whose reader stopped reading: blocks kept, no seat"
 )
@@ -137,8 +141,9 @@ MIGRATION_ADDED_S = Histogram(
 REQUEST_PHASE_S = Histogram(
     "pdserve_request_phase_seconds",
     "Seconds a finished request spent in each phase (router/phases.py; the phases before the "
-    "first token add up to its TTFT)",
-    ["phase"],
+    "first token add up to its TTFT), by the path its last attempt took (disaggregated, "
+    "local, colocated; none: it reached no worker)",
+    ["phase", "path"],
     buckets=_LATENCY_BUCKETS_S,
 )
 CLIENT_IDLE_CANCELS = Counter(
@@ -207,6 +212,7 @@ class EngineObserver:
         KV_BLOCKS_FREE.set(stats.num_free_blocks)
         PROMPT_TOKENS_COMPUTED.set(stats.num_prompt_tokens_computed)
         self._advance(ENGINE_STEPS, "steps", stats.num_steps)
+        self._advance(PREEMPTIONS, "preemptions", stats.num_preemptions)
         self._advance(SPEC_PROPOSED, "proposed", stats.num_spec_proposed_tokens)
         self._advance(SPEC_ACCEPTED, "accepted", stats.num_spec_accepted_tokens)
         self._advance(SPEC_VERIFICATIONS, "verifications", stats.num_spec_verifications)
