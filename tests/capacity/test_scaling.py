@@ -14,12 +14,15 @@ from pdserve.app.capacity.scaling import (
     PoolState,
     Reason,
     ScalingPolicy,
+    Signal,
     correction,
     decide,
     decode_seats,
     desired_replicas,
     predict,
     prefill_tokens_per_s,
+    pressure_replicas,
+    wanted_replicas,
 )
 from pdserve.common.role import Role
 from tests.capacity.test_simulator import constant_profile
@@ -102,3 +105,26 @@ def test_decide_scales_up_at_once_and_down_after_hysteresis_and_cooldown() -> No
     assert decision.reason is Reason.STEADY and state.num_below == 0
     with pytest.raises(ValueError):
         Bounds(3, 2)
+
+
+def test_pool_pressure_floors_the_loads_sizes_and_names_its_signal() -> None:
+    pressed = dataclasses.replace(_load(1.0), decode_kv_usage=0.9, prefill_queue_depth=40)
+    current = {Role.PREFILL: 1, Role.DECODE: 3}
+    # Decode: ceil(3 x 0.9 / 0.75) = 4. Prefill: 40 x 512 tokens at 2048 / 0.2148 tokens/s
+    # a worker, drained within the 1 s TTFT SLO: ceil(2.148) = 3.
+    by_pressure = pressure_replicas(PROFILE, pressed, POLICY, Corrections(), current)
+    assert by_pressure == {Role.DECODE: 4, Role.PREFILL: 3}
+    # A slower prefill than profiled (correction 2) needs twice the workers: ceil(4.297).
+    slow = pressure_replicas(PROFILE, pressed, POLICY, Corrections(prefill=2.0), current)
+    assert slow[Role.PREFILL] == 5
+    # Exactly at the target: no more workers (3 x 0.75 / 0.75 = 3, not 4).
+    at_target = dataclasses.replace(pressed, decode_kv_usage=0.75)
+    assert pressure_replicas(PROFILE, at_target, POLICY, Corrections(), current)[Role.DECODE] == 3
+    # Unreported pools ask for nothing.
+    assert pressure_replicas(PROFILE, _load(1.0), POLICY, Corrections(), current) == {}
+    wanted = wanted_replicas({Role.PREFILL: 4, Role.DECODE: 2}, by_pressure)
+    assert wanted == {Role.PREFILL: (4, Signal.LOAD), Role.DECODE: (4, Signal.KV_PRESSURE)}
+    tie = wanted_replicas({Role.PREFILL: 3, Role.DECODE: 4}, by_pressure)
+    assert tie == {Role.PREFILL: (3, Signal.LOAD), Role.DECODE: (4, Signal.LOAD)}
+    with pytest.raises(ValueError, match="kv_target"):
+        ScalingPolicy(slo_ttft_s=1.0, slo_tpot_s=0.05, kv_target=0.0)

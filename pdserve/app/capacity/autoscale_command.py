@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.app import settings
+from pdserve.app.capacity.scaling import ScalingPolicy
 from pdserve.app.settings import add_flag
+from pdserve.app.settings.flags import field_default
 from pdserve.common.tls import DEFAULT_SERVER_NAME
 
 if TYPE_CHECKING:
     from pdserve.app.capacity.scale_target import ScaleTarget
-    from pdserve.app.capacity.scaling import ScalingPolicy
 
 
 def _cmd_autoscale(args: argparse.Namespace) -> int:
@@ -25,7 +26,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
         PoolRef,
         kubernetes_target,
     )
-    from pdserve.app.capacity.scaling import Bounds, ScalingPolicy
+    from pdserve.app.capacity.scaling import Bounds
     from pdserve.common.role import Role
 
     policy = ScalingPolicy(
@@ -38,6 +39,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
         down_after_intervals=args.down_after_intervals,
         utilization=args.utilization,
         correct_profile=not args.no_correction,
+        kv_target=args.kv_target,
     )
     urls = list(args.metrics_url)
     if args.target == "local":
@@ -89,15 +91,28 @@ def _autoscale(
     from pdserve.app.capacity import profile as profile_io
     from pdserve.app.capacity.autoscaler import Autoscaler
     from pdserve.app.capacity.load_meter import scrape, totals
+    from pdserve.app.capacity.prometheus_meter import PoolJobs, PrometheusMeter
     from pdserve.common.metrics import start_metrics_server
 
-    scaler = Autoscaler(
-        profile_io.load(args.profile),
-        policy,
-        lambda now_s: {u: totals(scrape(u), now_s) for u in routers()},
-        target,
-        dry_run=args.dry_run,
-    )
+    if args.prometheus:  # every input from Prometheus: the routers' totals and the pools
+        jobs = PoolJobs(args.router_job, args.prefill_job, args.decode_job)
+        prometheus = PrometheusMeter(args.prometheus, jobs)
+        scaler = Autoscaler(
+            profile_io.load(args.profile),
+            policy,
+            prometheus.totals,
+            target,
+            dry_run=args.dry_run,
+            pressure=prometheus.pressure,
+        )
+    else:  # the routers' own /metrics; the pools' state is not read
+        scaler = Autoscaler(
+            profile_io.load(args.profile),
+            policy,
+            lambda now_s: {u: totals(scrape(u), now_s) for u in routers()},
+            target,
+            dry_run=args.dry_run,
+        )
     if args.metrics_port is not None:
         port = start_metrics_server(args.host, args.metrics_port)
         print(f"pdserve autoscale metrics {args.host}:{port}", flush=True)
@@ -123,6 +138,27 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     add_flag(auto, "--ray-address", default="auto", help="--target ray: the Ray cluster")
     add_flag(auto, "--ray-namespace", default="pdserve", help="--target ray: the deployment's")
     add_flag(auto, "--metrics-url", action="append", default=[], help="a router's /metrics URL")
+    add_flag(
+        auto,
+        "--prometheus",
+        default=None,
+        help="read every input from this Prometheus (its HTTP API) instead of /metrics pages: "
+        "the routers' totals, the decode pool's KV usage, the prefill pool's queue",
+    )
+    for pool in ("router", "prefill", "decode"):
+        add_flag(
+            auto,
+            f"--{pool}-job",
+            default=f".*-{pool}",
+            help=f"--prometheus: the job label (regex) of the {pool} series",
+        )
+    add_flag(
+        auto,
+        "--kv-target",
+        type=float,
+        default=field_default(ScalingPolicy, "kv_target"),
+        help="--prometheus: the decode pool's KV usage it is sized for (higher: scale up)",
+    )
     add_flag(auto, "--router-selector", default=None, help="router pods (each one scraped)")
     add_flag(auto, "--router-metrics-port", type=int, default=9090)
     add_flag(auto, "--namespace", default="default")

@@ -15,6 +15,7 @@ from prometheus_client import Counter, Gauge
 
 from pdserve.app.capacity.load_meter import Totals, load_between
 from pdserve.app.capacity.profile import Profile
+from pdserve.app.capacity.prometheus_meter import PoolPressure
 from pdserve.app.capacity.scale_target import ScaleTarget
 from pdserve.app.capacity.scaling import (
     Corrections,
@@ -26,6 +27,8 @@ from pdserve.app.capacity.scaling import (
     decide,
     desired_replicas,
     predict,
+    pressure_replicas,
+    wanted_replicas,
 )
 from pdserve.common.role import WORKER_ROLES, Role
 
@@ -36,6 +39,13 @@ ACTUAL = Gauge("pdserve_planner_replicas", "The pool's size as set", ["pool"])
 PREDICTED_RATE = Gauge("pdserve_planner_predicted_rate", "Next interval's requests/s")
 CORRECTION = Gauge("pdserve_planner_correction", "Observed / expected latency", ["pool"])
 DECISIONS = Counter("pdserve_planner_decisions_total", "Decisions", ["pool", "reason"])
+SIGNALS = Counter(
+    "pdserve_planner_signals_total",
+    "Decisions by the signal that set the wanted size (load, kv_pressure, queued_prompt_tokens)",
+    ["pool", "signal"],
+)
+KV_USAGE = Gauge("pdserve_planner_decode_kv_usage", "The decode pool's KV usage as read")
+QUEUE_DEPTH = Gauge("pdserve_planner_prefill_queue_depth", "Requests queued on prefill as read")
 _HISTORY = 8
 
 
@@ -48,9 +58,10 @@ class Autoscaler:
         target: ScaleTarget,
         dry_run: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        pressure: Callable[[], PoolPressure] | None = None,  # the pools' state, if known
     ) -> None:
         self.profile, self.policy, self.meter, self.target = profile, policy, meter, target
-        self.dry_run, self.clock = dry_run, clock
+        self.dry_run, self.clock, self.pressure = dry_run, clock, pressure
         self.states = {pool: PoolState(target.replicas(pool)) for pool in WORKER_ROLES}
         self.history: list[Load] = []
         self._last: tuple[float, dict[str, Totals]] | None = None
@@ -64,6 +75,15 @@ class Autoscaler:
             return []
         previous = self.history[-1] if self.history else None
         load = load_between(last[1], readings, now_s - last[0], previous)
+        if self.pressure is not None:
+            pools = self.pressure()
+            load = dataclasses.replace(
+                load,
+                decode_kv_usage=pools.decode_kv_usage,
+                prefill_queue_depth=pools.prefill_queue_depth,
+            )
+            KV_USAGE.set(pools.decode_kv_usage or 0.0)
+            QUEUE_DEPTH.set(pools.prefill_queue_depth or 0.0)
         self.history = [*self.history, load][-_HISTORY:]
         predicted = predict(self.history)
         corrections = (
@@ -71,32 +91,44 @@ class Autoscaler:
             if self.policy.correct_profile
             else Corrections()
         )
-        wanted = desired_replicas(self.profile, predicted, self.policy, corrections)
+        by_load = desired_replicas(self.profile, predicted, self.policy, corrections)
+        if not self.dry_run:  # someone else (an operator, a failed start) may have resized
+            for pool in WORKER_ROLES:
+                size = self.target.replicas(pool)
+                self.states[pool] = dataclasses.replace(self.states[pool], replicas=size)
+        current = {pool: state.replicas for pool, state in self.states.items()}
+        # The pools' state is now, not predicted: it floors what the load asks for.
+        by_pressure = pressure_replicas(self.profile, load, self.policy, corrections, current)
+        wanted = wanted_replicas(by_load, by_pressure)
         PREDICTED_RATE.set(predicted.rate)
         CORRECTION.labels(Role.PREFILL.value).set(corrections.prefill)
         CORRECTION.labels(Role.DECODE.value).set(corrections.decode)
         decisions = []
         for pool in WORKER_ROLES:
-            if not self.dry_run:  # someone else (an operator, a failed start) may have resized
-                current = self.target.replicas(pool)
-                self.states[pool] = dataclasses.replace(self.states[pool], replicas=current)
-            decision, state = decide(pool, self.states[pool], wanted[pool], now_s, self.policy)
+            size, signal = wanted[pool]
+            decision, state = decide(pool, self.states[pool], size, now_s, self.policy)
+            decision = dataclasses.replace(decision, signal=signal)
             if decision.target != decision.current and not self.dry_run:
                 self.target.scale(pool, decision.target)
             self.states[pool] = state  # a dry run goes on as if applied: what it would do
             DESIRED.labels(pool.value).set(decision.desired)
             ACTUAL.labels(pool.value).set(self.states[pool].replicas)
             DECISIONS.labels(pool.value, decision.reason.value).inc()
+            SIGNALS.labels(pool.value, signal.value).inc()
             logger.info(
-                "%s: %d -> %d (desired %d, %s; predicted %.2f req/s, %.0f+%.0f tokens%s)",
+                "%s: %d -> %d (desired %d by %s, %s; predicted %.2f req/s, %.0f+%.0f tokens; "
+                "decode KV %s, prefill queue %s%s)",
                 pool.value,
                 decision.current,
                 decision.target,
                 decision.desired,
+                signal.value,
                 decision.reason.value,
                 predicted.rate,
                 predicted.mean_prompt_tokens,
                 predicted.mean_output_tokens,
+                "n/a" if load.decode_kv_usage is None else f"{load.decode_kv_usage:.0%}",
+                "n/a" if load.prefill_queue_depth is None else f"{load.prefill_queue_depth:g}",
                 ", dry run" if self.dry_run else "",
             )
             decisions.append(decision)

@@ -32,7 +32,7 @@ class Totals:
     tpot_count: float = 0.0
 
 
-_SAMPLES = {
+SAMPLES = {
     "pdserve_router_arrivals_total": "num_arrivals",
     "pdserve_request_prompt_tokens_count": "num_finished",
     "pdserve_request_prompt_tokens_sum": "prompt_tokens",
@@ -42,7 +42,7 @@ _SAMPLES = {
     "pdserve_tpot_seconds_sum": "tpot_sum_s",
     "pdserve_tpot_seconds_count": "tpot_count",
 }
-_FIELDS = tuple(_SAMPLES.values())
+_FIELDS = tuple(SAMPLES.values())
 
 
 def totals(text: str, time_s: float) -> Totals:
@@ -50,7 +50,7 @@ def totals(text: str, time_s: float) -> Totals:
     sums = dict.fromkeys(_FIELDS, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            field = _SAMPLES.get(sample.name)
+            field = SAMPLES.get(sample.name)
             if field is not None:
                 sums[field] += float(sample.value)
     return Totals(time_s, **sums)

@@ -10,6 +10,11 @@ Corrections are observed / expected latency (as Dynamo's planner does), bounded 
 [``MIN_CORRECTION``, ``MAX_CORRECTION``], so a profile from other hardware or a drifted machine
 is scaled to what the cluster really does.
 
+``pressure_replicas`` reads the pools themselves (when a source reports them): the decode pool
+at least as large as keeps its KV usage at ``kv_target`` (the saturation signal llm-d scales
+on), the prefill pool at least as large as drains the prompt tokens queued on it within the
+TTFT SLO. ``wanted_replicas`` takes the larger per pool and names the signal that set it.
+
 ``decide`` applies the policy: up at once; down only after ``down_after_intervals`` intervals
 in a row below the current size and ``cooldown_s`` after the pool's last change; always within
 the pool's bounds. Every decision carries its reason.
@@ -60,6 +65,7 @@ class ScalingPolicy:
     down_after_intervals: int = 3
     utilization: float = 0.8  # the busy share a pool is sized for
     correct_profile: bool = True  # scale the profile by observed / expected latency
+    kv_target: float = 0.75  # the decode pool's KV usage it is sized for (pressure)
 
     def __post_init__(self) -> None:
         if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0 and self.interval_s > 0):
@@ -68,6 +74,8 @@ class ScalingPolicy:
             raise ValueError(f"utilization must be in (0, 1], got {self.utilization}")
         if self.cooldown_s < 0 or self.down_after_intervals < 1:
             raise ValueError("need cooldown_s >= 0 and down_after_intervals >= 1")
+        if not 0 < self.kv_target <= 1:
+            raise ValueError(f"kv_target must be in (0, 1], got {self.kv_target}")
 
     def bounds(self, pool: Role) -> Bounds:
         return self.prefill if pool is Role.PREFILL else self.decode
@@ -83,6 +91,10 @@ class Load:
     mean_output_tokens: float
     mean_ttft_s: float | None = None  # observed; None without finished requests
     mean_tpot_s: float | None = None
+    # The pools now (None: no source reports them): the decode pool's share of KV blocks in
+    # use, and the requests waiting in the prefill pool's queues.
+    decode_kv_usage: float | None = None
+    prefill_queue_depth: float | None = None
 
 
 def predict(history: list[Load]) -> Load:
@@ -177,6 +189,45 @@ def desired_replicas(
     return {Role.PREFILL: prefill, Role.DECODE: decode}
 
 
+class Signal(enum.Enum):
+    """What set a pool's wanted size."""
+
+    LOAD = "load"  # the predicted request rate, through the profile
+    KV_PRESSURE = "kv_pressure"  # the decode pool's KV usage over kv_target
+    QUEUE = "queued_prompt_tokens"  # prompts queued on prefill beyond what the SLO drains
+
+
+def pressure_replicas(
+    profile: Profile,
+    load: Load,
+    policy: ScalingPolicy,
+    corrections: Corrections,
+    current: dict[Role, int],
+) -> dict[Role, int]:
+    """The sizes the pools' own state asks for (only the pools a source reported)."""
+    wanted: dict[Role, int] = {}
+    if load.decode_kv_usage is not None and current[Role.DECODE] > 0:
+        needed = current[Role.DECODE] * load.decode_kv_usage / policy.kv_target
+        wanted[Role.DECODE] = math.ceil(round(needed, 9))
+    if load.prefill_queue_depth and load.mean_prompt_tokens > 0:
+        per_worker = prefill_tokens_per_s(profile, load.mean_prompt_tokens) / corrections.prefill
+        queued_tokens = load.prefill_queue_depth * load.mean_prompt_tokens
+        wanted[Role.PREFILL] = math.ceil(round(queued_tokens / (per_worker * policy.slo_ttft_s), 9))
+    return wanted
+
+
+def wanted_replicas(
+    by_load: dict[Role, int], by_pressure: dict[Role, int]
+) -> dict[Role, tuple[int, Signal]]:
+    """Per pool the larger of the two, with the signal that set it (the load on a tie)."""
+    pressure_signal = {Role.DECODE: Signal.KV_PRESSURE, Role.PREFILL: Signal.QUEUE}
+    wanted = {}
+    for pool, n in by_load.items():
+        pressed = by_pressure.get(pool, 0)
+        wanted[pool] = (pressed, pressure_signal[pool]) if pressed > n else (n, Signal.LOAD)
+    return wanted
+
+
 @dataclass(frozen=True)
 class PoolState:
     replicas: int
@@ -191,6 +242,7 @@ class Decision:
     desired: int  # what the load wants (bounded)
     target: int  # what the pool is set to now
     reason: Reason
+    signal: Signal = Signal.LOAD  # what set the wanted size
 
 
 def decide(
