@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -135,7 +136,11 @@ def test_planner_accuracy_smoke_run_compares_the_simulator_with_a_real_run(
     for side in ("real", "sim"):
         assert row[side]["ttft_p90"] > 0 and row[side]["tpot_p90"] > 0 and row[side]["goodput"] > 0
     assert report["max_rel_error"] == max(row["rel_error"].values())
-    assert report["noise"] is not None  # the first real run, repeated
+    assert report["repeats"] == 2 and len(row["runs"]) == 2  # every real run repeated
+    for metric, spread in row["spread"].items():
+        values = [run[metric] for run in row["runs"]]
+        assert row["real"][metric] == statistics.median(values)
+        assert spread == (max(values) - min(values)) / statistics.median(values)
     assert report["profile"]["router_overhead_s"] > 0  # calibrated from idle requests
 
 
