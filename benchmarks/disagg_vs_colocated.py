@@ -27,6 +27,7 @@ from typing import Any
 from bench_inputs import REPO, ensure_model  # sibling module
 
 from pdserve.app.bench import workload
+from pdserve.app.bench.report import phase_table
 from pdserve.app.bench.runner import LoadConfig, run_load
 from pdserve.app.bench.stats import summarize
 from pdserve.app.capacity.simulator import ClusterShape
@@ -135,9 +136,15 @@ def measure(
                     "goodput": s.goodput,
                     "slo_fraction": s.slo_fraction,
                     "throughput": s.request_throughput,
+                    # Where the time went, by the router's phases (docs/observability.md).
+                    "phases_ms": {
+                        name: {"p50": d.p50 * 1e3, "p90": d.p90 * 1e3}
+                        for name, d in s.phases_s.items()
+                    },
                 }
             )
             print(f"  {mode:<14} rate {rate:>4}/s: {json.dumps(rows[-1])}", flush=True)
+            print("\n".join(phase_table(s.phases_s)), flush=True)
     return rows
 
 
@@ -190,6 +197,25 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], model: Pa
         )
     top = max(args.rate_list)
     at_top = {r["mode"]: r for r in rows if r["rate"] == top}
+    modes = list(at_top)
+    phases = list(dict.fromkeys(p for r in at_top.values() for p in r["phases_ms"]))
+    lines += [
+        "",
+        f"Where the time went at {top:g} req/s, by the router's phases (ms, p50 / p90 over the "
+        "requests; the phases before the first token add up to each request's TTFT; "
+        "docs/observability.md):",
+        "",
+        "| phase | " + " | ".join(modes) + " |",
+        "| --- |" + " --- |" * len(modes),
+    ]
+    for phase in phases:
+        cells = [
+            "{p50:.1f} / {p90:.1f}".format(**at_top[m]["phases_ms"][phase])
+            if phase in at_top[m]["phases_ms"]
+            else "—"
+            for m in modes
+        ]
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     co, dis = at_top["colocated"], at_top["disaggregated"]
     lines += [
         "",

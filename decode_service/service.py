@@ -18,7 +18,7 @@ import grpc
 
 from decode_service.config import DecodeConfig
 from decode_service.peers import PeerDirectory
-from engine.outputs import PrefilledRequest
+from engine.outputs import PrefilledRequest, RequestUpdate
 from engine.serving_engine import EngineBuilder, EngineDeadError, NoRoomError
 from kvtransfer import (
     KVHandle,
@@ -195,10 +195,13 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                         if first:
                             # The router already has the first token (from the prefill worker).
                             token_ids, logprobs, first = token_ids[1:], logprobs[1:], False
-                        yield decode_pb2.DecodeResponse(
-                            token_ids=token_ids,
-                            logprobs=[logprobs_to_proto(lp) for lp in logprobs],
-                            finish_reason=finish_reason_to_proto(update.finish_reason),
+                        yield _with_speculation(
+                            decode_pb2.DecodeResponse(
+                                token_ids=token_ids,
+                                logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+                                finish_reason=finish_reason_to_proto(update.finish_reason),
+                            ),
+                            update,
                         )
             except EngineDeadError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -228,14 +231,18 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 )
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
-                        yield decode_pb2.DecodeResponse(
-                            token_ids=update.new_token_ids,
-                            logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-                            finish_reason=finish_reason_to_proto(update.finish_reason),
-                            num_cached_tokens=update.num_cached_tokens,
-                            prompt_logprobs=[
-                                logprobs_to_proto(lp) for lp in update.prompt_logprobs
-                            ],
+                        yield _with_speculation(
+                            decode_pb2.DecodeResponse(
+                                token_ids=update.new_token_ids,
+                                logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
+                                finish_reason=finish_reason_to_proto(update.finish_reason),
+                                num_cached_tokens=update.num_cached_tokens,
+                                num_host_cached_tokens=update.num_host_cached_tokens,
+                                prompt_logprobs=[
+                                    logprobs_to_proto(lp) for lp in update.prompt_logprobs
+                                ],
+                            ),
+                            update,
                         )
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -290,3 +297,13 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
         metrics.TRANSFER_S.observe(stats.duration_s)
         return stats.duration_s, len(block_ids)
+
+
+def _with_speculation(
+    message: decode_pb2.DecodeResponse, update: RequestUpdate
+) -> decode_pb2.DecodeResponse:
+    """A finishing message carries the request's speculation counts (for traces)."""
+    if update.finished:
+        message.num_spec_proposed_tokens = update.num_spec_proposed_tokens
+        message.num_spec_accepted_tokens = update.num_spec_accepted_tokens
+    return message

@@ -24,6 +24,11 @@ class RequestUpdate:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # time.monotonic() when the engine first scheduled the request (None: it does not say).
     first_scheduled_s: float | None = None
+    # For traces: prompt tokens loaded from the host tier; speculation so far (proposed,
+    # kept) for this request.
+    num_host_cached_tokens: int = 0
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

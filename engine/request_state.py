@@ -91,6 +91,9 @@ class RequestState:
             prefilled=prefilled,
             prompt_logprobs=prompt_logprobs,
             first_scheduled_s=self.seq.first_scheduled_s,
+            num_host_cached_tokens=self.seq.num_host_cached_tokens,
+            num_spec_proposed_tokens=self.seq.num_spec_proposed_tokens,
+            num_spec_accepted_tokens=self.seq.num_spec_accepted_tokens,
         )
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         self.reported_cached = True

@@ -76,6 +76,9 @@ class Sequence:
     # The scheduler's clock (``schedule(now)``: time.monotonic() in an engine) when it first
     # admitted this sequence: where its queueing ended (router/phases.py).
     first_scheduled_s: float | None = None
+    # Speculation: guesses verified for this request and the ones it kept (request traces).
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:

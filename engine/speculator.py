@@ -119,6 +119,8 @@ class Speculator:
         self.num_proposed_tokens += len(scheduled.spec_token_ids)
         self.num_accepted_tokens += num_accepted
         self.num_verifications += 1
+        scheduled.seq.num_spec_proposed_tokens += len(scheduled.spec_token_ids)
+        scheduled.seq.num_spec_accepted_tokens += num_accepted
         state = self._states.get(scheduled.seq.request_id)  # None once finished
         if state is not None:
             state.verified(len(scheduled.spec_token_ids), num_accepted, self.config.min_acceptance)

@@ -127,6 +127,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 prompt_logprobs=[logprobs_to_proto(lp) for lp in last.prompt_logprobs],
                 queue_s=queue_s,
                 compute_s=compute_s,
+                num_host_cached_tokens=last.num_host_cached_tokens,
             )
             tracing.record_call(
                 context.invocation_metadata(),
@@ -135,6 +136,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 {
                     "pdserve.prompt_tokens": len(prompt),
                     "pdserve.cached_tokens": last.num_cached_tokens,
+                    "pdserve.host_cached_tokens": last.num_host_cached_tokens,
                 },
             )
             if exported.first_token_logprobs is not None:

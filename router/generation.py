@@ -266,6 +266,7 @@ class Generation:
             then = RequestPhase.DECODE_ADMISSION if leased else RequestPhase.DECODE
             sent_s = out.last_token_s or time.perf_counter()
             trace.prefilled(sent_s, prefilled.queue_s, prefilled.compute_s, then)
+            trace.count("host_cached_tokens", prefilled.num_host_cached_tokens)
             yield first
             if not leased:  # the first token ended it
                 yield Ended(prefilled.finish_reason)
@@ -341,7 +342,7 @@ class Generation:
         ``Ended``. ``local``: the attempt the worker prefilled itself, whose cache hits count
         when they are of the client's prompt."""
         finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
-        hits = 0
+        hits = host_hits = 0
         async for message in self.dispatch.relay(call, worker):
             if message.token_ids:
                 chunk = out.chunk(
@@ -351,7 +352,11 @@ class Generation:
                     trace.enter(RequestPhase.DECODE, out.last_token_s)
                 yield chunk
             hits = max(hits, message.num_cached_tokens)
+            host_hits = max(host_hits, message.num_host_cached_tokens)  # sent with every one
             finish_reason = message.finish_reason
+            trace.count("spec_proposed_tokens", message.num_spec_proposed_tokens)
+            trace.count("spec_accepted_tokens", message.num_spec_accepted_tokens)
+        trace.count("host_cached_tokens", host_hits)
         if local is not None and local.of_the_client_prompt:
             yield CacheHits(hits)
         yield Ended(finish_reason, worker.address if local is not None else "")

@@ -31,6 +31,7 @@ class RequestTrace:
         self.clock = PhaseClock(start_s)
         self._colocated = colocated
         self.path = "none"  # the last attempt's (disaggregated, local, colocated)
+        self._counts: dict[str, int] = {}  # what the workers reported, summed over attempts
         self._root: trace.Span | None = None
         self._span: trace.Span | None = None
         tracer = tracing.tracer()
@@ -62,6 +63,12 @@ class RequestTrace:
         if self._root is not None:
             self._end_span(now)
             self._span = self._start(phase, now, attrs)
+
+    def count(self, name: str, value: int) -> None:
+        """Adds a worker's count (host-tier tokens, speculation) to the root span's
+        ``pdserve.<name>`` attribute."""
+        if self._root is not None and value:
+            self._counts[name] = self._counts.get(name, 0) + value
 
     def failed(self, reason: str, message: str) -> None:
         """The open phase ended in a worker failure (a migration follows)."""
@@ -127,6 +134,8 @@ class RequestTrace:
             for name, seconds in self.breakdown().items():
                 self._root.set_attribute(f"pdserve.phase.{name}_s", seconds)
             self._root.set_attribute("pdserve.path", self.path)
+            for name, count in self._counts.items():
+                self._root.set_attribute(f"pdserve.{name}", count)
             for key, value in (attributes or {}).items():
                 self._root.set_attribute(key, value)
             self._root.end(end_time=tracing.ns(now))

@@ -119,6 +119,9 @@ class DecodeResponse(_message.Message):
     QUEUED_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     KV_PULL_S_FIELD_NUMBER: _builtins.int
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     transfer_s: _builtins.float
     num_cached_tokens: _builtins.int
@@ -131,6 +134,13 @@ class DecodeResponse(_message.Message):
     """Decode, on the admitted message: how long the KV pull itself took (transfer_s is the
     whole admission as this worker saw it).
     """
+    num_host_cached_tokens: _builtins.int
+    """For traces. PrefillAndDecode, with num_cached_tokens: prompt tokens loaded from the host
+    tier. With the finish reason: this worker's speculation for the request (guesses
+    verified, guesses kept).
+    """
+    num_spec_proposed_tokens: _builtins.int
+    num_spec_accepted_tokens: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Decode: the message with admitted set (once the KV is pulled into blocks of this worker)
@@ -159,10 +169,13 @@ class DecodeResponse(_message.Message):
         queued: _builtins.bool = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
         kv_pull_s: _builtins.float = ...,
+        num_host_cached_tokens: _builtins.int = ...,
+        num_spec_proposed_tokens: _builtins.int = ...,
+        num_spec_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "kv_pull_s", b"kv_pull_s", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "kv_pull_s", b"kv_pull_s", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_spec_accepted_tokens", b"num_spec_accepted_tokens", "num_spec_proposed_tokens", b"num_spec_proposed_tokens", "prompt_logprobs", b"prompt_logprobs", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -119,6 +119,7 @@ class PrefillResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     QUEUE_S_FIELD_NUMBER: _builtins.int
     COMPUTE_S_FIELD_NUMBER: _builtins.int
+    NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
@@ -129,6 +130,8 @@ class PrefillResponse(_message.Message):
     first step with the request (0 when the engine does not say), then -> the first token.
     """
     compute_s: _builtins.float
+    num_host_cached_tokens: _builtins.int
+    """of num_cached_tokens, loaded from the host tier"""
     @_builtins.property
     def first_token_logprobs(self) -> _common_pb2.TokenLogprobs:
         """set when sampling.logprobs is set"""
@@ -153,10 +156,11 @@ class PrefillResponse(_message.Message):
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
         queue_s: _builtins.float = ...,
         compute_s: _builtins.float = ...,
+        num_host_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "handle", b"handle"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

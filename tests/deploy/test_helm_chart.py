@@ -519,3 +519,24 @@ def test_the_kv_cache_dtype_reaches_every_component(helm: str) -> None:
         timeout=60,
     )
     assert done.returncode != 0 and "kvCacheDtype" in done.stderr, done.stderr
+
+
+def test_tracing_reaches_every_component_and_bad_values_are_refused(helm: str) -> None:
+    manifests = render(
+        helm,
+        "--set", "tracing.otlpEndpoint=http://otel-collector.obs:4317",
+        "--set-json", "tracing.sampleRatio=0.25",
+    )  # fmt: skip
+    for role in ("router", "prefill", "decode"):
+        e = env(container(manifests, role))
+        assert e["PDSERVE_OTLP_ENDPOINT"] == "http://otel-collector.obs:4317"
+        assert e["PDSERVE_TRACE_SAMPLE_RATIO"] == "0.25"
+    assert "PDSERVE_OTLP_ENDPOINT" not in env(container(render(helm), "router"))  # off
+    for flags, named in (
+        (["--set-json", "tracing.sampleRatio=2"], "/tracing/sampleRatio"),
+        (["--set", "tracing.otlpEndpoint=otel:4317"], "/tracing/otlpEndpoint"),
+    ):
+        done = subprocess.run(
+            [helm, "template", "rel", str(CHART), *flags], capture_output=True, text=True
+        )
+        assert done.returncode != 0 and named in done.stderr, done.stderr

@@ -97,3 +97,38 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
     assert abs(ttft_spans - root.attributes["pdserve.ttft_s"]) <= 0.05 * ttft_spans
     assert root.attributes["pdserve.output_tokens"] == 24
     assert root.attributes["pdserve.path"] == "disaggregated"
+
+
+def test_a_speculating_decode_worker_reports_its_guesses_on_the_trace(
+    llama_dir: Path, redis_url: str, tmp_path: Path, receiver: OtlpReceiver
+) -> None:
+    """The decode worker drafts with the target itself: greedy, every guess is kept (but for
+    guesses past the end); the root span says how many were verified and kept."""
+    spec = ("--speculative-method", "draft", "--spec-draft-model", str(llama_dir))
+    config = ClusterConfig(
+        model=str(llama_dir),
+        redis_url=redis_url,
+        redis_namespace=tmp_path.name,
+        log_dir=tmp_path,
+        prefill_args=traced(receiver.endpoint),
+        decode_args=(*traced(receiver.endpoint), *spec, "--num-speculative-tokens", "4"),
+        router_args=(*traced(receiver.endpoint), "--local-prefill-tokens", "0"),
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with LocalCluster(config) as cluster:
+
+        async def one() -> None:
+            streams, tasks = await run_streams(
+                cluster.address, requests_for([[3, *range(60, 80)]], [params])
+            )
+            await asyncio.gather(*tasks)
+            assert streams[0].error is None and len(streams[0].token_ids) == 40
+
+        asyncio.run(one())
+        spans = receiver.wait(lambda got: any(s.name == "pdserve.request" for s in got))
+    (root,) = [s for s in spans if s.name == "pdserve.request"]
+    proposed = root.attributes["pdserve.spec_proposed_tokens"]
+    accepted = root.attributes["pdserve.spec_accepted_tokens"]
+    assert 0 < accepted <= proposed
+    assert proposed - accepted <= 4  # at most one step's guesses past max_tokens go
+    assert "pdserve.host_cached_tokens" not in root.attributes  # no host tier here

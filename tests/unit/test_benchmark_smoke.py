@@ -94,6 +94,13 @@ def test_disagg_vs_colocated_quick_run_writes_table_and_plot(tmp_path: Path) -> 
     table = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert "| colocated | colocated x2 | 4 |" in table and "| disaggregated | 1P:1D | 4 |" in table
     assert f"| planned | {planned['config']} | 4 |" in table
+    # The phase table: disaggregated requests prefill on the prefill worker, colocated ones
+    # on the worker that decodes them.
+    disaggregated = next(r for r in report["rows"] if r["mode"] == "disaggregated")
+    colocated = next(r for r in report["rows"] if r["mode"] == "colocated")
+    assert {"prefill_queue", "prefill_compute", "kv_transfer"} <= set(disaggregated["phases_ms"])
+    assert "local_prefill" in colocated["phases_ms"]
+    assert "| prefill_compute |" in table
     assert (tmp_path / "docs" / "benchmarks" / "disagg_vs_colocated.png").stat().st_size > 0
 
 

@@ -137,6 +137,12 @@ podSelector:
       name: {{ printf "%s-peer-token" (include "pdserve.fullname" .) }}
       key: token
 {{- end }}
+{{- with .Values.tracing.otlpEndpoint }}
+- name: PDSERVE_OTLP_ENDPOINT  # request traces (docs/observability.md)
+  value: {{ . | quote }}
+- name: PDSERVE_TRACE_SAMPLE_RATIO
+  value: {{ $.Values.tracing.sampleRatio | quote }}
+{{- end }}
 {{ include "pdserve.redisEnv" . }}
 {{- end -}}
 
