@@ -17,6 +17,7 @@ import pytest
 
 from engine import LLM
 from pdserve.app.make_model import make_model
+from tests.services.otlp_receiver import OtlpReceiver
 
 # tests/vllm run in the environment that has vLLM (`make test-vllm`, .venv-vllm); elsewhere the
 # directory is not collected (vLLM's pins differ from this environment's).
@@ -106,3 +107,10 @@ def ray_address() -> Iterator[str]:
         assert not leftover, f"Ray objects left behind by the suite: {leftover}"
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """A real OTLP/gRPC trace receiver on loopback (tests/services/otlp_receiver.py)."""
+    with OtlpReceiver() as receiver:
+        yield receiver

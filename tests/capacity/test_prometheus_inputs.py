@@ -12,7 +12,7 @@ import json
 import math
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -41,6 +41,7 @@ from pdserve.app.capacity.scaling import (
 )
 from pdserve.common.role import Role
 from tests.capacity.test_kubernetes_target import ApiState, cluster  # noqa: F401
+from tests.capacity.test_kubernetes_target import _serve as serve
 from tests.capacity.test_scaling import PROFILE
 
 JOBS = PoolJobs()
@@ -55,8 +56,13 @@ def test_the_queries_are_prometheus_instant_queries_by_job() -> None:
         '{job=~".*-decode"}) + sum(pdserve_kv_blocks_free{job=~".*-decode"}))'
     )
     assert queue_query(JOBS) == 'sum(pdserve_queue_depth{job=~".*-prefill"})'
-    answer = {"status": "success", "data": {"resultType": "vector", "result": [
-        {"metric": {"instance": "a"}, "value": [1.0, "3"]}]}}  # fmt: skip
+    answer = {
+        "status": "success",
+        "data": {
+            "resultType": "vector",
+            "result": [{"metric": {"instance": "a"}, "value": [1.0, "3"]}],
+        },
+    }
     assert vector(answer) == [({"instance": "a"}, 3.0)]
     assert scalar([]) is None and scalar([({}, math.nan)]) is None
     with pytest.raises(PrometheusError, match="bad_data"):
@@ -104,8 +110,9 @@ def _prometheus(series: Series) -> type[BaseHTTPRequestHandler]:
                 series.asked.append(query)
                 result = series.answers.get(query)
             if url.path != "/api/v1/query" or result is None:
-                status, document = 400, {"status": "error", "errorType": "bad_data",
-                                         "error": f"unknown query {query!r}"}  # fmt: skip
+                error = f"unknown query {query!r}"
+                status = 400
+                document = {"status": "error", "errorType": "bad_data", "error": error}
             else:
                 rows = [{"metric": m, "value": [0.0, repr(v)]} for m, v in result]
                 status = 200
@@ -123,8 +130,7 @@ def _prometheus(series: Series) -> type[BaseHTTPRequestHandler]:
 @pytest.fixture
 def prometheus() -> Iterator[tuple[Series, str]]:
     series = Series()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _prometheus(series))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve(_prometheus(series), "127.0.0.1", 0)
     try:
         yield series, f"http://127.0.0.1:{server.server_address[1]}"
     finally:
@@ -144,17 +150,27 @@ def test_kv_pressure_grows_decode_queued_prompts_grow_prefill_then_hysteresis(
     series, url = prometheus
     state, target = cluster  # prefill 1, decode 3
     policy = ScalingPolicy(
-        slo_ttft_s=1.0, slo_tpot_s=0.05, interval_s=30.0, cooldown_s=0.0,
-        down_after_intervals=2, correct_profile=False, kv_target=0.75,
-    )  # fmt: skip
+        slo_ttft_s=1.0,
+        slo_tpot_s=0.05,
+        interval_s=30.0,
+        cooldown_s=0.0,
+        down_after_intervals=2,
+        correct_profile=False,
+        kv_target=0.75,
+    )
     meter = PrometheusMeter(url, JOBS)
     times = iter([0.0, 30.0, 60.0, 90.0, 120.0])
     scaler = Autoscaler(
         PROFILE, policy, meter.totals, target, clock=lambda: next(times), pressure=meter.pressure
     )
     # 1 request/s of 512 + 64 tokens: by load alone one worker of each pool.
-    rounds = [(0.0, 0.3, 0.0), (30.0, 0.9, 0.0), (60.0, 0.6, 40.0), (90.0, 0.15, 0.0),
-              (120.0, 0.15, 0.0)]  # fmt: skip
+    rounds = [
+        (0.0, 0.3, 0.0),
+        (30.0, 0.9, 0.0),
+        (60.0, 0.6, 40.0),
+        (90.0, 0.15, 0.0),
+        (120.0, 0.15, 0.0),
+    ]
     decisions = []
     kv_before = _signals("decode", "kv_pressure")
     for arrivals, kv_usage, queue in rounds:
@@ -169,18 +185,26 @@ def test_kv_pressure_grows_decode_queued_prompts_grow_prefill_then_hysteresis(
     assert math.isclose(prefill_tokens_per_s(PROFILE, 512), 2048 / 0.2148)
     assert summary == [
         # KV at 90 % of 3 workers: ceil(3 x 0.9 / 0.75) = 4.
-        {Role.PREFILL: (1, 1, Reason.STEADY, Signal.LOAD),
-         Role.DECODE: (3, 4, Reason.UP, Signal.KV_PRESSURE)},
+        {
+            Role.PREFILL: (1, 1, Reason.STEADY, Signal.LOAD),
+            Role.DECODE: (3, 4, Reason.UP, Signal.KV_PRESSURE),
+        },
         # KV at 60 % of 4: ceil(3.2) = 4 holds; 40 prompts queued on prefill.
-        {Role.PREFILL: (1, 3, Reason.UP, Signal.QUEUE),
-         Role.DECODE: (4, 4, Reason.STEADY, Signal.KV_PRESSURE)},
+        {
+            Role.PREFILL: (1, 3, Reason.UP, Signal.QUEUE),
+            Role.DECODE: (4, 4, Reason.STEADY, Signal.KV_PRESSURE),
+        },
         # Both fall: one interval below is not enough (down_after_intervals=2) ...
-        {Role.PREFILL: (3, 3, Reason.HYSTERESIS, Signal.LOAD),
-         Role.DECODE: (4, 4, Reason.HYSTERESIS, Signal.LOAD)},
+        {
+            Role.PREFILL: (3, 3, Reason.HYSTERESIS, Signal.LOAD),
+            Role.DECODE: (4, 4, Reason.HYSTERESIS, Signal.LOAD),
+        },
         # ... two are.
-        {Role.PREFILL: (3, 1, Reason.DOWN, Signal.LOAD),
-         Role.DECODE: (4, 1, Reason.DOWN, Signal.LOAD)},
-    ]  # fmt: skip
+        {
+            Role.PREFILL: (3, 1, Reason.DOWN, Signal.LOAD),
+            Role.DECODE: (4, 1, Reason.DOWN, Signal.LOAD),
+        },
+    ]
     assert state.replicas == {"rel-pdserve-prefill": 1, "rel-pdserve-decode": 1}
     assert _signals("decode", "kv_pressure") == kv_before + 2
     # Every query the meter sent was one Prometheus answered (none refused).

@@ -120,9 +120,20 @@ def test_workers_sharing_cores_slow_each_other_down() -> None:
     # long: the first worker starts alone (0.1 s), the second while it runs (0.2 s); the
     # first's decode step starts while the second is busy (0.02 s), the second's after the
     # first has finished (0.01 s).
-    shared = Simulator(profile, ClusterShape(num_colocated=2), RouterModel(), shared_cores=1)
+    # (No serving processes on the core here.)
+    shape = ClusterShape(num_colocated=2)
+    shared = Simulator(profile, shape, RouterModel(), shared_cores=1, serving_processes=0)
     result = shared.run(requests, [0.0, 0.0])
     assert result.records[0].chunk_times_s == pytest.approx([0.1, 0.12])
     assert result.records[1].chunk_times_s == pytest.approx([0.2, 0.21])
+    # The router and the client on the same core count as one more busy process while any
+    # request is in flight: the first prefill starts with 2 busy (0.2 s), the second with 3
+    # (0.3 s); the first's decode step with 3 (0.03 s: 0.23), the second's once the first
+    # finished, with 2 (0.02 s: 0.32).
+    served = Simulator(profile, shape, RouterModel(), shared_cores=1).run(requests, [0.0, 0.0])
+    assert served.records[0].chunk_times_s == pytest.approx([0.2, 0.23])
+    assert served.records[1].chunk_times_s == pytest.approx([0.3, 0.32])
+    with pytest.raises(ValueError, match="serving_processes"):
+        Simulator(profile, shape, RouterModel(), shared_cores=1, serving_processes=-1)
     with pytest.raises(ValueError, match="shared_cores"):
         Simulator(profile, ClusterShape(num_colocated=1), RouterModel(), shared_cores=0)

@@ -522,11 +522,8 @@ def test_the_kv_cache_dtype_reaches_every_component(helm: str) -> None:
 
 
 def test_tracing_reaches_every_component_and_bad_values_are_refused(helm: str) -> None:
-    manifests = render(
-        helm,
-        "--set", "tracing.otlpEndpoint=http://otel-collector.obs:4317",
-        "--set-json", "tracing.sampleRatio=0.25",
-    )  # fmt: skip
+    endpoint = "tracing.otlpEndpoint=http://otel-collector.obs:4317"
+    manifests = render(helm, "--set", endpoint, "--set-json", "tracing.sampleRatio=0.25")
     for role in ("router", "prefill", "decode"):
         e = env(container(manifests, role))
         assert e["PDSERVE_OTLP_ENDPOINT"] == "http://otel-collector.obs:4317"

@@ -6,44 +6,27 @@ one engine's tokens."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import LocalCluster
 from tests.faults.faults_util import kill_the_busiest_decode_worker
-from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan, traced_cluster
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def receiver() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as r:
-        yield r
 
 
 def test_a_migrated_request_shows_both_attempts_in_one_trace(
     llama_dir: Path,
     redis_url: str,
     tmp_path: Path,
-    receiver: OtlpReceiver,
+    otlp_receiver: OtlpReceiver,
     make_llm: Callable[..., LLM],
 ) -> None:
-    traced = ("--otlp-endpoint", receiver.endpoint)
-    config = ClusterConfig(
-        model=str(llama_dir),
-        num_prefill=1,
-        num_decode=2,
-        redis_url=redis_url,
-        redis_namespace=tmp_path.name,
-        log_dir=tmp_path,
-        prefill_args=traced,
-        decode_args=traced,
-        router_args=(*traced, "--local-prefill-tokens", "0"),
-    )
+    config = traced_cluster(llama_dir, redis_url, tmp_path, otlp_receiver.endpoint, num_decode=2)
     prompt = [3, *range(40, 70)]
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     with LocalCluster(config) as cluster:
@@ -53,7 +36,7 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
             names = [s.name for s in got]
             return "pdserve.request" in names and names.count("prefill_worker.prefill") == 2
 
-        spans = receiver.wait(complete)
+        spans = otlp_receiver.wait(complete)
 
     (stream,) = streams
     assert stream.token_ids == make_llm(llama_dir).generate([prompt], params)[0].token_ids
@@ -93,4 +76,4 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
     (second,) = [
         s for s in mine if s.name == "pdserve.decode_admission" and s.attributes["pdserve.attempt"]
     ]
-    receiver.wait(lambda got: any(s.parent_id == second.span_id for s in got))
+    otlp_receiver.wait(lambda got: any(s.parent_id == second.span_id for s in got))

@@ -96,16 +96,16 @@ def test_every_dashboard_query_reads_metrics_a_running_cluster_exports(
 
         asyncio.run(one())
         control, port = serve_control(cluster, "127.0.0.1", 0)
+        flags = (
+            f"autoscale --target local --control 127.0.0.1:{port} --profile {profile} "
+            "--slo-ttft-ms 1000 --slo-tpot-ms 200 --interval-s 1 --dry-run "
+            "--host 127.0.0.1 --metrics-port 0"
+        )
         autoscale = subprocess.Popen(
-            [
-                sys.executable, "-m", "pdserve.cli", "autoscale", "--target", "local",
-                "--control", f"127.0.0.1:{port}", "--profile", str(profile),
-                "--slo-ttft-ms", "1000", "--slo-tpot-ms", "200", "--interval-s", "1",
-                "--dry-run", "--host", "127.0.0.1", "--metrics-port", "0",
-            ],
+            [sys.executable, "-m", "pdserve.cli", *flags.split()],
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         try:
             assert autoscale.stdout is not None
             line = autoscale.stdout.readline()

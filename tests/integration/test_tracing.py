@@ -7,28 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine import SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from pdserve.app.local_cluster import LocalCluster
 from tests.faults.faults_util import requests_for, run_streams
-from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan, traced_cluster
 
 pytestmark = pytest.mark.slow
 TTFT_PHASES = ("router", "route", "prefill_queue", "prefill_compute", "prefill_rpc")
-
-
-@pytest.fixture
-def receiver() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as r:
-        yield r
-
-
-def traced(endpoint: str) -> tuple[str, ...]:
-    return ("--otlp-endpoint", endpoint, "--trace-sample-ratio", "1")
 
 
 def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
@@ -38,17 +27,9 @@ def by_name(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
 
 
 def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
-    llama_dir: Path, redis_url: str, tmp_path: Path, receiver: OtlpReceiver
+    llama_dir: Path, redis_url: str, tmp_path: Path, otlp_receiver: OtlpReceiver
 ) -> None:
-    config = ClusterConfig(
-        model=str(llama_dir),
-        redis_url=redis_url,
-        redis_namespace=tmp_path.name,
-        log_dir=tmp_path,
-        prefill_args=traced(receiver.endpoint),
-        decode_args=traced(receiver.endpoint),
-        router_args=(*traced(receiver.endpoint), "--local-prefill-tokens", "0"),
-    )
+    config = traced_cluster(llama_dir, redis_url, tmp_path, otlp_receiver.endpoint)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with LocalCluster(config) as cluster:
 
@@ -67,7 +48,7 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
 
         asyncio.run(one())
         wanted = {"pdserve.request", "prefill_worker.prefill", "decode_worker.admission"}
-        spans = receiver.wait(lambda got: wanted <= {s.name for s in got})
+        spans = otlp_receiver.wait(lambda got: wanted <= {s.name for s in got})
 
     (root,) = [s for s in spans if s.name == "pdserve.request"]
     trace = by_name([s for s in spans if s.trace_id == root.trace_id])
@@ -100,20 +81,14 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
 
 
 def test_a_speculating_decode_worker_reports_its_guesses_on_the_trace(
-    llama_dir: Path, redis_url: str, tmp_path: Path, receiver: OtlpReceiver
+    llama_dir: Path, redis_url: str, tmp_path: Path, otlp_receiver: OtlpReceiver
 ) -> None:
     """The decode worker drafts with the target itself: greedy, every guess is kept (but for
     guesses past the end); the root span says how many were verified and kept."""
     spec = ("--speculative-method", "draft", "--spec-draft-model", str(llama_dir))
-    config = ClusterConfig(
-        model=str(llama_dir),
-        redis_url=redis_url,
-        redis_namespace=tmp_path.name,
-        log_dir=tmp_path,
-        prefill_args=traced(receiver.endpoint),
-        decode_args=(*traced(receiver.endpoint), *spec, "--num-speculative-tokens", "4"),
-        router_args=(*traced(receiver.endpoint), "--local-prefill-tokens", "0"),
-    )
+    spec += ("--num-speculative-tokens", "4")
+    endpoint = otlp_receiver.endpoint
+    config = traced_cluster(llama_dir, redis_url, tmp_path, endpoint, decode_args=spec)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     with LocalCluster(config) as cluster:
 
@@ -125,7 +100,7 @@ def test_a_speculating_decode_worker_reports_its_guesses_on_the_trace(
             assert streams[0].error is None and len(streams[0].token_ids) == 40
 
         asyncio.run(one())
-        spans = receiver.wait(lambda got: any(s.name == "pdserve.request" for s in got))
+        spans = otlp_receiver.wait(lambda got: any(s.name == "pdserve.request" for s in got))
     (root,) = [s for s in spans if s.name == "pdserve.request"]
     proposed = root.attributes["pdserve.spec_proposed_tokens"]
     accepted = root.attributes["pdserve.spec_accepted_tokens"]

@@ -10,11 +10,14 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
+
+from pdserve.app.local_cluster import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,26 @@ class OtlpReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self._server.stop(grace=None)
+
+
+def traced_cluster(
+    model: Path,
+    redis_url: str,
+    log_dir: Path,
+    endpoint: str,
+    num_decode: int = 1,
+    decode_args: tuple[str, ...] = (),
+) -> ClusterConfig:
+    """A cluster whose every component traces every request to ``endpoint``, every request
+    disaggregated."""
+    traced = ("--otlp-endpoint", endpoint, "--trace-sample-ratio", "1")
+    return ClusterConfig(
+        model=str(model),
+        num_decode=num_decode,
+        redis_url=redis_url,
+        redis_namespace=log_dir.name,
+        log_dir=log_dir,
+        prefill_args=traced,
+        decode_args=(*traced, *decode_args),
+        router_args=(*traced, "--local-prefill-tokens", "0"),
+    )

@@ -118,9 +118,6 @@ class Profile:
     # a running cluster; 0 when not calibrated).
     router_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
-    # The engine's step time in the running cluster over the profile's, where it is faster
-    # than profiled (calibrated; 1: as profiled). A slower one is step_overhead_s instead.
-    step_scale: float = 1.0
     model_fingerprint: str = ""
     dtype: str = ""
     hardware: dict[str, Any] = field(default_factory=dict)
@@ -133,8 +130,6 @@ class Profile:
             )
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("profile: num_blocks, block_size and max_num_seqs must be >= 1")
-        if not 0 < self.step_scale <= 1:
-            raise ValueError(f"profile: step_scale must be in (0, 1], got {self.step_scale}")
 
     def step_s(self, shape: StepShape) -> float:
         parts = 0.0
@@ -147,7 +142,7 @@ class Profile:
             intercepts.append(self.decode.intercept)
         if not intercepts:
             return 0.0
-        return max(0.0, max(intercepts) + parts) * self.step_scale + self.step_overhead_s
+        return max(0.0, max(intercepts) + parts) + self.step_overhead_s
 
     def transfer_s(self, num_tokens: int) -> float:
         return self.transfer.predict((num_tokens * self.kv_bytes_per_token,))

@@ -85,8 +85,11 @@ class SimResult:
 class Simulator:
     """``shared_cores``: every worker shares that many CPU cores (one host, as on a development
     box) instead of having its own hardware (a GPU each): a step that starts while ``k``
-    workers are busy (itself included) takes ``max(1, k / shared_cores)`` times its profiled
-    time, the share fixed when the step starts (a coarse processor-sharing model)."""
+    processes are busy (itself included) takes ``max(1, k / shared_cores)`` times its
+    profiled time, the share fixed when the step starts (a coarse processor-sharing model).
+    The busy processes are the workers in a step and, while any request is in flight, the
+    serving processes on the same cores (the router relaying tokens and the load's client
+    reading them: ``serving_processes``, one by default)."""
 
     def __init__(
         self,
@@ -94,9 +97,14 @@ class Simulator:
         shape: ClusterShape,
         router: RouterModel,
         shared_cores: int | None = None,
+        serving_processes: float = 1.0,
     ) -> None:
         if shared_cores is not None and shared_cores < 1:
             raise ValueError(f"shared_cores must be >= 1, got {shared_cores}")
+        if serving_processes < 0:
+            raise ValueError(f"serving_processes must be >= 0, got {serving_processes}")
+        self.serving_processes = serving_processes
+        self._num_in_flight = 0  # requests routed and not finished
         self.profile = profile
         self.router = router
         self.shared_cores = shared_cores
@@ -148,7 +156,8 @@ class Simulator:
         if duration_s is None:
             return
         if self.shared_cores is not None:
-            busy = sum(w.busy for w in [*self.prefill, *self.decode])  # this one included
+            busy: float = sum(w.busy for w in [*self.prefill, *self.decode])  # this one too
+            busy += self.serving_processes if self._num_in_flight else 0.0
             duration_s *= max(1.0, busy / self.shared_cores)
         self.at(self.now_s + duration_s, lambda: self._end_step(worker))
 
@@ -177,6 +186,7 @@ class Simulator:
 
     def _route(self, req: _Request) -> None:
         self._turn += 1
+        self._num_in_flight += 1
         seq = req.seq
         if not self.prefill:  # colocated
             worker = self._pick_decode(seq)
@@ -229,9 +239,12 @@ class Simulator:
         req = self._by_seq[id(result.seq)]
         req.record.chunk_times_s.append(self.now_s)
         req.record.num_output_tokens += 1
+        if result.outcome is Outcome.FINISHED:
+            self._num_in_flight -= 1
         if result.outcome is not Outcome.PREFILLED:
             return
         if req.seq.status is SequenceStatus.FINISHED_LENGTH:  # ended at its first token
+            self._num_in_flight -= 1
             worker.free_pinned(req.seq)
             return
         decode = self._pick_decode(req.seq)
