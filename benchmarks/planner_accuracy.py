@@ -218,8 +218,9 @@ def main() -> None:
         if idle is not None:
             profile = calibrate(profile, shape, _idle_requests(args), idle)
             print(
-                f"  calibrated: router overhead {1e3 * profile.router_overhead_s:.1f} ms, "
-                f"step overhead {1e3 * profile.step_overhead_s:.2f} ms",
+                f"  calibrated: prefill x{profile.prefill_scale:.2f}, router overhead "
+                f"{1e3 * profile.router_overhead_s:.1f} ms, step overhead "
+                f"{1e3 * profile.step_overhead_s:.2f} ms",
                 flush=True,
             )
     cores = os.cpu_count() or 1

@@ -129,3 +129,34 @@ def test_calibration_sets_the_serving_overheads_from_idle_requests() -> None:
     assert calibrated.router_overhead_s == pytest.approx(0.05)
     assert calibrated.step_overhead_s == pytest.approx(0.003)
     assert calibrated.prefill == profile.prefill  # the engine's own fits are kept
+
+
+def test_calibration_scales_the_prefill_to_what_the_prefill_workers_measured() -> None:
+    from pdserve.app.bench.stats import RequestRecord, summarize
+    from pdserve.app.capacity.calibration import calibrate, prefill_scale
+
+    profile = dataclasses.replace(
+        constant_profile(prefill_s=0.01, decode_s=0.01),
+        prefill=LinearFit(PREFILL_FEATURES, 0.01, (1e-3, 0.0)),
+    )
+    requests = [BenchRequest(tuple(range(16, 80)), output_len=3)] * 3  # 64 tokens: 0.074 s
+    # The prefill workers took 0.138 s in their prefill_compute phase: (0.138 - 0.01) / 0.064.
+    records = [
+        RequestRecord(
+            i,
+            64,
+            10.0 * i,
+            [10.0 * i + 0.16, 10.0 * i + 0.17, 10.0 * i + 0.18],
+            3,
+            phases_s={"prefill_compute": 0.138},
+        )
+        for i in range(3)
+    ]
+    idle = summarize(records, 30.0)
+    assert prefill_scale(profile, requests, idle) == pytest.approx(2.0)
+    calibrated = calibrate(profile, ClusterShape(1, 1), requests, idle)
+    assert calibrated.prefill_scale == pytest.approx(2.0)
+    # A colocated cluster reports no prefill_compute phase: the profile's prefill stands.
+    for record in records:
+        record.phases_s = {"local_prefill": 0.2}
+    assert prefill_scale(profile, requests, summarize(records, 30.0)) == 1.0

@@ -118,6 +118,9 @@ class Profile:
     # a running cluster; 0 when not calibrated).
     router_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    # A prefill worker's measured prefill over the profile's (its phases on a running cluster:
+    # docs/observability.md); 1: as profiled.
+    prefill_scale: float = 1.0
     model_fingerprint: str = ""
     dtype: str = ""
     hardware: dict[str, Any] = field(default_factory=dict)
@@ -130,12 +133,15 @@ class Profile:
             )
         if self.num_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("profile: num_blocks, block_size and max_num_seqs must be >= 1")
+        if not self.prefill_scale > 0:
+            raise ValueError(f"profile: prefill_scale must be > 0, got {self.prefill_scale}")
 
     def step_s(self, shape: StepShape) -> float:
         parts = 0.0
         intercepts = []
         if shape.new_tokens:
-            parts += self.prefill.terms((shape.new_tokens, shape.new_x_context_k))
+            terms = self.prefill.terms((shape.new_tokens, shape.new_x_context_k))
+            parts += terms * self.prefill_scale
             intercepts.append(self.prefill.intercept)
         if shape.num_decode_seqs:
             parts += self.decode.terms((shape.num_decode_seqs, shape.decode_context_k))
