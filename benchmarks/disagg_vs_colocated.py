@@ -32,6 +32,7 @@ from pdserve.app.bench.runner import LoadConfig, run_load
 from pdserve.app.bench.stats import summarize
 from pdserve.app.capacity.simulator import ClusterShape
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from router.phases import RequestPhase
 
 
 def parse_args() -> argparse.Namespace:
@@ -198,7 +199,8 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], model: Pa
     top = max(args.rate_list)
     at_top = {r["mode"]: r for r in rows if r["rate"] == top}
     modes = list(at_top)
-    phases = list(dict.fromkeys(p for r in at_top.values() for p in r["phases_ms"]))
+    order = {p.value: i for i, p in enumerate(RequestPhase)}  # the request's own order
+    phases = sorted({p for r in at_top.values() for p in r["phases_ms"]}, key=order.__getitem__)
     lines += [
         "",
         f"Where the time went at {top:g} req/s, by the router's phases (ms, p50 / p90 over the "
@@ -244,7 +246,13 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]], model: Pa
         "",
     ]
     report = args.out / "benchmarks.md"
-    report.write_text("\n".join(lines))
+    # This benchmark owns the file's first section; the others (chaos, serving, ...) stay.
+    rest = ""
+    if report.exists():
+        old = report.read_text()
+        start = old.find("\n# ", 1)
+        rest = old[start + 1 :] if start >= 0 else ""
+    report.write_text("\n".join(lines) + ("\n" + rest if rest else ""))
     return report
 
 

@@ -12,6 +12,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from router.phases import RequestPhase
+
 
 @dataclass
 class RequestRecord:
@@ -138,6 +140,10 @@ def summarize(
 
 
 def phase_distributions(records: list[RequestRecord]) -> dict[str, Distribution]:
-    """Per phase, in the order phases first appear: its seconds over ``records``."""
-    names = list(dict.fromkeys(name for r in records for name in r.phases_s))
+    """Per phase, in the request's order (``router/phases.py``; unknown names last): its
+    seconds over ``records``."""
+    order = {p.value: i for i, p in enumerate(RequestPhase)}
+    names = sorted(
+        {name for r in records for name in r.phases_s}, key=lambda n: (order.get(n, len(order)), n)
+    )
     return {n: Distribution.of([r.phases_s.get(n, 0.0) for r in records]) for n in names}
