@@ -49,6 +49,7 @@ class TracingConfig:
         return bool(self.endpoint)
 
 
+EXPORT_TIMEOUT_S = 3.0
 _tracer: trace.Tracer | None = None
 _provider: Any = None
 # perf_counter -> epoch nanoseconds: spans are recorded from the monotonic clock the code
@@ -73,8 +74,16 @@ def configure(config: TracingConfig | None, service_name: str, roots: bool) -> N
         resource=Resource.create({"service.name": service_name}),
         sampler=ParentBased(root),
     )
-    exporter = OTLPSpanExporter(endpoint=config.endpoint, insecure=config.insecure)
-    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
+    # A collector that is down or slow costs the requests nothing (spans are exported in the
+    # background and dropped when the queue is full); each export, and so the flush at
+    # shutdown, gives up after EXPORT_TIMEOUT_S.
+    exporter = OTLPSpanExporter(
+        endpoint=config.endpoint, insecure=config.insecure, timeout=EXPORT_TIMEOUT_S
+    )
+    processor = BatchSpanProcessor(
+        exporter, schedule_delay_millis=500, export_timeout_millis=int(EXPORT_TIMEOUT_S * 1e3)
+    )
+    provider.add_span_processor(processor)
     _provider = provider
     _tracer = provider.get_tracer("pdserve")
     logger.info("tracing to %s (sample ratio %g)", config.endpoint, config.sample_ratio)

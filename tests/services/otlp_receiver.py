@@ -73,15 +73,15 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(
             _Servicer(self._spans, self._lock), self._server
         )
-        port = self._server.add_insecure_port("127.0.0.1:0")
-        self.endpoint = f"http://127.0.0.1:{port}"
+        bound = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self.endpoint = f"http://127.0.0.1:{bound}"
 
     def spans(self) -> list[ReceivedSpan]:
         with self._lock:
