@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
+from opentelemetry.trace import Span
 
 from decode_service.config import DecodeConfig
 from decode_service.peers import PeerDirectory
@@ -143,43 +144,42 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         await self._check_source(handle, request, context)
         with self.in_flight():
             start = time.perf_counter()
+            caller = tracing.worker_context(context.invocation_metadata())
             try:
-                admission = asyncio.ensure_future(
-                    self.engine.admit_prefilled(
-                        prefilled,
-                        lambda block_ids: self._pull(
-                            handle, block_ids, request.prefill_address, context
-                        ),
+                with tracing.span("decode_worker.admission", caller) as traced:
+                    admission = asyncio.ensure_future(
+                        self.engine.admit_prefilled(
+                            prefilled,
+                            lambda block_ids: self._pull(
+                                handle, block_ids, request.prefill_address, context, traced
+                            ),
+                        )
                     )
-                )
-                try:
-                    # Heartbeats while the KV arrives: the router's stall timeout bounds
-                    # silence, not the length of a legitimate pull.
-                    while not (await asyncio.wait({admission}, timeout=self.config.heartbeat_s))[0]:
-                        yield decode_pb2.DecodeResponse()
-                except BaseException:
-                    # The pull stops and waits until it stopped writing; the engine frees.
-                    admission.cancel()
-                    await asyncio.gather(admission, return_exceptions=True)
-                    raise
-                try:
-                    transfer_s, num_blocks = admission.result()
-                except NoRoomError as exc:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-                except ValueError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                admission_s = time.perf_counter() - start
+                    try:
+                        # Heartbeats while the KV arrives: the router's stall timeout bounds
+                        # silence, not the length of a legitimate pull.
+                        while not (
+                            await asyncio.wait({admission}, timeout=self.config.heartbeat_s)
+                        )[0]:
+                            yield decode_pb2.DecodeResponse()
+                    except BaseException:
+                        # The pull stops and waits until it stopped writing; the engine frees.
+                        admission.cancel()
+                        await asyncio.gather(admission, return_exceptions=True)
+                        raise
+                    try:
+                        transfer_s, num_blocks = admission.result()
+                    except NoRoomError as exc:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                    except ValueError as exc:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    admission_s = time.perf_counter() - start
+                    if traced is not None:  # the pull's span is live (in _pull); this waited
+                        traced.set_attribute("pdserve.kv_blocks", num_blocks)
+                        allocate_s = max(admission_s - transfer_s, 0.0)
+                        tracing.record("decode_worker.allocate", traced, start, start + allocate_s)
                 yield decode_pb2.DecodeResponse(
                     admitted=True, transfer_s=admission_s, kv_pull_s=transfer_s
-                )
-                tracing.record_call(
-                    context.invocation_metadata(),
-                    "decode_worker.admission",
-                    (
-                        ("decode_worker.allocate", max(admission_s - transfer_s, 0.0)),
-                        ("decode_worker.kv_pull", transfer_s),
-                    ),
-                    {"pdserve.kv_blocks": num_blocks},
                 )
                 logger.info(
                     "request_id=%s admitted: %d blocks pulled in %.1f ms",
@@ -271,29 +271,33 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         block_ids: list[int],
         prefill_address: str,
         context: grpc.aio.ServicerContext,
+        traced: Span | None,
     ) -> tuple[float, int]:
         """Pulls the KV into the blocks the engine allocated (its ``fill``: the engine frees
         them on failure). Success or not, then asks the prefill worker to release its lease.
-        Returns the pull's duration and block count."""
+        Returns the pull's duration and block count. ``traced``: the admission's span (the
+        pull's span goes under it, and the sender's under that)."""
         assert self._receiver is not None
-        pull = asyncio.ensure_future(self._receiver.pull(handle, block_ids))
-        try:
-            stats = await asyncio.shield(pull)
-        except asyncio.CancelledError:
-            # Stop the pull and wait until it has stopped writing: the caller frees the blocks.
-            pull.cancel()
-            await asyncio.wait([pull])
-            raise
-        except KVTransferError as exc:
-            metrics.TRANSFER_FAILURES.labels(exc.code.value).inc()
-            logger.warning("request_id=%s KV pull failed: %s", handle.request_id, exc)
-            context.set_trailing_metadata((LEASE_ENDED,))  # ended in the finally below
-            await context.abort(_TRANSFER_CODES[exc.code], f"KV transfer failed: {exc}")
-        except ValueError as exc:  # a handle that does not fit the request
-            context.set_trailing_metadata((LEASE_ENDED,))
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            self._releaser.release_later(prefill_address, handle.request_id, handle.lease_token)
+        with tracing.span("decode_worker.kv_pull", traced) as span:
+            trace = tracing.metadata(span)
+            pull = asyncio.ensure_future(self._receiver.pull(handle, block_ids, trace))
+            try:
+                stats = await asyncio.shield(pull)
+            except asyncio.CancelledError:
+                # Stop the pull and wait until it stopped writing: the caller frees the blocks.
+                pull.cancel()
+                await asyncio.wait([pull])
+                raise
+            except KVTransferError as exc:
+                metrics.TRANSFER_FAILURES.labels(exc.code.value).inc()
+                logger.warning("request_id=%s KV pull failed: %s", handle.request_id, exc)
+                context.set_trailing_metadata((LEASE_ENDED,))  # ended in the finally below
+                await context.abort(_TRANSFER_CODES[exc.code], f"KV transfer failed: {exc}")
+            except ValueError as exc:  # a handle that does not fit the request
+                context.set_trailing_metadata((LEASE_ENDED,))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            finally:
+                self._releaser.release_later(prefill_address, handle.request_id, handle.lease_token)
         metrics.TRANSFER_BYTES.labels("received").inc(stats.num_bytes)
         metrics.TRANSFER_S.observe(stats.duration_s)
         return stats.duration_s, len(block_ids)

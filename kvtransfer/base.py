@@ -28,13 +28,18 @@ import hashlib
 import hmac
 import secrets
 import struct
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kv_layout import KVCacheLayout
+from pdserve.common import tracing
+from pdserve.common.tracing import TraceContext
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
     from engine.kv_pages import KVPages
 
 
@@ -107,13 +112,42 @@ class BlockLeases(ABC):
 
 class KVSender(ABC):
     """Prefill side: serves pulls of leased blocks from ``cache``. Created and started by the
-    prefill service; ``address`` goes into every ``KVHandle`` it issues."""
+    prefill service; ``address`` goes into every ``KVHandle`` it issues. A pull reads the
+    blocks between ``begin_read`` and ``end_read`` (they wrap the leases' checkout/checkin)."""
 
     backend: str
 
     def __init__(self, cache: KVPages, leases: BlockLeases) -> None:
         self.cache = cache
         self.leases = leases
+        # request_id -> the traced checkouts in flight: (start, parent, blocks), oldest first.
+        self._sends: dict[str, list[tuple[float, Context, int]]] = {}
+
+    def begin_read(self, request_id: str, lease_token: str, trace: TraceContext = ()) -> list[int]:
+        """``BlockLeases.checkout``, and the start of this sender's span of the pull
+        (``prefill_worker.kv_send``, until the matching ``end_read``) under ``trace``: the
+        receiver's pull span, sent along with the pull (``KVReceiver.pull``)."""
+        block_ids = self.leases.checkout(request_id, lease_token)
+        parent = tracing.worker_context(trace)
+        if parent is not None:
+            send = (time.perf_counter(), parent, len(block_ids))
+            self._sends.setdefault(request_id, []).append(send)
+        return block_ids
+
+    async def end_read(self, request_id: str) -> None:
+        """``BlockLeases.checkin``; ends the oldest traced read's span, if any."""
+        try:
+            sends = self._sends.get(request_id)
+            if sends:
+                start_s, parent, num_blocks = sends.pop(0)
+                if not sends:
+                    del self._sends[request_id]
+                attributes = {"pdserve.kv_blocks": num_blocks, "pdserve.kv_backend": self.backend}
+                tracing.record(
+                    "prefill_worker.kv_send", parent, start_s, time.perf_counter(), attributes
+                )
+        finally:
+            await self.leases.checkin(request_id)
 
     @property
     @abstractmethod
@@ -160,10 +194,13 @@ class KVReceiver(ABC):
         self.cache = cache
 
     @abstractmethod
-    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+    async def pull(
+        self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
+    ) -> TransferStats:
         """Fills ``block_ids`` (allocated by the caller, ``len == handle.num_blocks``) with the
         handle's blocks, in order. Raises ``KVTransferError``; see the module docstring for the
-        guarantee on return."""
+        guarantee on return. ``trace``: the caller's span of the pull (``tracing.metadata``),
+        carried to the sender's ``begin_read`` so that its span joins the request's trace."""
 
     async def close(self) -> None:
         """Releases connections."""

@@ -35,10 +35,11 @@ from kvtransfer.codec import (
     slabs_per_chunk,
     tensor_bytes,
 )
-from pdserve.common import peer_token
+from pdserve.common import peer_token, tracing
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
+from pdserve.common.tracing import TraceContext
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 _CODES = {
@@ -97,7 +98,8 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         if mismatch is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
-            block_ids = self.leases.checkout(request.request_id, request.lease_token)
+            trace = tracing.headers(context.invocation_metadata())
+            block_ids = self.begin_read(request.request_id, request.lease_token, trace)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"
@@ -132,7 +134,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
                 f"pull of {request.request_id!r} exceeded max_pull_s={self.max_pull_s}",
             )
         finally:
-            await self.leases.checkin(request.request_id)
+            await self.end_read(request.request_id)
 
     def _encode(self, spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
         data = tensor_bytes(self.cache.read_slabs(spec.slab, spec.num_slabs, block_ids))
@@ -163,7 +165,9 @@ class GrpcKVReceiver(KVReceiver):
     async def retain_peers(self, kv_addresses: set[str]) -> None:
         await self._channels.retain(kv_addresses)  # retired channels close after a grace
 
-    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+    async def pull(
+        self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
+    ) -> TransferStats:
         self.check_handle(handle, block_ids)
         start = time.perf_counter()
         request = kv_transfer_pb2.PullRequest(
@@ -173,7 +177,8 @@ class GrpcKVReceiver(KVReceiver):
             max_slabs_per_chunk=MAX_SLABS_PER_CHUNK,
         )
         channel = self._channels.get(handle.address)
-        call = kv_transfer_pb2_grpc.KVTransferStub(channel).Pull(request, timeout=self.timeout_s)
+        stub = kv_transfer_pb2_grpc.KVTransferStub(channel)
+        call = stub.Pull(request, timeout=self.timeout_s, metadata=trace or None)
         try:
             num_bytes = await self._receive(call, handle, block_ids)
         except grpc.aio.AioRpcError as exc:

@@ -21,6 +21,7 @@ from kvtransfer.base import (
     TransferErrorCode,
     TransferStats,
 )
+from pdserve.common.tracing import TraceContext
 
 
 class LocalKVSender(KVSender):
@@ -53,14 +54,16 @@ class LocalKVSender(KVSender):
 class LocalKVReceiver(KVReceiver):
     backend = "local"
 
-    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+    async def pull(
+        self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
+    ) -> TransferStats:
         self.check_handle(handle, block_ids)
         sender = LocalKVSender.lookup(handle.address)
         mismatch = sender.cache.layout.mismatch(self.cache.layout)
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         try:
-            source_ids = sender.leases.checkout(handle.request_id, handle.lease_token)
+            source_ids = sender.begin_read(handle.request_id, handle.lease_token, trace)
         except KeyError:
             raise KVTransferError(
                 TransferErrorCode.NOT_FOUND, f"no lease for request {handle.request_id!r}"
@@ -80,5 +83,5 @@ class LocalKVReceiver(KVReceiver):
                 )
                 num_bytes += data.numel() * data.element_size()
         finally:
-            await sender.leases.checkin(handle.request_id)
+            await sender.end_read(handle.request_id)
         return TransferStats(num_bytes, time.perf_counter() - start)

@@ -40,6 +40,7 @@ from kvtransfer.nixl_plan import Region, Row, plan_read
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig
+from pdserve.common.tracing import TraceContext
 from pdserve.v1 import nixl_pb2, nixl_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ class NixlKVReceiver(KVReceiver):
     def _stub(self, address: str) -> nixl_pb2_grpc.NixlControlStub:
         return nixl_pb2_grpc.NixlControlStub(self._channels.get(address))
 
-    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+    async def pull(
+        self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
+    ) -> TransferStats:
         self.check_handle(handle, block_ids)
         start = time.perf_counter()
         deadline_s = time.monotonic() + self.timeout_s
@@ -114,7 +117,9 @@ class NixlKVReceiver(KVReceiver):
                     lease_token=handle.lease_token,
                     want_digest=self.verify,
                 )
-                checkout = await self._call(handle.address, _checkout, request, deadline_s)
+                checkout = await self._call(
+                    handle.address, _checkout, request, deadline_s, metadata=trace
+                )
         except grpc.aio.AioRpcError as exc:
             code = _CODES.get(exc.code(), TransferErrorCode.UNAVAILABLE)
             if code is TransferErrorCode.UNAVAILABLE:  # gone or restarting: handshake anew
@@ -243,6 +248,7 @@ class NixlKVReceiver(KVReceiver):
         method: Callable[[nixl_pb2_grpc.NixlControlStub], Callable[..., Awaitable[T]]],
         request: object,
         deadline_s: float,
+        metadata: TraceContext = (),
     ) -> T:
         """A control RPC, failing fast; when the channel was down, once more on a fresh channel
         (``ChannelPool.reset``), failing fast too. A channel that saw its peer die fails at
@@ -253,7 +259,8 @@ class NixlKVReceiver(KVReceiver):
             channel = self._channels.get(address)
             rpc = method(nixl_pb2_grpc.NixlControlStub(channel))
             try:
-                return await rpc(request, timeout=max(0.01, deadline_s - time.monotonic()))
+                timeout = max(0.01, deadline_s - time.monotonic())
+                return await rpc(request, timeout=timeout, metadata=metadata or None)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise

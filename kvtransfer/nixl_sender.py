@@ -27,7 +27,7 @@ from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import BlockLeases, KVHandle, KVSender
 from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
-from pdserve.common import peer_token
+from pdserve.common import peer_token, tracing
 from pdserve.common.channels import SERVER_OPTIONS
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
@@ -183,7 +183,8 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
     ) -> nixl_pb2.NixlCheckoutResponse:
         """The RPC's body, looked up per call (fault tests wrap it)."""
         try:
-            block_ids = self.leases.checkout(request.request_id, request.lease_token)
+            trace = tracing.headers(context.invocation_metadata())
+            block_ids = self.begin_read(request.request_id, request.lease_token, trace)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"
@@ -209,7 +210,7 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
             )
         finally:
             if not held:  # refused or cancelled before the hold began: nothing reads them
-                await self.leases.checkin(request.request_id)
+                await self.end_read(request.request_id)
 
     async def Checkin(
         self, request: nixl_pb2.NixlCheckinRequest, context: grpc.aio.ServicerContext
@@ -239,4 +240,4 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         if not self._checkouts:
             self._no_checkouts.set()
         checkout.timer.cancel()
-        await self.leases.checkin(checkout.request_id)
+        await self.end_read(checkout.request_id)

@@ -41,6 +41,7 @@ class PullTicket:
     request_id: str
     ranges: tuple[LayerRange, ...]  # answered in this order, one reply each
     lease_token: str = ""  # from the handle: the sender checks it
+    trace: tuple[tuple[str, str], ...] = ()  # the receiver's pull span (tracing.TraceContext)
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,13 @@ class KVMailbox:
         self._ids = itertools.count()
 
     async def request(
-        self, request_id: str, ranges: tuple[LayerRange, ...], lease_token: str = ""
+        self,
+        request_id: str,
+        ranges: tuple[LayerRange, ...],
+        lease_token: str = "",
+        trace: tuple[tuple[str, str], ...] = (),
     ) -> AsyncIterator[ExportReply]:
-        ticket = PullTicket(next(self._ids), request_id, ranges, lease_token)
+        ticket = PullTicket(next(self._ids), request_id, ranges, lease_token, trace)
         replies: asyncio.Queue[ExportReply] = asyncio.Queue()
         self._replies[ticket.ticket] = replies
         self._tickets.put_nowait(ticket)

@@ -43,6 +43,7 @@ from kvtransfer.base import (
     TransferStats,
 )
 from kvtransfer.ray_mailbox import ExportReply, LayerRange, PullTicket, spawn_mailbox
+from pdserve.common.tracing import TraceContext
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class RayKVSender(KVSender):
         """Stages and answers the ticket's ranges in order; stops after an error."""
         for layers in ticket.ranges:
             try:
-                reply = await self._export(ticket.request_id, ticket.lease_token, layers)
+                reply = await self._export(ticket, layers)
             except Exception as exc:  # the puller must hear something, not time out
                 logger.exception("request_id=%s ray kv export failed", ticket.request_id)
                 reply = ExportReply(TransferErrorCode.UNAVAILABLE, f"export failed: {exc}")
@@ -169,13 +170,14 @@ class RayKVSender(KVSender):
             if reply.error is not None:
                 return
 
-    async def _export(self, request_id: str, lease_token: str, layers: LayerRange) -> ExportReply:
+    async def _export(self, ticket: PullTicket, layers: LayerRange) -> ExportReply:
+        request_id = ticket.request_id
         num_layers = self.cache.layout.num_layers
         if layers.first < 0 or not 0 < layers.count <= num_layers - layers.first:
             message = f"layers {layers} outside [0, {num_layers})"
             return ExportReply(TransferErrorCode.CORRUPTED, message)
         try:
-            block_ids = self.leases.checkout(request_id, lease_token)
+            block_ids = self.begin_read(request_id, ticket.lease_token, ticket.trace)
         except KeyError:
             message = f"no lease for request_id {request_id!r}"
             return ExportReply(TransferErrorCode.NOT_FOUND, message)
@@ -188,7 +190,7 @@ class RayKVSender(KVSender):
                     )
                 self._staged.setdefault(request_id, {})[layers] = staged
         finally:
-            await self.leases.checkin(request_id)  # may end the lease, dropping _staged
+            await self.end_read(request_id)  # may end the lease, dropping _staged
         ref, digests = staged
         return ExportReply(
             layout=self.cache.layout, num_blocks=len(block_ids), layer_digests=digests, refs=[ref]
@@ -229,7 +231,9 @@ class RayKVReceiver(KVReceiver):
         self.timeout_s = timeout_s
         self._mailboxes: dict[str, Any] = {}
 
-    async def pull(self, handle: KVHandle, block_ids: list[int]) -> TransferStats:
+    async def pull(
+        self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
+    ) -> TransferStats:
         self.check_handle(handle, block_ids)
         start = time.perf_counter()
         ranges = layer_ranges(self.cache.layout, len(block_ids))
@@ -242,7 +246,7 @@ class RayKVReceiver(KVReceiver):
                 mailbox = await self._mailbox(handle.address)
                 # One ask for every range; the replies stream back as the sender stages them.
                 replies = mailbox.request.options(num_returns="streaming").remote(
-                    handle.request_id, tuple(ranges), handle.lease_token
+                    handle.request_id, tuple(ranges), handle.lease_token, trace
                 )
                 for layers in ranges:
                     ask = await replies.__anext__()

@@ -15,9 +15,10 @@ docs/observability.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
 logger = logging.getLogger(__name__)
+
+# The W3C trace-context headers (``traceparent``, ``tracestate``) of the span a call
+# continues, as (key, value) pairs: what crosses a process boundary (gRPC metadata, a Ray
+# call's argument). Empty: not traced.
+TraceContext = tuple[tuple[str, str], ...]
+_HEADERS = frozenset({"traceparent", "tracestate"})
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,8 @@ def ns(perf_s: float) -> int:
     return _EPOCH_OFFSET_NS + int(perf_s * 1e9)
 
 
-def metadata(span: trace.Span | None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying ``span``'s context to a worker (nothing when not recording)."""
+def metadata(span: trace.Span | None) -> TraceContext:
+    """``span``'s context, for the next process (nothing when not recording)."""
     if span is None or not span.get_span_context().is_valid:
         return ()
     carrier: dict[str, str] = {}
@@ -116,9 +123,18 @@ def metadata(span: trace.Span | None) -> tuple[tuple[str, str], ...]:
     return tuple(carrier.items())
 
 
+def headers(invocation_metadata: Iterable[Any] | None) -> TraceContext:
+    """The trace-context entries of a call's metadata (none of its other entries)."""
+    return tuple(
+        (str(item[0]), str(item[1]))
+        for item in invocation_metadata or ()
+        if len(item) == 2 and item[0] in _HEADERS
+    )
+
+
 def worker_context(invocation_metadata: Iterable[Any] | None) -> otel_context.Context | None:
-    """The caller's trace context from a call's metadata; None when tracing is off here or
-    the caller sent none (or did not sample this request)."""
+    """The caller's trace context from a call's metadata (or a ``TraceContext``); None when
+    tracing is off here or the caller sent none (or did not sample this request)."""
     if _tracer is None or not invocation_metadata:
         return None
     carrier: Mapping[str, str] = {
@@ -129,6 +145,36 @@ def worker_context(invocation_metadata: Iterable[Any] | None) -> otel_context.Co
     ctx = propagate.extract(carrier)
     span_context = trace.get_current_span(ctx).get_span_context()
     return ctx if span_context.is_valid and span_context.trace_flags.sampled else None
+
+
+def _context(parent: otel_context.Context | trace.Span) -> otel_context.Context:
+    return parent if not isinstance(parent, trace.Span) else trace.set_span_in_context(parent)
+
+
+@contextlib.contextmanager
+def span(
+    name: str,
+    parent: otel_context.Context | trace.Span | None,
+    start_s: float | None = None,
+    attributes: Mapping[str, Any] | None = None,
+) -> Iterator[trace.Span | None]:
+    """A live span over the ``with`` block (from ``start_s``, perf_counter seconds, when
+    given), a child of ``parent``; an exception marks it failed. Yields None (and records
+    nothing) when tracing is off or there is no parent: this process starts no trace here."""
+    if _tracer is None or parent is None:
+        yield None
+        return
+    start = ns(start_s) if start_s is not None else None
+    live = _tracer.start_span(
+        name, context=_context(parent), start_time=start, attributes=attributes
+    )
+    try:
+        yield live
+    except BaseException as exc:
+        live.set_status(trace.Status(trace.StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        live.end()
 
 
 def record(
@@ -142,10 +188,11 @@ def record(
     propagated context or a span). Returns it (ended) to parent others on; None when off."""
     if _tracer is None:
         return None
-    ctx = parent if not isinstance(parent, trace.Span) else trace.set_span_in_context(parent)
-    span = _tracer.start_span(name, context=ctx, start_time=ns(start_s), attributes=attributes)
-    span.end(end_time=ns(max(end_s, start_s)))
-    return span
+    done = _tracer.start_span(
+        name, context=_context(parent), start_time=ns(start_s), attributes=attributes
+    )
+    done.end(end_time=ns(max(end_s, start_s)))
+    return done
 
 
 def record_call(

@@ -30,7 +30,9 @@ from kvtransfer import (
     make_receiver,
 )
 from kvtransfer.wire import handle_from_proto
+from pdserve.common import tracing
 from pdserve.common.convert import sampling_to_proto
+from pdserve.common.tracing import TracingConfig
 from pdserve.v1 import prefill_pb2
 from prefill_service.service import PrefillService
 from tests.ray_util import no_new_objects
@@ -41,6 +43,7 @@ from tests.services.harness import (
     start_prefill,
     wait_for,
 )
+from tests.services.otlp_receiver import OtlpReceiver
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -232,3 +235,50 @@ def test_cancelled_pull_stops_writing_and_leaks_nothing(backend: str, llama_dir:
             await server.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_traced_pull_puts_the_senders_span_under_the_pullers(
+    backend: str, llama_dir: Path, otlp_receiver: OtlpReceiver
+) -> None:
+    """The trace context a pull is given reaches the sender (in gRPC metadata, a Ray ticket or
+    a NIXL checkout): its ``prefill_worker.kv_send`` spans hang under the puller's span,
+    exported over real OTLP. An untraced pull adds no span."""
+    decode = LLMEngine(engine_config(llama_dir))
+    tracing.configure(TracingConfig(endpoint=otlp_receiver.endpoint), "kv-contract", roots=True)
+    tracer = tracing.tracer()
+    assert tracer is not None
+
+    async def run() -> None:
+        _, server = await start_prefill(llama_dir, kv_backend=backend)
+        stub = prefill_stub(server)
+        receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
+        try:
+            for i, traced in enumerate((False, True)):
+                prompt = list(range(1 + i, 40))
+                response = await _prefill(stub, f"r{i}", prompt, GREEDY)
+                handle = handle_from_proto(response.handle)
+                block_ids = decode.reserve_prefilled(_prefilled(response, prompt))
+                assert block_ids is not None
+                pull_span = tracer.start_span("puller") if traced else None
+                await receiver.pull(handle, block_ids, tracing.metadata(pull_span))
+                if pull_span is not None:
+                    pull_span.end()
+                decode.abort(f"r{i}")
+                assert await _release(stub, response)
+            await wait_for(lambda: all_blocks_free(stub), 30.0, "prefill blocks freed")
+        finally:
+            await receiver.close()
+            await server.shutdown()
+
+    try:
+        asyncio.run(run())
+    finally:
+        tracing.shutdown()  # exports what is buffered
+    spans = otlp_receiver.wait(lambda got: any(s.name == "puller" for s in got))
+    (puller,) = [s for s in spans if s.name == "puller"]
+    sends = [s for s in spans if s.name == "prefill_worker.kv_send"]
+    assert sends and all(s.parent_id == puller.span_id for s in sends), spans
+    assert {s.attributes["pdserve.kv_backend"] for s in sends} == {backend}
+    # Ray stages a pull's layer ranges one checkout each; the others read once.
+    assert all(s.attributes["pdserve.kv_blocks"] == 3 for s in sends)  # 38 tokens, 16 a block
+    assert len(sends) == 1 or backend == "ray"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,7 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
 
         asyncio.run(one())
         wanted = {"pdserve.request", "prefill_worker.prefill", "decode_worker.admission"}
+        wanted.add("prefill_worker.kv_send")
         spans = otlp_receiver.wait(lambda got: wanted <= {s.name for s in got})
 
     (root,) = [s for s in spans if s.name == "pdserve.request"]
@@ -72,7 +74,14 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
     admission = trace["decode_worker.admission"]
     assert admission.service == "pdserve-decode"
     assert admission.parent_id == trace["pdserve.decode_admission"].span_id
-    assert trace["decode_worker.kv_pull"].parent_id == admission.span_id
+    pull = trace["decode_worker.kv_pull"]
+    assert pull.parent_id == admission.span_id
+    assert trace["decode_worker.allocate"].parent_id == admission.span_id
+    # The KV pull carried the context on to the prefill worker's sender.
+    send = trace["prefill_worker.kv_send"]
+    assert send.service == "pdserve-prefill" and send.parent_id == pull.span_id
+    assert send.attributes["pdserve.kv_backend"] == "grpc"
+    assert send.attributes["pdserve.kv_blocks"] == admission.attributes["pdserve.kv_blocks"]
     # The trace's TTFT phases: the router's spans up to the first token, as measured.
     ttft_spans = sum(trace[n].seconds for n in router_phases[:3])
     assert abs(ttft_spans - root.attributes["pdserve.ttft_s"]) <= 0.05 * ttft_spans
@@ -80,30 +89,51 @@ def test_one_request_is_one_trace_across_router_prefill_transfer_and_decode(
     assert root.attributes["pdserve.path"] == "disaggregated"
 
 
-def test_a_speculating_decode_worker_reports_its_guesses_on_the_trace(
+def test_speculation_and_host_tier_hits_are_counted_on_the_trace(
     llama_dir: Path, redis_url: str, tmp_path: Path, otlp_receiver: OtlpReceiver
 ) -> None:
     """The decode worker drafts with the target itself: greedy, every guess is kept (but for
-    guesses past the end); the root span says how many were verified and kept."""
+    guesses past the end); the root span says how many were verified and kept. The prefill
+    worker's small device cache spills a prefix to its host tier; a prompt that shares it
+    loads it from there, and its trace says how many tokens."""
     spec = ("--speculative-method", "draft", "--spec-draft-model", str(llama_dir))
     spec += ("--num-speculative-tokens", "4")
+    tiered = ("--num-blocks", "12", "--host-cache-gib", "0.05")
     endpoint = otlp_receiver.endpoint
-    config = traced_cluster(llama_dir, redis_url, tmp_path, endpoint, decode_args=spec)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    config = traced_cluster(
+        llama_dir, redis_url, tmp_path, endpoint, decode_args=spec, prefill_args=tiered
+    )
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 1024) for _ in range(64)]  # 4 blocks
+    fillers = [[rng.randrange(3, 1024) for _ in range(150)] for _ in range(2)]  # 10 blocks each
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     with LocalCluster(config) as cluster:
 
-        async def one() -> None:
-            streams, tasks = await run_streams(
-                cluster.address, requests_for([[3, *range(60, 80)]], [params])
-            )
+        async def one(prompt: list[int], params: SamplingParams) -> list[int]:
+            streams, tasks = await run_streams(cluster.address, requests_for([prompt], [params]))
             await asyncio.gather(*tasks)
-            assert streams[0].error is None and len(streams[0].token_ids) == 40
+            assert streams[0].error is None, streams[0].error
+            return streams[0].token_ids
 
-        asyncio.run(one())
-        spans = otlp_receiver.wait(lambda got: any(s.name == "pdserve.request" for s in got))
-    (root,) = [s for s in spans if s.name == "pdserve.request"]
-    proposed = root.attributes["pdserve.spec_proposed_tokens"]
-    accepted = root.attributes["pdserve.spec_accepted_tokens"]
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        assert len(asyncio.run(one([3, *range(60, 80)], params))) == 40
+        for prompt in ([*prefix, 7], *fillers, [*prefix, 8]):  # one at a time: in this order
+            asyncio.run(one(prompt, short))
+        spans = otlp_receiver.wait(
+            lambda got: (
+                sum(s.name == "pdserve.request" for s in got) == 5
+                and sum(s.name == "prefill_worker.prefill" for s in got) == 5
+            )
+        )
+    roots = sorted((s for s in spans if s.name == "pdserve.request"), key=lambda s: s.start_ns)
+    proposed = roots[0].attributes["pdserve.spec_proposed_tokens"]
+    accepted = roots[0].attributes["pdserve.spec_accepted_tokens"]
     assert 0 < accepted <= proposed
     assert proposed - accepted <= 4  # at most one step's guesses past max_tokens go
-    assert "pdserve.host_cached_tokens" not in root.attributes  # no host tier here
+    # Only the last prompt found its prefix in the host tier: all 4 of its full blocks.
+    hits = [r.attributes.get("pdserve.host_cached_tokens", 0) for r in roots]
+    assert hits == [0, 0, 0, 0, 64], hits
+    (prefill,) = [
+        s for s in spans if s.name == "prefill_worker.prefill" and s.trace_id == roots[-1].trace_id
+    ]
+    assert prefill.attributes["pdserve.host_cached_tokens"] == 64

@@ -116,6 +116,7 @@ def traced_cluster(
     endpoint: str,
     num_decode: int = 1,
     decode_args: tuple[str, ...] = (),
+    prefill_args: tuple[str, ...] = (),
 ) -> ClusterConfig:
     """A cluster whose every component traces every request to ``endpoint``, every request
     disaggregated."""
@@ -126,7 +127,7 @@ def traced_cluster(
         redis_url=redis_url,
         redis_namespace=log_dir.name,
         log_dir=log_dir,
-        prefill_args=traced,
+        prefill_args=(*traced, *prefill_args),
         decode_args=(*traced, *decode_args),
         router_args=(*traced, "--local-prefill-tokens", "0"),
     )
