@@ -49,7 +49,6 @@ def add_up_command(sub: Any) -> None:
     add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         add_flag(up, flag, default=None, help="mutual TLS for every component (all three)")
-    settings.add_tracing_flags(up, None)  # every component's
     add_flag(
         up,
         "--colocated",
@@ -87,9 +86,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         if value:
             tls += (flag, value)
     layout += tls  # the same certificates for every component
-    if args.otlp_endpoint:  # every component traces to the same collector
-        layout += ("--otlp-endpoint", args.otlp_endpoint)
-        layout += ("--trace-sample-ratio", str(args.trace_sample_ratio))
+    layout += tuple(settings.tracing_passthrough(args))
     keys = ("--api-key-file", args.api_key_file) if args.api_key_file else ()
     transfer: tuple[str, ...] = ("--kv-backend", args.kv_backend)
     num_workers = args.decode + (0 if args.colocated else args.prefill)

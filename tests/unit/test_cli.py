@@ -131,6 +131,23 @@ def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
         build_parser().parse_args(["up", "--model", "/m", "--kv-cache-dtype", "int4"])
 
 
+def test_up_and_ray_up_trace_every_component_to_one_collector() -> None:
+    from pdserve.app.cli import build_parser
+    from pdserve.app.ray_deploy.commands import _deployment_spec
+    from pdserve.common.tracing import TracingConfig
+
+    traced = ("--otlp-endpoint", "http://collector:4317", "--trace-sample-ratio", "0.25")
+    expected = TracingConfig(endpoint="http://collector:4317", sample_ratio=0.25)
+    configs = _up_configs(*traced)
+    assert {role: c.server.tracing for role, c in configs.items()} == dict.fromkeys(
+        ("prefill", "decode", "router"), expected
+    )
+    ray = _deployment_spec(build_parser().parse_args(["ray", "up", "--model", "/m", *traced]))
+    assert {c.server.tracing for c in (ray.prefill, ray.decode, ray.router)} == {expected}
+    untraced = _up_configs()
+    assert not any(c.server.tracing.enabled for c in untraced.values())
+
+
 def test_up_gives_each_native_worker_its_share_of_the_cpus() -> None:
     """Workers of one `pdserve up` share the machine: OpenMP threads past its cores spin
     against each other. vLLM workers bind their own."""

@@ -13,6 +13,7 @@ from pdserve.app.settings import (
     add_flag,
     decode_passthrough,
     router_passthrough,
+    tracing_passthrough,
     worker_passthrough,
 )
 from pdserve.common.role import WORKER_ROLES, Role
@@ -53,6 +54,7 @@ def _deployment_flags(parser: argparse.ArgumentParser) -> None:
 def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
     from pdserve.app.ray_deploy.spec import deployment_spec
 
+    traced = tracing_passthrough(args)  # every component traces to the same collector
     return deployment_spec(
         model=args.model,
         num_prefill=args.prefill,
@@ -67,9 +69,9 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         engine=args.engine,
-        prefill_args=[*worker_passthrough(args), *shlex.split(args.prefill_args)],
-        decode_args=[*decode_passthrough(args), *shlex.split(args.decode_args)],
-        router_args=[*router_passthrough(args), *shlex.split(args.router_args)],
+        prefill_args=[*traced, *worker_passthrough(args), *shlex.split(args.prefill_args)],
+        decode_args=[*traced, *decode_passthrough(args), *shlex.split(args.decode_args)],
+        router_args=[*traced, *router_passthrough(args), *shlex.split(args.router_args)],
     )
 
 

@@ -20,6 +20,7 @@ from pdserve.app.settings.clients import (
     add_cluster_flags,
     decode_passthrough,
     router_passthrough,
+    tracing_passthrough,
     worker_passthrough,
 )
 from pdserve.app.settings.flags import (
@@ -71,6 +72,7 @@ __all__ = [
     "stdin_config",
     "tls_config",
     "to_json",
+    "tracing_passthrough",
     "worker_passthrough",
 ]
 

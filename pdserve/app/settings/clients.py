@@ -7,7 +7,12 @@ import argparse
 
 from engine.dtypes import DTYPE_NAMES
 from kvtransfer import NETWORK_BACKENDS
-from pdserve.app.settings.flags import add_engine_flag, add_flag, add_kv_cache_dtype_flag
+from pdserve.app.settings.flags import (
+    add_engine_flag,
+    add_flag,
+    add_kv_cache_dtype_flag,
+    add_tracing_flags,
+)
 
 
 def add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +53,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_kv_backend: str) 
         choices=NETWORK_BACKENDS,
         help="KV transfer backend (every worker's --kv-backend)",
     )
+    add_tracing_flags(parser, None)  # every component's: tracing_passthrough
     add_flag(parser, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(parser, "--decode-args", default="", help="extra flags for every decode worker")
     add_flag(parser, "--router-args", default="", help="extra flags for the router")
@@ -93,6 +99,18 @@ def _passthrough(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     return out
+
+
+def tracing_passthrough(args: argparse.Namespace) -> list[str]:
+    """Every component's tracing flags: all trace to one collector, the router sampling."""
+    if not args.otlp_endpoint:
+        return []
+    return [
+        "--otlp-endpoint",
+        args.otlp_endpoint,
+        "--trace-sample-ratio",
+        str(args.trace_sample_ratio),
+    ]
 
 
 def router_passthrough(args: argparse.Namespace) -> list[str]:
