@@ -41,12 +41,14 @@ class ClusterControl(control_pb2_grpc.ClusterControlServicer):
     def _pools(self) -> control_pb2.PoolsResponse:
         router = self.cluster.router
         return control_pb2.PoolsResponse(
-            pools=[
-                control_pb2.PoolSize(pool=r.value, replicas=len(self.cluster.live_workers(r)))
-                for r in WORKER_ROLES
-            ],
+            pools=[self._pool(r) for r in WORKER_ROLES],
             router_metrics_address=router.metrics_address if router else "",
         )
+
+    def _pool(self, role: Role) -> control_pb2.PoolSize:
+        live = self.cluster.live_workers(role)
+        metrics = [w.metrics_address for w in live if w.metrics_address]
+        return control_pb2.PoolSize(pool=role.value, replicas=len(live), metrics_addresses=metrics)
 
     def GetPools(
         self, request: control_pb2.GetPoolsRequest, context: grpc.ServicerContext

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/control.proto\x12\npdserve.v1\"\x11\n\x0fGetPoolsRequest\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"*\n\x08PoolSize\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"T\n\rPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.PoolSize\x12\x1e\n\x16router_metrics_address\x18\x02 \x01(\t2\x9a\x01\n\x0e\x43lusterControl\x12\x42\n\x08GetPools\x12\x1b.pdserve.v1.GetPoolsRequest\x1a\x19.pdserve.v1.PoolsResponse\x12\x44\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x19.pdserve.v1.PoolsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/control.proto\x12\npdserve.v1\"\x11\n\x0fGetPoolsRequest\"2\n\x10ScalePoolRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\"E\n\x08PoolSize\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\x12\x19\n\x11metrics_addresses\x18\x03 \x03(\t\"T\n\rPoolsResponse\x12#\n\x05pools\x18\x01 \x03(\x0b\x32\x14.pdserve.v1.PoolSize\x12\x1e\n\x16router_metrics_address\x18\x02 \x01(\t2\x9a\x01\n\x0e\x43lusterControl\x12\x42\n\x08GetPools\x12\x1b.pdserve.v1.GetPoolsRequest\x1a\x19.pdserve.v1.PoolsResponse\x12\x44\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x19.pdserve.v1.PoolsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCALEPOOLREQUEST']._serialized_start=59
   _globals['_SCALEPOOLREQUEST']._serialized_end=109
   _globals['_POOLSIZE']._serialized_start=111
-  _globals['_POOLSIZE']._serialized_end=153
-  _globals['_POOLSRESPONSE']._serialized_start=155
-  _globals['_POOLSRESPONSE']._serialized_end=239
-  _globals['_CLUSTERCONTROL']._serialized_start=242
-  _globals['_CLUSTERCONTROL']._serialized_end=396
+  _globals['_POOLSIZE']._serialized_end=180
+  _globals['_POOLSRESPONSE']._serialized_start=182
+  _globals['_POOLSRESPONSE']._serialized_end=266
+  _globals['_CLUSTERCONTROL']._serialized_start=269
+  _globals['_CLUSTERCONTROL']._serialized_end=423
 # @@protoc_insertion_point(module_scope)

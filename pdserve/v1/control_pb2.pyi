@@ -65,18 +65,24 @@ class PoolSize(_message.Message):
 
     POOL_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    METRICS_ADDRESSES_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     replicas: _builtins.int
     """serving or starting, not draining"""
+    @_builtins.property
+    def metrics_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port of each one's /metrics (once it has one)"""
+
     def __init__(
         self,
         *,
         pool: _builtins.str = ...,
         replicas: _builtins.int = ...,
+        metrics_addresses: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool", "replicas", b"replicas"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metrics_addresses", b"metrics_addresses", "pool", b"pool", "replicas", b"replicas"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,7 +21,7 @@ from engine import SamplingParams
 from pdserve.app.capacity.autoscaler import Autoscaler
 from pdserve.app.capacity.load_meter import pdserve_gauge, scrape, totals
 from pdserve.app.capacity.profile import DECODE_FEATURES, LinearFit
-from pdserve.app.capacity.scale_target import LocalTarget
+from pdserve.app.capacity.scale_target import LocalTarget, pool_pressure_of
 from pdserve.app.capacity.scaling import Bounds, Reason, ScalingPolicy
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.role import Role
@@ -49,6 +49,12 @@ def _request(i: int, max_tokens: int) -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(
         prompt_token_ids=[5 + i % 50] * 24, sampling=sampling_to_proto(params)
     )
+
+
+def _gauge(name: str) -> float:
+    value = REGISTRY.get_sample_value(name)
+    assert value is not None, name
+    return value
 
 
 def _decisions(reason: Reason) -> float:
@@ -80,7 +86,7 @@ def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Pa
         times = iter([0.0, 10.0, 1010.0])
         scaler = Autoscaler(
             PROFILE, POLICY, lambda now_s: {"router": totals(scrape(metrics_url), now_s)},
-            target, clock=lambda: next(times),
+            target, clock=lambda: next(times), pressure=lambda: pool_pressure_of(target),
         )  # fmt: skip
         ups, downs = _decisions(Reason.UP), _decisions(Reason.DOWN)
         assert scaler.tick() == [] and target.replicas(Role.DECODE) == 1
@@ -99,9 +105,12 @@ def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Pa
             while pdserve_gauge(scrape(metrics_url), "pdserve_router_inflight_requests") < 6:
                 await asyncio.sleep(0.02)
             # Load falls: 6 arrivals in 1000 s -> one decode worker drains, with streams in
-            # flight on it.
+            # flight on it. The decode pool's KV, read from both workers' pages, is in use
+            # but below the KV target: it asks for one worker, not two.
             decision = {d.pool: d for d in await asyncio.to_thread(scaler.tick)}[Role.DECODE]
             assert (decision.target, decision.reason) == (1, Reason.DOWN)
+            assert 0 < _gauge("pdserve_planner_decode_kv_usage") <= POLICY.kv_target / 2
+            assert _gauge("pdserve_planner_prefill_queue_depth") == 0
             return [len(r.token_ids) for r in await running]
 
         assert asyncio.run(streams()) == [400] * 6  # every stream completed, none failed

@@ -4,9 +4,17 @@ names, rendered by prometheus_client), differenced per router and summed over re
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.app.capacity.load_meter import Totals, load_between, pdserve_gauge, totals
+from pdserve.app.capacity.load_meter import (
+    PoolPressure,
+    Totals,
+    load_between,
+    pdserve_gauge,
+    pool_pressure,
+    reachable_pages,
+    totals,
+)
 
 
 def _router_page(
@@ -51,3 +59,41 @@ def test_routers_are_differenced_one_by_one_and_summed() -> None:
         load_between({"a": a1}, {"a": a1}, 0.0)
     page = "pdserve_running_requests 3.0\npdserve_queue_depth 2.0\n"
     assert pdserve_gauge(page, "pdserve_running_requests") == 3.0
+
+
+def _worker_page(used: int, free: int, queued: int) -> str:
+    """A worker's page: the gauges under the names ``pdserve.common.metrics`` exports."""
+    from pdserve.common import metrics
+
+    registry = CollectorRegistry()
+    for gauge, value in (
+        (metrics.KV_BLOCKS_USED, used),
+        (metrics.KV_BLOCKS_FREE, free),
+        (metrics.QUEUE_DEPTH, queued),
+    ):
+        Gauge(gauge._name, "", registry=registry).set(value)
+    return generate_latest(registry).decode()
+
+
+def test_the_pools_pressure_sums_their_workers_pages() -> None:
+    prefill = [_worker_page(10, 90, 3), _worker_page(0, 100, 4)]
+    decode = [_worker_page(60, 40, 1), _worker_page(30, 70, 0), _worker_page(0, 0, 0)]
+    # Decode: 90 of 200 blocks used; prefill: 7 queued (the decode pool's queue is not it).
+    assert pool_pressure(prefill, decode) == PoolPressure(0.45, 7.0)
+    # No page answered: nothing known (the scaler then goes by the load alone).
+    assert pool_pressure([], []) == PoolPressure(None, None)
+    assert pool_pressure([], [_worker_page(0, 0, 0)]) == PoolPressure(None, None)
+
+
+def test_a_worker_that_does_not_answer_costs_its_page_only() -> None:
+    import socket
+
+    from pdserve.common.metrics import start_metrics_server
+
+    live = start_metrics_server("127.0.0.1", 0)  # this process's real page (daemon thread)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+        gone = closed.getsockname()[1]
+        urls = [f"http://127.0.0.1:{port}/metrics" for port in (gone, live)]
+        (page,) = reachable_pages(urls)
+    assert "pdserve_kv_blocks_used" in page

@@ -81,6 +81,13 @@ def test_the_planners_arguments_are_flags_of_pdserve_autoscale(helm: str) -> Non
     assert (parsed.slo_ttft_ms, parsed.slo_tpot_ms) == (800, 50)
     assert (parsed.min_decode, parsed.max_decode) == (2, 12)
     assert parsed.worker_metrics_port == [9090, 9090]
+    assert (parsed.kv_target, parsed.prometheus) == (0.75, None)  # scrapes the pages
+    prometheus = "http://prometheus-server.monitoring:9090"
+    flags = ("-f", VALUES, "--set", f"planner.prometheus={prometheus}")
+    flags += ("--set-json", "planner.kvTarget=0.9")
+    spec = find(render(helm, *flags), "Deployment", "rel-pdserve-planner")["spec"]
+    parsed = build_parser().parse_args(spec["template"]["spec"]["containers"][0]["args"])
+    assert (parsed.kv_target, parsed.prometheus) == (0.9, prometheus)
 
 
 def test_the_planner_is_refused_next_to_another_autoscaler_or_without_a_profile(

@@ -92,6 +92,7 @@ def _autoscale(
     from pdserve.app.capacity.autoscaler import Autoscaler
     from pdserve.app.capacity.load_meter import scrape, totals
     from pdserve.app.capacity.prometheus_meter import PoolJobs, PrometheusMeter
+    from pdserve.app.capacity.scale_target import pool_pressure_of
     from pdserve.common.metrics import start_metrics_server
 
     if args.prometheus:  # every input from Prometheus: the routers' totals and the pools
@@ -105,13 +106,14 @@ def _autoscale(
             dry_run=args.dry_run,
             pressure=prometheus.pressure,
         )
-    else:  # the routers' own /metrics; the pools' state is not read
+    else:  # the routers' own /metrics, and the workers' for the pools' state
         scaler = Autoscaler(
             profile_io.load(args.profile),
             policy,
             lambda now_s: {u: totals(scrape(u), now_s) for u in routers()},
             target,
             dry_run=args.dry_run,
+            pressure=lambda: pool_pressure_of(target),
         )
     if args.metrics_port is not None:
         port = start_metrics_server(args.host, args.metrics_port)
@@ -142,8 +144,9 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
         auto,
         "--prometheus",
         default=None,
-        help="read every input from this Prometheus (its HTTP API) instead of /metrics pages: "
-        "the routers' totals, the decode pool's KV usage, the prefill pool's queue",
+        help="read every input from this Prometheus (its HTTP API) instead of the /metrics "
+        "pages of the routers and workers: the routers' totals, the decode pool's KV usage, "
+        "the prefill pool's queue",
     )
     for pool in ("router", "prefill", "decode"):
         add_flag(
@@ -157,7 +160,7 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
         "--kv-target",
         type=float,
         default=field_default(ScalingPolicy, "kv_target"),
-        help="--prometheus: the decode pool's KV usage it is sized for (higher: scale up)",
+        help="the decode pool's KV usage it is sized for (higher: scale up)",
     )
     add_flag(auto, "--router-selector", default=None, help="router pods (each one scraped)")
     add_flag(auto, "--router-metrics-port", type=int, default=9090)

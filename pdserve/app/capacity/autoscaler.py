@@ -13,9 +13,8 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge
 
-from pdserve.app.capacity.load_meter import Totals, load_between
+from pdserve.app.capacity.load_meter import PoolPressure, Totals, load_between
 from pdserve.app.capacity.profile import Profile
-from pdserve.app.capacity.prometheus_meter import PoolPressure
 from pdserve.app.capacity.scale_target import ScaleTarget
 from pdserve.app.capacity.scaling import (
     Corrections,

@@ -2,7 +2,9 @@
 totals (``totals``, pure), turned into one interval's ``Load`` by the per-router difference of
 two readings, summed over every router replica (``load_between``, pure); ``scrape`` is the
 thin I/O part. The rate is of arrivals (``pdserve_router_arrivals_total``), not of finished
-requests: long streams are load long before they finish."""
+requests: long streams are load long before they finish. The pools' own state (the decode
+pool's KV usage, the prefill pool's queue) comes from the workers' pages (``pool_pressure``,
+pure) when no Prometheus is read (``prometheus_meter.py`` asks it the same)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.app.capacity.scaling import Load
 
 _SCRAPE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class PoolPressure:
+    decode_kv_usage: float | None  # used / all KV blocks of the decode pool; None: no series
+    prefill_queue_depth: float | None  # requests waiting on the prefill pool; None: no series
 
 
 @dataclass(frozen=True)
@@ -113,3 +121,27 @@ def pdserve_gauge(text: str, name: str) -> float:
         for s in family.samples
         if s.name == name
     )
+
+
+def pool_pressure(prefill_pages: list[str], decode_pages: list[str]) -> PoolPressure:
+    """The pools' state from their workers' ``/metrics`` pages (the ones that answered):
+    the decode pool's used share of its KV blocks, the requests queued on the prefill pool.
+    None where no worker answered (or the decode pool reported no blocks)."""
+    used = sum(pdserve_gauge(page, "pdserve_kv_blocks_used") for page in decode_pages)
+    free = sum(pdserve_gauge(page, "pdserve_kv_blocks_free") for page in decode_pages)
+    queued = sum(pdserve_gauge(page, "pdserve_queue_depth") for page in prefill_pages)
+    return PoolPressure(
+        used / (used + free) if used + free > 0 else None,
+        queued if prefill_pages else None,
+    )
+
+
+def reachable_pages(urls: list[str]) -> list[str]:
+    """The pages of the workers that answer (one gone or slow costs its page, not the round)."""
+    pages = []
+    for url in urls:
+        try:
+            pages.append(scrape(url))
+        except OSError:
+            continue
+    return pages

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.app.capacity.load_meter import SAMPLES, Totals
+from pdserve.app.capacity.load_meter import SAMPLES, PoolPressure, Totals
 
 _TIMEOUT_S = 5.0
 
@@ -30,12 +30,6 @@ class PoolJobs:
     router: str = ".*-router"
     prefill: str = ".*-prefill"
     decode: str = ".*-decode"
-
-
-@dataclass(frozen=True)
-class PoolPressure:
-    decode_kv_usage: float | None  # used / all KV blocks of the decode pool; None: no series
-    prefill_queue_depth: float | None  # requests waiting on the prefill pool; None: no series
 
 
 class PrometheusError(RuntimeError):

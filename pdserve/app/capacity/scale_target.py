@@ -21,8 +21,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
-from pdserve.common.role import Role
+from pdserve.app.capacity.load_meter import (
+    PoolPressure,
+    pdserve_gauge,
+    pool_pressure,
+    reachable_pages,
+    scrape,
+)
+from pdserve.common.role import WORKER_ROLES, Role
 from pdserve.common.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -43,12 +49,23 @@ class ScaleTarget(ABC):
     def scale(self, pool: Role, replicas: int) -> None:
         """Sets the pool's size; a scale-down removes the least-loaded workers by draining."""
 
+    def worker_metrics_urls(self, pool: Role) -> list[str]:
+        """The ``/metrics`` URLs of the pool's live workers: the autoscaler reads the pools'
+        state (KV usage, queue) there when it reads no Prometheus. []: not known."""
+        return []
+
 
 @dataclass(frozen=True)
 class PoolRef:
     deployment: str
     label_selector: str  # the pool's pods (the release's and the role's labels)
     metrics_port: int
+
+
+def pool_pressure_of(target: ScaleTarget) -> PoolPressure:
+    """The pools' state from the pages of the target's live workers (those that answer)."""
+    pages = {pool: reachable_pages(target.worker_metrics_urls(pool)) for pool in WORKER_ROLES}
+    return pool_pressure(pages[Role.PREFILL], pages[Role.DECODE])
 
 
 def choose_victims(loads: Mapping[str, float], num: int) -> list[str]:
@@ -108,6 +125,10 @@ class KubernetesTarget(ScaleTarget):
         """Every running pod's /metrics (each router replica: a Service would pick one)."""
         return [f"http://{p.status.pod_ip}:{port}/metrics" for p in self._running(label_selector)]
 
+    def worker_metrics_urls(self, pool: Role) -> list[str]:
+        ref = self.pools[pool]
+        return self.metrics_urls(ref.label_selector, ref.metrics_port)
+
     def _mark_victims(self, ref: PoolRef, num: int) -> None:
         running = self._running(ref.label_selector)
         loads = {p.metadata.name: self.load_of(p.status.pod_ip, ref.metrics_port) for p in running}
@@ -166,6 +187,10 @@ class LocalTarget(ScaleTarget):
     def router_metrics_url(self) -> str:
         return f"http://{self.pools().router_metrics_address}/metrics"
 
+    def worker_metrics_urls(self, pool: Role) -> list[str]:
+        sizes = next(p for p in self.pools().pools if p.pool == pool.value)
+        return [f"http://{address}/metrics" for address in sizes.metrics_addresses]
+
     def close(self) -> None:
         self._channel.close()
 
@@ -195,6 +220,12 @@ class RayTarget(ScaleTarget):
 
         router = next(i for i in deployment.status(self.namespace) if i.role is Role.ROUTER)
         return f"http://{router.metrics_address}/metrics"
+
+    def worker_metrics_urls(self, pool: Role) -> list[str]:
+        from pdserve.app.ray_deploy import deployment
+
+        infos = deployment.status(self.namespace)
+        return [f"http://{i.metrics_address}/metrics" for i in infos if i.role is pool]
 
 
 def kubernetes_target(
