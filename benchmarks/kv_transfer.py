@@ -140,19 +140,29 @@ def serve_raw(num_bytes: int) -> None:
                 conn.sendall(payload)
 
 
-def spawn_child(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
-    """This file in ``mode``; returns the process and the address it printed."""
+def start_child(mode: str, args: argparse.Namespace) -> subprocess.Popen[str]:
+    """This file in ``mode`` (its address comes with ``child_address``)."""
     command = [sys.executable, str(Path(__file__).resolve()), mode]
     command += ["--mib", str(args.mib), "--chunk-mib", str(args.chunk_mib)]
     command += ["--repeats", str(args.repeats)]
-    process = subprocess.Popen(
+    return subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO
     )
+
+
+def child_address(process: subprocess.Popen[str], mode: str) -> str:
+    """The address a child printed once it listens."""
     assert process.stdout is not None
     address = process.stdout.readline().strip()
     if not address:
         raise RuntimeError(f"{mode} child exited with {process.wait()} before its address")
-    return process, address
+    return address
+
+
+def spawn_child(mode: str, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    """This file in ``mode``; returns the process and the address it printed."""
+    process = start_child(mode, args)
+    return process, child_address(process, mode)
 
 
 def stop_child(process: subprocess.Popen[str]) -> None:
@@ -190,8 +200,10 @@ async def measure_transport(args: argparse.Namespace) -> dict[str, Any]:
     cache = KVCache(LAYOUT, num_blocks, torch.device("cpu"))
     receiver = GrpcKVReceiver(cache)
     block_ids = list(range(num_blocks))
-    sender, sender_address = spawn_child("--serve-sender", args)
-    raw, raw_address = spawn_child("--serve-raw", args)
+    # Both start at once: each child's imports take seconds.
+    sender, raw = start_child("--serve-sender", args), start_child("--serve-raw", args)
+    sender_address = child_address(sender, "--serve-sender")
+    raw_address = child_address(raw, "--serve-raw")
     grpc_s: list[float] = []
     grpc_pull_s: list[float] = []
     raw_s: list[float] = []

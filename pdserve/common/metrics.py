@@ -284,6 +284,9 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     once (a scraper retries next interval)."""
 
     daemon_threads = True
+    # The listen backlog: socketserver's 5 drops a burst's SYNs, and each dropped client
+    # waits its kernel's retransmit (1 s, then 2, 4 ...) before being seen at all.
+    request_queue_size = 128
 
     def __init__(
         self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int
