@@ -202,12 +202,12 @@ async def measure_transport(args: argparse.Namespace) -> dict[str, Any]:
     block_ids = list(range(num_blocks))
     # Both start at once: each child's imports take seconds.
     sender, raw = start_child("--serve-sender", args), start_child("--serve-raw", args)
-    sender_address = child_address(sender, "--serve-sender")
-    raw_address = child_address(raw, "--serve-raw")
     grpc_s: list[float] = []
     grpc_pull_s: list[float] = []
     raw_s: list[float] = []
     try:
+        sender_address = child_address(sender, "--serve-sender")
+        raw_address = child_address(raw, "--serve-raw")
         host, port = raw_address.rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -146,7 +146,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             start = time.perf_counter()
             caller = tracing.worker_context(context.invocation_metadata())
             try:
-                with tracing.span("decode_worker.admission", caller) as traced:
+                with tracing.span("decode_worker.admission", caller, start) as traced:
                     admission = asyncio.ensure_future(
                         self.engine.admit_prefilled(
                             prefilled,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from engine.config import EngineBackend
 from kvtransfer.base import (
     BlockLeases,
+    BlockRead,
     KVHandle,
     KVReceiver,
     KVSender,
@@ -209,6 +210,7 @@ __all__ = [
     "REGISTRY",
     "Backend",
     "BlockLeases",
+    "BlockRead",
     "KVHandle",
     "KVReceiver",
     "KVSender",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import logging
 import secrets
 import struct
 import time
@@ -36,6 +37,8 @@ from typing import TYPE_CHECKING
 from engine.kv_layout import KVCacheLayout
 from pdserve.common import tracing
 from pdserve.common.tracing import TraceContext
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -110,6 +113,16 @@ class BlockLeases(ABC):
         """Ends one checkout; frees the blocks if the lease ended or expired meanwhile."""
 
 
+@dataclass(frozen=True)
+class BlockRead:
+    """One read of a leased request's blocks by a sender (``KVSender.begin_read``)."""
+
+    request_id: str
+    block_ids: list[int]
+    parent: Context | None  # the puller's span: this read is traced under it
+    start_s: float  # perf_counter at checkout
+
+
 class KVSender(ABC):
     """Prefill side: serves pulls of leased blocks from ``cache``. Created and started by the
     prefill service; ``address`` goes into every ``KVHandle`` it issues. A pull reads the
@@ -120,34 +133,33 @@ class KVSender(ABC):
     def __init__(self, cache: KVPages, leases: BlockLeases) -> None:
         self.cache = cache
         self.leases = leases
-        # request_id -> the traced checkouts in flight: (start, parent, blocks), oldest first.
-        self._sends: dict[str, list[tuple[float, Context, int]]] = {}
 
-    def begin_read(self, request_id: str, lease_token: str, trace: TraceContext = ()) -> list[int]:
-        """``BlockLeases.checkout``, and the start of this sender's span of the pull
-        (``prefill_worker.kv_send``, until the matching ``end_read``) under ``trace``: the
-        receiver's pull span, sent along with the pull (``KVReceiver.pull``)."""
+    def begin_read(self, request_id: str, lease_token: str, trace: TraceContext = ()) -> BlockRead:
+        """``BlockLeases.checkout`` (raises its ``KeyError``), and the start of this sender's
+        span of the read (``prefill_worker.kv_send``, until its ``end_read``) under ``trace``:
+        the receiver's pull span, sent along with the pull (``KVReceiver.pull``). Every read
+        begun is ended exactly once, with what this returned."""
+        parent = tracing.worker_context(trace)  # first: nothing can fail once checked out
         block_ids = self.leases.checkout(request_id, lease_token)
-        parent = tracing.worker_context(trace)
-        if parent is not None:
-            send = (time.perf_counter(), parent, len(block_ids))
-            self._sends.setdefault(request_id, []).append(send)
-        return block_ids
+        return BlockRead(request_id, block_ids, parent, time.perf_counter())
 
-    async def end_read(self, request_id: str) -> None:
-        """``BlockLeases.checkin``; ends the oldest traced read's span, if any."""
+    async def end_read(self, read: BlockRead) -> None:
+        """``BlockLeases.checkin``, and the end of the read's span (when traced). A failure
+        to record the span costs the read nothing."""
         try:
-            sends = self._sends.get(request_id)
-            if sends:
-                start_s, parent, num_blocks = sends.pop(0)
-                if not sends:
-                    del self._sends[request_id]
-                attributes = {"pdserve.kv_blocks": num_blocks, "pdserve.kv_backend": self.backend}
+            if read.parent is not None:
+                attributes: dict[str, int | str] = {
+                    "pdserve.kv_blocks": len(read.block_ids),
+                    "pdserve.kv_backend": self.backend,
+                }
+                end_s = time.perf_counter()
                 tracing.record(
-                    "prefill_worker.kv_send", parent, start_s, time.perf_counter(), attributes
+                    "prefill_worker.kv_send", read.parent, read.start_s, end_s, attributes
                 )
+        except Exception:
+            logger.exception("request_id=%s: the KV send span was not recorded", read.request_id)
         finally:
-            await self.leases.checkin(request_id)
+            await self.leases.checkin(read.request_id)
 
     @property
     @abstractmethod

@@ -99,11 +99,12 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
             trace = tracing.headers(context.invocation_metadata())
-            block_ids = self.begin_read(request.request_id, request.lease_token, trace)
+            read = self.begin_read(request.request_id, request.lease_token, trace)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"
             )
+        block_ids = read.block_ids
         deadline = asyncio.get_running_loop().time() + self.max_pull_s
         try:
             layout = self.cache.layout
@@ -134,7 +135,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
                 f"pull of {request.request_id!r} exceeded max_pull_s={self.max_pull_s}",
             )
         finally:
-            await self.end_read(request.request_id)
+            await self.end_read(read)
 
     def _encode(self, spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
         data = tensor_bytes(self.cache.read_slabs(spec.slab, spec.num_slabs, block_ids))

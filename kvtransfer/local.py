@@ -63,11 +63,12 @@ class LocalKVReceiver(KVReceiver):
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         try:
-            source_ids = sender.begin_read(handle.request_id, handle.lease_token, trace)
+            read = sender.begin_read(handle.request_id, handle.lease_token, trace)
         except KeyError:
             raise KVTransferError(
                 TransferErrorCode.NOT_FOUND, f"no lease for request {handle.request_id!r}"
             ) from None
+        source_ids = read.block_ids
         start = time.perf_counter()
         num_bytes = 0
         try:
@@ -83,5 +84,5 @@ class LocalKVReceiver(KVReceiver):
                 )
                 num_bytes += data.numel() * data.element_size()
         finally:
-            await sender.end_read(handle.request_id)
+            await sender.end_read(read)
         return TransferStats(num_bytes, time.perf_counter() - start)

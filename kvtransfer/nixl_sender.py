@@ -24,7 +24,7 @@ import grpc
 
 from engine.kv_cache import KVCache
 from engine.threads import finish_in_thread, transfer_executor
-from kvtransfer.base import BlockLeases, KVHandle, KVSender
+from kvtransfer.base import BlockLeases, BlockRead, KVHandle, KVSender
 from kvtransfer.block_digest import block_digest
 from kvtransfer.nixl_agent import NixlAgent
 from pdserve.common import peer_token, tracing
@@ -39,8 +39,12 @@ _STOP_GRACE_S = 5.0  # how long stop() lets READs in flight finish before freein
 
 @dataclass
 class _Checkout:
-    request_id: str
+    read: BlockRead
     timer: asyncio.TimerHandle
+
+    @property
+    def request_id(self) -> str:
+        return self.read.request_id
 
 
 class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
@@ -184,11 +188,12 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         """The RPC's body, looked up per call (fault tests wrap it)."""
         try:
             trace = tracing.headers(context.invocation_metadata())
-            block_ids = self.begin_read(request.request_id, request.lease_token, trace)
+            read = self.begin_read(request.request_id, request.lease_token, trace)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"
             )
+        block_ids = read.block_ids
         held = False
         try:
             digest = (
@@ -198,7 +203,7 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
             timer = asyncio.get_running_loop().call_later(
                 self.max_pull_s, self._expire, checkout_id
             )
-            self._checkouts[checkout_id] = _Checkout(request.request_id, timer)
+            self._checkouts[checkout_id] = _Checkout(read, timer)
             self._no_checkouts.clear()
             held = True
             return nixl_pb2.NixlCheckoutResponse(
@@ -210,7 +215,7 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
             )
         finally:
             if not held:  # refused or cancelled before the hold began: nothing reads them
-                await self.end_read(request.request_id)
+                await self.end_read(read)
 
     async def Checkin(
         self, request: nixl_pb2.NixlCheckinRequest, context: grpc.aio.ServicerContext
@@ -240,4 +245,4 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         if not self._checkouts:
             self._no_checkouts.set()
         checkout.timer.cancel()
-        await self.end_read(checkout.request_id)
+        await self.end_read(checkout.read)

@@ -24,6 +24,7 @@ import ray
 
 from engine.kv_layout import KVCacheLayout
 from kvtransfer.base import TransferErrorCode
+from pdserve.common.tracing import TraceContext
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class PullTicket:
     request_id: str
     ranges: tuple[LayerRange, ...]  # answered in this order, one reply each
     lease_token: str = ""  # from the handle: the sender checks it
-    trace: tuple[tuple[str, str], ...] = ()  # the receiver's pull span (tracing.TraceContext)
+    trace: TraceContext = ()  # the receiver's pull span
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class KVMailbox:
         request_id: str,
         ranges: tuple[LayerRange, ...],
         lease_token: str = "",
-        trace: tuple[tuple[str, str], ...] = (),
+        trace: TraceContext = (),
     ) -> AsyncIterator[ExportReply]:
         ticket = PullTicket(next(self._ids), request_id, ranges, lease_token, trace)
         replies: asyncio.Queue[ExportReply] = asyncio.Queue()

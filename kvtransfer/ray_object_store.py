@@ -177,10 +177,11 @@ class RayKVSender(KVSender):
             message = f"layers {layers} outside [0, {num_layers})"
             return ExportReply(TransferErrorCode.CORRUPTED, message)
         try:
-            block_ids = self.begin_read(request_id, ticket.lease_token, ticket.trace)
+            read = self.begin_read(request_id, ticket.lease_token, ticket.trace)
         except KeyError:
             message = f"no lease for request_id {request_id!r}"
             return ExportReply(TransferErrorCode.NOT_FOUND, message)
+        block_ids = read.block_ids
         try:
             staged = self._staged.get(request_id, {}).get(layers)
             if staged is None:
@@ -190,7 +191,7 @@ class RayKVSender(KVSender):
                     )
                 self._staged.setdefault(request_id, {})[layers] = staged
         finally:
-            await self.end_read(request_id)  # may end the lease, dropping _staged
+            await self.end_read(read)  # may end the lease, dropping _staged
         ref, digests = staged
         return ExportReply(
             layout=self.cache.layout, num_blocks=len(block_ids), layer_digests=digests, refs=[ref]
@@ -245,8 +246,10 @@ class RayKVReceiver(KVReceiver):
             async with asyncio.timeout(self.timeout_s):
                 mailbox = await self._mailbox(handle.address)
                 # One ask for every range; the replies stream back as the sender stages them.
+                # The trace only when there is one: a mailbox of an older sender takes three.
+                traced = (trace,) if trace else ()
                 replies = mailbox.request.options(num_returns="streaming").remote(
-                    handle.request_id, tuple(ranges), handle.lease_token, trace
+                    handle.request_id, tuple(ranges), handle.lease_token, *traced
                 )
                 for layers in ranges:
                     ask = await replies.__anext__()

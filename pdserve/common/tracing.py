@@ -8,9 +8,10 @@ trace only when the router sampled it (parent-based sampling: a worker starts no
 own). With tracing off every call here is a cheap no-op and nothing is exported.
 
 Who calls: ``pdserve.common.server.serve`` (configure, shutdown), the router's request trace,
-and the worker services (``worker_context`` on a call, ``record`` of their own spans after the
-fact from the times they measured). The span names and attributes are in
-docs/observability.md.
+the worker services (``worker_context`` on a call; ``record`` of spans after the fact from the
+times they measured, or a live ``span``), and the KV transfer (``KVSender.begin_read`` and
+``end_read``: the sender's span under the context a pull carries, ``TraceContext``). The span
+names and attributes are in docs/observability.md.
 """
 
 from __future__ import annotations

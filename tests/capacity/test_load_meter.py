@@ -86,14 +86,35 @@ def test_the_pools_pressure_sums_their_workers_pages() -> None:
 
 
 def test_a_worker_that_does_not_answer_costs_its_page_only() -> None:
+    """Of a real page, a refused connection and a page that is not Prometheus text, only
+    the real page is read."""
+    import http.server
     import socket
+    import threading
 
     from pdserve.common.metrics import start_metrics_server
 
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"pdserve_kv_blocks_used{ not a sample\n"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
     live = start_metrics_server("127.0.0.1", 0)  # this process's real page (daemon thread)
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
-        gone = closed.getsockname()[1]
-        urls = [f"http://127.0.0.1:{port}/metrics" for port in (gone, live)]
-        (page,) = reachable_pages(urls)
-    assert "pdserve_kv_blocks_used" in page
+    garbage = http.server.HTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=garbage.serve_forever, daemon=True).start()
+    try:
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
+            ports = (closed.getsockname()[1], live, garbage.server_address[1])
+            urls = [f"http://127.0.0.1:{port}/metrics" for port in ports]
+            (page,) = reachable_pages(urls)
+    finally:
+        garbage.shutdown()
+        garbage.server_close()
+    assert "pdserve_kv_blocks_used" in page and "not a sample" not in page

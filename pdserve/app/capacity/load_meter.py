@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -137,11 +138,18 @@ def pool_pressure(prefill_pages: list[str], decode_pages: list[str]) -> PoolPres
 
 
 def reachable_pages(urls: list[str]) -> list[str]:
-    """The pages of the workers that answer (one gone or slow costs its page, not the round)."""
-    pages = []
-    for url in urls:
+    """The pages of the workers that answer with one (scraped at once: one gone, slow or
+    answering garbage costs its page, not the round)."""
+
+    def page(url: str) -> str | None:
         try:
-            pages.append(scrape(url))
-        except OSError:
-            continue
-    return pages
+            text = scrape(url)
+            pdserve_gauge(text, "pdserve_kv_blocks_used")  # parses it: garbage is left out
+        except (OSError, ValueError):
+            return None
+        return text
+
+    if not urls:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        return [text for text in pool.map(page, urls) if text is not None]

@@ -224,8 +224,12 @@ class RayTarget(ScaleTarget):
     def worker_metrics_urls(self, pool: Role) -> list[str]:
         from pdserve.app.ray_deploy import deployment
 
-        infos = deployment.status(self.namespace)
-        return [f"http://{i.metrics_address}/metrics" for i in infos if i.role is pool]
+        infos = deployment.status(self.namespace)  # a restarting actor has no address yet
+        return [
+            f"http://{i.metrics_address}/metrics"
+            for i in infos
+            if i.role is pool and i.metrics_address
+        ]
 
 
 def kubernetes_target(
