@@ -5,6 +5,8 @@ llhttp, under httptools, sets no size limit and uvicorn no time limit on the hea
 connection for ever. Here the head must be complete within ``max_header_bytes`` (else 431) and
 ``header_timeout_s`` from its first byte (else 408); both answers close the connection. These run
 before routing and authentication, so they bound what an anonymous client can make us hold.
+A response sent before its request's body has all arrived (a 408 or 413 refusal of that body)
+closes the connection too: the rest of the body would otherwise keep it open for ever.
 (uvicorn's h11 path has a 16 KiB bound of its own but parses in Python; httptools is kept.)
 """
 
@@ -50,6 +52,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0  # the next request on this connection
+
+    def on_response_complete(self) -> None:
+        cycle = self.cycle  # the one answered, unless a pipelined request has replaced it
+        answered_early = cycle is not None and cycle.response_complete and cycle.more_body
+        if answered_early and not self.transport.is_closing():
+            # Answered before the body arrived whole. uvicorn would keep the connection alive,
+            # but every later byte of that body cancels the keep-alive timer it arms here and
+            # nothing arms it again: a trickling client would hold the connection for ever.
+            self.transport.close()
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
