@@ -79,22 +79,20 @@ class Membership:
         wait_s = self.config.publish_interval_s
         while not self._stopping:
             try:
+                index_ttl_s = _INDEX_TTL_FACTOR * self.config.ttl_s
                 if need_snapshot:
                     snapshot = await self.engine.snapshot_cached_hashes()
-                    for tier, hashes in snapshot.items():
-                        await self.index.replace(self.worker_id, hashes, tier)
+                    await self.index.publish_snapshot(self.worker_id, snapshot, index_ttl_s)
                     need_snapshot = False
                 for events in self.engine.take_kv_events():
                     await self.index.apply(self.worker_id, events)
                 if self._beat_now.is_set() or loop.time() >= next_beat:
                     self._beat_now.clear()
                     await self.registry.heartbeat(self.record())
-                    index_ttl_s = _INDEX_TTL_FACTOR * self.config.ttl_s
-                    alive = await self.index.keep_alive(self.worker_id, index_ttl_s)
                     next_beat = loop.time() + self.config.heartbeat_s
-                    stats = self.engine.stats
-                    if not alive and stats.num_cached_blocks + stats.num_host_cached_blocks > 0:
-                        # Our entries vanished (Redis restarted empty): publish them again.
+                    if not await self.index.keep_alive(self.worker_id, index_ttl_s):
+                        # Our snapshot vanished (Redis restarted empty), whatever events since
+                        # have written there: publish the whole cache again.
                         need_snapshot = True
                     if await self.registry.drain_requested(self.worker_id):
                         self.on_drain_request()

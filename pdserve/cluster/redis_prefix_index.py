@@ -3,11 +3,15 @@
 ``longest_prefixes`` and ``prefix_hits`` are one round trip each for any prompt length and
 any number of workers (a Lua script walks each worker's sets in prompt order); ``apply`` and
 ``replace`` are one pipelined transaction each.
+
+A worker's snapshot (``publish_snapshot``: every tier and a marker, in one transaction) is what
+``keep_alive`` checks for: the marker is written by nothing else, so a Redis that restarted
+empty is seen even after the worker's newer events have recreated some of its sets there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from redis.asyncio import Redis
 
@@ -102,7 +106,32 @@ class RedisPrefixIndex(PrefixIndex):
             await pipe.execute()
 
     async def remove_worker(self, worker_id: str) -> None:
-        await self.redis.delete(*(self._key(worker_id, t) for t in CacheTier))
+        await self.redis.delete(*self._worker_keys(worker_id))
+
+    def _worker_keys(self, worker_id: str) -> list[str]:
+        return [*(self._key(worker_id, t) for t in CacheTier), self._snapshot_key(worker_id)]
+
+    def _snapshot_key(self, worker_id: str) -> str:
+        return f"{self.namespace}:prefix:{worker_id}:snapshot"
+
+    async def publish_snapshot(
+        self,
+        worker_id: str,
+        snapshot: Mapping[CacheTier, Sequence[BlockHash]],
+        ttl_s: float,
+    ) -> None:
+        """Replaces every tier of the worker with ``snapshot`` and marks it published (the
+        marker ``keep_alive`` checks), all or nothing: a restart cannot land between them."""
+        ttl_ms = int(ttl_s * 1000)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for tier in CacheTier:
+                key = self._key(worker_id, tier)
+                pipe.delete(key)
+                if hashes := snapshot.get(tier):
+                    pipe.sadd(key, *hashes)
+                    pipe.pexpire(key, ttl_ms)
+            pipe.set(self._snapshot_key(worker_id), b"1", px=ttl_ms)
+            await pipe.execute()
 
     async def longest_prefixes(
         self,
@@ -131,11 +160,14 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def keep_alive(self, worker_id: str, ttl_s: float) -> bool:
         """Entries of a worker that dies without deregistering expire after ``ttl_s`` (routers
-        already ignore them: they only ask about live workers). False when the worker has no
-        entries at all (e.g. Redis restarted empty)."""
+        already ignore them: they only ask about live workers). False when the worker's last
+        snapshot is gone (Redis restarted empty, or the entries expired): publish one again."""
         ttl_ms = int(ttl_s * 1000)
-        await self.redis.pexpire(self._key(worker_id, CacheTier.HOST), ttl_ms)
-        return bool(await self.redis.pexpire(self._key(worker_id), ttl_ms))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in self._worker_keys(worker_id):
+                pipe.pexpire(key, ttl_ms)
+            *_, marked = await pipe.execute()
+        return bool(marked)
 
     async def num_blocks(self, worker_id: str) -> int:
         return int(await self.redis.scard(self._key(worker_id)))

@@ -88,10 +88,15 @@ async def start_decode(
 async def wait_for(
     check: Callable[[], Awaitable[bool]], timeout_s: float, what: str, poll_s: float = 0.01
 ) -> None:
-    """Polls ``check`` until true; fails the test after ``timeout_s`` (a bound, not a guess)."""
+    """Polls ``check`` until true; fails the test after ``timeout_s`` (a bound, not a guess).
+    The deadline is also checked between polls: the timeout's one cancel can be swallowed by a
+    client library closing a connection, and the loop would then poll for ever."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
     try:
         async with asyncio.timeout(timeout_s):
             while not await check():
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError
                 await asyncio.sleep(poll_s)
     except TimeoutError:
         raise AssertionError(f"{what}: not within {timeout_s} s") from None

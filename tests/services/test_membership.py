@@ -1,5 +1,6 @@
 """A worker's presence in Redis: it registers, publishes its cache, and republishes it after
-Redis loses its data without any connection error (a fast restart)."""
+Redis loses its data without any connection error (a fast restart), even when its newer events
+reached the empty Redis first."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import uuid
 from pathlib import Path
 
 from engine import SamplingParams
+from engine.block_hash import hash_blocks, root_hash
+from engine.kv_events import CacheTier, KVEvents
 from pdserve.cluster.config import RedisConfig, connect
+from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry, WorkerState
 from pdserve.cluster.status import status_table
@@ -63,5 +67,39 @@ def test_worker_registers_publishes_and_heals_after_redis_loses_data(
             assert await registry.workers() == []
             assert await index.num_blocks(service.worker_id) == 0
             await redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_lost_snapshot_is_seen_after_newer_events_rewrote_some_sets(redis_url: str) -> None:
+    """Redis restarts empty while a worker's events are in flight: they land in the empty Redis
+    first, recreating part of its sets. The snapshot's marker is what ``keep_alive`` checks, so
+    the loss is still seen (before, a recreated device set read as alive, and the host tier
+    published before the restart was never published again)."""
+    hashes = hash_blocks(root_hash("membership"), list(range(5 * 4)), 4)
+    namespace = f"m-{uuid.uuid4().hex[:8]}"
+
+    async def run() -> None:
+        index = RedisPrefixIndex.from_url(redis_url, namespace)
+        try:
+            snapshot = {CacheTier.DEVICE: hashes[:2], CacheTier.HOST: hashes[2:4]}
+            await index.publish_snapshot("w", snapshot, ttl_s=60.0)
+            assert await index.keep_alive("w", ttl_s=60.0)
+            assert await index.longest_prefixes(hashes, ["w"], ANY_TIER) == {"w": 4}
+            # The restart: every key of this index is gone; then a newer device event lands.
+            await index.redis.delete(*await index.redis.keys(f"{namespace}:*"))
+            await index.apply("w", KVEvents(stored=[hashes[4]], removed=[]))
+            assert not await index.keep_alive("w", ttl_s=60.0)
+            await index.publish_snapshot("w", snapshot, ttl_s=60.0)
+            assert await index.keep_alive("w", ttl_s=60.0)
+            assert await index.longest_prefixes(hashes, ["w"], ANY_TIER) == {"w": 4}
+            keys = await index.redis.keys(f"{namespace}:*")
+            assert len(keys) == 3  # two tiers and the marker, each expiring
+            ttls = [await index.redis.pttl(key) for key in keys]
+            assert all(0 < ttl <= 60_000 for ttl in ttls), ttls
+            await index.remove_worker("w")
+            assert await index.redis.keys(f"{namespace}:*") == []
+        finally:
+            await index.close()
 
     asyncio.run(run())
