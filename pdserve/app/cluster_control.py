@@ -12,7 +12,7 @@ from concurrent import futures
 
 import grpc
 
-from pdserve.app.capacity.load_meter import pdserve_gauge, scrape
+from pdserve.app.capacity.load_meter import gauges_at
 from pdserve.app.capacity.scale_target import LOAD_GAUGES, choose_victims
 from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.role import WORKER_ROLES, Role
@@ -26,11 +26,10 @@ MAX_WORKERS_PER_POOL = 64
 
 def worker_load(worker: Component) -> float:
     """Requests a worker holds, from its /metrics; unreachable: infinite (it is not chosen)."""
-    try:
-        text = scrape(f"http://{worker.metrics_address}/metrics")
-    except OSError:
+    gauges = gauges_at(f"http://{worker.metrics_address}/metrics")
+    if gauges is None:
         return float("inf")
-    return sum(pdserve_gauge(text, name) for name in LOAD_GAUGES)
+    return sum(gauges.get(name, 0.0) for name in LOAD_GAUGES)
 
 
 class ClusterControl(control_pb2_grpc.ClusterControlServicer):

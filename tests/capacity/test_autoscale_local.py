@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from engine import SamplingParams
 from pdserve.app.capacity.autoscaler import Autoscaler
-from pdserve.app.capacity.load_meter import pdserve_gauge, scrape, totals
+from pdserve.app.capacity.load_meter import page_gauges, scrape, totals
 from pdserve.app.capacity.profile import DECODE_FEATURES, LinearFit
 from pdserve.app.capacity.scale_target import LocalTarget, pool_pressure_of
 from pdserve.app.capacity.scaling import Bounds, Reason, ScalingPolicy
@@ -102,7 +102,7 @@ def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Pa
             running = asyncio.ensure_future(
                 generate_many(router, [_request(100 + i, 400) for i in range(6)])
             )
-            while pdserve_gauge(scrape(metrics_url), "pdserve_router_inflight_requests") < 6:
+            while page_gauges(scrape(metrics_url))["pdserve_router_inflight_requests"] < 6:
                 await asyncio.sleep(0.02)
             # Load falls: 6 arrivals in 1000 s -> one decode worker drains, with streams in
             # flight on it. The decode pool's KV, read from both workers' pages, is in use

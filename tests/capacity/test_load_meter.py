@@ -7,12 +7,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.app.capacity.load_meter import (
+    Gauges,
     PoolPressure,
     Totals,
     load_between,
-    pdserve_gauge,
+    page_gauges,
     pool_pressure,
-    reachable_pages,
+    reachable_gauges,
     totals,
 )
 
@@ -57,12 +58,15 @@ def test_routers_are_differenced_one_by_one_and_summed() -> None:
     assert later.mean_ttft_s is None and later.mean_tpot_s is None
     with pytest.raises(ValueError):
         load_between({"a": a1}, {"a": a1}, 0.0)
-    page = "pdserve_running_requests 3.0\npdserve_queue_depth 2.0\n"
-    assert pdserve_gauge(page, "pdserve_running_requests") == 3.0
+    page = 'pdserve_running_requests 3.0\npdserve_queue_depth{a="1"} 2.0\npdserve_queue_depth 1\n'
+    gauges = page_gauges(page)
+    assert gauges == {"pdserve_running_requests": 3.0, "pdserve_queue_depth": 3.0}
+    with pytest.raises(ValueError):
+        page_gauges("pdserve_kv_blocks_used{ not a sample\n")
 
 
-def _worker_page(used: int, free: int, queued: int) -> str:
-    """A worker's page: the gauges under the names ``pdserve.common.metrics`` exports."""
+def _worker_page(used: int, free: int, queued: int) -> Gauges:
+    """A worker's page, parsed: the gauges under the names ``pdserve.common.metrics`` exports."""
     from pdserve.common import metrics
 
     registry = CollectorRegistry()
@@ -72,7 +76,7 @@ def _worker_page(used: int, free: int, queued: int) -> str:
         (metrics.QUEUE_DEPTH, queued),
     ):
         Gauge(gauge._name, "", registry=registry).set(value)
-    return generate_latest(registry).decode()
+    return page_gauges(generate_latest(registry).decode())
 
 
 def test_the_pools_pressure_sums_their_workers_pages() -> None:
@@ -113,8 +117,8 @@ def test_a_worker_that_does_not_answer_costs_its_page_only() -> None:
             closed.bind(("127.0.0.1", 0))  # bound, never listening: connection refused
             ports = (closed.getsockname()[1], live, garbage.server_address[1])
             urls = [f"http://127.0.0.1:{port}/metrics" for port in ports]
-            (page,) = reachable_pages(urls)
+            (page,) = reachable_gauges(urls)
     finally:
         garbage.shutdown()
         garbage.server_close()
-    assert "pdserve_kv_blocks_used" in page and "not a sample" not in page
+    assert "pdserve_kv_blocks_used" in page  # the live page

@@ -4,7 +4,8 @@ two readings, summed over every router replica (``load_between``, pure); ``scrap
 thin I/O part. The rate is of arrivals (``pdserve_router_arrivals_total``), not of finished
 requests: long streams are load long before they finish. The pools' own state (the decode
 pool's KV usage, the prefill pool's queue) comes from the workers' pages (``pool_pressure``,
-pure) when no Prometheus is read (``prometheus_meter.py`` asks it the same)."""
+pure) when no Prometheus is read (``prometheus_meter.py`` asks it the same). Every page is
+parsed once, into its samples summed by name (``page_gauges``)."""
 
 from __future__ import annotations
 
@@ -56,13 +57,8 @@ _FIELDS = tuple(SAMPLES.values())
 
 def totals(text: str, time_s: float) -> Totals:
     """One router's ``/metrics`` page."""
-    sums = dict.fromkeys(_FIELDS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            field = SAMPLES.get(sample.name)
-            if field is not None:
-                sums[field] += float(sample.value)
-    return Totals(time_s, **sums)
+    gauges = page_gauges(text)
+    return Totals(time_s, **{field: gauges.get(name, 0.0) for name, field in SAMPLES.items()})
 
 
 def _delta(before: Totals | None, after: Totals) -> dict[str, float]:
@@ -114,42 +110,44 @@ def scrape(url: str) -> str:
         return str(response.read().decode())
 
 
-def pdserve_gauge(text: str, name: str) -> float:
-    """The sum of one gauge's samples in a worker's ``/metrics`` (0 when absent)."""
-    return sum(
-        float(s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    )
+Gauges = dict[str, float]  # one page: each sample name's summed value
 
 
-def pool_pressure(prefill_pages: list[str], decode_pages: list[str]) -> PoolPressure:
-    """The pools' state from their workers' ``/metrics`` pages (the ones that answered):
-    the decode pool's used share of its KV blocks, the requests queued on the prefill pool.
-    None where no worker answered (or the decode pool reported no blocks)."""
-    used = sum(pdserve_gauge(page, "pdserve_kv_blocks_used") for page in decode_pages)
-    free = sum(pdserve_gauge(page, "pdserve_kv_blocks_free") for page in decode_pages)
-    queued = sum(pdserve_gauge(page, "pdserve_queue_depth") for page in prefill_pages)
+def page_gauges(text: str) -> Gauges:
+    """One ``/metrics`` page (a worker's or a router's), parsed once: every sample summed by
+    name (its series add up). ValueError when it is not Prometheus text."""
+    gauges: Gauges = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            gauges[s.name] = gauges.get(s.name, 0.0) + float(s.value)
+    return gauges
+
+
+def gauges_at(url: str) -> Gauges | None:
+    """The gauges of the worker at ``url``; None when it does not answer with a page."""
+    try:
+        return page_gauges(scrape(url))
+    except (OSError, ValueError):
+        return None
+
+
+def pool_pressure(prefill: list[Gauges], decode: list[Gauges]) -> PoolPressure:
+    """The pools' state from their workers' pages (the ones that answered): the decode
+    pool's used share of its KV blocks, the requests queued on the prefill pool. None where
+    no worker answered (or the decode pool reported no blocks)."""
+    used = sum(g.get("pdserve_kv_blocks_used", 0.0) for g in decode)
+    free = sum(g.get("pdserve_kv_blocks_free", 0.0) for g in decode)
+    queued = sum(g.get("pdserve_queue_depth", 0.0) for g in prefill)
     return PoolPressure(
         used / (used + free) if used + free > 0 else None,
-        queued if prefill_pages else None,
+        queued if prefill else None,
     )
 
 
-def reachable_pages(urls: list[str]) -> list[str]:
+def reachable_gauges(urls: list[str]) -> list[Gauges]:
     """The pages of the workers that answer with one (scraped at once: one gone, slow or
     answering garbage costs its page, not the round)."""
-
-    def page(url: str) -> str | None:
-        try:
-            text = scrape(url)
-            pdserve_gauge(text, "pdserve_kv_blocks_used")  # parses it: garbage is left out
-        except (OSError, ValueError):
-            return None
-        return text
-
     if not urls:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
-        return [text for text in pool.map(page, urls) if text is not None]
+        return [gauges for gauges in pool.map(gauges_at, urls) if gauges is not None]

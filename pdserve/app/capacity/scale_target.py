@@ -23,10 +23,9 @@ from typing import Any
 
 from pdserve.app.capacity.load_meter import (
     PoolPressure,
-    pdserve_gauge,
+    gauges_at,
     pool_pressure,
-    reachable_pages,
-    scrape,
+    reachable_gauges,
 )
 from pdserve.common.role import WORKER_ROLES, Role
 from pdserve.common.tls import TlsConfig
@@ -64,7 +63,7 @@ class PoolRef:
 
 def pool_pressure_of(target: ScaleTarget) -> PoolPressure:
     """The pools' state from the pages of the target's live workers (those that answer)."""
-    pages = {pool: reachable_pages(target.worker_metrics_urls(pool)) for pool in WORKER_ROLES}
+    pages = {pool: reachable_gauges(target.worker_metrics_urls(pool)) for pool in WORKER_ROLES}
     return pool_pressure(pages[Role.PREFILL], pages[Role.DECODE])
 
 
@@ -75,12 +74,11 @@ def choose_victims(loads: Mapping[str, float], num: int) -> list[str]:
 
 def pod_load(pod_ip: str, metrics_port: int) -> float:
     """Requests a worker holds; unreachable: infinite (never chosen to go)."""
-    try:
-        text = scrape(f"http://{pod_ip}:{metrics_port}/metrics")
-    except OSError as exc:
-        logger.warning("pod %s: metrics unreachable (%s)", pod_ip, exc)
+    gauges = gauges_at(f"http://{pod_ip}:{metrics_port}/metrics")
+    if gauges is None:
+        logger.warning("pod %s: no metrics page at port %d", pod_ip, metrics_port)
         return float("inf")
-    return sum(pdserve_gauge(text, name) for name in LOAD_GAUGES)
+    return sum(gauges.get(name, 0.0) for name in LOAD_GAUGES)
 
 
 class KubernetesTarget(ScaleTarget):
