@@ -81,10 +81,11 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(VENV)/bin/mypy
 
-# Two workers, a test file each at a time (a file's cluster fixtures start once): the suite
-# waits on processes, sockets and timeouts as much as it computes.
+# Two workers, a test file each at a time (a file's cluster fixtures start once); then, alone,
+# the tests that find faults by timing (marked serial: tests/conftest.py).
 unit: $(VENV)/.installed-dev $(HELM)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # The vLLM engine's tests, in its environment (tests/vllm; the main run skips that directory).
 test-vllm: $(VLLM_VENV)/.installed

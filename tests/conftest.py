@@ -23,6 +23,18 @@ from tests.services.otlp_receiver import OtlpReceiver
 # directory is not collected (vLLM's pins differ from this environment's).
 collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm"]
 
+# Tests whose faults are found by timing (a stall timeout of a few seconds, a heartbeat's TTL,
+# a SIGSTOPped process): `make unit` runs them alone, after the rest has run on two workers,
+# so that another test's load cannot pass for a stall.
+_SERIAL = ("tests/faults/", "tests/nixl/test_nixl_processes.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        if str(item.path.relative_to(root)).startswith(_SERIAL):
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
