@@ -1,12 +1,17 @@
-"""What the benchmarks share: a cached random-init checkpoint, random prompts, fixed leases."""
+"""What the benchmarks share: a cached random-init checkpoint, random prompts, fixed leases, the
+decode phase's time."""
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from engine import LLM, SamplingParams
+from engine.outputs import RequestOutput
 from kvtransfer.base import BlockLeases
 from pdserve.app.make_model import make_model
 
@@ -41,3 +46,30 @@ class FixedLeases(BlockLeases):
 
     async def checkin(self, request_id: str) -> None:
         return None
+
+
+def decode_phase(
+    llm: LLM, prompts: Sequence[list[int]], params: Sequence[SamplingParams]
+) -> tuple[float, list[RequestOutput]]:
+    """Runs ``prompts`` to the end; the seconds from the step that gave every prompt its first
+    token to the last token (the decode phase, no prefill in it: measured in one run, where a
+    difference of two runs, t(max_tokens=N) - t(max_tokens=1), went negative on a loaded
+    machine), and the outputs."""
+    engine = llm.engine
+    outputs: dict[str, RequestOutput] = {}
+    for prompt, p in zip(prompts, params, strict=True):
+        request_id = engine.add_request(list(prompt), p)
+        outputs[request_id] = RequestOutput(request_id, list(prompt))
+    start: float | None = None
+    try:
+        while engine.has_unfinished_requests():
+            for update in engine.step():
+                outputs[update.request_id].apply(update)
+            if start is None and all(o.token_ids for o in outputs.values()):
+                start = time.perf_counter()
+    except BaseException:
+        for request_id in outputs:
+            engine.abort(request_id)
+        raise
+    end = time.perf_counter()
+    return end - (end if start is None else start), list(outputs.values())

@@ -11,10 +11,9 @@ engine and a speculating one, interleaved, best of ``--repeats``:
   answers are new text. Guesses there mostly fail, and adaptivity must keep the cost down:
   ``ngram(no-adapt)`` (min acceptance 0, no batch limit) shows, same run, what it saves.
 
-Decode tok/s = generated tokens after the first / the decode phase's time, measured from the
-step that gave every prompt its first token to the last token (the prefill is not in it; the
-earlier difference t(max_tokens=N) - t(max_tokens=1) of two runs went negative on a loaded
-machine). The outputs of both engines are compared token for token (they
+Decode tok/s = generated tokens after the first / the decode phase's time
+(``bench_inputs.decode_phase``: from the step that gave every prompt its first token to the
+last token, no prefill in it). The outputs of both engines are compared token for token (they
 must be equal; speculation changes speed only). Also reported: acceptance rate (kept / proposed
 guesses) and tokens per verifying step. Ends with one JSON line. ``--quick``: tiny model, a
 seconds-long smoke run.
@@ -25,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import time
 from pathlib import Path
 from typing import Any
 
-from bench_inputs import REPO, ensure_model  # sibling module
+from bench_inputs import REPO, decode_phase, ensure_model  # sibling module
 
 from engine import LLM, SamplingParams
 
@@ -124,26 +122,10 @@ def random_model_prompts(vocab: int, workload: str, batch: int, seed: int) -> li
 
 
 def timed(llm: LLM, prompts: list[list[int]], n: int, eos: bool) -> tuple[float, list[list[int]]]:
-    """The decode phase's seconds (from the step that gave every prompt its first token to the
-    last token: no prefill in it, measured, not a difference of two noisy runs) and the
-    outputs."""
+    """The decode phase's seconds (``bench_inputs.decode_phase``) and the outputs."""
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=not eos)
-    engine = llm.engine
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    start: float | None = None
-    try:
-        while engine.has_unfinished_requests():
-            for update in engine.step():
-                tokens[update.request_id].extend(update.new_token_ids)
-            if start is None and all(tokens.values()):
-                start = time.perf_counter()
-    except BaseException:
-        for request_id in ids:
-            engine.abort(request_id)
-        raise
-    end = time.perf_counter()
-    return end - (end if start is None else start), [tokens[r] for r in ids]
+    seconds, outputs = decode_phase(llm, prompts, [params] * len(prompts))
+    return seconds, [o.token_ids for o in outputs]
 
 
 def measure(
