@@ -4,7 +4,6 @@ decode phase's time."""
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,21 +54,7 @@ def decode_phase(
     token to the last token (the decode phase, no prefill in it: measured in one run, where a
     difference of two runs, t(max_tokens=N) - t(max_tokens=1), went negative on a loaded
     machine), and the outputs."""
-    engine = llm.engine
-    outputs: dict[str, RequestOutput] = {}
-    for prompt, p in zip(prompts, params, strict=True):
-        request_id = engine.add_request(list(prompt), p)
-        outputs[request_id] = RequestOutput(request_id, list(prompt))
-    start: float | None = None
-    try:
-        while engine.has_unfinished_requests():
-            for update in engine.step():
-                outputs[update.request_id].apply(update)
-            if start is None and all(o.token_ids for o in outputs.values()):
-                start = time.perf_counter()
-    except BaseException:
-        for request_id in outputs:
-            engine.abort(request_id)
-        raise
-    end = time.perf_counter()
-    return end - (end if start is None else start), list(outputs.values())
+    outputs = llm.generate(list(prompts), list(params))
+    first = [o.first_token_s for o in outputs if o.first_token_s is not None]
+    last = [o.last_token_s for o in outputs if o.last_token_s is not None]
+    return (max(last) - max(first) if first else 0.0), outputs

