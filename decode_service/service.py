@@ -203,8 +203,10 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                             ),
                             update,
                         )
+            except ValueError as exc:  # the request's own failure (engine/request_error.py)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await self.abort_engine_dead(context, exc)
             finally:
                 # However this ends (finished, failed pull, client gone at any await), the
                 # request's blocks go back; a no-op when it already finished.
@@ -247,7 +249,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await self.abort_engine_dead(context, exc)
 
     async def _check_source(
         self,

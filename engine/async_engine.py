@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -27,13 +26,22 @@ import torch
 
 from engine.block_hash import BlockHash
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
+from engine.fault_injection import FaultInjection
+from engine.guide import Guide
 from engine.kv_cache import KVCache
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
-from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
+from engine.serving_engine import (
+    EngineDeadError,
+    EngineHooks,
+    FaultEvidence,
+    NoRoomError,
+    ServingEngine,
+    raise_on_error,
+)
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
 
@@ -49,7 +57,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "build_native_engine"]
 class _Stream:
     """One request's updates on their way to its consumer."""
 
-    queue: asyncio.Queue[RequestUpdate | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestUpdate | EngineDeadError] = field(default_factory=asyncio.Queue)
     num_buffered_tokens: int = 0  # in the queue, not yet taken
     paused: bool = False
 
@@ -63,7 +71,7 @@ class AsyncEngine(ServingEngine):
         *,
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         heartbeat_s: float | None = None,
-        stall_at_step: int | None = None,
+        faults: FaultInjection | None = None,
     ) -> None:
         if max_buffered_tokens < 2:
             raise ValueError(f"max_buffered_tokens must be >= 2, got {max_buffered_tokens}")
@@ -74,13 +82,14 @@ class AsyncEngine(ServingEngine):
         self._on_dead = on_dead  # told once, when a step fails
         self.max_buffered_tokens = max_buffered_tokens
         self.heartbeat_s = heartbeat_s
-        self._stall_at_step = stall_at_step  # fault injection (EngineConfig.fault_stall_at_step)
+        self._faults = faults or FaultInjection()  # tests only (engine/fault_injection.py)
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._streams: dict[str, _Stream] = {}
         self._task: asyncio.Task[None] | None = None
         self._step_thread = step_executor()  # steps never wait for a shared pool's thread
         self.error: BaseException | None = None
+        self._in_step = False  # a step runs: what fails now, fails in it
         self.collect_kv_events = False  # set by a worker that publishes to a prefix index
         self._kv_events: list[KVEvents] = []
         # Refreshed after every step and every call: stats RPCs must not wait behind a long
@@ -150,22 +159,27 @@ class AsyncEngine(ServingEngine):
         prefilled one (blocks pinned: the caller then owns a ``free_pinned``).
         ``num_generated_tokens``: a continued request (see ``LLMEngine.add_request``)."""
 
-        def admit() -> None:
+        def admit(guide: Guide | None) -> None:
             self._engine.add_request(
                 prompt_ids,
                 params,
                 request_id,
                 prefill_only=prefill_only,
                 num_generated_tokens=num_generated_tokens,
+                guide=guide,
             )
 
-        return self._stream(request_id, admit, params)
+        earlier = prompt_ids[len(prompt_ids) - num_generated_tokens :]
+        self._faults.admitted(request_id, prompt_ids)
+        return self._stream(request_id, admit, params, earlier)
 
     async def admit_prefilled(
         self, request: PrefilledRequest, fill: Callable[[list[int]], Awaitable[T]]
     ) -> T:
-        await self._compile_guide(request.params)
-        block_ids = await self.call(lambda: self._engine.reserve_prefilled(request))
+        ids, num_generated = request.prompt_token_ids, request.num_generated_tokens
+        self._faults.admitted(request.request_id, ids)
+        guide = await self._prepare_guide(request.params, ids[len(ids) - num_generated :])
+        block_ids = await self.call(lambda: self._engine.reserve_prefilled(request, guide))
         if block_ids is None:
             needed = self.blocks_for(len(request.prompt_token_ids))
             raise NoRoomError.of(self.stats.num_free_blocks, self.num_blocks, needed)
@@ -178,9 +192,7 @@ class AsyncEngine(ServingEngine):
 
     def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
         """Joins the admitted request (its KV is written) to the batch."""
-        return self._stream(
-            request.request_id, lambda: self._engine.start_prefilled(request), request.params
-        )
+        return self._stream(request.request_id, lambda _: self._engine.start_prefilled(request))
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
         """A pinned request, as the decode side resumes it (no step touches a pinned request,
@@ -217,25 +229,32 @@ class AsyncEngine(ServingEngine):
         if self._on_step is not None:
             self._on_step(self.stats)
 
-    async def _compile_guide(self, params: SamplingParams) -> None:
-        """A structured output's grammar compiles in a worker thread, outside the lock, before
-        its request is admitted; admission then only copies the cached matcher."""
-        if params.structured is not None:
-            await asyncio.to_thread(self._engine.loaded.guides.compile, params.structured)
+    async def _prepare_guide(self, params: SamplingParams, earlier: list[int]) -> Guide | None:
+        """A guided request's matcher (its grammar compiled, replayed past ``earlier``, its
+        first position checked) in a worker thread, outside the lock, before admission: the
+        event loop and the engine's lock never wait for a grammar."""
+        if params.structured is None:
+            return None
+        return await asyncio.to_thread(self._engine.admission.prepare_guide, params, earlier)
 
     async def _stream(
-        self, request_id: str, admit: Callable[[], RequestUpdate | None], params: SamplingParams
+        self,
+        request_id: str,
+        admit: Callable[[Guide | None], RequestUpdate | None],
+        params: SamplingParams | None = None,
+        earlier: list[int] | None = None,
     ) -> AsyncGenerator[RequestUpdate, None]:
-        """Runs ``admit`` (an engine call that adds ``request_id``) between steps, then yields
-        the request's updates until it finishes or is prefilled. Leaving early, by
-        cancellation or ``aclose``, aborts the request."""
+        """Runs ``admit`` (an engine call that adds ``request_id``, given the request's
+        matcher when ``params`` are guided) between steps, then yields the request's updates
+        until it finishes or is prefilled. Leaving early, by cancellation or ``aclose``,
+        aborts the request. Raises ``RequestError`` when the request's own parameters end it."""
         self._check_alive()
-        await self._compile_guide(params)
+        guide = await self._prepare_guide(params, earlier or []) if params else None
         stream = _Stream()
         async with self._lock:
             self._check_alive()
             try:
-                first = admit()
+                first = admit(guide)
             finally:
                 self._refresh_stats()
             self._streams[request_id] = stream
@@ -244,13 +263,14 @@ class AsyncEngine(ServingEngine):
         try:
             if first is not None:
                 done = first.finished or first.prefilled
-                yield first
+                yield raise_on_error(first)
             while not done:
                 update = await self._next(request_id, stream)
                 done = update.finished or update.prefilled
-                yield update
+                yield raise_on_error(update)
         finally:
             self._streams.pop(request_id, None)
+            self._faults.ended(request_id)
             if not done and self.error is None:
                 # Shielded inside abort: a second cancellation must not skip freeing the blocks.
                 await self.abort(request_id)
@@ -262,7 +282,7 @@ class AsyncEngine(ServingEngine):
         except TimeoutError:  # nothing new: an empty update tells the reader we are alive
             return RequestUpdate(request_id, [], "", [], None)
         if isinstance(item, BaseException):
-            raise EngineDeadError(f"engine step failed: {item!r}") from item
+            raise item
         stream.num_buffered_tokens -= len(item.new_token_ids)
         if stream.paused and stream.num_buffered_tokens <= self.max_buffered_tokens // 2:
             stream.paused = False
@@ -289,48 +309,59 @@ class AsyncEngine(ServingEngine):
         return await self.call(snapshot)
 
     def _check_alive(self) -> None:
+        """A call after the engine died: the request it is for was in no step of it."""
         if self.error is not None:
-            raise EngineDeadError(f"engine step failed: {self.error!r}")
+            evidence = FaultEvidence.BYSTANDER
+            raise EngineDeadError(f"engine step failed: {self.error!r}", evidence)
 
     async def _run(self) -> None:
+        """Steps while there is work. Whatever escapes an iteration (a step that raised, a
+        delivery that failed; a Rust panic from pyo3 is no ``Exception`` and counts too)
+        leaves the engine dead: every stream and the worker are told, at once."""
+        try:
+            while True:
+                await self._iterate()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("engine step failed; failing every request")
+            self.error = exc
+            stepping = self._engine.stepping if self._in_step else None
+            for request_id, stream in self._streams.items():
+                stream.queue.put_nowait(EngineDeadError.of_step(exc, request_id, stepping))
+            if self._on_dead is not None:
+                self._on_dead(exc)
+
+    async def _iterate(self) -> None:
         engine = self._engine
-        while True:
-            await self._wakeup.wait()
-            self.progress.working()
-            copy = engine.take_copy_wait()
-            if copy is not None:  # a host-tier copy gates the next step
-                # The lock is free: calls go on meanwhile. A failed copy fails the next step
-                # (which reads the future), the path every engine failure takes.
-                await asyncio.wait([asyncio.wrap_future(copy)])
-            async with self._lock:
-                if not engine.has_unfinished_requests():
-                    self._wakeup.clear()
-                    self.progress.progressed(stepped=False)
-                    continue
-                try:
-                    updates = await finish_in_thread(self._step, executor=self._step_thread)
-                except Exception as exc:
-                    logger.exception("engine step failed; failing every request")
-                    self.error = exc
-                    for stream in self._streams.values():
-                        stream.queue.put_nowait(exc)
-                    if self._on_dead is not None:
-                        self._on_dead(exc)
-                    return
-                self.progress.progressed(stepped=True)
-                self._deliver(updates)
-                self._refresh_stats()
-                if engine.last_step_idle:
-                    # Nothing could be scheduled (no free blocks, everything paused): wait for
-                    # a call to change that instead of spinning.
-                    self._wakeup.clear()
+        await self._wakeup.wait()
+        self.progress.working()
+        copy = engine.take_copy_wait()
+        if copy is not None:  # a host-tier copy gates the next step
+            # The lock is free: calls go on meanwhile. A failed copy fails the next step
+            # (which reads the future), the path every engine failure takes.
+            await asyncio.wait([asyncio.wrap_future(copy)])
+        async with self._lock:
+            if not engine.has_unfinished_requests():
+                self._wakeup.clear()
+                self.progress.progressed(stepped=False)
+                return
+            self._in_step = True
+            updates = await finish_in_thread(self._step, executor=self._step_thread)
+            self._in_step = False
+            self.progress.progressed(stepped=True)
+            self._deliver(updates)
+            self._refresh_stats()
+            if engine.last_step_idle:
+                # Nothing could be scheduled (no free blocks, everything paused): wait for a
+                # call to change that instead of spinning.
+                self._wakeup.clear()
 
     def _step(self) -> list[RequestUpdate]:
         """One engine step (in the step thread)."""
-        if self._stall_at_step == self.progress.num_steps + 1:
-            logger.error("fault injection: step %d blocks for good", self._stall_at_step)
-            threading.Event().wait()  # outside the GIL, like a hung device sync
-        return self._engine.step()
+        engine = self._engine
+        number = self.progress.num_steps + 1
+        return self._faults.around_step(number, engine.step, lambda: engine.stepping)
 
     def _deliver(self, updates: list[RequestUpdate]) -> None:
         """Queues each update for its consumer (under the lock, right after the step), and
@@ -363,5 +394,5 @@ async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> Async
         on_dead=hooks.on_dead,
         max_buffered_tokens=hooks.max_buffered_tokens,
         heartbeat_s=hooks.heartbeat_s,
-        stall_at_step=config.fault_stall_at_step,
+        faults=FaultInjection(config.fault_stall_at_step, config.fault_raise_on_token),
     )

@@ -23,6 +23,7 @@ from engine.sampler import (
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.token_bans import min_tokens_ids
 
 NEAR_TIE = 1e-4
 
@@ -41,14 +42,12 @@ def sampler_choice(
     exponential race's log scores (log p - log q) for seeded sampling. Uses free blocks of
     ``engine`` and gives them back."""
     row = sequence_logits(engine, [*prompt, *output[:index]], params)[-1:]  # [1, vocab]
-    eos = () if params.ignore_eos else engine.runner.eos_token_ids
     allowed = None
     if params.structured is not None:  # the grammar's mask after output[:index]
         guide = engine.loaded.guides.guide(params.structured, output[:index], params.ignore_eos)
         allowed = guide.masks((), 1)[0]
-    request = SampleRequest(
-        params, index, prompt, output[:index], (*params.stop_ids, *eos), allowed
-    )
+    stop_ids = min_tokens_ids(params, engine.runner.eos_token_ids)
+    request = SampleRequest(params, index, prompt, output[:index], stop_ids, allowed)
     row = guided_logits(row, [request])
     row = processed_logits(row, [request])  # penalties, bias, min_tokens: as the sampler does
     if params.greedy:

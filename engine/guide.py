@@ -9,19 +9,27 @@ belongs to one ``Sequence``: the engine feeds it every token the request outputs
 output of a continued request included (replayed on creation), so a migrated or disaggregated
 stream's masks are exactly the uninterrupted stream's. Why llguidance over xgrammar: measured
 in ``benchmarks/structured.py`` (docs/openai.md).
+
+A grammar is the request's business: a matcher that fails (a step past its lexer budget), a
+token outside it, or no token it allows left by the request's bans is a ``RequestError`` for
+that request, never an exception that fails the engine's step. ``GuideCompiler.guide_for``
+refuses, before any work, a request whose first position already allows nothing.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.request_error import OutsideGrammar, RequestError
+from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
+from engine.token_bans import banned_ids, min_tokens_ids, no_token_message
 
 if TYPE_CHECKING:
     import llguidance
@@ -36,7 +44,8 @@ _STEP_LEXER_FUEL = 200_000
 
 class Guide:
     """One request's matcher. ``masks`` computes the rows the sampler applies; ``accept``
-    advances it by an output token and says whether the constraint is complete."""
+    advances it by an output token and says whether the constraint is complete. Neither
+    raises anything but ``RequestError``."""
 
     def __init__(
         self,
@@ -51,19 +60,61 @@ class Guide:
         self._vocab_size = vocab_size
         self._field = field
         self._banned_eos = list(banned_eos)
+        self._failure: str | None = None  # what failed computing a mask (then none allowed)
+        self.num_accepted = 0  # tokens consumed: the output index of the next one
 
     def accept(self, token_id: int) -> bool:
         """Advances by ``token_id``; True once the output is complete (nothing more may
-        follow). A token the mask did not allow is a bug upstream, not a user error."""
-        if not self._matcher.consume_token(token_id):
-            raise RuntimeError(f"{self._field}: token {token_id} was outside the grammar")
-        return bool(self._matcher.is_stopped())
+        follow). Raises ``RequestError`` when the matcher failed (a mask step past its lexer
+        budget, say: llguidance then allows only EOS, and an output cut short by it must not
+        pass for complete) and ``OutsideGrammar`` when the token is not one it allows."""
+        index, matcher = self.num_accepted, self._matcher
+        try:
+            failed_before = self._failure or (self._failed(index) if matcher.is_error() else None)
+            consumed = failed_before is None and matcher.consume_token(token_id)
+            failed_now = consumed and matcher.is_error()
+            stopped = bool(matcher.is_stopped())
+        except Exception as exc:  # llguidance's own failure: this request's, not the step's
+            raise RequestError(self._failed(index, repr(exc))) from None
+        if failed_before is not None:
+            raise RequestError(failed_before)
+        if not consumed:
+            raise OutsideGrammar(
+                f"{self._field}: token {token_id} at output index {index} is outside the grammar"
+            )
+        if failed_now:
+            raise RequestError(self._failed(index))
+        self.num_accepted += 1
+        return stopped
+
+    def _failed(self, index: int, error: str | None = None) -> str:
+        """The message of a matcher failure at ``index`` (llguidance's own error, unless
+        ``error``)."""
+        text = error if error is not None else self._matcher.get_error()
+        first_line = (text.strip().splitlines() or ["unknown error"])[0]
+        return f"{self._field}: the grammar's matcher failed at output index {index}: {first_line}"
+
+    def allows_any(self, banned: Collection[int]) -> bool:
+        """Whether the next position allows a token outside ``banned`` (what the request's own
+        parameters ban there: ``engine/token_bans.py``)."""
+        allowed = self.masks((), 1)[0]
+        if banned:
+            allowed[[t for t in banned if 0 <= t < self._vocab_size]] = False
+        return bool(allowed.any())
 
     def masks(self, guesses: Sequence[int], num_rows: int) -> torch.Tensor:
         """``[num_rows, vocab]`` bool: row ``i`` allows what may follow the output plus the
         first ``i`` guesses (speculative verification). Rows after a guess the grammar rejects
         allow everything: that guess is rejected (its row cannot sample it), so they are never
-        used. The matcher is left where it was."""
+        used. The matcher is left where it was. A matcher that fails here allows nothing: the
+        token sampled from its row is refused by ``accept``, with the failure."""
+        try:
+            return self._masks(guesses, num_rows)
+        except Exception as exc:  # llguidance's own failure: this request's, not the step's
+            self._failure = self._failure or self._failed(self.num_accepted, repr(exc))
+            return torch.zeros(num_rows, self._vocab_size, dtype=torch.bool)
+
+    def _masks(self, guesses: Sequence[int], num_rows: int) -> torch.Tensor:
         import llguidance.torch as lgt
 
         words = lgt.allocate_token_bitmask(num_rows, self._vocab_size)
@@ -147,7 +198,8 @@ class GuideCompiler:
         self, spec: StructuredOutput, output_ids: Sequence[int], ignore_eos: bool = False
     ) -> Guide:
         """A fresh matcher for one request, advanced past ``output_ids`` (a continued
-        request's earlier output). Compiles first if the cache lost ``spec``."""
+        request's earlier output). Compiles first if the cache lost ``spec``. Raises
+        ``RequestError`` when that output does not follow the grammar."""
         with self._lock:
             cached = self._cache.get(spec)
         if cached is None:
@@ -157,6 +209,19 @@ class GuideCompiler:
         guide = Guide(cached.deep_copy(), self._vocab_size, spec.field, banned)
         for token_id in output_ids:
             guide.accept(token_id)
+        return guide
+
+    def guide_for(self, params: SamplingParams, output_ids: Sequence[int]) -> Guide:
+        """A guided request's matcher, as an engine admits the request (``guide``, compiling
+        first if need be): refused with a ``RequestError`` naming the fields when its first
+        position already allows no token its own bans leave (a grammar that allows only a
+        ``bad_words`` token, say). Slow on a cache miss or a long continuation: off the
+        event loop."""
+        assert params.structured is not None
+        guide = self.guide(params.structured, output_ids, params.ignore_eos)
+        banned = banned_ids(params, output_ids, min_tokens_ids(params, self._eos))
+        if not guide.allows_any(banned):
+            raise RequestError(no_token_message(params, len(output_ids)))
         return guide
 
     def warm(self) -> None:

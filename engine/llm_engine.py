@@ -21,14 +21,16 @@ from concurrent.futures import Future
 from engine.block_hash import BlockHash
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.guide import Guide
 from engine.host_loads import HostLoads
 from engine.host_tier import make_host_tier
 from engine.kv_events import CacheTier, KVEventLog
 from engine.loaded_model import LoadedModel
 from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.request_error import RequestError
 from engine.request_state import RequestState
-from engine.sampling_params import SamplingParams, check_continuation
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from engine.speculator import draft_block_bytes, make_speculator
@@ -49,6 +51,7 @@ class LLMEngine:
         self.num_blocks, self.fingerprint = loaded.num_blocks, loaded.fingerprint
         self.kv_cache, self.kv_layout = loaded.kv_cache, loaded.kv_layout
         self.runner = loaded.runner
+        self.admission = loaded.admission
         self.host_tier = tier = make_host_tier(config.cache, self.kv_cache)
         prefix_caching = self.config.cache.enable_prefix_caching
         host_index = tier.index if tier is not None else None
@@ -75,6 +78,9 @@ class LLMEngine:
         # True when the last step found nothing it could run (e.g. no free blocks for waiting
         # requests); stepping again changes nothing until a request is added, freed or aborted.
         self.last_step_idle = False
+        # The requests the step in progress computes for, once scheduled (None before): if
+        # the step raises, the engine's last words on which requests were in it.
+        self.stepping: frozenset[str] | None = None
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -85,53 +91,37 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         num_generated_tokens: int = 0,
+        guide: Guide | None = None,
     ) -> str:
         """``num_generated_tokens``: the last that many tokens of ``prompt`` are output a
         previous engine already produced (a migrated request): they count toward
         ``max_tokens``, the seeded sampler's output index and stop strings, exactly as if this
-        engine had generated them; the client's prompt is the rest."""
+        engine had generated them; the client's prompt is the rest. ``guide``: a guided
+        request's matcher, made off the event loop (``Admission.prepare_guide``); else here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._check_new_request(request_id, params)
-        token_ids = self.validate_prompt(prompt)
-        seq = self._sequence(request_id, token_ids, params, num_generated_tokens, prefill_only)
+        self._check_new_request(request_id)
+        seq = self.admission.sequence(
+            request_id,
+            prompt,
+            params,
+            num_generated_tokens,
+            prefill_only=prefill_only,
+            guide=guide,
+        )
         seq.wants_prompt_logprobs = params.prompt_logprobs is not None and not num_generated_tokens
         self._hash(seq)
         self._requests[request_id] = self._state(seq)
         self.scheduler.add(seq)
         return request_id
 
-    def _sequence(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        num_generated: int,
-        prefill_only: bool = False,
-    ) -> Sequence:
-        if num_generated:
-            check_continuation(len(token_ids), num_generated, params, self.max_model_len)
-        prompt = token_ids[: len(token_ids) - num_generated]
-        seq = Sequence(request_id, prompt, params, list(token_ids), prefill_only=prefill_only)
-        if params.structured is not None:  # compiled already when an AsyncEngine admits it
-            seq.guide = self.loaded.guides.guide(
-                params.structured, seq.output_token_ids, params.ignore_eos
-            )
-        return seq
-
-    def _check_new_request(self, request_id: str, params: SamplingParams) -> None:
-        """One namespace for ids at every stage, and params checked against this model."""
+    def _check_new_request(self, request_id: str) -> None:
+        """One namespace for ids at every stage."""
         if (
             request_id in self._requests
             or request_id in self.pinned
-            or (request_id in self._reserved)
+            or request_id in self._reserved
         ):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate_token_ids(list(params.stop_ids), "stop_token_ids")
-        self.validate_token_ids([token_id for token_id, _ in params.bias], "logit_bias")
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
-        if params.logprobs is not None and params.logprobs > self.model_config.vocab_size:
-            raise ValueError(f"logprobs must be <= vocab_size {self.model_config.vocab_size}")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
@@ -169,12 +159,14 @@ class LLMEngine:
         """One iteration: schedule, run, postprocess. The host tier and speculation take part
         through the hooks around it (``_before_schedule``, ``_runnable``, ``_widen``,
         ``_after_step``), never as branches here."""
+        self.stepping = None
         self._before_schedule()
         out = self.scheduler.schedule(time.monotonic())
         updates = [self._finish(self._requests[s.request_id], s.status) for s in out.dropped]
         if not self._runnable(out, bool(updates)):
             return updates
         scheduled = self._widen(out)
+        self.stepping = frozenset(s.seq.request_id for s in scheduled)
         results = self.runner.execute(scheduled)
         self.num_steps += 1
         updates += self._postprocess(scheduled, results)
@@ -238,7 +230,13 @@ class LLMEngine:
             seq, n = r.scheduled.seq, 1 + accepted.get(id(r.scheduled), 0)
             num_output_tokens = seq.num_output_tokens
             tokens = list(zip(r.token_ids[:n], r.logprobs[:n], strict=True))
-            if (update := self._append_tokens(self._requests[seq.request_id], tokens)) is not None:
+            req = self._requests[seq.request_id]
+            try:
+                update = self._append_tokens(req, tokens)
+            except RequestError as exc:  # the request's own failure: the batch goes on
+                updates.append(self._fail(req, str(exc)))
+                continue
+            if update is not None:
                 updates.append(update)
             if spec is not None and r.scheduled.spec_token_ids:  # what it output, less its own
                 spec.record(r.scheduled, seq.num_output_tokens - num_output_tokens - 1)
@@ -299,6 +297,11 @@ class LLMEngine:
             return self._pin(req)
         return req.flush(None)
 
+    def _fail(self, req: RequestState, message: str) -> RequestUpdate:
+        """Ends a request its own parameters failed (a ``RequestError`` from its tokens); its
+        blocks go back."""
+        return self._finish(req, req.fail(message))
+
     def _finish(self, req: RequestState, status: SequenceStatus) -> RequestUpdate:
         seq = req.seq
         status = req.finish(status)
@@ -307,7 +310,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
         # Finished at its first token: the caller still owns a free_pinned() of the blocks.
-        pinned = seq.prefill_only and seq.num_output_tokens > 0
+        failed = status is SequenceStatus.FINISHED_ERROR
+        pinned = seq.prefill_only and seq.num_output_tokens > 0 and not failed
         if pinned:
             self.pinned[seq.request_id] = seq
         else:
@@ -341,15 +345,21 @@ class LLMEngine:
             self.host_loads.store_freed()
 
     # ---- disaggregation: decode side -------------------------------------------------------
-    def reserve_prefilled(self, request: PrefilledRequest) -> list[int] | None:
-        """Allocate blocks for a request prefilled elsewhere; None when the cache is too full."""
-        self._check_new_request(request.request_id, request.params)
-        prompt = self.validate_prompt(request.prompt_token_ids)
-        self.validate_token_ids([request.first_token_id], "first_token_id")
-        seq = self._sequence(
-            request.request_id, prompt, request.params, request.num_generated_tokens
+    def reserve_prefilled(
+        self, request: PrefilledRequest, guide: Guide | None = None
+    ) -> list[int] | None:
+        """Allocate blocks for a request prefilled elsewhere; None when the cache is too full.
+        ``guide``: as in ``add_request``, past the output before the first token."""
+        self._check_new_request(request.request_id)
+        self.admission.validate_token_ids([request.first_token_id], "first_token_id")
+        seq = self.admission.sequence(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.num_generated_tokens,
+            guide=guide,
         )
-        if not self.block_manager.allocate_slots(seq, len(prompt)):
+        if not self.block_manager.allocate_slots(seq, seq.num_tokens):
             return None
         try:
             self.sync_host_tier()  # the KV receiver writes these blocks from its own thread
@@ -372,15 +382,13 @@ class LLMEngine:
         self.block_manager.register_computed_blocks(seq)
         self._requests[seq.request_id] = req
         self.scheduler.add_ready(seq)  # it takes a decode seat when one is free
-        return self._append_tokens(req, [(request.first_token_id, request.first_token_logprobs)])
+        first = [(request.first_token_id, request.first_token_logprobs)]
+        try:
+            return self._append_tokens(req, first)
+        except RequestError as exc:  # not a token its parameters allow here
+            return self._fail(req, str(exc))
 
     # ---- validation and introspection ------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        return self.loaded.validate_prompt(prompt)
-
-    def validate_token_ids(self, token_ids: list[int], name: str) -> None:
-        self.loaded.validate_token_ids(token_ids, name)
-
     def blocks_for(self, num_tokens: int) -> int:
         return self.block_manager.blocks_needed(num_tokens)
 

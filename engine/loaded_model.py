@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine.admission import Admission
 from engine.block_hash import root_hash
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, AttentionBackend, EngineConfig
 from engine.dtypes import torch_dtype
@@ -21,7 +22,6 @@ from engine.kv_cache import KVCache, KVCacheLayout
 from engine.loader import build_model
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.prompt import validate_prompt, validate_token_ids
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -144,11 +144,10 @@ class LoadedModel:
             )
         return int(num_blocks)
 
-    # ---- validation ----------------------------------------------------------------------
-    def validate_token_ids(self, token_ids: list[int], name: str) -> None:
-        validate_token_ids(token_ids, self.model_config.vocab_size, name)
-
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        return validate_prompt(
-            prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len
+    @property
+    def admission(self) -> Admission:
+        """What a request must pass to enter an engine of this model."""
+        mc = self.model_config
+        return Admission(
+            mc.vocab_size, mc.eos_token_ids, self.max_model_len, self.tokenizer, self.guides
         )

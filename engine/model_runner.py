@@ -21,6 +21,7 @@ from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import Sampler, SampleRequest
 from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprobs
+from engine.token_bans import min_tokens_ids
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,7 @@ class ModelRunner:
                 SampleRequest(params, first + i, allowed=allowed[i]) for i in range(num_sampled)
             ]
         output = seq.token_ids[seq.num_prompt_tokens :]
-        eos = () if params.ignore_eos else self.eos_token_ids
-        stop_ids = (*params.stop_ids, *eos)
+        stop_ids = min_tokens_ids(params, self.eos_token_ids)
         return [
             SampleRequest(
                 params,

@@ -17,7 +17,7 @@ class RequestUpdate:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[TokenLogprobs]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     num_cached_tokens: int = 0
     # Set once for prefill-only requests: the first token is sampled and the blocks are pinned.
     prefilled: bool = False
@@ -30,6 +30,9 @@ class RequestUpdate:
     num_host_cached_tokens: int = 0
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # With finish reason "error": why the request's own parameters ended it (a
+    # ``RequestError``'s message; the stream raises it: engine/serving_engine.py).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -50,6 +53,8 @@ class RequestOutput:
     # token yet): the decode phase of a batch runs from its latest first token to its last.
     first_token_s: float | None = None
     last_token_s: float | None = None
+    # Finish reason "error": why the request's own parameters ended it (engine/request_error.py).
+    error: str | None = None
 
     def apply(self, update: RequestUpdate) -> None:
         if update.new_token_ids:
@@ -62,6 +67,7 @@ class RequestOutput:
         self.logprobs.extend(update.new_logprobs)
         self.finish_reason = update.finish_reason
         self.num_cached_tokens = update.num_cached_tokens
+        self.error = update.error
 
 
 @dataclass(frozen=True)

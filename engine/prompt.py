@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from engine.sampling_params import SamplingParams
+from engine.token_bans import check_bans_leave_a_token
 from engine.tokenizer import Tokenizer
 
 
@@ -9,6 +13,20 @@ def validate_token_ids(token_ids: list[int], vocab_size: int, name: str) -> None
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{name} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def validate_sampling(
+    params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]
+) -> None:
+    """Every token id the sampling parameters carry is in the vocabulary, and their bans leave
+    a token (``engine/token_bans.py``). The one check of a client's ids before admission: the
+    router's, and each engine's (a worker's callers are not all routers). Errors name the
+    field."""
+    validate_token_ids(list(params.stop_ids), vocab_size, "stop_token_ids")
+    validate_token_ids([token_id for token_id, _ in params.bias], vocab_size, "logit_bias")
+    bad_words = [token_id for word in params.bad_words or () for token_id in word]
+    validate_token_ids(bad_words, vocab_size, "bad_words")
+    check_bans_leave_a_token(params, vocab_size, eos_token_ids)
 
 
 def validate_prompt(

@@ -8,12 +8,17 @@ and the text of an update follow one rule whatever produced the tokens.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestUpdate
+from engine.request_error import OutsideGrammar, RequestError
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.token_bans import banned_ids, bans_anything, min_tokens_ids, no_token_message
 from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -25,6 +30,9 @@ class RequestState:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Why the request's own parameters ended it (a ``RequestError``'s message): set by the
+    # engine before it finishes the request with FINISHED_ERROR; its last update carries it.
+    error: str | None = None
 
     @classmethod
     def create(
@@ -44,16 +52,18 @@ class RequestState:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
     ) -> SequenceStatus | None:
-        """Appends one token; returns the status it ends the request with, or None."""
+        """Appends one token; returns the status it ends the request with, or None. Raises
+        ``RequestError``, appending nothing, for a token the request's own parameters rule out
+        (``check``)."""
         seq = self.seq
+        # A complete structured output ends the request as a stop does.
+        complete = self.check(token_id, eos_token_ids)
         seq.token_ids.append(token_id)
         self.pending_ids.append(token_id)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             self.pending_logprobs.append(logprobs)
         stop_token = seq.params.is_stop_token(token_id, eos_token_ids)
-        # A complete structured output ends the request as a stop does.
-        complete = seq.guide is not None and seq.guide.accept(token_id)
         stop_string = False
         # A stop token ends the request but, as in vLLM, its text is not part of the output.
         if self.detokenizer is not None and not stop_token:
@@ -64,6 +74,36 @@ class RequestState:
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    def check(self, token_id: int, eos_token_ids: tuple[int, ...]) -> bool:
+        """Advances the grammar (True: the output is complete) after checking the token
+        against the request's bans (``engine/token_bans.py``). A sampler gives a banned token,
+        or one outside the grammar, only from a row that allowed nothing: ``RequestError``
+        naming the fields that ruled every token out (or the grammar's own failure)."""
+        seq = self.seq
+        params, index = seq.params, seq.num_output_tokens
+        bans = bans_anything(params, index)
+        if bans:
+            stop_ids = min_tokens_ids(params, eos_token_ids)
+            if token_id in banned_ids(params, seq.output_token_ids, stop_ids):
+                raise RequestError(no_token_message(params, index))
+        if seq.guide is None:
+            return False
+        try:
+            return seq.guide.accept(token_id)
+        except OutsideGrammar:
+            if bans:
+                raise RequestError(no_token_message(params, index)) from None
+            raise
+
+    def fail(self, message: str) -> SequenceStatus:
+        """The request's own parameters end it (a ``RequestError``): what this step gave it
+        is dropped, its last update will carry ``message``. Returns the status to finish it
+        with (every engine then finishes it as it finishes any request)."""
+        logger.warning("request_id=%s failed: %s", self.seq.request_id, message)
+        self.error = message
+        self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
+        return SequenceStatus.FINISHED_ERROR
 
     def finish(self, status: SequenceStatus) -> SequenceStatus:
         """Ends the request with ``status``: the detokenizer's held-back text is pending, and a
@@ -94,6 +134,7 @@ class RequestState:
             num_host_cached_tokens=self.seq.num_host_cached_tokens,
             num_spec_proposed_tokens=self.seq.num_spec_proposed_tokens,
             num_spec_accepted_tokens=self.seq.num_spec_accepted_tokens,
+            error=self.error if finish_reason is not None else None,
         )
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         self.reported_cached = True

@@ -17,6 +17,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.token_bans import banned_ids
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,10 +60,10 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, requests: list[SampleRequest]
     ) -> SamplerOutput:  # logits: [num_requests, vocab] fp32
-        # The grammar's mask comes first, and the logprobs see it (as vLLM's do); otherwise
-        # they stay those of the raw logits (vLLM's default), and the choice is processed.
-        logits = guided_logits(logits, requests)
-        processed = processed_logits(logits, requests)
+        # Logprobs are the raw model distribution's (vLLM's default, raw_logprobs), before the
+        # grammar's mask and any logit processing, as the vLLM backend's are (its processor
+        # runs after vLLM took them): every engine reports the same, always finite, values.
+        processed = processed_logits(guided_logits(logits, requests), requests)
         if all(r.params.greedy for r in requests):
             token_ids = processed.argmax(dim=-1)
         else:
@@ -143,13 +144,11 @@ def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> tor
     vocab = logits.shape[-1]
     for row in rows:
         r, p = requests[row], requests[row].params
-        if r.output_index < p.min_tokens and r.stop_ids:
-            out[row, list(r.stop_ids)] = float("-inf")
-        for word in p.bad_words or ():  # vLLM applies these first; masks commute anyway
-            head, last = word[:-1], word[-1]
-            done = len(r.output_ids)
-            if done >= len(head) and tuple(r.output_ids[done - len(head) :]) == head:
-                out[row, last] = float("-inf")
+        # bad_words and min_tokens: one rule (engine/token_bans.py), which a request's output
+        # also checks its tokens against. vLLM applies bad_words first; masks commute anyway.
+        banned = banned_ids(p, r.output_ids, r.stop_ids)
+        if banned:
+            out[row, sorted(banned)] = float("-inf")
         if p.logit_bias:
             ids, biases = zip(*p.bias, strict=True)
             index = torch.tensor(ids, device=out.device)

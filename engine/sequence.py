@@ -19,6 +19,9 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The request's own parameters ended it (engine/request_error.py): never on the wire as a
+    # finish reason; the worker answers INVALID_ARGUMENT with the message.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -33,6 +36,7 @@ _FINISHED = {
     SequenceStatus.FINISHED_STOPPED,
     SequenceStatus.FINISHED_LENGTH,
     SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_ERROR,
 }
 
 

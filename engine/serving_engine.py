@@ -19,10 +19,17 @@ Block ownership across two workers (who frees which block, and when) is the cont
   ``fill`` raises (or the caller is cancelled), the engine frees the blocks before
   ``admit_prefilled`` raises: the caller frees nothing.
 - ``abort`` stops a request wherever it is and frees what it holds.
+
+A request's own failure is never the engine's: a stream whose request its parameters end
+mid-way (no token left to sample, its grammar failed: ``engine/request_error.py``) raises
+``RequestError`` (a ``ValueError``: INVALID_ARGUMENT, not migrated), and every other request
+goes on. ``EngineDeadError`` means the engine itself failed (a step raised anything else, or
+its loop ended): every stream sees it, and the worker restarts.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,14 +41,46 @@ from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.kv_pages import KVPages
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.request_error import RequestError
 from engine.sampling_params import SamplingParams
 from engine.step_progress import StepProgress
 
 T = TypeVar("T")
 
 
+class FaultEvidence(enum.Enum):
+    """What a dead engine can say of one request, its last words: whether the request was in
+    the step that failed. The worker passes it on (``pdserve/common/engine_fault.py``), so the
+    router tells the request that crashed a worker from one that was only there
+    (``router/failures.py``)."""
+
+    UNKNOWN = "unknown"  # the engine cannot say (it failed outside a step): a silent loss
+    ALONE = "alone"  # the failed step held this request only: it is the cause
+    IN_STEP = "in-step"  # in the failed step, with others
+    BYSTANDER = "bystander"  # not in it (waiting, paused, pinned, or came after): innocent
+
+
 class EngineDeadError(RuntimeError):
-    """A step raised: the engine state can no longer be trusted; the worker must restart."""
+    """A step raised: the engine state can no longer be trusted; the worker must restart.
+    ``evidence``: what the engine says of the request this stream served."""
+
+    def __init__(self, message: str, evidence: FaultEvidence = FaultEvidence.UNKNOWN) -> None:
+        super().__init__(message)
+        self.evidence = evidence
+
+    @classmethod
+    def of_step(
+        cls, error: BaseException, request_id: str, stepping: frozenset[str] | None
+    ) -> EngineDeadError:
+        """``request_id``'s view of an engine whose step failed with ``error`` while it
+        stepped ``stepping`` (None: it cannot say)."""
+        if stepping is None:
+            evidence = FaultEvidence.UNKNOWN
+        elif request_id not in stepping:
+            evidence = FaultEvidence.BYSTANDER
+        else:
+            evidence = FaultEvidence.ALONE if len(stepping) == 1 else FaultEvidence.IN_STEP
+        return cls(f"engine step failed: {error!r}", evidence)
 
 
 class NoRoomError(RuntimeError):
@@ -144,7 +183,8 @@ class ServingEngine(ABC):
         that many of ``prompt_ids`` are earlier output of this request (a migration): they count
         toward ``max_tokens``, stop strings and the seeded sampler's output index. Leaving the
         generator early (cancellation, ``aclose``) aborts the request. Raises ``ValueError`` for
-        a request this engine cannot take (names the field) and ``EngineDeadError``."""
+        a request this engine cannot take (names the field), ``RequestError`` when the
+        request's own parameters end it mid-way, and ``EngineDeadError``."""
 
     @abstractmethod
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
@@ -171,7 +211,8 @@ class ServingEngine(ABC):
     @abstractmethod
     def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
         """The updates of a request ``admit_prefilled`` admitted, its first token
-        (``request.first_token_id``) first. Leaving early aborts the request."""
+        (``request.first_token_id``) first. Leaving early aborts the request. Raises as
+        ``generate`` does."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
@@ -192,3 +233,11 @@ class ServingEngine(ABC):
 # Loads the model (off the event loop) and returns the engine, not yet started: what the
 # component builder gives a worker service (``pdserve.app.components``).
 EngineBuilder = Callable[[EngineConfig, EngineHooks], Awaitable[ServingEngine]]
+
+
+def raise_on_error(update: RequestUpdate) -> RequestUpdate:
+    """``update``, unless it ends its request with the request's own error: then the stream
+    raises that (``RequestError``). Every engine's stream passes its updates through this."""
+    if update.error is not None:
+        raise RequestError(update.error)
+    return update

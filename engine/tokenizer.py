@@ -22,6 +22,7 @@ class Tokenizer:
         # The strings a plain ``encode`` turns into control tokens ("<|im_end|>"), and a copy of
         # the tokenizer that reads them as text: for what users wrote (``encode_as_text``).
         self.special_strings = frozenset(a.content for _, a in added if a.special and a.content)
+        self._special_sorted = sorted(self.special_strings)
         self._as_text = HFTokenizer.from_str(tokenizer.to_str())
         self._as_text.encode_special_tokens = True
 
@@ -60,7 +61,7 @@ class Tokenizer:
 
     def has_special_string(self, text: str) -> str | None:
         """The first control-token string found in ``text``, or None."""
-        return next((s for s in sorted(self.special_strings) if s in text), None)
+        return next((s for s in self._special_sorted if s in text), None)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         # Ids past the tokenizer's vocabulary (padded embedding rows) carry no text.

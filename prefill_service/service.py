@@ -112,7 +112,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await self.abort_engine_dead(context, exc)
             assert last is not None and last.prefilled
             # Pinned now: lease the blocks before the next await, so that no cancellation can
             # strand them. (A pinned request is never touched by a step: no lock needed.)

@@ -6,9 +6,12 @@ renewal); ``docs/architecture.md`` reproduces ``FAILURE_TABLE`` (a unit test kee
 Pure: no I/O. The verdict says whether another worker of the same step may take the request
 (``NEXT``: nothing failed, this worker just cannot take it now), whether a worker failed and the
 request goes on elsewhere (``MIGRATE``: counted against ``migration_limit``, whatever the phase,
-so one request costs at most ``migration_limit + 1`` worker failures), or whether the failure
-is the request's own and goes back to the client with its status (``GIVE_UP``). What a
-migrated request is asked for next: ``router/migration.py``.
+so one request costs at most ``migration_limit + 1`` worker failures), whether the failure
+is the request's own and goes back to the client with its status (``GIVE_UP``), or whether the
+dead worker's last words name this request as what killed it (``QUARANTINE``: it ends, and is
+refused for ``quarantine_s``). A silent loss, which the request may have caused, is a
+``strike`` against it (``router/quarantine.py``); one the worker's last words speak of is none.
+What a migrated request is asked for next: ``router/migration.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import TypeAlias
 
 import grpc
 
+from engine.serving_engine import FaultEvidence
+from pdserve.common.engine_fault import evidence_of
 from pdserve.common.lease_release import LEASE_ENDED as LEASE_ENDED_TRAILER
 from pdserve.common.server import NOT_ACCEPTING
 
@@ -52,6 +57,11 @@ class Seen(Enum):
     # A worker draining or still loading turned the call away (its NOT_ACCEPTING trailer):
     # nothing ran there.
     NOT_ACCEPTING = "not_accepting"
+    # The worker's engine died; its last words on this request (pdserve/common/engine_fault.py):
+    # the failed step held it alone (the cause), held it among others, or did not hold it.
+    ENGINE_FAULT_ALONE = "engine_fault_alone"
+    ENGINE_FAULT_IN_STEP = "engine_fault_in_step"
+    ENGINE_FAULT_BYSTANDER = "engine_fault_bystander"
 
 
 Event: TypeAlias = grpc.StatusCode | Seen
@@ -61,6 +71,9 @@ class Action(Enum):
     NEXT = "next"  # not a failure: another worker of this step (full, draining, not peered)
     MIGRATE = "migrate"  # a worker failed: the request goes on elsewhere, avoiding it
     GIVE_UP = "give_up"  # the request's own failure: the client gets the status
+    # The worker's last words say this request killed it: it ends (INTERNAL), no other worker
+    # is risked, and the same request is refused for quarantine_s (router/quarantine.py).
+    QUARANTINE = "quarantine"
 
 
 @dataclass(frozen=True)
@@ -71,9 +84,10 @@ class Verdict:
     suspect: bool = False
     # The KV it was pulling is spent: the next attempt also avoids the prefill worker.
     avoid_prefill: bool = False
-    # The worker's process or connection went away. Before any token of the attempt, that is a
-    # strike against the prompt (``router/quarantine.py``): a poison prompt stops spreading.
-    gone: bool = False
+    # The worker went away without a word (killed, crashed, cut off), so the request may have
+    # caused it: a strike against the request (``router/quarantine.py``), so a poison request
+    # stops spreading.
+    strike: bool = False
 
 
 _GIVE_UP = Verdict(Action.GIVE_UP)
@@ -91,15 +105,24 @@ _GONE_CODES = (
 def _gone(reason: str) -> dict[Event, Verdict]:
     """Rows for a worker that went away; only UNAVAILABLE suspects it (the others may be this
     request's own stream breaking)."""
-    return {
+    rows: dict[Event, Verdict] = {
         code: Verdict(
-            Action.MIGRATE, reason, suspect=code is grpc.StatusCode.UNAVAILABLE, gone=True
+            Action.MIGRATE, reason, suspect=code is grpc.StatusCode.UNAVAILABLE, strike=True
         )
         for code in _GONE_CODES
     }
+    return rows | _ENGINE_FAULTS
 
 
 _STALLED = Verdict(Action.MIGRATE, "stall", suspect=True)
+# A dead engine's last words, wherever the request ran on it (prefill, local, stream).
+_ENGINE_FAULTS: dict[Event, Verdict] = {
+    Seen.ENGINE_FAULT_ALONE: Verdict(Action.QUARANTINE, "engine"),
+    # Among others: which of them caused it (if any) cannot be said, and striking them all
+    # would end innocents batched with a poison twice: migration_limit bounds it instead.
+    Seen.ENGINE_FAULT_IN_STEP: Verdict(Action.MIGRATE, "engine", suspect=True),
+    Seen.ENGINE_FAULT_BYSTANDER: Verdict(Action.MIGRATE, "engine", suspect=True),
+}
 
 FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
     Phase.PREFILL: {
@@ -117,6 +140,7 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
         grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining, or gone before the pull
         grpc.StatusCode.PERMISSION_DENIED: _NEXT,  # does not know the prefill worker yet
         Seen.NOT_ACCEPTING: _NEXT,
+        Seen.ENGINE_FAULT_BYSTANDER: _NEXT,  # its engine died before the pull: nothing ran
         # Mid-pull, maybe: the handle may be spent, prefill again.
         **{
             code: Verdict(Action.MIGRATE, "transfer")
@@ -134,6 +158,7 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
     Phase.LOCAL: {
         **_gone("unavailable"),
         grpc.StatusCode.UNAVAILABLE: _NEXT,  # draining or gone: disaggregate (colocated: next)
+        Seen.ENGINE_FAULT_BYSTANDER: _NEXT,  # its engine died before stepping it
         Seen.NOT_ACCEPTING: _NEXT,
         # Another model's worker, before the router's stats refused it: any other worker.
         grpc.StatusCode.FAILED_PRECONDITION: _NEXT,
@@ -159,13 +184,24 @@ FAILURE_TABLE: dict[Phase, dict[Event, Verdict]] = {
 }
 
 
+_EVIDENCE = {
+    FaultEvidence.ALONE: Seen.ENGINE_FAULT_ALONE,
+    FaultEvidence.IN_STEP: Seen.ENGINE_FAULT_IN_STEP,
+    FaultEvidence.BYSTANDER: Seen.ENGINE_FAULT_BYSTANDER,
+}
+
+
 def event_of(code: grpc.StatusCode, trailers: tuple[tuple[str, str], ...]) -> Event:
     """What a failed call's status and trailers say happened: a trailer names a case the code
-    alone cannot (a lease that ended, a worker that was not accepting work)."""
+    alone cannot (a lease that ended, a worker that was not accepting work, what a dead
+    engine knew of the request)."""
     if LEASE_ENDED_TRAILER in trailers:
         return Seen.LEASE_ENDED
     if NOT_ACCEPTING in trailers:
         return Seen.NOT_ACCEPTING
+    evidence = evidence_of(trailers)
+    if code == grpc.StatusCode.UNAVAILABLE and evidence in _EVIDENCE:
+        return _EVIDENCE[evidence]
     return code
 
 

@@ -36,7 +36,7 @@ from router.migration import Finished, attempt_id, continue_request
 from router.output_stream import OutputStream
 from router.phases import RequestPhase
 from router.plan import Route
-from router.quarantine import POISON_STRIKES, Quarantine, prompt_digest
+from router.quarantine import POISON_STRIKES, Quarantine, request_digest
 from router.request_trace import RequestTrace
 from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled
 from router.worker_pool import Worker, WorkerPool
@@ -62,19 +62,22 @@ class Generation:
         self,
         request_id: str,
         client_id: str,
+        caller: str,
         prompt_ids: list[int],
         params: SamplingParams,
         out: OutputStream,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One request, validated, as the client sees it: token chunks, then the final message.
         A worker that fails mid-flight is replaced (``router/migration.py``) up to
-        ``migration_limit`` times, invisibly to the client; a prompt that keeps losing workers
-        before its first token is quarantined (``router/quarantine.py``). Its phases and trace:
-        ``router/request_trace.py``. Raises ``WorkerError``."""
+        ``migration_limit`` times, invisibly to the client; a request that keeps losing
+        workers (or that a worker's last words name as its killer) is quarantined
+        (``router/quarantine.py``: ``caller``'s, with this prompt and sampling). Its phases and
+        trace: ``router/request_trace.py``. Raises ``WorkerError``."""
         trace = RequestTrace(request_id, out.start_s, self.config.colocated)
+        digest = request_digest(caller, prompt_ids, params)
         try:
             async for response in self._generate(
-                request_id, client_id, prompt_ids, params, out, trace
+                request_id, client_id, digest, prompt_ids, params, out, trace
             ):
                 yield response
         finally:
@@ -84,18 +87,18 @@ class Generation:
         self,
         request_id: str,
         client_id: str,
+        digest: str,
         prompt_ids: list[int],
         params: SamplingParams,
         out: OutputStream,
         trace: RequestTrace,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        digest = prompt_digest(prompt_ids)
         if self.quarantine.quarantined(digest):
             metrics.QUARANTINED.labels("refused").inc()
             raise WorkerError(
                 grpc.StatusCode.INTERNAL,
-                f"prompt quarantined: {POISON_STRIKES} workers went away running it before its "
-                f"first token; refused for quarantine_s={self.config.quarantine_s:g}",
+                "request quarantined: workers died running this prompt with these sampling "
+                f"parameters; refused for quarantine_s={self.config.quarantine_s:g}",
             )
         sampling = sampling_to_proto(params)
         report = Report()
@@ -123,7 +126,9 @@ class Generation:
                 break
             except WorkerLost as exc:
                 verdict = exc.verdict
-                if verdict.gone and out.num_output_tokens == 0:  # before its first token
+                if verdict.action is Action.QUARANTINE:
+                    self._condemn(request_id, digest, exc)
+                if verdict.strike:
                     self._strike(request_id, digest, exc)
                 if migrations >= self.config.migration_limit:
                     raise WorkerError(
@@ -189,11 +194,11 @@ class Generation:
         yield final
 
     def _strike(self, request_id: str, digest: str, exc: WorkerLost) -> None:
-        """A worker went away before the first token: a strike against the prompt;
-        the last one ends the request (it would go on taking workers down)."""
+        """A worker went away running the request, which may have caused it: a strike
+        against the request; the last one ends it (it would go on taking workers down)."""
         strikes = self.quarantine.strike(digest, exc.address)
         logger.warning(
-            "request_id=%s: %s went away before the first token (strike %d of %d)",
+            "request_id=%s: %s went away running it (strike %d of %d)",
             request_id,
             exc.address,
             strikes,
@@ -203,9 +208,21 @@ class Generation:
             metrics.QUARANTINED.labels("ended").inc()
             raise WorkerError(
                 grpc.StatusCode.INTERNAL,
-                f"prompt quarantined: {strikes} workers went away running it before its first "
-                f"token, the last {exc.address} ({exc.message})",
+                f"request quarantined: {strikes} workers went away running it, the last "
+                f"{exc.address} ({exc.message})",
             ) from None
+
+    def _condemn(self, request_id: str, digest: str, exc: WorkerLost) -> None:
+        """The dead worker's last words say this request killed it (alone in the failed
+        step): it ends here, and no other worker is risked on it."""
+        self.quarantine.condemn(digest, exc.address)
+        metrics.QUARANTINED.labels("ended").inc()
+        logger.error("request_id=%s: %s's engine died stepping it alone", request_id, exc.address)
+        raise WorkerError(
+            grpc.StatusCode.INTERNAL,
+            f"request quarantined: the engine of {exc.address} failed stepping it alone "
+            f"({exc.message}); refused for quarantine_s={self.config.quarantine_s:g}",
+        ) from None
 
     async def _attempt(
         self, attempt: Attempt, out: OutputStream, trace: RequestTrace

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.prompt import validate_prompt, validate_token_ids
+from engine.prompt import validate_prompt, validate_sampling
 from engine.sampling_params import SamplingParams
 from engine.threads import finish_in_thread
 from engine.tokenizer import Tokenizer
@@ -26,10 +26,17 @@ class Overloaded(Exception):
 
 
 class PromptReader:
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        limits: RequestLimits,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.limits = limits
+        self.eos_token_ids = eos_token_ids
         self._slots = asyncio.Semaphore(limits.max_concurrent_tokenizations)
         self._queued = 0
 
@@ -46,8 +53,7 @@ class PromptReader:
         if has_text == has_ids:
             raise ValueError("set exactly one of prompt and prompt_token_ids")
         params = sampling_from_proto(request.sampling)
-        validate_token_ids(list(params.stop_ids), self.vocab_size, "stop_token_ids")
-        validate_token_ids([t for t, _ in params.bias], self.vocab_size, "logit_bias")
+        validate_sampling(params, self.vocab_size, self.eos_token_ids)
         if has_ids:
             prompt_ids = list(request.prompt_token_ids)
             return validate_prompt(prompt_ids, None, self.vocab_size, max_model_len), params

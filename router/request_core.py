@@ -55,7 +55,12 @@ class RequestCore:
         self.checkpoint = CheckpointInfo.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.api_keys = ApiKeys(config.api_key_file) if config.api_key_file else None
-        self.prompts = PromptReader(self.tokenizer, self.checkpoint.vocab_size, config.limits)
+        self.prompts = PromptReader(
+            self.tokenizer,
+            self.checkpoint.vocab_size,
+            config.limits,
+            self.checkpoint.eos_token_ids,
+        )
         self._pool: WorkerPool | None = None
         self._cluster: ClusterState | None = None
         self._generation: Generation | None = None
@@ -114,6 +119,14 @@ class RequestCore:
             return True
         metrics.AUTH_FAILURES.inc()
         return False
+
+    def caller(self, authorization: str | None, peer: str) -> str:
+        """Who sends an authorized request, as strikes count it (``router/quarantine.py``):
+        its API key (a digest) when keys are required, else its host (``peer``: a gRPC peer
+        such as ``ipv4:10.0.0.7:5123``, or an HTTP client's host)."""
+        if self.api_keys is not None:
+            return f"key:{self.api_keys.identity(authorization)}"
+        return f"host:{peer_host(peer)}"
 
     def refusal(self) -> str | None:
         """Why this router takes no request now (UNAVAILABLE / 503), or None."""
@@ -179,16 +192,23 @@ class RequestCore:
         metrics.ROUTER_INFLIGHT.dec()
 
     async def responses(
-        self, client_id: str, prompt_ids: list[int], params: SamplingParams, start_s: float
+        self,
+        client_id: str,
+        caller: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        start_s: float,
     ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """One validated request's stream under a request id unique on the workers even if
-        clients reuse theirs. Every frontend's (inside its ``track``)."""
+        clients reuse theirs. Every frontend's (inside its ``track``); ``caller``: ``caller``'s."""
         request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
         out = OutputStream(
             self.tokenizer, prompt_ids, params, self.checkpoint.eos_token_ids, start_s
         )
         try:
-            stream = self.generation.generate(request_id, client_id, prompt_ids, params, out)
+            stream = self.generation.generate(
+                request_id, client_id, caller, prompt_ids, params, out
+            )
             async with contextlib.aclosing(stream):
                 async for response in stream:
                     yield response
@@ -214,3 +234,13 @@ class InFlight:
 
     def __exit__(self, *exc: object) -> None:
         self.end()
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, ``unix:/path``) or of
+    an HTTP client (already a host)."""
+    kind, sep, address = peer.partition(":")
+    if not sep or kind not in ("ipv4", "ipv6"):
+        return peer
+    host, _, _ = address.rpartition(":")
+    return host.strip("[]") or address

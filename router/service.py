@@ -143,7 +143,8 @@ class RouterService(Service):
     async def _generate(self, data: bytes, context: grpc.aio.ServicerContext) -> None:
         start_s = time.perf_counter()
         core = self.core
-        if not core.authorized(bearer(context.invocation_metadata())):
+        authorization = bearer(context.invocation_metadata())
+        if not core.authorized(authorization):
             await context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "a valid API key is required: metadata authorization: Bearer <key>",
@@ -170,7 +171,8 @@ class RouterService(Service):
             metrics.REQUEST_ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         client_id = parsed.request_id or uuid.uuid4().hex
-        stream = core.responses(client_id, prompt_ids, params, start_s)
+        caller = core.caller(authorization, context.peer())
+        stream = core.responses(client_id, caller, prompt_ids, params, start_s)
         try:
             async with contextlib.aclosing(stream):
                 async for response in stream:

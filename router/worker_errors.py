@@ -24,7 +24,8 @@ class WorkerError(Exception):
 class WorkerLost(WorkerError):
     """A worker failed (a ``MIGRATE`` verdict of ``router/failures.py``): another worker can
     take the request over. The next attempt avoids ``avoid`` (the worker, and the prefill
-    worker whose KV failed)."""
+    worker whose KV failed). With a ``QUARANTINE`` verdict, the worker's last words say the
+    request killed it: no other worker takes it."""
 
     def __init__(
         self,
@@ -55,10 +56,11 @@ def failure(
     verdict: Verdict,
     also_avoid: tuple[str, ...] = (),
 ) -> WorkerError:
-    """What a failed call raises for its verdict: ``WorkerLost`` (migrate), else the client's
-    error. A ``NEXT`` verdict is the caller's to act on before it gets here."""
+    """What a failed call raises for its verdict: ``WorkerLost`` (migrate, or quarantine: the
+    caller acts on the verdict), else the client's error. A ``NEXT`` verdict is the caller's
+    to act on before it gets here."""
     error = worker_error(exc, what)
-    if verdict.action is not Action.MIGRATE:
+    if verdict.action not in (Action.MIGRATE, Action.QUARANTINE):
         return error
     return WorkerLost(error.code, error.message, verdict, worker.address, also_avoid=also_avoid)
 

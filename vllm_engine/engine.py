@@ -26,12 +26,19 @@ from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 from engine.block_hash import BlockHash
 from engine.checkpoint import CheckpointInfo
 from engine.config import EngineConfig
-from engine.guide import GuideCompiler
+from engine.guide import Guide, GuideCompiler
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
-from engine.serving_engine import EngineDeadError, EngineHooks, NoRoomError, ServingEngine
+from engine.serving_engine import (
+    EngineDeadError,
+    EngineHooks,
+    FaultEvidence,
+    NoRoomError,
+    ServingEngine,
+    raise_on_error,
+)
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
 from engine.tokenizer import Tokenizer
@@ -154,11 +161,14 @@ class VllmEngine(ServingEngine):
         num_generated_tokens: int = 0,
     ) -> AsyncGenerator[RequestUpdate, None]:
         mode = Mode.PREFILL if prefill_only else Mode.GENERATE
-        return self._stream(
-            request_id,
-            lambda: self._table.add(request_id, prompt_ids, params, mode, num_generated_tokens),
-            params,
-        )
+
+        def admit(guide: Guide | None) -> Request:
+            return self._table.add(
+                request_id, prompt_ids, params, mode, num_generated_tokens, guide
+            )
+
+        earlier = prompt_ids[len(prompt_ids) - num_generated_tokens :]
+        return self._stream(request_id, admit, params, earlier)
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
         return self._table.export(request_id)
@@ -172,11 +182,12 @@ class VllmEngine(ServingEngine):
         rid = request.request_id
         if self._pages is None:
             raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
-        await self._compile_guide(request.params)
+        ids, num_generated = request.prompt_token_ids, request.num_generated_tokens
+        guide = await self._prepare_guide(request.params, ids[len(ids) - num_generated :])
         needed = self.blocks_for(len(request.prompt_token_ids))
         allocation = await self._call(
             lambda: self._table.add_remote(
-                request, needed, self._pool.get_num_free_blocks(), self.num_blocks
+                request, needed, self._pool.get_num_free_blocks(), self.num_blocks, guide
             )
         )
         try:
@@ -236,20 +247,24 @@ class VllmEngine(ServingEngine):
                 self._wakeup.set()
 
     # ---- streams ----------------------------------------------------------------------------
-    async def _compile_guide(self, params: SamplingParams | None) -> None:
-        """A structured output's grammar compiles in a worker thread before admission."""
-        if params is not None and params.structured is not None:
-            await asyncio.to_thread(self._guides.compile, params.structured)
+    async def _prepare_guide(self, params: SamplingParams, earlier: list[int]) -> Guide | None:
+        """A guided request's matcher (``GuideCompiler.guide_for``: compiled, replayed past
+        ``earlier``, its first position checked) in a worker thread before admission."""
+        if params.structured is None:
+            return None
+        return await asyncio.to_thread(self._guides.guide_for, params, earlier)
 
     async def _stream(
         self,
         rid: str,
-        admit: Callable[[], Request] | None,
+        admit: Callable[[Guide | None], Request] | None,
         params: SamplingParams | None = None,
+        earlier: list[int] | None = None,
     ) -> AsyncGenerator[RequestUpdate, None]:
-        await self._compile_guide(params)
         if admit is not None:
-            await self._call(admit)
+            assert params is not None
+            guide = await self._prepare_guide(params, earlier or [])
+            await self._call(lambda: admit(guide))
         req = self._table.requests.get(rid)
         if req is None:
             raise EngineDeadError(f"request {rid!r} is gone")
@@ -258,7 +273,7 @@ class VllmEngine(ServingEngine):
             while not done:
                 update = await self._next(req)
                 done = update.finished or update.prefilled
-                yield update
+                yield raise_on_error(update)
         finally:
             if done:
                 self._table.requests.pop(rid, None)
@@ -282,34 +297,43 @@ class VllmEngine(ServingEngine):
         return running + waiting > self._bridge.num_loading or self._bridge.has_reports()
 
     async def _run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            self.progress.working()
-            async with self._lock:
-                if not self._has_work():
-                    self._wakeup.clear()
-                    self.progress.progressed(stepped=False)
-                    continue
-                events = self._bridge.events
-                try:
-                    outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
-                except Exception as exc:
-                    logger.exception("vLLM step failed; failing every request")
-                    self.error = exc
-                    for req in self._table.requests.values():
-                        req.queue.put_nowait(exc)
-                    if self._hooks.on_dead is not None:
-                        self._hooks.on_dead(exc)
-                    return
-                self.progress.progressed(stepped=True)
-                for output in outputs:
-                    if isinstance(output, RequestOutput):
-                        self._table.deliver(output)
-                self._refresh()
-                idle = not outputs and not self._scheduler.running
-                if idle and events == self._bridge.events and not self._bridge.has_reports():
-                    # Nothing could be scheduled, nothing moved: wait for a call to change that.
-                    self._wakeup.clear()
+        """Steps while there is work. Whatever escapes an iteration (a step that raised, or
+        the delivery of its outputs) leaves the engine dead at once: every stream and the
+        worker are told, as the native engine's loop does (``engine/async_engine.py``)."""
+        try:
+            while True:
+                await self._iterate()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("vLLM step failed; failing every request")
+            self.error = exc
+            for req in self._table.requests.values():
+                req.queue.put_nowait(exc)
+            if self._hooks.on_dead is not None:
+                self._hooks.on_dead(exc)
+
+    async def _iterate(self) -> None:
+        await self._wakeup.wait()
+        self.progress.working()
+        async with self._lock:
+            if not self._has_work():
+                self._wakeup.clear()
+                self.progress.progressed(stepped=False)
+                return
+            events = self._bridge.events
+            outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
+            for output in outputs:
+                if isinstance(output, RequestOutput):
+                    self._table.deliver(output)
+            # Only once its outputs are delivered has a step completed: a delivery that
+            # hangs or fails must not pass for progress (the stall clock, /livez).
+            self.progress.progressed(stepped=True)
+            self._refresh()
+            idle = not outputs and not self._scheduler.running
+            if idle and events == self._bridge.events and not self._bridge.has_reports():
+                # Nothing could be scheduled, nothing moved: wait for a call to change that.
+                self._wakeup.clear()
 
     def _refresh(self) -> None:
         self._cached.apply(self._publisher.take())
@@ -336,5 +360,7 @@ class VllmEngine(ServingEngine):
         )
 
     def _check_alive(self) -> None:
+        """A call after the engine died: the request it is for was in no step of it."""
         if self.error is not None:
-            raise EngineDeadError(f"engine step failed: {self.error!r}")
+            evidence = FaultEvidence.BYSTANDER
+            raise EngineDeadError(f"engine step failed: {self.error!r}", evidence)

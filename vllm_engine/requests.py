@@ -7,22 +7,27 @@ engine's lock), so it may call into vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from typing import Any
 
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
+from engine.admission import Admission
 from engine.checkpoint import CheckpointInfo
-from engine.guide import GuideCompiler
+from engine.guide import Guide, GuideCompiler
 from engine.outputs import PrefilledRequest, RequestUpdate
-from engine.prompt import validate_prompt, validate_token_ids
+from engine.request_error import RequestError
 from engine.request_state import RequestState
-from engine.sampling_params import SamplingParams, check_continuation
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.serving_engine import NoRoomError
 from engine.tokenizer import Tokenizer
 from vllm_engine.bridge import Bridge
 from vllm_engine.outputs import Mode, Request, positions, token_logprobs, vllm_params
+
+logger = logging.getLogger(__name__)
 
 
 class RequestTable:
@@ -35,9 +40,12 @@ class RequestTable:
         max_model_len: int,
         guides: GuideCompiler,
     ) -> None:
-        self._llm, self._bridge, self._guides = llm, bridge, guides
+        self._llm, self._bridge = llm, bridge
         self._checkpoint, self._tokenizer = checkpoint, tokenizer
         self._max_model_len = max_model_len
+        self._admission = Admission(
+            checkpoint.vocab_size, checkpoint.eos_token_ids, max_model_len, tokenizer, guides
+        )
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, Sequence] = {}
         self.num_prompt_tokens_computed = 0
@@ -50,23 +58,31 @@ class RequestTable:
         params: SamplingParams,
         mode: Mode,
         num_generated: int,
+        guide: Guide | None = None,
     ) -> Request:
-        seq = self._sequence(rid, prompt_ids, params, num_generated)
+        """``guide``: a guided request's matcher, made off the event loop
+        (``GuideCompiler.guide_for``)."""
+        seq = self._sequence(rid, prompt_ids, params, num_generated, guide)
         kv_params = {"pdserve_rid": rid, "mode": mode.value}
         self._submit(seq, seq.token_ids, params, mode, num_generated, kv_params)
         return self.requests[rid]
 
     def add_remote(
-        self, request: PrefilledRequest, num_blocks: int, free: int, total: int
+        self,
+        request: PrefilledRequest,
+        num_blocks: int,
+        free: int,
+        total: int,
+        guide: Guide | None = None,
     ) -> asyncio.Future[list[int]]:
         """A request prefilled elsewhere, waiting for vLLM to allocate its blocks (the future)
         and for its pull; its first update (the first token) is queued already."""
         rid = request.request_id
         if num_blocks > free:  # fail fast: the router tries another worker
             raise NoRoomError.of(free, total, num_blocks)
-        validate_token_ids([request.first_token_id], self._checkpoint.vocab_size, "first_token_id")
+        self._admission.validate_token_ids([request.first_token_id], "first_token_id")
         seq = self._sequence(
-            rid, request.prompt_token_ids, request.params, request.num_generated_tokens
+            rid, request.prompt_token_ids, request.params, request.num_generated_tokens, guide
         )
         seq.num_cached_tokens = 0  # imported KV is not a prefix hit
         kv_params = {
@@ -147,29 +163,19 @@ class RequestTable:
             self.accept(rid, req, tokens, vllm_finished=output.finished)
 
     def _sequence(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, num_generated: int
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        num_generated: int,
+        guide: Guide | None = None,
     ) -> Sequence:
         if rid in self.requests or rid in self.pinned:
             raise ValueError(f"request_id {rid!r} is already in use")
-        vocab = self._checkpoint.vocab_size
-        token_ids = validate_prompt(prompt_ids, None, vocab, self._max_model_len)
-        validate_token_ids(list(params.stop_ids), vocab, "stop_token_ids")
-        if params.stop_strings and self._tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has no tokenizer.json")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be <= vocab_size {vocab}")
-        if num_generated:
-            check_continuation(len(token_ids), num_generated, params, self._max_model_len)
-        prompt = token_ids[: len(token_ids) - num_generated]
-        seq = Sequence(rid, prompt, params, list(token_ids))
-        if params.structured is not None:
-            # pdserve's side follows the output too: a complete constraint ends the request
-            # here (engine.request_state), as on the native engine; the masks are the
-            # logits processor's (vllm_engine/sampler.py).
-            seq.guide = self._guides.guide(
-                params.structured, seq.output_token_ids, params.ignore_eos
-            )
-        return seq
+        # pdserve's side follows the output too (a complete constraint ends the request here,
+        # engine.request_state, as on the native engine); the masks are the logits
+        # processor's (vllm_engine/sampler.py).
+        return self._admission.sequence(rid, prompt_ids, params, num_generated, guide=guide)
 
     def _submit(
         self,
@@ -199,15 +205,22 @@ class RequestTable:
         abort_in_vllm: bool = True,
     ) -> None:
         """Appends tokens, ending the request where pdserve's rules end it, and queues the
-        update."""
+        update. A token the request's own parameters rule out (``engine/request_state.py``)
+        ends it with that error, on pdserve's side and in vLLM."""
         state, status = req.state, None
-        for token_id, logprobs in tokens:
-            status = state.append(
-                token_id, logprobs, self._checkpoint.eos_token_ids, self._max_model_len
-            )
-            if status is not None:
-                break
-        if req.mode is Mode.PREFILL:
+        try:
+            for token_id, logprobs in tokens:
+                status = state.append(
+                    token_id, logprobs, self._checkpoint.eos_token_ids, self._max_model_len
+                )
+                if status is not None:
+                    break
+        except RequestError as exc:
+            status = state.fail(str(exc))
+            if req.mode is Mode.PREFILL:  # the connector pinned its blocks as it finished
+                with contextlib.suppress(KeyError):
+                    self._bridge.release(rid)
+        if req.mode is Mode.PREFILL and status is not SequenceStatus.FINISHED_ERROR:
             if vllm_finished or status is not None:
                 update = self._pin(rid, req, status)
             else:

@@ -27,9 +27,11 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from engine.checkpoint import CheckpointInfo
 from engine.guide import Guide, GuideCompiler
+from engine.request_error import RequestError
 from engine.sampler import SampleRequest, seeded_choice
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredKind, StructuredOutput
+from engine.token_bans import min_tokens_ids
 
 if TYPE_CHECKING:
     import vllm
@@ -44,7 +46,6 @@ def sampling_extra_args(
 ) -> dict[str, Any]:
     """What the processor needs of a request, as vLLM carries it (plain values)."""
     seed = params.seed if params.seed is not None else random.getrandbits(63)
-    eos = () if params.ignore_eos else eos_token_ids
     return {
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -57,7 +58,7 @@ def sampling_extra_args(
         "repetition_penalty": params.repetition_penalty,
         "logit_bias": [list(pair) for pair in params.bias],
         "min_tokens": params.min_tokens,
-        "stop_ids": [*params.stop_ids, *eos],  # what min_tokens masks
+        "stop_ids": list(min_tokens_ids(params, eos_token_ids)),
         "bad_words": [list(word) for word in params.bad_words or ()],
         "structured": _structured_args(params.structured),
         "ignore_eos": params.ignore_eos,
@@ -92,14 +93,21 @@ class _Row:
         return SampleRequest(self.params, index, self.prompt_ids, output, self.stop_ids, allowed)
 
     def _allowed(self) -> torch.Tensor | None:
-        """The grammar's mask after every token vLLM has produced for the request."""
+        """The grammar's mask after every token vLLM has produced for the request. A token
+        the grammar refuses (its row allowed nothing) is the request's error, which pdserve's
+        side raises on the same token (``vllm_engine/requests.py``) and which must never
+        raise inside vLLM's step: the row goes on unconstrained until the request is gone."""
         if self.guide is None:
             return None
         while self.consumed < len(self.output_ids):
             token_id = self.output_ids[self.consumed]
             self.consumed += 1
-            if self.guide.accept(token_id):
-                self.guide = None  # complete: what vLLM samples next is discarded
+            try:
+                complete = self.guide.accept(token_id)
+            except RequestError:
+                complete = True
+            if complete:
+                self.guide = None  # complete (or failed): what vLLM samples next is discarded
                 return None
         return self.guide.masks((), 1)[0]
 

@@ -69,6 +69,13 @@ class ApiKeys:
             found |= hmac.compare_digest(presented, digest)
         return found
 
+    @staticmethod
+    def identity(authorization: str | None) -> str:
+        """Who presents ``authorization`` (an allowed key), for per-caller accounting: a
+        short digest of the key, never the key."""
+        _, _, key = (authorization or "").partition(" ")
+        return _digest(key.strip()).hex()[:16]
+
 
 def bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
     """The ``authorization`` value of gRPC invocation metadata."""

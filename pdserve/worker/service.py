@@ -14,12 +14,13 @@ import grpc
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineBackend, EngineConfig
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
-from engine.serving_engine import EngineBuilder, EngineHooks, ServingEngine
+from engine.serving_engine import EngineBuilder, EngineDeadError, EngineHooks, ServingEngine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common import metrics
 from pdserve.common.convert import sampling_from_proto, stats_to_proto
+from pdserve.common.engine_fault import engine_fault_trailers
 from pdserve.common.role import Role
 from pdserve.common.server import NOT_ACCEPTING, Service
 from pdserve.v1 import common_pb2
@@ -212,6 +213,14 @@ class WorkerService(Service):
                 f"prompt_token_ids needs {needed} KV blocks of {self.engine.block_size} tokens; "
                 f"this {self.role.value} worker holds {held} in all",
             )
+
+    async def abort_engine_dead(
+        self, context: grpc.aio.ServicerContext, exc: EngineDeadError
+    ) -> None:
+        """A call whose engine died: UNAVAILABLE, with the engine's last words on its request
+        (``pdserve/common/engine_fault.py``)."""
+        trailers = engine_fault_trailers(exc.evidence)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=trailers)
 
     def inject_faults(self, request_id: str, prompt: list[int]) -> None:
         """``--fault-exit-on-token``: a prompt holding the token ends the process at once, as a

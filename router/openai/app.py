@@ -180,12 +180,14 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         client_id = new_client_id(request.headers.get("x-request-id"))
         headers = {"x-request-id": client_id}
         idle_s = config.client_idle_timeout_s
+        host = request.client.host if request.client is not None else ""
+        caller = core.caller(request.headers.get("authorization"), host)
         try:
             prepared: Prepared
             if isinstance(body, ChatCompletionRequest):
-                prepared = await serving.prepare_chat(body, client_id, start_s)
+                prepared = await serving.prepare_chat(body, client_id, caller, start_s)
             else:
-                prepared = await serving.prepare_completion(body, client_id, start_s)
+                prepared = await serving.prepare_completion(body, client_id, caller, start_s)
             if prepared.plan.stream:
                 started = await until(request.receive, serving.start_stream(prepared))
                 # The stream's own count: it outlives this handler.

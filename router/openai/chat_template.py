@@ -25,6 +25,8 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from router.openai.control_text import template_roles
+
 _SPECIAL = (
     "bos_token",
     "eos_token",
@@ -100,6 +102,7 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
         self._template = env.from_string(source)
+        self.roles = template_roles(source)  # what a message's role may be
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:

@@ -31,13 +31,14 @@ class Choice:
 
 
 async def merged(
-    core: RequestCore, client_id: str, choices: list[Choice], start_s: float
+    core: RequestCore, client_id: str, caller: str, choices: list[Choice], start_s: float
 ) -> AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]:
     """(choice index, response) until every choice sent its final. Raises the first
-    choice's error (``WorkerError``), after cancelling the others."""
+    choice's error (``WorkerError``), after cancelling the others. ``caller``:
+    ``RequestCore.caller``'s."""
     if len(choices) == 1:  # the common case: no task, no queue
         only = choices[0]
-        stream = core.responses(client_id, only.prompt_token_ids, only.params, start_s)
+        stream = core.responses(client_id, caller, only.prompt_token_ids, only.params, start_s)
         async with contextlib.aclosing(stream):
             async for response in stream:
                 yield only.index, response
@@ -47,7 +48,7 @@ async def merged(
 
     async def run(choice: Choice) -> None:
         stream = core.responses(
-            f"{client_id}-{choice.index}", choice.prompt_token_ids, choice.params, start_s
+            f"{client_id}-{choice.index}", caller, choice.prompt_token_ids, choice.params, start_s
         )
         try:
             async with contextlib.aclosing(stream):

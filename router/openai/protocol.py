@@ -23,6 +23,7 @@ from engine.tokenizer import Tokenizer
 from pdserve.common.convert import structured_to_proto
 from pdserve.v1 import common_pb2
 from router.openai.chat_template import ChatTemplate
+from router.openai.control_text import check_control_text
 from router.openai.invalid_parameter import InvalidParameter
 from router.openai.structured import structured_output
 
@@ -282,7 +283,10 @@ def chat_prompt(
     """The rendered chat as a prompt. Where a message's content holds a control-token string
     ("<|im_end|>"), that content is tokenized as text and the template's own text as usual,
     so a user cannot end their turn or open another role by typing its marker. A template
-    that rewrites contents (so they cannot be located in its output) is refused then."""
+    that rewrites contents (so they cannot be located in its output) is refused then. Any
+    other client text holding one, and roles the template does not know, are refused before
+    rendering (``router/openai/control_text.py``)."""
+    check_control_text(tokenizer, template.roles, messages, tools)
     rendered = template.render(messages, add_generation_prompt, tools)
     found = [
         (i, tokenizer.has_special_string(m["content"]))

@@ -6,6 +6,7 @@ logprobs in each endpoint's format, and vLLM's ``return_token_ids`` fields. Pure
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,8 +106,22 @@ def total_usage(choices: Sequence[ChoiceOutput]) -> dict[str, Any]:
     return total
 
 
+# What a non-finite logprob is written as (vLLM's clamp): JSON has no -Infinity or NaN, and
+# strict parsers (JavaScript's, Go's, Rust's) refuse them.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """``logprob`` as strict JSON can carry it: -inf (and NaN) at ``LOGPROB_FLOOR``, +inf at
+    0 (no logprob exceeds it). Every logprob a body or event holds passes through this."""
+    if math.isfinite(logprob):
+        return logprob
+    return 0.0 if logprob > 0 else LOGPROB_FLOOR
+
+
 def _top(entry: common_pb2.TokenLogprobs, text: TokenText) -> list[tuple[str, float]]:
-    return [(text(t), lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs, strict=False)]
+    pairs = zip(entry.top_token_ids, entry.top_logprobs, strict=False)
+    return [(text(t), finite(lp)) for t, lp in pairs]
 
 
 def chat_logprobs(entries: Sequence[common_pb2.TokenLogprobs], text: TokenText) -> dict[str, Any]:
@@ -116,7 +131,7 @@ def chat_logprobs(entries: Sequence[common_pb2.TokenLogprobs], text: TokenText) 
     return {
         "content": [
             {
-                **one(text(e.token_id), e.logprob),
+                **one(text(e.token_id), finite(e.logprob)),
                 "top_logprobs": [one(t, lp) for t, lp in _top(e, text)],
             }
             for e in entries
@@ -136,7 +151,7 @@ def completion_logprobs(
         choice.text_offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
+        "token_logprobs": [finite(e.logprob) for e in entries],
         "top_logprobs": [dict(_top(e, text)) for e in entries],
         "text_offset": offsets,
     }
@@ -164,7 +179,7 @@ def echo_logprobs(choice: ChoiceOutput, text: TokenText) -> dict[str, Any]:
         choice.text_offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob if e is not None else None for e in entries],
+        "token_logprobs": [finite(e.logprob) if e is not None else None for e in entries],
         "top_logprobs": [dict(_top(e, text)) if e is not None else None for e in entries],
         "text_offset": offsets,
     }
@@ -177,13 +192,13 @@ def vllm_prompt_logprobs(choice: ChoiceOutput, text: TokenText) -> list[Any]:
     for e in choice.prompt_logprobs:
         top = zip(e.top_token_ids, e.top_logprobs, strict=True)
         entry = {
-            str(t): {"logprob": lp, "rank": rank + 1, "decoded_token": text(t)}
+            str(t): {"logprob": finite(lp), "rank": rank + 1, "decoded_token": text(t)}
             for rank, (t, lp) in enumerate(top)
         }
         if str(e.token_id) not in entry:
             rank = 1 + sum(lp > e.logprob for lp in e.top_logprobs)
             entry[str(e.token_id)] = {
-                "logprob": e.logprob,
+                "logprob": finite(e.logprob),
                 "rank": rank,
                 "decoded_token": text(e.token_id),
             }

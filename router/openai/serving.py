@@ -103,6 +103,7 @@ class Prepared:
     choices: list[Choice]
     outputs: list[ChoiceOutput]
     client_id: str
+    caller: str  # RequestCore.caller's
     start_s: float
     tools: ToolPlan = NO_TOOLS
 
@@ -127,7 +128,7 @@ class OpenAIServing:
             raise errors.model_not_found(model, self.served_model_name)
 
     async def prepare_chat(
-        self, body: ChatCompletionRequest, client_id: str, start_s: float
+        self, body: ChatCompletionRequest, client_id: str, caller: str, start_s: float
     ) -> Prepared:
         self.check_model(body.model)
         if self.template is None:
@@ -146,22 +147,23 @@ class OpenAIServing:
         )
         plan = chat_plan(body, prompt, self.core.config.limits.max_choices, tools.structured)
         prepared = await self._prepare(
-            Kind.CHAT, plan, client_id, start_s, add_special_tokens=False
+            Kind.CHAT, plan, client_id, caller, start_s, add_special_tokens=False
         )
         return dataclasses.replace(prepared, tools=tools)
 
     async def prepare_completion(
-        self, body: CompletionRequest, client_id: str, start_s: float
+        self, body: CompletionRequest, client_id: str, caller: str, start_s: float
     ) -> Prepared:
         self.check_model(body.model)
         plan = completion_plan(body, self.core.config.limits.max_choices)
-        return await self._prepare(Kind.COMPLETION, plan, client_id, start_s)
+        return await self._prepare(Kind.COMPLETION, plan, client_id, caller, start_s)
 
     async def _prepare(
         self,
         kind: Kind,
         plan: Plan,
         client_id: str,
+        caller: str,
         start_s: float,
         add_special_tokens: bool = True,
     ) -> Prepared:
@@ -202,10 +204,11 @@ class OpenAIServing:
             echo=plan.echo,
             prompt_logprobs=plan.prompt_logprobs is not None,
         )
-        return Prepared(plan, env, choices, outputs, client_id, start_s)
+        return Prepared(plan, env, choices, outputs, client_id, caller, start_s)
 
     def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Any], None]:
-        return merged(self.core, prepared.client_id, prepared.choices, prepared.start_s)
+        p = prepared
+        return merged(self.core, p.client_id, p.caller, p.choices, p.start_s)
 
     async def collect(self, prepared: Prepared) -> bytes:
         """A whole (non-streamed) response, as JSON. Raises what the choices raise. A large
@@ -216,7 +219,8 @@ class OpenAIServing:
 
         def encode() -> bytes:
             body = response_body(prepared.env, prepared.outputs, self.token_text, prepared.tools)
-            return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+            text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            return text.encode()
 
         size = sum(len(c.token_ids) + 20 * len(c.logprobs) for c in prepared.outputs)
         return encode() if size < _ENCODE_IN_THREAD_TOKENS else await asyncio.to_thread(encode)

@@ -26,8 +26,11 @@ DONE = b"data: [DONE]\n\n"
 
 
 def event(data: dict[str, Any]) -> bytes:
-    """One SSE event; compact JSON, which never holds a raw newline."""
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE event; compact, strict JSON (never a raw newline, never NaN or Infinity:
+    ``responses.finite`` clamps logprobs, and anything else non-finite is a bug that must not
+    reach a client as JSON no strict parser reads)."""
+    text = json.dumps(data, separators=(",", ":"), allow_nan=False)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 class EventStream(Response):

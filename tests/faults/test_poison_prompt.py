@@ -1,8 +1,9 @@
-"""A prompt that crashes every worker that runs it (``--fault-exit-on-token``: the worker exits
-as a crashing engine would), with 3 prefill workers and no restarts: it costs two prefill
-workers, not the pool (router/quarantine.py). The client gets a named INTERNAL error, the next
-normal request is served by the worker left, and the same prompt again is refused before any
-worker sees it."""
+"""A request that crashes every worker that runs it, with 3 prefill workers and no restarts
+(router/quarantine.py). Killing silently (``--fault-exit-on-token``: the worker exits as a
+crashing process would), it costs two prefill workers, not the pool: the client gets a named
+INTERNAL error, the next normal request is served by the worker left, and the same request
+again is refused before any worker sees it. Failing an engine step alone
+(``--fault-raise-on-token``: the dead engine's last words name it), it costs one worker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from engine import LLM, SamplingParams
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from tests.faults.faults_util import compare, metric, requests_for, run_streams
+from tests.services.harness import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -23,25 +25,36 @@ POISON = 7
 PARAMS = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
 
 
-@pytest.fixture
-def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
+def _config(
+    llama_dir: Path, redis_url: str, tmp_path: Path, fault: str, num_prefill: int
+) -> ClusterConfig:
+    return ClusterConfig(
         model=str(llama_dir),
-        num_prefill=3,
+        num_prefill=num_prefill,
         num_decode=1,
         redis_url=redis_url,
         log_dir=tmp_path,
-        prefill_args=("--fault-exit-on-token", str(POISON)),
+        prefill_args=(fault, str(POISON)),
         redis_namespace=tmp_path.name,
         router_args=("--local-prefill-tokens", "0"),
         max_restarts=0,  # a dead worker stays dead: the test counts them
     )
-    with LocalCluster(config) as c:
+
+
+@pytest.fixture
+def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCluster]:
+    with LocalCluster(_config(llama_dir, redis_url, tmp_path, "--fault-exit-on-token", 3)) as c:
         yield c
 
 
 def _dead(cluster: LocalCluster) -> int:
     return sum(c.process.poll() is not None for c in cluster.prefill)
+
+
+async def _one(address: str, prompt: list[int]) -> tuple[list[int], grpc.aio.AioRpcError | None]:
+    streams, tasks = await run_streams(address, requests_for([prompt], PARAMS))
+    await asyncio.gather(*tasks)
+    return streams[0].token_ids, streams[0].error
 
 
 def test_a_poison_prompt_costs_two_workers_not_the_pool(
@@ -52,15 +65,10 @@ def test_a_poison_prompt_costs_two_workers_not_the_pool(
     llm = make_llm(llama_dir)
     references = llm.generate([normal], PARAMS)
 
-    async def one(prompt: list[int]) -> tuple[list[int], grpc.aio.AioRpcError | None]:
-        streams, tasks = await run_streams(cluster.address, requests_for([prompt], PARAMS))
-        await asyncio.gather(*tasks)
-        return streams[0].token_ids, streams[0].error
-
     async def run() -> None:
-        tokens, error = await one(poison)
+        tokens, error = await _one(cluster.address, poison)
         assert error is not None and error.code() == grpc.StatusCode.INTERNAL, error
-        assert "prompt quarantined" in (error.details() or "")
+        assert "request quarantined" in (error.details() or "")
         assert tokens == []
         assert _dead(cluster) == 2  # the one it crashed first and the one that confirmed it
         assert metric(cluster.router, "pdserve_quarantined_requests_total", "ended") == 1
@@ -69,10 +77,47 @@ def test_a_poison_prompt_costs_two_workers_not_the_pool(
         await asyncio.gather(*tasks)
         compare(llm, streams, references, PARAMS)
 
-        tokens, error = await one(poison)
+        tokens, error = await _one(cluster.address, poison)
         assert error is not None and error.code() == grpc.StatusCode.INTERNAL, error
         assert "refused for quarantine_s" in (error.details() or "")
         assert _dead(cluster) == 2  # refused before any worker saw it
         assert metric(cluster.router, "pdserve_quarantined_requests_total", "refused") == 1
 
     asyncio.run(run())
+
+
+def test_a_request_whose_step_fails_alone_costs_one_worker(
+    llama_dir: Path, redis_url: str, tmp_path: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """The engine's last words (the failed step held this request only) end it at once: no
+    second worker is tried, the other serves the next request exactly, and the request is
+    refused afterwards."""
+    poison = [*range(20, 60), POISON, *range(60, 80)]
+    normal = list(range(100, 160))
+    llm = make_llm(llama_dir)
+    references = llm.generate([normal], PARAMS)
+    config = _config(llama_dir, redis_url, tmp_path, "--fault-raise-on-token", 2)
+
+    async def run(cluster: LocalCluster) -> None:
+        tokens, error = await _one(cluster.address, poison)
+        assert error is not None and error.code() == grpc.StatusCode.INTERNAL, error
+        assert "failed stepping it alone" in (error.details() or ""), error.details()
+        assert tokens == []
+
+        async def exited() -> bool:  # the dead engine's worker stops, as a supervisor wants
+            return _dead(cluster) == 1
+
+        await wait_for(exited, 60.0, "the worker whose engine died exits")
+        assert metric(cluster.router, "pdserve_quarantined_requests_total", "ended") == 1
+        assert metric(cluster.router, "pdserve_migrations_total") == 0
+
+        streams, tasks = await run_streams(cluster.address, requests_for([normal], PARAMS))
+        await asyncio.gather(*tasks)
+        compare(llm, streams, references, PARAMS)
+
+        tokens, error = await _one(cluster.address, poison)
+        assert error is not None and "refused for quarantine_s" in (error.details() or "")
+        assert _dead(cluster) == 1
+
+    with LocalCluster(config) as cluster:
+        asyncio.run(run(cluster))

@@ -22,19 +22,26 @@ def _migrate(reason: str, **flags: bool) -> Verdict:
 
 NEXT = Verdict(Action.NEXT)
 GIVE_UP = Verdict(Action.GIVE_UP)
+# A dead engine's last words, in every phase where the request ran on it.
+ENGINE_FAULTS: dict[Event, Verdict] = {
+    Seen.ENGINE_FAULT_ALONE: Verdict(Action.QUARANTINE, "engine"),
+    Seen.ENGINE_FAULT_IN_STEP: _migrate("engine", suspect=True),
+    Seen.ENGINE_FAULT_BYSTANDER: _migrate("engine", suspect=True),
+}
 
 EXPECTED: dict[Phase, dict[Event, Verdict]] = {
     Phase.PREFILL: {
-        C.UNAVAILABLE: _migrate("prefill", suspect=True, gone=True),
-        C.CANCELLED: _migrate("prefill", gone=True),
-        C.ABORTED: _migrate("prefill", gone=True),
-        C.INTERNAL: _migrate("prefill", gone=True),
-        C.UNKNOWN: _migrate("prefill", gone=True),
+        C.UNAVAILABLE: _migrate("prefill", suspect=True, strike=True),
+        C.CANCELLED: _migrate("prefill", strike=True),
+        C.ABORTED: _migrate("prefill", strike=True),
+        C.INTERNAL: _migrate("prefill", strike=True),
+        C.UNKNOWN: _migrate("prefill", strike=True),
         C.DEADLINE_EXCEEDED: _migrate("prefill"),
         C.NOT_FOUND: _migrate("prefill"),
         Seen.STALL: _migrate("prefill", suspect=True),
         C.RESOURCE_EXHAUSTED: NEXT,
         Seen.NOT_ACCEPTING: NEXT,
+        **ENGINE_FAULTS,
     },
     Phase.ADMISSION: {
         Seen.LEASE_ENDED: _migrate("transfer", avoid_prefill=True),
@@ -42,6 +49,7 @@ EXPECTED: dict[Phase, dict[Event, Verdict]] = {
         C.UNAVAILABLE: NEXT,
         C.PERMISSION_DENIED: NEXT,
         Seen.NOT_ACCEPTING: NEXT,
+        Seen.ENGINE_FAULT_BYSTANDER: NEXT,
         C.CANCELLED: _migrate("transfer"),
         C.ABORTED: _migrate("transfer"),
         C.INTERNAL: _migrate("transfer"),
@@ -54,23 +62,26 @@ EXPECTED: dict[Phase, dict[Event, Verdict]] = {
         C.UNAVAILABLE: NEXT,
         Seen.NOT_ACCEPTING: NEXT,
         C.FAILED_PRECONDITION: NEXT,
-        C.CANCELLED: _migrate("unavailable", gone=True),
-        C.ABORTED: _migrate("unavailable", gone=True),
-        C.INTERNAL: _migrate("unavailable", gone=True),
-        C.UNKNOWN: _migrate("unavailable", gone=True),
+        C.CANCELLED: _migrate("unavailable", strike=True),
+        C.ABORTED: _migrate("unavailable", strike=True),
+        C.INTERNAL: _migrate("unavailable", strike=True),
+        C.UNKNOWN: _migrate("unavailable", strike=True),
         C.DEADLINE_EXCEEDED: _migrate("stall"),
         C.NOT_FOUND: _migrate("transfer"),
         Seen.STALL: _migrate("stall", suspect=True),
+        **ENGINE_FAULTS,
+        Seen.ENGINE_FAULT_BYSTANDER: NEXT,  # not stepped yet: as a worker that turned it away
     },
     Phase.STREAM: {
-        C.UNAVAILABLE: _migrate("unavailable", suspect=True, gone=True),
-        C.CANCELLED: _migrate("unavailable", gone=True),
-        C.ABORTED: _migrate("unavailable", gone=True),
-        C.INTERNAL: _migrate("unavailable", gone=True),
-        C.UNKNOWN: _migrate("unavailable", gone=True),
+        C.UNAVAILABLE: _migrate("unavailable", suspect=True, strike=True),
+        C.CANCELLED: _migrate("unavailable", strike=True),
+        C.ABORTED: _migrate("unavailable", strike=True),
+        C.INTERNAL: _migrate("unavailable", strike=True),
+        C.UNKNOWN: _migrate("unavailable", strike=True),
         C.DEADLINE_EXCEEDED: _migrate("stall"),
         C.NOT_FOUND: _migrate("transfer"),
         Seen.STALL: _migrate("stall", suspect=True),
+        **ENGINE_FAULTS,
     },
     Phase.RENEWAL: {
         C.UNAVAILABLE: _migrate("transfer", suspect=True),
@@ -104,12 +115,17 @@ def test_what_no_row_names_goes_back_to_the_client(phase: Phase) -> None:
             assert classify(phase, code).action is Action.GIVE_UP
 
 
-def test_only_a_worker_that_went_away_strikes_a_prompt() -> None:
+def test_only_a_silent_loss_strikes_the_request() -> None:
+    """Never a stall, a drain, a transfer, or an engine with last words (they name the
+    request as the cause: quarantine; or say it was one of several, or not there)."""
     for phase, rows in FAILURE_TABLE.items():
         for event, verdict in rows.items():
-            if verdict.gone:
-                assert event in GONE and phase in (Phase.PREFILL, Phase.LOCAL, Phase.STREAM)
+            if verdict.strike:
+                assert event in GONE, (phase, event)
+                assert phase in (Phase.PREFILL, Phase.LOCAL, Phase.STREAM)
                 assert verdict.action is Action.MIGRATE
+            if verdict.action is Action.QUARANTINE:
+                assert event is Seen.ENGINE_FAULT_ALONE
 
 
 def _doc_rows() -> dict[tuple[str, str], tuple[str, ...]]:
@@ -130,7 +146,7 @@ def doc_row(verdict: Verdict) -> tuple[str, ...]:
         verdict.reason,
         yes[verdict.suspect],
         yes[verdict.avoid_prefill],
-        yes[verdict.gone],
+        yes[verdict.strike],
     )
 
 
@@ -160,3 +176,21 @@ def test_trailers_name_what_the_code_alone_cannot() -> None:
     assert event_of(C.NOT_FOUND, (("x", "y"), LEASE_ENDED)) is Seen.LEASE_ENDED
     # A worker that was draining ran nothing: another takes the request, no strike, no count.
     assert classify(Phase.PREFILL, Seen.NOT_ACCEPTING) == NEXT
+
+
+def test_a_dead_engines_last_words_are_read_from_its_trailer() -> None:
+    from engine.serving_engine import FaultEvidence
+    from pdserve.common.engine_fault import ENGINE_FAULT, engine_fault_trailers
+    from router.failures import event_of
+
+    seen = {
+        FaultEvidence.ALONE: Seen.ENGINE_FAULT_ALONE,
+        FaultEvidence.IN_STEP: Seen.ENGINE_FAULT_IN_STEP,
+        FaultEvidence.BYSTANDER: Seen.ENGINE_FAULT_BYSTANDER,
+    }
+    for evidence, event in seen.items():
+        assert event_of(C.UNAVAILABLE, engine_fault_trailers(evidence)) is event
+    assert engine_fault_trailers(FaultEvidence.UNKNOWN) == ()  # reads as a silent loss
+    assert event_of(C.UNAVAILABLE, ((ENGINE_FAULT, "what"),)) is C.UNAVAILABLE
+    # Only on the status a dead engine's worker answers with.
+    assert event_of(C.INTERNAL, engine_fault_trailers(FaultEvidence.ALONE)) is C.INTERNAL

@@ -57,8 +57,8 @@ def phase_table(phases: dict[str, Distribution]) -> list[str]:
 
 
 def _clean(value: Any) -> Any:
-    """Strict JSON: NaN (no data) becomes null."""
-    if isinstance(value, float) and math.isnan(value):
+    """Strict JSON: NaN (no data) and infinities become null."""
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}

@@ -123,6 +123,14 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(
         parser,
+        "--fault-raise-on-token",
+        env,
+        type=int,
+        default=field_default(EngineConfig, "fault_raise_on_token"),
+        help="fault injection (tests): a step holding a prompt with this token id raises",
+    )
+    add_flag(
+        parser,
         "--liveness-stall-s",
         env,
         type=float,
@@ -204,6 +212,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         backend=EngineBackend(args.engine),
         fault_exit_on_token=args.fault_exit_on_token,
         fault_stall_at_step=args.fault_stall_at_step,
+        fault_raise_on_token=args.fault_raise_on_token,
         liveness_stall_s=args.liveness_stall_s,
         vllm=vllm_options(args),
     )
