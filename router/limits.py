@@ -34,9 +34,13 @@ class RequestLimits:
     max_concurrent_requests: int = 4096  # public requests in flight: past this, 429
     request_body_timeout_s: int = 30  # an HTTP body must arrive within this (else 408)
     # An HTTP request's head (request line + headers), before anything else runs: at most
-    # this many bytes (else 431), complete within this long of its first byte (else 408).
+    # this many bytes (else 431), complete within this long of the connection's start or, on a
+    # kept-alive connection, of its first byte (else 408: a silent connection too).
     max_header_bytes: int = 64 << 10
     request_header_timeout_s: int = 10
+    # HTTP connections waiting for a request head (silent, trickling, kept alive between
+    # requests): past this many, the one waiting longest is closed (router/openai).
+    max_idle_connections: int = 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -49,32 +53,68 @@ class RequestLimits:
             )
 
 
-# What one output token may weigh in a whole response (its id, text and JSON), and one logprob
-# entry (token text, id, value, JSON): generous upper estimates, not measurements.
+# What one output token may weigh in a whole response (its id, text and JSON), one logprob
+# entry (token text, id, value, JSON), and one of vLLM's prompt_logprobs entries (an id key, a
+# logprob, a rank, the decoded token): generous upper estimates, not measurements.
 OUTPUT_TOKEN_BYTES = 24
 LOGPROB_BYTES = 48
+PROMPT_LOGPROB_BYTES = 80
 
 
 def output_bytes(max_tokens: list[int], top_logprobs: int | None) -> int:
     """The estimated size of a whole response whose choices generate up to ``max_tokens``
     each, with ``top_logprobs`` per token (None: no logprobs; 0: the chosen token's only)."""
+    return sum(max_tokens) * _token_bytes(top_logprobs)
+
+
+def prompt_bytes(
+    num_prompt_tokens: list[int],
+    echo: bool,
+    top_logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> int:
+    """The estimated size of what each choice repeats of its prompt: ``echo`` (its text and,
+    with logprobs, a logprobs entry per prompt token) and vLLM's ``prompt_logprobs`` (the
+    prompt token's and the top-n per position). Every choice carries its own copy."""
+    per_token = _token_bytes(top_logprobs) if echo else 0
+    if prompt_logprobs is not None:
+        per_token += PROMPT_LOGPROB_BYTES * (1 + prompt_logprobs)
+    return sum(num_prompt_tokens) * per_token
+
+
+def _token_bytes(top_logprobs: int | None) -> int:
     per_token = OUTPUT_TOKEN_BYTES
     if top_logprobs is not None:
         per_token += LOGPROB_BYTES * (1 + top_logprobs)
-    return sum(max_tokens) * per_token
+    return per_token
 
 
-def check_output(max_tokens: list[int], top_logprobs: int | None, limits: RequestLimits) -> None:
+def check_output(
+    max_tokens: list[int],
+    top_logprobs: int | None,
+    limits: RequestLimits,
+    prompt: int = 0,
+) -> None:
     """Raises ValueError (a ``ResourceError`` where raised by the core) naming the fields
-    and ``--max-output-bytes`` when the response could outgrow it."""
-    estimate = output_bytes(max_tokens, top_logprobs)
-    if estimate > limits.max_output_bytes:
-        logprobs = f" with {top_logprobs} top logprobs each" if top_logprobs is not None else ""
+    and ``--max-output-bytes`` when the response could outgrow it: choices of up to
+    ``max_tokens`` each (none: a streamed response, which is not held whole), plus
+    ``prompt`` (``prompt_bytes``: the prompt each choice repeats, held whole in any case)."""
+    estimate = output_bytes(max_tokens, top_logprobs) + prompt
+    if estimate <= limits.max_output_bytes:
+        return
+    budget = f"more than --max-output-bytes ({limits.max_output_bytes})"
+    if not max_tokens:
         raise ValueError(
-            f"{len(max_tokens)} choice(s) of up to {max(max_tokens)} tokens{logprobs} could "
-            f"come to {estimate} bytes, more than --max-output-bytes ({limits.max_output_bytes}):"
-            " lower max_tokens, n or logprobs"
+            f"the prompt repeated by echo or prompt_logprobs in each choice could come to "
+            f"{estimate} bytes, {budget}: lower n, logprobs or prompt_logprobs"
         )
+    logprobs = f" with {top_logprobs} top logprobs each" if top_logprobs is not None else ""
+    repeated = f" and the prompt each repeats ({prompt} bytes)" if prompt else ""
+    raise ValueError(
+        f"{len(max_tokens)} choice(s) of up to {max(max_tokens)} tokens{logprobs}{repeated} "
+        f"could come to {estimate} bytes, {budget}: lower max_tokens, n, logprobs or "
+        "prompt_logprobs"
+    )
 
 
 def check_request_id(request_id: str) -> None:

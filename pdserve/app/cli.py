@@ -30,7 +30,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _serve(service: Service, config: ServerConfig, role: Role, *, reflect: bool = False) -> int:
-    from pdserve.common.metrics import start_metrics_server
+    from pdserve.common.metrics_server import start_metrics_server
     from pdserve.common.server import serve
 
     def announce(event: str, address: str) -> None:

@@ -1,14 +1,9 @@
 """Prometheus metrics. One process runs one component, so each uses the default registry and
-exposes ``/metrics`` on its ``--metrics-port``."""
+exposes ``/metrics`` on its ``--metrics-port`` (``pdserve/common/metrics_server.py``)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram
 
 from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats
@@ -44,8 +39,13 @@ AUTH_FAILURES = Counter(
 )
 HTTP_HEAD_REFUSED = Counter(
     "pdserve_http_head_refused_total",
-    "HTTP connections closed for a request head too large (431) or too slow (408)",
+    "HTTP connections closed for a request head too large (431), or too slow or never sent (408)",
     ["status"],
+)
+HTTP_IDLE_EVICTED = Counter(
+    "pdserve_http_idle_evicted_total",
+    "HTTP connections closed as the oldest of more than --max-idle-connections waiting for a "
+    "request head",
 )
 DECODE_RETRIES = Counter(
     "pdserve_decode_admission_retries_total", "Decode admissions refused for lack of KV blocks"
@@ -233,79 +233,3 @@ class EngineObserver:
     def _advance(self, counter: Counter, key: str, total: int) -> None:
         counter.inc(max(total - self._last.get(key, 0), 0))
         self._last[key] = total
-
-
-def start_metrics_server(
-    host: str,
-    port: int,
-    serving: Callable[[], bool] | None = None,
-    alive: Callable[[], bool] | None = None,
-) -> int:
-    """Serves ``/metrics`` (Prometheus), ``/healthz`` (200 while ``serving()``, else 503:
-    a plain-HTTP readiness probe, for ports whose gRPC health needs a client certificate) and
-    ``/livez`` (200 while ``alive()``, else 503: a liveness probe that sees a stuck engine,
-    which a TCP check does not). Returns the bound port (``port`` 0 picks one)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/metrics":
-                status, body, kind = 200, generate_latest(), CONTENT_TYPE_LATEST
-            elif self.path == "/healthz":
-                ok = serving is None or serving()
-                status, body, kind = (200 if ok else 503), (b"ok" if ok else b"not serving"), ""
-            elif self.path == "/livez":
-                ok = alive is None or alive()
-                status, body, kind = (200 if ok else 503), (b"ok" if ok else b"stalled"), ""
-            else:
-                status, body, kind = 404, b"not found", ""
-            self.send_response(status)
-            self.send_header("Content-Type", kind or "text/plain; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            return None  # scrapes every few seconds are not log lines
-
-    Handler.timeout = METRICS_IDLE_S  # a connection that sends nothing is dropped
-    server = _BoundedHTTPServer((host, port), Handler, METRICS_MAX_CONNECTIONS)
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return int(server.server_port)
-
-
-# The metrics server holds a thread per connection: at most this many, each dropped after this
-# long without a request (5000 idle sockets once meant 5000 threads in a worker).
-METRICS_MAX_CONNECTIONS = 32
-METRICS_IDLE_S = 5.0
-
-
-class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, up to ``max_connections``; past it, connections are closed at
-    once (a scraper retries next interval)."""
-
-    daemon_threads = True
-    # The listen backlog: socketserver's 5 drops a burst's SYNs, and each dropped client
-    # waits its kernel's retransmit (1 s, then 2, 4 ...) before being seen at all.
-    request_queue_size = 128
-
-    def __init__(
-        self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int
-    ) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(max_connections)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()

@@ -321,15 +321,18 @@ def chunk_body(
     return body
 
 
-def echo_chunk(
+def prompt_chunk(
     env: Envelope, choice: ChoiceOutput, token_text: TokenText, include_usage: bool
 ) -> dict[str, Any]:
-    """A streamed completion's opening chunk with ``echo`` or ``prompt_logprobs``: the prompt
-    (its text, its logprobs) before any generated token."""
+    """A streamed choice's chunk with its prompt, before any generated token: a completion's
+    with ``echo`` (the prompt's text and logprobs) or ``prompt_logprobs``, a chat's with
+    ``prompt_logprobs`` (as the whole response's choice carries them)."""
     body = env.head(chunk=True)
-    item: dict[str, Any] = {"index": choice.index, "text": ""}
-    if env.echo:
-        item["text"] = echo_text(choice, token_text)
+    item: dict[str, Any] = {"index": choice.index}
+    if env.kind is Kind.CHAT:
+        item["delta"] = {}
+    else:
+        item["text"] = echo_text(choice, token_text) if env.echo else ""
     item["logprobs"] = echo_logprobs(choice, token_text) if env.echo and env.logprobs else None
     item["finish_reason"] = None
     if env.prompt_logprobs:

@@ -26,6 +26,39 @@ logger = logging.getLogger(__name__)
 CERT_RECHECK_S = 5.0
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, listening with a bound on TLS handshakes (asyncio's default lets one
+    that never ends hold its socket for a minute), on the sockets ``HttpServer`` bound. No
+    lifespan (the router's own start and drain are the lifecycle) and no signal handlers."""
+
+    def __init__(self, config: uvicorn.Config, handshake_timeout_s: float) -> None:
+        super().__init__(config)
+        self.handshake_timeout_s = handshake_timeout_s
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        config = self.config
+        self.lifespan = config.lifespan_class(config)
+
+        def protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        loop = asyncio.get_running_loop()
+        handshake_s = self.handshake_timeout_s if config.ssl is not None else None
+        self.servers = [
+            await loop.create_server(
+                protocol,
+                sock=sock,
+                ssl=config.ssl,
+                backlog=config.backlog,
+                ssl_handshake_timeout=handshake_s,
+            )
+            for sock in sockets or ()
+        ]
+        self.started = True
+
+
 class HttpServer:
     def __init__(
         self,
@@ -40,7 +73,11 @@ class HttpServer:
             app,
             host=host,
             port=port,
-            http=bounded_protocol(limits.max_header_bytes, limits.request_header_timeout_s),
+            http=bounded_protocol(
+                limits.max_header_bytes,
+                limits.request_header_timeout_s,
+                limits.max_idle_connections,
+            ),
             limit_concurrency=limit_concurrency,
             lifespan="off",
             log_config=None,
@@ -49,7 +86,7 @@ class HttpServer:
             ssl_certfile=tls.cert_file if tls is not None else None,
             ssl_keyfile=tls.key_file if tls is not None else None,
         )
-        self._server = uvicorn.Server(self.config)
+        self._server = _Server(self.config, handshake_timeout_s=limits.request_header_timeout_s)
         self._tls = tls
         self._task: asyncio.Task[None] | None = None
         self._cert_watch: asyncio.Task[None] | None = None
@@ -69,7 +106,6 @@ class HttpServer:
         sock.bind((self.config.host, self.config.port))
         self._sockets = [sock]
         self.config.load()
-        self._server.lifespan = self.config.lifespan_class(self.config)
         await self._server.startup(sockets=self._sockets)
         if not self._server.started:
             raise OSError(f"http: could not listen on {self.config.host}:{self.config.port}")

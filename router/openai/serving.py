@@ -25,11 +25,17 @@ from starlette.types import Receive
 
 from pdserve.common.convert import finish_reason_from_proto
 from pdserve.v1 import common_pb2, router_pb2
-from router.limits import check_output
+from router.limits import check_output, prompt_bytes
 from router.openai import errors
 from router.openai.bad_words import bad_words_ids
 from router.openai.chat_template import ChatTemplate
 from router.openai.choices import Choice, merged
+from router.openai.prompt_leads import (
+    PromptLeads,
+    prompt_event,
+    response_weight,
+    share_prompt_logprobs,
+)
 from router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +51,6 @@ from router.openai.responses import (
     Kind,
     TokenText,
     chunk_body,
-    echo_chunk,
     response_body,
     usage_chunk,
 )
@@ -186,14 +191,27 @@ class OpenAIServing:
             for i in range(plan.n):
                 index = p * plan.n + i
                 seed = plan.seed + i if plan.seed is not None else None
-                choice_params = dataclasses.replace(params, seed=seed)
+                # A prompt's logprobs are computed once, by its first choice (the others copy
+                # them, and may take prefix-cache hits: a request that wants them takes none).
+                first = i == 0 or params.prompt_logprobs is None
+                choice_params = dataclasses.replace(
+                    params, seed=seed, prompt_logprobs=params.prompt_logprobs if first else None
+                )
                 choices.append(Choice(index, p, prompt_ids, choice_params))
                 outputs.append(ChoiceOutput(index, p, prompt_ids, prompt_text=prompt.text))
-        if not plan.stream:  # held whole until its last token: bounded before any work
-            try:
-                check_output([c.params.max_tokens for c in choices], plan.logprobs, limits)
-            except ValueError as exc:
-                raise ResourceError(str(exc)) from None
+        repeated = prompt_bytes(
+            [len(c.prompt_token_ids) for c in choices],
+            plan.echo,
+            plan.logprobs,
+            plan.prompt_logprobs,
+        )
+        # Bounded before any work: a whole response is held until its last token; what each
+        # choice repeats of its prompt is one piece even when streamed.
+        generated = [] if plan.stream else [c.params.max_tokens for c in choices]
+        try:
+            check_output(generated, plan.logprobs, limits, repeated)
+        except ValueError as exc:
+            raise ResourceError(str(exc)) from None
         env = Envelope(
             kind,
             f"{kind.id_prefix}{client_id}",
@@ -216,13 +234,14 @@ class OpenAIServing:
         async with contextlib.aclosing(self._stream(prepared)) as stream:
             async for index, response in stream:
                 _record(prepared.outputs[index], response)
+        share_prompt_logprobs(prepared.outputs)
 
         def encode() -> bytes:
             body = response_body(prepared.env, prepared.outputs, self.token_text, prepared.tools)
             text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
             return text.encode()
 
-        size = sum(len(c.token_ids) + 20 * len(c.logprobs) for c in prepared.outputs)
+        size = sum(response_weight(prepared.env, c) for c in prepared.outputs)
         return encode() if size < _ENCODE_IN_THREAD_TOKENS else await asyncio.to_thread(encode)
 
     async def start_stream(self, prepared: Prepared) -> Started:
@@ -250,28 +269,26 @@ class OpenAIServing:
         usage = plan.include_usage
         opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
         readers = [prepared.tools.stream() for _ in outputs]  # tool calls read out of text
-        # A completion's prompt (echo, prompt_logprobs) opens it, once its logprobs are here.
-        leads = env.kind is Kind.COMPLETION and (env.echo or env.prompt_logprobs)
-        echoed = [not leads] * len(outputs)
+        # The prompt (echo, prompt_logprobs) opens each choice once its logprobs are here: its
+        # prompt's first choice computes them (``_prepare``), the others wait for them.
+        prompts = PromptLeads(env, outputs)
         try:
             async with contextlib.aclosing(stream):
                 if env.kind is Kind.CHAT:
                     for c in outputs:
                         body = chunk_body(env, c, "", [], [], text, first=True, include_usage=usage)
                         yield event(body)
-                async for index, response in _prepend(first, stream):
+                async for index, response in prompts.ready(_prepend(first, stream)):
                     c = outputs[index]
                     _count(c, response)
                     reader = readers[index]
+                    if prompts.opens(index):
+                        yield await prompt_event(env, c, text, usage)
                     if response.HasField("final"):
                         for body in _final_chunks(env, c, reader, prepared.tools, text, usage):
                             yield event(body)
                         continue
                     chunk = response.chunk
-                    if not echoed[index]:
-                        echoed[index] = True
-                        c.prompt_logprobs.extend(chunk.prompt_logprobs)
-                        yield event(echo_chunk(env, c, text, usage))
                     piece = chunk.text if reader is None else reader.feed(chunk.text)
                     # Tokens without text yet (a partial UTF-8 character, held back) make a
                     # chunk only when the client asked to see tokens.

@@ -96,7 +96,7 @@ def test_a_worker_that_does_not_answer_costs_its_page_only() -> None:
     import socket
     import threading
 
-    from pdserve.common.metrics import start_metrics_server
+    from pdserve.common.metrics_server import start_metrics_server
 
     class Garbage(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:

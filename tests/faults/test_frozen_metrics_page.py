@@ -11,20 +11,21 @@ import subprocess
 import sys
 
 from pdserve.app.capacity.load_meter import gauges_at, reachable_gauges
-from pdserve.common import metrics
+from pdserve.common.metrics_server import start_metrics_server
 
 # A worker's metrics page in a process of its own, with a value this process does not have.
 _CHILD = """
 import sys, threading
 from pdserve.common import metrics
+from pdserve.common.metrics_server import start_metrics_server
 metrics.KV_BLOCKS_USED.set(7)
-print(metrics.start_metrics_server("127.0.0.1", 0), flush=True)
+print(start_metrics_server("127.0.0.1", 0), flush=True)
 threading.Event().wait()
 """
 
 
 def test_a_frozen_worker_costs_its_page_not_the_round() -> None:
-    live = f"http://127.0.0.1:{metrics.start_metrics_server('127.0.0.1', 0)}/metrics"
+    live = f"http://127.0.0.1:{start_metrics_server('127.0.0.1', 0)}/metrics"
     child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE)
     try:
         assert child.stdout is not None

@@ -6,7 +6,11 @@
 - ``--max-concurrent-requests`` in flight: the next is 429 with Retry-After (HTTP) and
   RESOURCE_EXHAUSTED (gRPC), both naming the flag;
 - a request head (request line + headers) past ``--max-header-bytes``, as one huge header or
-  many small ones: 431; one trickled in: 408 after ``--request-header-timeout-s``.
+  many small ones: 431; one trickled in: 408 after ``--request-header-timeout-s``;
+- hundreds of silent connections: each closed within ``--request-header-timeout-s`` of its
+  accept, and past ``--max-idle-connections`` the oldest at once, while requests go on being
+  served (before, they were held for ever and, past uvicorn's connection limit, every request
+  got 503).
 Before, each was accepted: the one-huge-request probe started generating, the trickled body
 was still open after 90 s, no request was ever refused for load, and a 10 MB header or
 100 000 headers were parsed whole."""
@@ -37,6 +41,8 @@ MAX_OUTPUT_BYTES = 1 << 20
 MAX_CONCURRENT = 2
 MAX_HEADER_BYTES = 16384
 HEADER_TIMEOUT_S = 2
+MAX_IDLE = 64
+SILENT = 400  # past MAX_IDLE, and past uvicorn's limit (MAX_CONCURRENT + 256 connections)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +64,8 @@ def cluster(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             str(MAX_HEADER_BYTES),
             "--request-header-timeout-s",
             str(HEADER_TIMEOUT_S),
+            "--max-idle-connections",
+            str(MAX_IDLE),
         ),
     )
     with LocalCluster(config) as c:
@@ -123,6 +131,15 @@ def _exchange(cluster: LocalCluster, pieces: list[bytes], gap_s: float = 0.0) ->
     return reply
 
 
+def _until_closed(sock: socket.socket) -> bytes:
+    """What the router sends before it closes ``sock`` (TimeoutError: it never closed it)."""
+    reply = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(4096):
+            reply += chunk
+    return reply
+
+
 def _whole_response(reply: bytes) -> bool:
     head, sep, body = reply.partition(b"\r\n\r\n")
     length = re.search(rb"(?i)content-length: *(\d+)", head)
@@ -151,6 +168,30 @@ def test_request_heads_too_large_or_too_slow_are_refused_before_anything_runs(
             sock.sendall(fine)
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     assert metric(cluster.router, "pdserve_http_head_refused_total") == refused + 3
+
+
+def test_silent_connections_are_closed_while_requests_are_served(cluster: LocalCluster) -> None:
+    host, _, port = cluster.http_url.removeprefix("http://").rpartition(":")
+    evicted = metric(cluster.router, "pdserve_http_idle_evicted_total")
+    opened = time.monotonic()
+    silent = [socket.create_connection((host, int(port)), timeout=30) for _ in range(SILENT)]
+    try:
+        # While they are open: health, and a request, answered.
+        assert httpx2.get(f"{cluster.http_url}/health", timeout=30).status_code == 200
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+        r = httpx2.post(f"{cluster.http_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        for sock in silent:  # every one closed by the router (a 408 or none, then EOF)
+            sock.settimeout(HEADER_TIMEOUT_S + 30)
+            reply = _until_closed(sock)
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 408"), reply[:100]
+        assert time.monotonic() - opened < HEADER_TIMEOUT_S + 30
+        assert metric(cluster.router, "pdserve_http_idle_evicted_total") >= evicted + (
+            SILENT - MAX_IDLE
+        )
+    finally:
+        for sock in silent:
+            sock.close()
 
 
 def test_requests_past_the_concurrency_limit_are_refused_for_load(cluster: LocalCluster) -> None:

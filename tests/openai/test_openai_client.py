@@ -297,6 +297,39 @@ def test_echo_and_prompt_logprobs_are_the_prefill_workers(
         assert entry[str(e.token_id)]["logprob"] == pytest.approx(e.logprob, abs=1e-5)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_every_choice_carries_its_prompts_logprobs_computed_once(
+    client: openai.OpenAI, reference: LLM, http_cluster: LocalCluster, stream: bool
+) -> None:
+    """n choices of two prompts with echo + logprobs: the prompt's first choice alone asks a
+    worker for its logprobs, and every choice's echo carries them, the engine's own."""
+    prompts = [[5, 17, 200, 33, 9, 41], [8, 9, 10, 11]]
+    r: Any = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompts,
+        n=3,
+        max_tokens=2,
+        logprobs=1,
+        echo=True,
+        stream=stream,
+        **GREEDY,
+    )
+    chunks = list(r) if stream else [r]
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, prompt_logprobs=1)
+    refs = reference.generate(prompts, params)
+    leads: dict[int, list[float | None]] = {}
+    for c in chunks:
+        for choice in c.choices:
+            if choice.index not in leads and choice.logprobs is not None:
+                leads[choice.index] = list(choice.logprobs.token_logprobs)
+    assert sorted(leads) == list(range(6))
+    for index, got in leads.items():
+        ref = refs[index // 3]
+        assert got[0] is None
+        want = [e.logprob for e in ref.prompt_logprobs]
+        assert got[1 : len(want) + 1] == pytest.approx(want, abs=1e-5), index
+
+
 def test_stop_strings_cut_the_text_as_the_engine_does(
     client: openai.OpenAI, reference: LLM
 ) -> None:

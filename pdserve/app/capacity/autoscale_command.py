@@ -93,7 +93,7 @@ def _autoscale(
     from pdserve.app.capacity.load_meter import scrape, totals
     from pdserve.app.capacity.prometheus_meter import PoolJobs, PrometheusMeter
     from pdserve.app.capacity.scale_target import pool_pressure_of
-    from pdserve.common.metrics import start_metrics_server
+    from pdserve.common.metrics_server import start_metrics_server
 
     if args.prometheus:  # every input from Prometheus: the routers' totals and the pools
         jobs = PoolJobs(args.router_job, args.prefill_job, args.decode_job)

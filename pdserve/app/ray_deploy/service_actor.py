@@ -79,7 +79,7 @@ class ServiceActor:
 
     async def _serve(self) -> None:
         from pdserve.app.components import build_service
-        from pdserve.common.metrics import start_metrics_server
+        from pdserve.common.metrics_server import start_metrics_server
         from pdserve.common.server import serve
 
         spec = build_service(self.config)
