@@ -185,7 +185,7 @@ class EngineConfig:
     fault_stall_at_step: int | None = None
     # Fault injection, for tests of a dead engine's last words: the native engine's step
     # raises (an engine fault, not a request's error) when it holds a request whose prompt
-    # holds this token id. None: off.
+    # holds this token id, the vLLM engine's delivery of such a request's output. None: off.
     fault_raise_on_token: int | None = None
     # A worker whose engine has had work and completed no step for this long fails its
     # liveness probe (/livez: the orchestrator restarts it). Routers stop routing to it sooner,
@@ -219,7 +219,6 @@ class EngineConfig:
             "--num-threads": self.num_threads is not None,  # vLLM binds its own threads
             "--attention-backend": self.attention_backend is not None,
             "--fault-stall-at-step": self.fault_stall_at_step is not None,
-            "--fault-raise-on-token": self.fault_raise_on_token is not None,
             "--speculative-method": self.speculative is not None,
             "--host-cache-gib": self.cache.host_cache_gib > 0,
             "--kv-cache-dtype": self.cache.kv_cache_dtype.quantized,

@@ -4,9 +4,10 @@ worker's own ``fault_exit_on_token`` is a process exit, ``pdserve/worker/service
 
 - A stuck step: step number N blocks outside the GIL for good, as a hung device sync does.
 - An engine fault: a step holding a request whose prompt holds the token raises once it ran,
-  as a failure in batched code would; the engine's last words then name the requests in it
-  (``engine/serving_engine.py`` ``FaultEvidence``).
-Called by ``AsyncEngine`` from the step thread (``around_step``) and the event loop (the rest).
+  as a failure in batched code would (the native engine: ``around_step``), or the delivery of
+  such a request's output raises (the vLLM engine: ``check``); the engine's last words then
+  name the requests in it (``engine/serving_engine.py`` ``FaultEvidence``).
+Called by the engines from their step thread (``around_step``) and their event loop (the rest).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class FaultInjection:
 
     def ended(self, request_id: str) -> None:
         self._marked.discard(request_id)
+
+    def check(self, request_id: str) -> None:
+        """Raises when ``request_id``'s prompt holds the token."""
+        if request_id in self._marked:
+            raise RuntimeError(f"fault injection: a request holding token {self.raise_on_token}")
 
     def around_step(
         self,

@@ -26,6 +26,7 @@ from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 from engine.block_hash import BlockHash
 from engine.checkpoint import CheckpointInfo
 from engine.config import EngineConfig
+from engine.fault_injection import FaultInjection
 from engine.guide import Guide, GuideCompiler
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
@@ -106,6 +107,10 @@ class VllmEngine(ServingEngine):
         self._kv_events: list[KVEvents] = []
         self.progress = StepProgress()
         self.stats = self._stats()
+        self._faults = FaultInjection(raise_on_token=config.fault_raise_on_token)  # tests only
+        # The request whose output is being delivered: a failure there is that request's
+        # (the engine's last words name it alone).
+        self._delivering: str | None = None
 
     # ---- what the model and cache are ------------------------------------------------------
     @property
@@ -168,6 +173,7 @@ class VllmEngine(ServingEngine):
             )
 
         earlier = prompt_ids[len(prompt_ids) - num_generated_tokens :]
+        self._faults.admitted(request_id, prompt_ids)
         return self._stream(request_id, admit, params, earlier)
 
     def export_prefilled(self, request_id: str) -> PrefilledRequest:
@@ -183,6 +189,7 @@ class VllmEngine(ServingEngine):
         if self._pages is None:
             raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
         ids, num_generated = request.prompt_token_ids, request.num_generated_tokens
+        self._faults.admitted(rid, ids)
         guide = await self._prepare_guide(request.params, ids[len(ids) - num_generated :])
         needed = self.blocks_for(len(request.prompt_token_ids))
         allocation = await self._call(
@@ -275,6 +282,7 @@ class VllmEngine(ServingEngine):
                 done = update.finished or update.prefilled
                 yield raise_on_error(update)
         finally:
+            self._faults.ended(rid)
             if done:
                 self._table.requests.pop(rid, None)
             elif self.error is None:
@@ -287,7 +295,7 @@ class VllmEngine(ServingEngine):
         except TimeoutError:  # nothing new: an empty update tells the reader we are alive
             return RequestUpdate(req.state.seq.request_id, [], "", [], None)
         if isinstance(item, BaseException):
-            raise EngineDeadError(f"engine step failed: {item!r}") from item
+            raise item
         req.num_buffered_tokens -= len(item.new_token_ids)
         return item
 
@@ -308,8 +316,12 @@ class VllmEngine(ServingEngine):
         except BaseException as exc:
             logger.exception("vLLM step failed; failing every request")
             self.error = exc
-            for req in self._table.requests.values():
-                req.queue.put_nowait(exc)
+            # A failure delivering one request's output is that request's: the last words
+            # name it alone (the others are bystanders); a step's failure, no one.
+            delivering = self._delivering
+            stepping = frozenset({delivering}) if delivering is not None else None
+            for rid, req in self._table.requests.items():
+                req.queue.put_nowait(EngineDeadError.of_step(exc, rid, stepping))
             if self._hooks.on_dead is not None:
                 self._hooks.on_dead(exc)
 
@@ -325,7 +337,10 @@ class VllmEngine(ServingEngine):
             outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
             for output in outputs:
                 if isinstance(output, RequestOutput):
+                    self._delivering = output.request_id
+                    self._faults.check(output.request_id)
                     self._table.deliver(output)
+            self._delivering = None
             # Only once its outputs are delivered has a step completed: a delivery that
             # hangs or fails must not pass for progress (the stall clock, /livez).
             self.progress.progressed(stepped=True)

@@ -18,6 +18,7 @@ from engine.outputs import RequestUpdate
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
+from engine.serving_engine import EngineDeadError
 from vllm_engine.sampler import EXTRA_ARGS_KEY, sampling_extra_args
 
 # The key vLLM passes on to the connector (``Request.kv_transfer_params``).
@@ -36,7 +37,7 @@ class Mode(enum.Enum):
 class Request:
     state: RequestState
     mode: Mode
-    queue: asyncio.Queue[RequestUpdate | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestUpdate | EngineDeadError] = field(default_factory=asyncio.Queue)
     num_buffered_tokens: int = 0
     counted: bool = False  # its prompt tokens are in the engine's counters
     filling: bool = False  # REMOTE: the pull is writing its blocks

@@ -4,6 +4,7 @@ small, and clusters of real processes."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,7 @@ def vllm_cluster(
     decode_args: tuple[str, ...] = (),
     router_args: tuple[str, ...] = (),
     http: bool = False,
+    max_restarts: int | None = None,
 ) -> Iterator[LocalCluster]:
     """`pdserve up --engine vllm`, every stream disaggregated unless colocated."""
     config = ClusterConfig(
@@ -58,5 +60,7 @@ def vllm_cluster(
         decode_args=(*WORKER_ARGS, *decode_args),
         router_args=(*LAYOUT_ARGS, "--local-prefill-tokens", "0", *router_args),
     )
+    if max_restarts is not None:
+        config = dataclasses.replace(config, max_restarts=max_restarts)
     with LocalCluster(config) as cluster:
         yield cluster

@@ -71,3 +71,40 @@ def test_vllm_prompt_logprobs_are_hfs(
     got = torch.tensor([e.logprob for e in out.prompt_logprobs])
     assert [e.token_id for e in out.prompt_logprobs] == prompt[1:]
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_a_request_whose_grammar_runs_out_of_tokens_fails_alone(
+    loop_and_engine: tuple[asyncio.AbstractEventLoop, VllmEngine],
+    vllm_model: Callable[[str], Path],
+) -> None:
+    """vLLM behind pdserve's sampler: a position whose allowed tokens the request's bad_words
+    all ban is that request's RequestError (its processor never raises inside vLLM's step),
+    a first position already so, and ids past the vocabulary, are refused at admission; the
+    engine serves the next request, and every block is back."""
+    from engine.request_error import RequestError
+    from engine.sampling_params import SamplingParams
+    from engine.structured_output import StructuredKind, StructuredOutput
+    from engine.tokenizer import Tokenizer
+    from tests.contract.serving_engine_suite import collect, settled
+
+    loop, engine = loop_and_engine
+    tokenizer = Tokenizer.from_dir(vllm_model("llama"))
+    assert tokenizer is not None
+    (seven,), (eight,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("7", "8"))
+    prompt = list(range(40, 80))
+    regex = StructuredOutput(StructuredKind.REGEX, "78", "guided_regex")
+    later = SamplingParams(
+        max_tokens=4, temperature=0.0, structured=regex, bad_words=[[seven, eight]]
+    )
+    with pytest.raises(RequestError, match=r"output index 1.*guided_regex.*bad_words"):
+        loop.run_until_complete(collect(engine.generate("later", prompt, later)))
+    first = SamplingParams(max_tokens=4, temperature=0.0, structured=regex, bad_words=[[seven]])
+    with pytest.raises(ValueError, match="output index 0"):
+        loop.run_until_complete(collect(engine.generate("first", prompt, first)))
+    huge = SamplingParams(max_tokens=2, bad_words=[[3, 1 << 31]])
+    with pytest.raises(ValueError, match="bad_words has ids outside the vocabulary"):
+        loop.run_until_complete(collect(engine.generate("huge", prompt, huge)))
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = loop.run_until_complete(collect(engine.generate("next", prompt, plain)))
+    assert len(out.token_ids) == 4 and engine.error is None
+    loop.run_until_complete(settled(engine, engine.num_blocks))

@@ -7,6 +7,8 @@ vLLM decode workers over gRPC, behind the router (``pdserve up --engine vllm``).
   to its baseline); a Release before the pull fails the pull NOT_FOUND, by name.
 - A native worker and a vLLM worker refuse each other's blocks by name, both directions.
 - The prefix index hears of vLLM's cached blocks by pdserve's hashes; a repeat hits them.
+- Requests written to break a worker (a grammar whose tokens its bad_words ban, ids past the
+  vocabulary) are named INVALID_ARGUMENTs, and no worker dies.
 - kill -9 of a decode worker mid-stream: every stream completes, identical (last: it restarts
   a worker).
 """
@@ -312,6 +314,53 @@ def test_stats_name_the_vllm_layout(cluster: LocalCluster) -> None:
     layout = asyncio.run(run()).layout
     assert layout.page_layout.startswith("vllm-0.32.0/")
     assert layout.model_fingerprint.endswith(":vllm") and layout.block_size == BLOCK_SIZE
+
+
+def test_requests_written_to_break_a_vllm_worker_are_refused_and_kill_nothing(
+    cluster: LocalCluster, vllm_model: Callable[[str], Path]
+) -> None:
+    """A grammar whose tokens bad_words ban (at the first position: refused at admission; at
+    the second: the request's error in the step, from the prefill worker or the decode one),
+    and bad_words ids past the vocabulary sent to a worker directly (no router to check
+    them): named INVALID_ARGUMENT, and every worker process is the one that started."""
+    from engine.structured_output import StructuredKind, StructuredOutput
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(vllm_model("llama"))
+    assert tokenizer is not None
+    (seven,), (eight,) = (tokenizer.encode(t, add_special_tokens=False) for t in ("7", "8"))
+    regex = StructuredOutput(StructuredKind.REGEX, "78", "guided_regex")
+    pids = [c.process.pid for c in cluster.components]
+    cases = {
+        "output index 0": dataclasses.replace(GREEDY, structured=regex, bad_words=[[seven]]),
+        "output index 1": dataclasses.replace(GREEDY, structured=regex, bad_words=[[seven, eight]]),
+    }
+
+    async def run() -> None:
+        for message, params in cases.items():
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await through_router(cluster.address, _prompt(40, 7), params)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert message in (err.value.details() or "") and "bad_words" in (
+                err.value.details() or ""
+            )
+        sampling = sampling_to_proto(GREEDY)
+        sampling.bad_words.append(common_pb2.TokenIds(token_ids=[4294967295]))
+        request = decode_pb2.PrefillAndDecodeRequest(
+            request_id="huge", prompt_token_ids=_prompt(8), sampling=sampling
+        )
+        async with grpc.aio.insecure_channel(cluster.decode[0].address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in decode_pb2_grpc.DecodeWorkerStub(channel).PrefillAndDecode(request):
+                    pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "bad_words has ids outside the vocabulary" in (err.value.details() or "")
+        again = await through_router(cluster.address, _prompt(40, 7), GREEDY)
+        assert len(again.token_ids) == GREEDY.max_tokens
+
+    asyncio.run(run())
+    assert [c.process.pid for c in cluster.components] == pids
+    assert all(c.process.poll() is None for c in cluster.components)
 
 
 def test_a_killed_vllm_decode_worker_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
