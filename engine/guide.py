@@ -225,8 +225,12 @@ class GuideCompiler:
         return guide
 
     def warm(self) -> None:
-        """Builds the token table ahead of the first guided request (engines call it in a
-        thread at start): otherwise that request's prefill would wait for it."""
+        """Builds the token table, and imports llguidance's torch helpers, ahead of the first
+        guided request (engines call it in a thread at start): otherwise that request's
+        prefill would wait for them, and the import (seconds, holding the GIL) would stall
+        every stream of the step thread it ran in."""
+        import llguidance.torch  # noqa: F401
+
         if (self._model_dir / "tokenizer.json").is_file():
             self._token_table()
 

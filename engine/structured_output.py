@@ -82,18 +82,19 @@ def _check_schema(field: str, text: str) -> None:
         raise ValueError(f"{field}: the schema is not valid JSON ({e.msg})") from None
     if not isinstance(schema, dict | bool):
         raise ValueError(f"{field}: the schema must be a JSON object")
-    depth = _depth(schema)
+    depth = json_depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise ValueError(f"{field}: the schema nests {depth} deep, more than {MAX_SCHEMA_DEPTH}")
 
 
-def _depth(value: object) -> int:
-    """Nesting depth, iteratively: a hostile schema must not exhaust the stack."""
+def json_depth(value: object, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """Nesting depth of parsed JSON (objects and arrays), iteratively: hostile input must not
+    exhaust the stack; counting stops once past ``limit``."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         node, depth = stack.pop()
         deepest = max(deepest, depth)
-        if depth > MAX_SCHEMA_DEPTH:
+        if depth > limit:
             return depth
         children = (
             node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()

@@ -6,9 +6,11 @@ workers and answers once they are ready (they join the router through Redis)."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -94,12 +96,47 @@ class ClusterControl(control_pb2_grpc.ClusterControlServicer):
         return self._pools()
 
 
+# The metadata key of the control token (``pdserve up`` without TLS: its file's content).
+TOKEN_KEY = "x-pdserve-control-token"
+
+
+class _RequireToken(grpc.ServerInterceptor):
+    """Without TLS, anyone on the host reaches the control port: a call must present the token
+    ``pdserve up`` wrote to a file only its user can read, or it is UNAUTHENTICATED."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        sent = dict(details.invocation_metadata or ()).get(TOKEN_KEY, "")
+        given = sent.encode() if isinstance(sent, str) else bytes(sent)
+        if handler is None or hmac.compare_digest(given, self._token):
+            return handler
+
+        def refuse(request: object, context: grpc.ServicerContext) -> None:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the control port needs pdserve up's control token ({TOKEN_KEY}: the file "
+                "`pdserve up` printed; pdserve autoscale --control-token-file)",
+            )
+
+        codecs = (handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, *codecs)
+
+
 def serve_control(
-    cluster: LocalCluster, host: str, port: int, tls: TlsConfig | None = None
+    cluster: LocalCluster,
+    host: str,
+    port: int,
+    tls: TlsConfig | None = None,
+    token: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """With ``tls`` (the cluster's ``--tls-*``): mutual TLS, so only a holder of a certificate
-    from the cluster's CA can resize the pools; without, plaintext on ``host``."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    from the cluster's CA can resize the pools; without, plaintext on ``host``, and every call
+    must present ``token`` (``TOKEN_KEY``)."""
+    interceptors = [_RequireToken(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors)
     control_pb2_grpc.add_ClusterControlServicer_to_server(ClusterControl(cluster), server)
     bind = f"{host}:{port}"
     if tls is None:

@@ -148,6 +148,12 @@ class LocalCluster:
         ]
 
     @property
+    def state_dir(self) -> str:
+        """The supervisor's private directory (0700, removed at stop): last-known workers, the
+        control token."""
+        return self._state_dir.name
+
+    @property
     def address(self) -> str:
         assert self.router is not None, "cluster not started"
         return self.router.address

@@ -163,9 +163,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
             from pdserve.common.tls import TlsConfig
 
             tls = None  # the cluster's own certificates (checked together by cluster_config)
+            control_token = None
             if args.tls_cert:
                 tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
-            control, port = serve_control(cluster, cluster.config.host, args.control_port, tls)
+            else:  # plaintext: a token only this user can read guards the pools' sizes
+                control_token = secrets.token_hex(16)
+                path = write_private(cluster.state_dir, "control-token", control_token)
+                print(f"pdserve up control-token {path}", flush=True)
+            control, port = serve_control(
+                cluster, cluster.config.host, args.control_port, tls, control_token
+            )
             print(f"pdserve up control {cluster.config.host}:{port}", flush=True)
         print(
             f"pdserve cluster ready: router {cluster.address}, redis {redacted(args.redis_url)}",
@@ -181,6 +188,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
             redis.stop()
     print(f"stopped: {codes}")
     return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def write_private(directory: str, name: str, text: str) -> str:
+    """``text`` in a new file only this user can read (0600, in ``directory``); its path."""
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _redis_restarted(code: int) -> None:

@@ -150,7 +150,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
             "object": "model",
             "created": created,
             "owned_by": "pdserve",
-            "root": config.model,
+            "root": served_model_name,  # never the model's path on the router's disk
             "max_model_len": core.max_model_len,
         }
         return {"object": "list", "data": [card]}
@@ -184,10 +184,13 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         caller = core.caller(request.headers.get("authorization"), host)
         try:
             prepared: Prepared
-            if isinstance(body, ChatCompletionRequest):
-                prepared = await serving.prepare_chat(body, client_id, caller, start_s)
-            else:
-                prepared = await serving.prepare_completion(body, client_id, caller, start_s)
+            try:
+                if isinstance(body, ChatCompletionRequest):
+                    prepared = await serving.prepare_chat(body, client_id, caller, start_s)
+                else:
+                    prepared = await serving.prepare_completion(body, client_id, caller, start_s)
+            except ValueError as exc:  # the request's reading: a check naming its field
+                raise errors.refusal(exc) from None
             if prepared.plan.stream:
                 started = await until(request.receive, serving.start_stream(prepared))
                 # The stream's own count: it outlives this handler.

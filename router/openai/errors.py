@@ -3,7 +3,7 @@ from pdserve's refusals to HTTP statuses (the gRPC frontend's codes, translated)
 
 | pdserve | HTTP |
 | --- | --- |
-| invalid field (ValueError, INVALID_ARGUMENT) | 400, ``param`` named |
+| invalid field (INVALID_ARGUMENT; a ValueError while the request is read) | 400, ``param`` |
 | a prompt no worker could ever hold | 400 (retrying cannot help; vLLM answers 400 too) |
 | missing or wrong API key | 401 |
 | a ``model`` this router does not serve | 404 |
@@ -14,7 +14,9 @@ from pdserve's refusals to HTTP statuses (the gRPC frontend's codes, translated)
 | overloaded (RESOURCE_EXHAUSTED) | 429, ``Retry-After`` |
 | draining, loading, no worker (UNAVAILABLE) | 503, ``Retry-After`` |
 | a worker's PERMISSION_DENIED, FAILED_PRECONDITION, DATA_LOSS | 503, ``Retry-After`` |
-| anything else | 500, no internals (they go to the log, with the request id) |
+| anything else (a ValueError past the request's reading too: a bug) | 500, no internals |
+
+A 500's internals go to the log, with the request id; only its id goes to the client.
 """
 
 from __future__ import annotations
@@ -205,9 +207,16 @@ def from_exception(exc: BaseException) -> ApiError | None:
         if status == 503:
             return unavailable("no worker is available for this request now; retry")
         return None
-    if isinstance(exc, ValueError):  # field checks (limits, sampling, prompts, capacity)
-        return invalid(str(exc))
     return None
+
+
+def refusal(exc: ValueError) -> ApiError:
+    """A refusal of the request's content, raised while it is read and checked (limits,
+    sampling, prompts, templates, capacity: every check names its field): 400. Only there
+    is a ValueError the client's: past that, one is a bug (``from_exception``: 500)."""
+    if isinstance(exc, InvalidParameter):
+        return invalid(str(exc), exc.param)
+    return invalid(str(exc))
 
 
 def internal(request_id: str) -> ApiError:

@@ -82,18 +82,22 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     _TAG = "<|python_tag|>"
+    # Leading text held while it may still open a call (blanks, part of the tag): past this
+    # much it is content, so that a flood of blanks costs a bounded scan per token.
+    _UNDECIDED_MAX = 256
 
     def opening_at(self, text: str, started: bool) -> int | None:
         """The format is the whole output: a call can only open it."""
-        head = text.lstrip()
-        if started or not (head.startswith("{") or head.startswith(self._TAG)):
+        if started or len(text) > self._UNDECIDED_MAX + len(self._TAG):
             return None
-        return 0
+        head = text.lstrip()
+        return 0 if head.startswith("{") or head.startswith(self._TAG) else None
 
     def held_suffix(self, text: str, started: bool) -> int:
+        if started or len(text) > self._UNDECIDED_MAX:
+            return 0
         head = text.lstrip()
-        undecided = not started and (not head or self._TAG.startswith(head))
-        return len(text) if undecided else 0
+        return len(text) if not head or self._TAG.startswith(head) else 0
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix(self._TAG).strip()
@@ -160,25 +164,31 @@ class ToolStream:
         self._parser = parser
         self._started = False  # content already streamed
         self._holding = parser is None
-        self._held = ""
+        self._held = ""  # while not holding: the short tail a call may still open in
+        self._pieces: list[str] = []  # once holding: every piece since (joined at the end)
 
     def feed(self, text: str) -> str:
-        """The content to stream now."""
-        self._held += text
+        """The content to stream now. Linear in the output: once holding, pieces are only
+        kept; before, the parser looks at a bounded tail."""
         if self._holding or self._parser is None:
+            self._pieces.append(text)
             return ""
+        self._held += text
         at = self._parser.opening_at(self._held, self._started)
         if at is not None:
             self._holding = True
-            return self._emit(self._held[:at])
+            emitted = self._emit(self._held[:at])
+            self._pieces, self._held = [self._held], ""
+            return emitted
         keep = self._parser.held_suffix(self._held, self._started)
         return self._emit(self._held[: len(self._held) - keep])
 
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """The rest of the content, and the calls the held text makes."""
-        content, calls = self._parse(self._held)
+        held = self._held + "".join(self._pieces)
+        content, calls = self._parse(held)
         if not calls:
-            return (self._held or None), []
+            return (held or None), []
         return content, calls
 
     def _emit(self, text: str) -> str:

@@ -18,7 +18,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured_output import StructuredKind, StructuredOutput
+from engine.structured_output import (
+    MAX_SCHEMA_DEPTH,
+    StructuredKind,
+    StructuredOutput,
+    json_depth,
+)
 from router.openai.invalid_parameter import InvalidParameter
 from router.openai.tool_parsers import PARSERS, ToolCall, ToolParser, ToolStream
 
@@ -179,11 +184,17 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             function = call.get("function") if isinstance(call, dict) else None
             arguments = function.get("arguments") if isinstance(function, dict) else None
             if isinstance(arguments, str):
+                where = f"messages[{i}].tool_calls[{j}].function.arguments"
                 try:
                     arguments = json.loads(arguments)
                 except json.JSONDecodeError:
-                    where = f"messages[{i}].tool_calls[{j}].function.arguments"
                     raise InvalidParameter(where, f"{where} is not valid JSON") from None
+                except RecursionError:  # nested past Python's stack: a refusal, not a bug
+                    raise InvalidParameter(where, f"{where} nests too deep") from None
+                if json_depth(arguments) > MAX_SCHEMA_DEPTH:  # the bound on a tool's schema too
+                    raise InvalidParameter(
+                        where, f"{where} nests more than {MAX_SCHEMA_DEPTH} deep"
+                    )
                 call = {**call, "function": {**function, "arguments": arguments}}  # type: ignore[dict-item]
             converted.append(call)
         out.append({**message, "tool_calls": converted})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
@@ -70,15 +72,23 @@ def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Pa
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
-    control = router = ""
+    control = router = token_file = ""
     for line in process.stdout:
+        if line.startswith("pdserve up control-token "):
+            token_file = line.split()[-1]
         if line.startswith("pdserve up control "):
             control = line.split()[-1]
         if "cluster ready" in line:
             router = line.split("router ")[1].split(",")[0]
             break
-    assert control and router, f"pdserve up exited with {process.poll()}"
-    target = LocalTarget(control)
+    assert control and router and token_file, f"pdserve up exited with {process.poll()}"
+    # Plaintext on a shared host: the pools' sizes need the token only this user can read.
+    assert os.stat(token_file).st_mode & 0o777 == 0o600
+    with pytest.raises(grpc.RpcError) as err:
+        LocalTarget(control).replicas(Role.DECODE)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+    with open(token_file) as f:
+        target = LocalTarget(control, token=f.read())
     metrics_url = target.router_metrics_url()
     try:
         # The rounds' clock is the test's: the falling-load round spans 1000 s, so the six

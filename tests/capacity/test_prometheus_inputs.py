@@ -223,3 +223,22 @@ def test_a_prometheus_that_fails_a_query_fails_the_round_by_name(
         PrometheusMeter(url).pressure()
     with pytest.raises(ValueError, match="--prometheus must be an http"):
         PrometheusMeter("prometheus:9090")
+
+
+def test_a_reading_that_is_not_a_number_fails_the_round_by_name(
+    prometheus: tuple[Series, str],
+) -> None:
+    """Prometheus answers NaN and infinities as values (a broken exporter, a division by 0):
+    a pool's state that is not a number is unknown, and a router's totals that are not
+    fail the round naming the field, instead of poisoning every later interval's load."""
+    series, url = prometheus
+    series.set_round(arrivals=10.0, kv_usage=math.inf, queue=math.nan)
+    meter = PrometheusMeter(url)
+    pools = meter.pressure()
+    assert pools.decode_kv_usage is None and pools.prefill_queue_depth is None
+    assert len(meter.totals(0.0)) == 2
+    with series.lock:
+        query = router_query("pdserve_router_arrivals_total", JOBS)
+        series.answers[query] = [({"instance": "router-0"}, math.nan)]
+    with pytest.raises(ValueError, match="num_arrivals = nan: not a number"):
+        meter.totals(0.0)

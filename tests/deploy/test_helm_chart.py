@@ -208,7 +208,14 @@ def test_redis_bundled_or_external(helm: str) -> None:
         token = env(container(bundled, role))[PEER_TOKEN_ENV]
         assert token == {"secretKeyRef": {"name": "rel-pdserve-peer-token", "key": "token"}}
     server = find(bundled, "StatefulSet", "rel-pdserve-redis")["spec"]["template"]["spec"]
-    args = server["containers"][0]["args"]
+    redis = server["containers"][0]
+    args = redis["args"]
+    # The password comes as config on stdin (redis-server -), never on argv.
+    assert "--requirepass" not in args and "REDIS_PASSWORD" not in str(args)
+    assert (
+        redis["command"][:2] == ["sh", "-c"]
+        and 'exec redis-server - "$@" <<EOF' in redis["command"][2]
+    )
     renamed = {args[i + 1] for i, a in enumerate(args) if a == "--rename-command"}
     assert renamed == set(DISABLED_COMMANDS)
     assert all(args[i + 2] == "" for i, a in enumerate(args) if a == "--rename-command")

@@ -45,7 +45,11 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     if args.target == "local":
         if not args.control:
             raise ValueError("--target local needs --control HOST:PORT (pdserve up --control-port)")
-        local = LocalTarget(args.control, tls=settings.tls_config(args))
+        token = None
+        if args.control_token_file:
+            with open(args.control_token_file) as f:
+                token = f.read().strip()
+        local = LocalTarget(args.control, tls=settings.tls_config(args), token=token)
         return _autoscale(args, policy, local, lambda: urls or [local.router_metrics_url()])
     if args.target == "ray":
         from pdserve.app.capacity.scale_target import RayTarget
@@ -134,6 +138,12 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     add_flag(auto, "--profile", type=Path, required=True)
     add_flag(auto, "--target", default="kubernetes", choices=("kubernetes", "local", "ray"))
     add_flag(auto, "--control", default=None, help="--target local: pdserve up's control address")
+    add_flag(
+        auto,
+        "--control-token-file",
+        default=None,
+        help="--target local without TLS: the control-token file pdserve up printed",
+    )
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         add_flag(auto, flag, default=None, help="--target local: the cluster's mutual TLS")
     add_flag(auto, "--tls-server-name", default=DEFAULT_SERVER_NAME, help="its certificate name")

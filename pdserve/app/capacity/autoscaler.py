@@ -43,6 +43,10 @@ SIGNALS = Counter(
     "Decisions by the signal that set the wanted size (load, kv_pressure, queued_prompt_tokens)",
     ["pool", "signal"],
 )
+FAILED_ROUNDS = Counter(
+    "pdserve_planner_failed_rounds_total",
+    "Autoscale rounds that decided nothing (an input unreadable or not a number); logged",
+)
 KV_USAGE = Gauge("pdserve_planner_decode_kv_usage", "The decode pool's KV usage as read")
 QUEUE_DEPTH = Gauge("pdserve_planner_prefill_queue_depth", "Requests queued on prefill as read")
 _HISTORY = 8
@@ -139,6 +143,7 @@ class Autoscaler:
             try:
                 self.tick()
             except Exception:
+                FAILED_ROUNDS.inc()
                 logger.exception("autoscale round failed")
             if stop.wait(self.policy.interval_s):
                 return

@@ -9,6 +9,8 @@ parsed once, into its samples summed by name (``page_gauges``)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +42,14 @@ class Totals:
     ttft_count: float = 0.0
     tpot_sum_s: float = 0.0
     tpot_count: float = 0.0
+
+    def __post_init__(self) -> None:
+        # A NaN or an infinity (a broken exporter, a Prometheus answer) would poison every
+        # later interval's load: the reading is refused, and the round with it, by name.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not math.isfinite(value):
+                raise ValueError(f"a router reading has {f.name} = {value}: not a number")
 
 
 SAMPLES = {

@@ -13,6 +13,7 @@ built and their answers parsed by pure functions; ``query`` is the only I/O.
 from __future__ import annotations
 
 import json
+import math
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -73,8 +74,9 @@ def totals_by_instance(
 
 
 def scalar(series: list[tuple[dict[str, str], float]]) -> float | None:
-    """A one-series answer's value; None when no series matched (or it is NaN: 0 / 0)."""
-    if not series or series[0][1] != series[0][1]:
+    """A one-series answer's value; None when no series matched, or it is not a number (NaN:
+    0 / 0, an empty pool; or an infinity)."""
+    if not series or not math.isfinite(series[0][1]):
         return None
     return series[0][1]
 

@@ -153,12 +153,18 @@ class LocalTarget(ScaleTarget):
     the supervisor picks and drains the least-loaded workers itself."""
 
     def __init__(
-        self, address: str, timeout_s: float = SCALE_TIMEOUT_S, tls: TlsConfig | None = None
+        self,
+        address: str,
+        timeout_s: float = SCALE_TIMEOUT_S,
+        tls: TlsConfig | None = None,
+        token: str | None = None,
     ) -> None:
+        """``token``: the control token of a plaintext ``pdserve up`` (its printed file)."""
         import grpc
 
         from pdserve.v1 import control_pb2_grpc
 
+        self._metadata = (("x-pdserve-control-token", token),) if token else ()
         if tls is None:
             self._channel = grpc.insecure_channel(address)
         else:  # the cluster's CA and a certificate it signed (pdserve up --tls-*)
@@ -170,7 +176,8 @@ class LocalTarget(ScaleTarget):
     def pools(self) -> Any:
         from pdserve.v1 import control_pb2
 
-        return self._stub.GetPools(control_pb2.GetPoolsRequest(), timeout=30.0)
+        request = control_pb2.GetPoolsRequest()
+        return self._stub.GetPools(request, timeout=30.0, metadata=self._metadata)
 
     def replicas(self, pool: Role) -> int:
         return next(p.replicas for p in self.pools().pools if p.pool == pool.value)
@@ -179,7 +186,7 @@ class LocalTarget(ScaleTarget):
         from pdserve.v1 import control_pb2
 
         request = control_pb2.ScalePoolRequest(pool=pool.value, replicas=replicas)
-        self._stub.ScalePool(request, timeout=self.timeout_s)
+        self._stub.ScalePool(request, timeout=self.timeout_s, metadata=self._metadata)
         logger.info("%s: set to %d replicas", pool.value, replicas)
 
     def router_metrics_url(self) -> str:
