@@ -123,8 +123,9 @@ HOST_COPIES = Counter(
 # Faults (router): streams moved to another worker, and what it cost the client.
 QUARANTINED = Counter(
     "pdserve_quarantined_requests_total",
-    "Requests ended (outcome=ended: a second worker went away running the prompt before its "
-    "first token) or refused (outcome=refused: the prompt is quarantined) as poison",
+    "Requests ended (outcome=ended: a second worker went away running the request, or a dead "
+    "engine's last words named it) or refused (outcome=refused: the same request is "
+    "quarantined) as poison",
     ["outcome"],
 )
 MIGRATIONS = Counter(
