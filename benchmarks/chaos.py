@@ -5,7 +5,10 @@ a decode worker, SIGSTOP of one past the stall timeout, kill -9 of redis-server)
 ``stuck-step`` (a decode worker whose engine step blocks for good), ``redis-outage-restart``
 (Redis down, a decode worker killed and restarted during the outage, Redis back),
 ``frozen-router`` (the router SIGSTOPped past the workers' keepalive bound), ``hostile-http``
-(slowloris heads, trickled bodies and 1 MB heads on the HTTP port during the load).
+(slowloris heads, trickled bodies and 1 MB heads on the HTTP port during the load),
+``hostile-requests`` (requests written to break a worker or a client, and silent sockets,
+mixed into the load: each must get its named refusal or a strict-JSON answer, no worker may be
+lost, /health's p99 is reported).
 
 The same seeded workload also runs without faults, in the same invocation: the baseline. Every
 completed stream is compared token for token with one engine (``engine.LLM``); a difference at
@@ -29,9 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import chaos_hostile  # sibling modules
+import chaos_scenarios
 import psutil
 from bench_inputs import ensure_model  # sibling module
-from chaos_scenarios import SCENARIOS, Schedule  # sibling module
+from chaos_scenarios import Fault, Schedule
 
 from engine import LLM, SamplingParams
 from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
@@ -45,6 +50,7 @@ from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 
+SCENARIOS = {**chaos_scenarios.SCENARIOS, **chaos_hostile.SCENARIOS}
 # The router's default stall timeout: faults are detected at the bound users get.
 STALL_S = float(field_default(RouterConfig, "stall_timeout_s"))
 
@@ -222,6 +228,7 @@ def run(model_dir: Path, llm: LLM, args: argparse.Namespace, scenario: str) -> d
             outcomes, records, duration_s = asyncio.run(go())
             leaked = asyncio.run(leaked_blocks(cluster))
             lines = router_metrics(cluster)
+            restarts = cluster.num_restarts
     identical = near_tie = failed = 0
     for outcome, ref, prompt, p in zip(outcomes, references, prompts, params, strict=True):
         if outcome.hung or outcome.error:
@@ -244,6 +251,7 @@ def run(model_dir: Path, llm: LLM, args: argparse.Namespace, scenario: str) -> d
         "hung": sum(o.hung for o in outcomes),
         "migrations": migrations(lines),
         "leaked_blocks": leaked,
+        "workers_restarted": restarts,
         "ttft_p50_s": summary.ttft_s.p50,
         "ttft_p99_s": summary.ttft_s.p99,
         "tpot_p50_s": summary.tpot_s.p50,
@@ -251,12 +259,16 @@ def run(model_dir: Path, llm: LLM, args: argparse.Namespace, scenario: str) -> d
         "migration_extra_p99_s": migration_extra_p99_s(outcomes, records),
         "migrated_streams": sum(o.num_migrations > 0 for o in outcomes),
         "router_peak_rss_mb": round(max(peak_rss) / 2**20, 1),
-        "faults": [
-            f"{f.what} ({'not detected' if f.detection_s is None else f'{f.detection_s:.1f} s'})"
-            for f in schedule.faults
-        ],
+        "faults": [_fault_text(f) for f in schedule.faults],
         "errors": sorted({o.error for o in outcomes if o.error})[:5],
     }
+
+
+def _fault_text(fault: Fault) -> str:
+    if not fault.timed:
+        return fault.what
+    seen = "not detected" if fault.detection_s is None else f"{fault.detection_s:.2f} s"
+    return f"{fault.what} ({seen})"
 
 
 KEYS = [
@@ -267,6 +279,7 @@ KEYS = [
     "migrations",
     "migrated_streams",
     "leaked_blocks",
+    "workers_restarted",
     "router_peak_rss_mb",
     "ttft_p50_s",
     "ttft_p99_s",

@@ -96,7 +96,7 @@ class AsyncEngine(ServingEngine):
         # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
         self.stats: EngineStats = engine.stats()
         self.progress = StepProgress()
-        engine.defer_copy_waits()  # _run waits for them, outside the lock
+        engine.wait_for_copies_in_step = False  # _run waits for them, outside the lock
 
     # ---- what the model is (fixed once loaded) ---------------------------------------------
     @property

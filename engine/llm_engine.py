@@ -59,7 +59,8 @@ class LLMEngine:
             self.num_blocks, self.block_size, prefix_caching, host_index
         )
         # Nothing to run but a host-tier copy in flight: offline, the step waits for it; an
-        # async driver sets this False and awaits ``copy_wait`` itself, outside its lock.
+        # async driver sets this False and awaits the copy itself (``take_copy_wait``),
+        # outside its lock.
         self.wait_for_copies_in_step = True
         self.copy_wait: Future[None] | None = None
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
@@ -116,11 +117,7 @@ class LLMEngine:
 
     def _check_new_request(self, request_id: str) -> None:
         """One namespace for ids at every stage."""
-        if (
-            request_id in self._requests
-            or request_id in self.pinned
-            or request_id in self._reserved
-        ):
+        if any(request_id in table for table in (self._requests, self.pinned, self._reserved)):
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def abort(self, request_id: str) -> bool:
@@ -248,11 +245,6 @@ class LLMEngine:
             self.host_loads.store_freed()
 
     # ---- what an async driver (engine/async_engine.py) calls between steps ------------------
-    def defer_copy_waits(self) -> None:
-        """A step with nothing to run but a host-tier copy in flight leaves the wait to the
-        caller (``take_copy_wait``), who awaits it outside its lock; offline, the step waits."""
-        self.wait_for_copies_in_step = False
-
     def take_copy_wait(self) -> Future[None] | None:
         """The copy the next step waits for, once (None: none)."""
         copy, self.copy_wait = self.copy_wait, None
