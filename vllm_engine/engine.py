@@ -7,9 +7,10 @@ while no step is in flight (one lock), exactly as the native ``AsyncEngine`` doe
 
 vLLM computes and samples (greedily over what pdserve's sampler decided); pdserve keeps each
 request's text, stop conditions and lengths (``engine.request_state``), so a request ends on
-every engine, and on every path, where the native engine ends it. vLLM has no per-request pause:
-a request whose reader is slow keeps its seat and its output waits in its queue (bounded by its
-``max_tokens``; docs/engines.md).
+every engine, and on every path, where the native engine ends it. A request whose reader is
+slow is paused at ``max_buffered_tokens`` waiting, as on the native engine: it leaves vLLM
+(seat and blocks) until its reader takes half, then goes on as a continuation
+(``vllm_engine/requests.py``).
 """
 
 from __future__ import annotations
@@ -95,7 +96,15 @@ class VllmEngine(ServingEngine):
             Path(config.model), llm.model_config.get_vocab_size(), checkpoint.eos_token_ids
         )
         self._guides.warm()  # built in the loading thread: it holds the GIL (~0.3 s)
-        self._table = RequestTable(llm, bridge, checkpoint, tokenizer, max_model_len, self._guides)
+        self._table = RequestTable(
+            llm,
+            bridge,
+            checkpoint,
+            tokenizer,
+            max_model_len,
+            self._guides,
+            hooks.max_buffered_tokens,
+        )
         self._fingerprint, self._max_model_len = fingerprint, max_model_len
         self._cached = cached
         self._lock = asyncio.Lock()
@@ -297,6 +306,9 @@ class VllmEngine(ServingEngine):
         if isinstance(item, BaseException):
             raise item
         req.num_buffered_tokens -= len(item.new_token_ids)
+        if req.paused and req.num_buffered_tokens <= self._table.max_buffered_tokens // 2:
+            rid = req.state.seq.request_id
+            await self._call(lambda: self._table.resume(rid))
         return item
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -365,6 +377,7 @@ class VllmEngine(ServingEngine):
             num_waiting=waiting,
             num_running=running,
             num_pinned=len(self._table.pinned),
+            num_paused=self._table.num_paused,
             num_blocks=self.num_blocks,
             num_free_blocks=self._pool.get_num_free_blocks(),
             num_cached_blocks=len(self._cached.hashes()),

@@ -42,6 +42,9 @@ class Request:
     counted: bool = False  # its prompt tokens are in the engine's counters
     filling: bool = False  # REMOTE: the pull is writing its blocks
     done: bool = False  # pdserve ended it; whatever vLLM still says is dropped
+    # Its reader let the bound pile up: not in vLLM now (seat and blocks given back), its
+    # state kept here until ``RequestTable.resume`` re-adds it as a continuation.
+    paused: bool = False
 
 
 def vllm_params(

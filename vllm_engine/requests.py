@@ -2,6 +2,14 @@
 (``engine.request_state``: text, stops, lengths), its queue to the consumer, and its pinned
 blocks once prefilled. Called by ``VllmEngine`` on the event loop, between steps only (the
 engine's lock), so it may call into vLLM.
+
+A slow reader is bounded as on the native engine: once ``max_buffered_tokens`` of a
+request's output wait in its queue, the request is paused. vLLM has no pause, so it leaves
+vLLM (its seat and blocks go back; full blocks stay in vLLM's prefix cache) and pdserve keeps
+its state; when its reader has taken half, it is added again as a continuation of its output
+so far (``resume``): the output index, penalties and grammar go on from there, as after a
+migration, and it is recomputed as the native engine recomputes a paused request that gave its
+blocks back.
 """
 
 from __future__ import annotations
@@ -39,8 +47,10 @@ class RequestTable:
         tokenizer: Tokenizer | None,
         max_model_len: int,
         guides: GuideCompiler,
+        max_buffered_tokens: int,
     ) -> None:
         self._llm, self._bridge = llm, bridge
+        self.max_buffered_tokens = max_buffered_tokens
         self._checkpoint, self._tokenizer = checkpoint, tokenizer
         self._max_model_len = max_model_len
         self._admission = Admission(
@@ -125,8 +135,36 @@ class RequestTable:
         if req is None:
             return
         req.done = True
+        if req.paused:  # not in vLLM
+            return
         if not req.filling:  # an allocated, unfilled request's blocks go at the next step
             self._bridge.load_finished(rid, ok=False)
+        self._llm.abort_request([rid])
+        self._bridge.forget(rid)
+
+    def resume(self, rid: str) -> None:
+        """A paused request's reader took half its queue: it goes on in vLLM, a continuation
+        of everything it output (a no-op when it is not paused)."""
+        req = self.requests.get(rid)
+        if req is None or not req.paused or req.done:
+            return
+        req.paused, req.mode = False, Mode.GENERATE
+        seq = req.state.seq
+        kv_params = {"pdserve_rid": rid, "mode": Mode.GENERATE.value}
+        eos = tuple(self._checkpoint.eos_token_ids)
+        params = vllm_params(seq.params, Mode.GENERATE, seq.num_output_tokens, kv_params, eos)
+        self._llm.add_request(rid, {"prompt_token_ids": list(seq.token_ids)}, params)
+
+    @property
+    def num_paused(self) -> int:
+        return sum(r.paused for r in self.requests.values())
+
+    def _pause_if_unread(self, rid: str, req: Request) -> None:
+        """Its reader let ``max_buffered_tokens`` pile up: out of vLLM until ``resume``."""
+        busy = req.done or req.paused or req.filling or req.mode is Mode.PREFILL
+        if busy or req.num_buffered_tokens < self.max_buffered_tokens:
+            return
+        req.paused = True
         self._llm.abort_request([rid])
         self._bridge.forget(rid)
 
@@ -134,7 +172,7 @@ class RequestTable:
         """One step's output of one request."""
         rid = output.request_id
         req = self.requests.get(rid)
-        if req is None or req.done:
+        if req is None or req.done or req.paused:
             return
         seq = req.state.seq
         if not req.counted:
@@ -236,6 +274,7 @@ class RequestTable:
             update = state.flush(None)
         req.queue.put_nowait(update)
         req.num_buffered_tokens += len(update.new_token_ids)
+        self._pause_if_unread(rid, req)
 
     def _pin(self, rid: str, req: Request, status: SequenceStatus | None) -> RequestUpdate:
         """The first token is out and the connector pinned the blocks (vLLM finished the

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from engine.block_hash import hash_blocks, root_hash
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS
 from engine.outputs import PrefilledRequest, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import NoRoomError, ServingEngine
@@ -260,6 +261,28 @@ async def kv_events_name_the_prompt_blocks(engine: ServingEngine, prompt: list[i
     assert engine.take_kv_events() == []  # the snapshot holds them
 
 
+async def an_unread_request_gives_up_its_seat_then_gets_every_token(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    """A reader that stops reading: once the bound of tokens waits, the request holds no seat
+    (it is paused), and when the reader takes them, the rest comes exactly as in one run."""
+    bound = DEFAULT_MAX_BUFFERED_TOKENS
+    params = SamplingParams(max_tokens=bound + 48, temperature=0.0, ignore_eos=True)
+    reference = await collect(engine.generate("whole", prompt, params))
+    stream = engine.generate("unread", prompt, params)
+    tokens = list((await anext(stream)).new_token_ids)
+
+    async def paused() -> bool:
+        s = engine.stats
+        return s.num_running == 0 and s.num_paused == 1 and engine.num_buffered_tokens >= bound
+
+    await wait_for(paused, 120.0, "the unread request is paused, holding no seat")
+    async for update in stream:
+        tokens.extend(update.new_token_ids)
+    assert tokens == reference.token_ids
+    assert engine.stats.num_paused == 0 and engine.num_buffered_tokens == 0
+
+
 CASES: list[Case] = [
     prefilled_then_decoded_is_the_plain_run,
     a_continuation_gives_the_rest_of_the_run,
@@ -271,4 +294,5 @@ CASES: list[Case] = [
     guided_outputs_hold_and_end_when_complete,
     prompt_logprobs_come_once_with_the_first_token,
     kv_events_name_the_prompt_blocks,
+    an_unread_request_gives_up_its_seat_then_gets_every_token,
 ]

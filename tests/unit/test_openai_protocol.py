@@ -173,11 +173,21 @@ def test_validation_errors_name_the_field() -> None:
 
 
 def test_the_error_map() -> None:
+    # A ValueError is the client's only while its request is read and checked (refusal).
+    refusals: list[tuple[ValueError, str | None]] = [
+        (ValueError("temperature must be a finite number >= 0, got -1"), "temperature"),
+        (ValueError("prompt_token_ids has 600 tokens, more than max_model_len 512"), "prompt"),
+        (ValueError("no decode worker can hold 9999 prompt tokens"), None),
+        (InvalidParameter("messages[0].role", "messages[0].role 'x' is not a role"),
+         "messages[0].role"),
+    ]  # fmt: skip
+    for value_error, param in refusals:
+        refused = errors.refusal(value_error)
+        assert (refused.status, refused.param) == (400, param), value_error
+        # Past the reading, the same is a bug: 500, its text to the log, not to the client.
+        if not isinstance(value_error, InvalidParameter):
+            assert errors.from_exception(value_error) is None
     cases: list[tuple[BaseException, int, str | None, str | None]] = [
-        (ValueError("temperature must be a finite number >= 0, got -1"), 400, "temperature", None),
-        (ValueError("prompt_token_ids has 600 tokens, more than max_model_len 512"), 400,
-         "prompt", None),
-        (ValueError("no decode worker can hold 9999 prompt tokens"), 400, None, None),
         (Overloaded("64 prompts are waiting"), 429, None, "1"),
         (WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode worker 10.0.0.1:5: full"), 429,
          None, "1"),
