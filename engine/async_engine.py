@@ -41,6 +41,7 @@ from engine.serving_engine import (
     NoRoomError,
     ServingEngine,
     raise_on_error,
+    run_until_dead,
 )
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
@@ -315,22 +316,19 @@ class AsyncEngine(ServingEngine):
             raise EngineDeadError(f"engine step failed: {self.error!r}", evidence)
 
     async def _run(self) -> None:
-        """Steps while there is work. Whatever escapes an iteration (a step that raised, a
-        delivery that failed; a Rust panic from pyo3 is no ``Exception`` and counts too)
-        leaves the engine dead: every stream and the worker are told, at once."""
-        try:
-            while True:
-                await self._iterate()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            logger.exception("engine step failed; failing every request")
-            self.error = exc
-            stepping = self._engine.stepping if self._in_step else None
-            for request_id, stream in self._streams.items():
-                stream.queue.put_nowait(EngineDeadError.of_step(exc, request_id, stepping))
-            if self._on_dead is not None:
-                self._on_dead(exc)
+        """Steps while there is work, until the engine dies (``run_until_dead``)."""
+        await run_until_dead(self._iterate, self._die)
+
+    def _die(self, exc: BaseException) -> None:
+        """Every stream and the worker are told at once, with the engine's last words on each
+        request: whether the step that failed held it."""
+        logger.error("engine step failed; failing every request", exc_info=exc)
+        self.error = exc
+        stepping = self._engine.stepping if self._in_step else None
+        for request_id, stream in self._streams.items():
+            stream.queue.put_nowait(EngineDeadError.of_step(exc, request_id, stepping))
+        if self._on_dead is not None:
+            self._on_dead(exc)
 
     async def _iterate(self) -> None:
         engine = self._engine

@@ -29,6 +29,7 @@ its loop ended): every stream sees it, and the worker restarts.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -241,3 +242,19 @@ def raise_on_error(update: RequestUpdate) -> RequestUpdate:
     if update.error is not None:
         raise RequestError(update.error)
     return update
+
+
+async def run_until_dead(
+    iterate: Callable[[], Awaitable[None]], die: Callable[[BaseException], None]
+) -> None:
+    """An engine's loop: ``iterate`` for ever, until anything but a cancellation escapes it (a
+    step that raised, a delivery that failed; a Rust panic from pyo3, which is no
+    ``Exception``, too): then ``die`` is told, once, and the loop ends. Every engine's loop is
+    this, so none can end silently while its streams wait and its heartbeats go on."""
+    try:
+        while True:
+            await iterate()
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        die(exc)

@@ -40,6 +40,7 @@ from engine.serving_engine import (
     NoRoomError,
     ServingEngine,
     raise_on_error,
+    run_until_dead,
 )
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
@@ -317,25 +318,22 @@ class VllmEngine(ServingEngine):
         return running + waiting > self._bridge.num_loading or self._bridge.has_reports()
 
     async def _run(self) -> None:
-        """Steps while there is work. Whatever escapes an iteration (a step that raised, or
-        the delivery of its outputs) leaves the engine dead at once: every stream and the
-        worker are told, as the native engine's loop does (``engine/async_engine.py``)."""
-        try:
-            while True:
-                await self._iterate()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            logger.exception("vLLM step failed; failing every request")
-            self.error = exc
-            # A failure delivering one request's output is that request's: the last words
-            # name it alone (the others are bystanders); a step's failure, no one.
-            delivering = self._delivering
-            stepping = frozenset({delivering}) if delivering is not None else None
-            for rid, req in self._table.requests.items():
-                req.queue.put_nowait(EngineDeadError.of_step(exc, rid, stepping))
-            if self._hooks.on_dead is not None:
-                self._hooks.on_dead(exc)
+        """Steps while there is work, until the engine dies (``run_until_dead``): a step that
+        raised, or the delivery of its outputs."""
+        await run_until_dead(self._iterate, self._die)
+
+    def _die(self, exc: BaseException) -> None:
+        """Every stream and the worker are told at once. A failure delivering one request's
+        output is that request's: the last words name it alone (the others are bystanders);
+        a step's failure, no one."""
+        logger.error("vLLM step failed; failing every request", exc_info=exc)
+        self.error = exc
+        delivering = self._delivering
+        stepping = frozenset({delivering}) if delivering is not None else None
+        for rid, req in self._table.requests.items():
+            req.queue.put_nowait(EngineDeadError.of_step(exc, rid, stepping))
+        if self._hooks.on_dead is not None:
+            self._hooks.on_dead(exc)
 
     async def _iterate(self) -> None:
         await self._wakeup.wait()
