@@ -255,6 +255,15 @@ def test_network_policies_isolate_workers_and_redis(helm: str) -> None:
         assert ingress[0]["from"] == [{"podSelector": {"matchLabels": peers}}]
     router = find(manifests, "NetworkPolicy", "rel-pdserve-router")["spec"]["ingress"]
     assert "from" not in router[0]  # the router's gRPC port is the public one
+    # The metrics port, by default: Prometheus only (the kubelet's probes come from the node).
+    prometheus = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    for name in ("rel-pdserve-router", "rel-pdserve-prefill", "rel-pdserve-decode"):
+        ingress = find(manifests, "NetworkPolicy", name)["spec"]["ingress"]
+        metrics = [rule for rule in ingress if rule["ports"] == [{"port": 9090}]]
+        assert metrics and all(rule["from"][0] == prometheus for rule in metrics), name
 
 
 def test_ray_mode_renders_a_raycluster_and_the_ray_up_job(helm: str) -> None:
