@@ -129,11 +129,47 @@ class Guide:
             consumed += 1
         if consumed:
             self._matcher.rollback(consumed)
-        allowed = unpack_bitmask(words, self._vocab_size)
+        return self._restrict(unpack_bitmask(words, self._vocab_size))
+
+    def _restrict(self, allowed: torch.Tensor) -> torch.Tensor:
+        """An ``ignore_eos`` request's EOS out of every row that allows anything else."""
         if self._banned_eos:
             others = allowed.sum(dim=-1) > allowed[:, self._banned_eos].sum(dim=-1)
             allowed[:, self._banned_eos] &= ~others[:, None]
         return allowed
+
+
+_EXECUTOR: list[llguidance.LLExecutor] = []  # one per process, made at first use
+
+
+def next_masks(guides: Sequence[Guide]) -> list[torch.Tensor]:
+    """Each guide's mask of its next position (``Guide.masks((), 1)[0]``), all filled in one
+    call: llguidance computes them on its own threads, outside the GIL, so a step with many
+    guided requests pays for them in parallel and the event loop runs meanwhile (one at a
+    time, each held the step thread). The guides are one engine's (one vocabulary)."""
+    if len(guides) < 2:
+        return [g.masks((), 1)[0] for g in guides]
+    import llguidance
+    import llguidance.torch as lgt
+
+    vocab = guides[0]._vocab_size
+    words = lgt.allocate_token_bitmask(len(guides), vocab)
+    words.fill_(-1)
+    live = [(g._matcher, row) for row, g in enumerate(guides) if g._failure is None]
+    try:
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        lgt.fill_next_token_bitmask_par(_EXECUTOR[0], live, words)
+    except Exception:  # one matcher's failure: each guide's own call names its own
+        return [g.masks((), 1)[0] for g in guides]
+    allowed = unpack_bitmask(words, vocab)
+    rows = []
+    for row, g in enumerate(guides):
+        if g._failure is not None:  # it allows nothing: accept() names the failure
+            rows.append(torch.zeros(vocab, dtype=torch.bool))
+        else:
+            rows.append(g._restrict(allowed[row : row + 1])[0])
+    return rows
 
 
 _SHARED: dict[tuple[str, int, tuple[int, ...]], GuideCompiler] = {}

@@ -15,6 +15,7 @@ import torch
 from engine import prompt_logprobs
 from engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
 from engine.config import AttentionBackend
+from engine.guide import next_masks
 from engine.kv_cache import KVCache
 from engine.kv_quant import slot_positions
 from engine.models.llama import LlamaFamilyForCausalLM
@@ -66,6 +67,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         requests: list[SampleRequest] = []
         samplers: list[ScheduledSeq] = []
+        # The guided rows that sample one token: their masks are filled together.
+        single = [
+            (s, s.seq.guide)
+            for s in ordered
+            if s.num_sampled and s.seq.guide is not None and not s.spec_token_ids
+        ]
+        filled = next_masks([guide for _, guide in single if guide is not None])
+        masks = {id(s): mask for (s, _), mask in zip(single, filled, strict=True)}
         row = 0
         for s in ordered:
             row += s.num_new_tokens
@@ -74,7 +83,7 @@ class ModelRunner:
                 continue
             samplers.append(s)
             sample_rows.extend(range(row - num_sampled, row))
-            requests.extend(self._sample_requests(s, num_sampled))
+            requests.extend(self._sample_requests(s, num_sampled, masks.get(id(s))))
         if not samplers:
             return []
         with torch.inference_mode():
@@ -89,17 +98,20 @@ class ModelRunner:
             start = end
         return results
 
-    def _sample_requests(self, s: ScheduledSeq, num_sampled: int) -> list[SampleRequest]:
+    def _sample_requests(
+        self, s: ScheduledSeq, num_sampled: int, mask: torch.Tensor | None = None
+    ) -> list[SampleRequest]:
         """One per sampled row, at its output index. With logit processing or a grammar, row
         ``i`` of a verified sequence counts the guesses before it as output: it is kept only
-        if they were, so its sample is the one a step at a time would have drawn."""
+        if they were, so its sample is the one a step at a time would have drawn. ``mask``:
+        a one-row guided sequence's mask, filled with the others' (``next_masks``)."""
         seq, params = s.seq, s.seq.params
         first = seq.num_output_tokens  # the output index of the first sampled row
-        allowed = (
-            seq.guide.masks(s.spec_token_ids, num_sampled)
-            if seq.guide is not None
-            else [None] * num_sampled
-        )
+        allowed: list[torch.Tensor | None] | torch.Tensor = [None] * num_sampled
+        if mask is not None:
+            allowed = [mask]
+        elif seq.guide is not None:
+            allowed = seq.guide.masks(s.spec_token_ids, num_sampled)
         if not params.processes_logits:
             return [
                 SampleRequest(params, first + i, allowed=allowed[i]) for i in range(num_sampled)

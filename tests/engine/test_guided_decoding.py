@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.structured_output import (
@@ -127,3 +128,31 @@ def test_limits_are_checked_before_compiling(kind: StructuredKind, spec: str, me
     with pytest.raises(ValueError, match=message) as e:
         StructuredOutput(kind, spec, "response_format")
     assert str(e.value).startswith("response_format")
+
+
+def test_masks_filled_together_are_each_guides_own(llm: LLM) -> None:
+    """``next_masks`` (one call, llguidance's threads) gives every guide the row its own
+    ``masks`` gives: grammars of every kind, at different positions, with ``ignore_eos``,
+    and a guide left as it was (neither advances a matcher)."""
+    from engine.guide import next_masks
+
+    guides = llm.engine.loaded.guides
+    specs = [WORDS, DIGITS, COLOURS, TINY_JSON, WORDS]
+    for spec in specs:
+        guides.compile(spec)
+    tokenizer = llm.engine.tokenizer
+    assert tokenizer is not None
+    made = [
+        guides.guide(WORDS, []),
+        guides.guide(DIGITS, tokenizer.encode("12", add_special_tokens=False)),
+        guides.guide(COLOURS, []),
+        guides.guide(TINY_JSON, tokenizer.encode('{"id": 1', add_special_tokens=False)),
+        guides.guide(WORDS, tokenizer.encode("a b", add_special_tokens=False), ignore_eos=True),
+    ]
+    one_by_one = [g.masks((), 1)[0] for g in made]
+    together = next_masks(made)
+    assert len(together) == len(made)
+    for own, filled in zip(one_by_one, together, strict=True):
+        assert torch.equal(own, filled)
+    for g, own in zip(made, one_by_one, strict=True):  # neither moved a matcher
+        assert torch.equal(g.masks((), 1)[0], own)
