@@ -1,9 +1,11 @@
 """The OpenAI API at the HTTP level: SSE framing byte for byte, body limits, keys, a client
-that disconnects mid-stream (both workers free its blocks), and 503 while draining."""
+that disconnects mid-stream (both workers free its blocks), a flood of silent sockets, and 503
+while draining."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import signal
@@ -155,6 +157,33 @@ def test_a_client_gone_before_its_first_byte_frees_everything(
 
     asyncio.run(wait_for(freed, 60.0, "the abandoned request is freed", poll_s=0.1))
     assert metric(router, "pdserve_requests_total") == finished  # cancelled, not finished
+
+
+def test_a_flood_of_silent_sockets_closes_while_a_keyed_request_succeeds(
+    http_cluster: LocalCluster,
+) -> None:
+    """Past --max-idle-connections (1024 by default) silent sockets, the oldest are closed at
+    once and the rest at --request-header-timeout-s (10 s) from their accept, while a request
+    with the API key is served (and one without is still 401). Before, uvicorn held every one
+    for ever, and past its connection limit answered 503 to everyone."""
+    host, _, port = http_cluster.http_url.removeprefix("http://").rpartition(":")
+    silent = [socket.create_connection((host, int(port))) for _ in range(1100)]
+    try:
+        body = {"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 3}
+        assert post(http_cluster, "/v1/completions", body).status_code == 200
+        unkeyed = httpx2.post(f"{http_cluster.http_url}/v1/completions", json=body, timeout=60)
+        assert unkeyed.status_code == 401
+        for sock in silent:  # every one closed by the router (a 408, or nothing), then EOF
+            sock.settimeout(40)
+            reply = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(4096):
+                    reply += chunk
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 408"), reply[:80]
+    finally:
+        for sock in silent:
+            sock.close()
+    assert metric(http_cluster.router, "pdserve_http_idle_evicted_total") >= 1100 - 1024
 
 
 @pytest.fixture
