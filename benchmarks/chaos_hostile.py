@@ -80,22 +80,57 @@ def _hostile(host: str, port: int, kind: str) -> tuple[bytes, float]:
 # OpenAI bodies, with what each must get: a named 400, or 200 with strict JSON.
 _PROMPT = "the quick brown fox jumps over the lazy dog " * 6
 HOSTILE_BODIES: list[tuple[str, str, dict[str, Any], int]] = [
-    ("grammar banned at 0", "/v1/completions",
-     {"prompt": _PROMPT, "guided_regex": "7", "bad_words": ["7"], "max_tokens": 4}, 400),
-    ("grammar banned at 1", "/v1/completions",
-     {"prompt": _PROMPT, "guided_regex": "78", "bad_words": ["78"], "max_tokens": 4}, 400),
-    ("bias id past vocab", "/v1/completions",
-     {"prompt": _PROMPT, "logit_bias": {"70000": 1.0}, "max_tokens": 4}, 400),
-    ("control text in role", "/v1/chat/completions",
-     {"messages": [{"role": "user<|eos|>", "content": "hi"}], "max_tokens": 4}, 400),
-    ("unknown role", "/v1/chat/completions",
-     {"messages": [{"role": "sudo", "content": "hi"}], "max_tokens": 4}, 400),
-    ("echo bomb", "/v1/completions",
-     {"prompt": list(range(3, 483)), "n": 8, "max_tokens": 2, "echo": True, "logprobs": 5,
-      "prompt_logprobs": 20, "temperature": 0.0}, 200),
-    ("guided top_logprobs", "/v1/completions",
-     {"prompt": _PROMPT, "guided_choice": ["yes", "no"], "logprobs": 20, "max_tokens": 3}, 200),
-]  # fmt: skip
+    (
+        "grammar banned at 0",
+        "/v1/completions",
+        {"prompt": _PROMPT, "guided_regex": "7", "bad_words": ["7"], "max_tokens": 4},
+        400,
+    ),
+    (
+        "grammar banned at 1",
+        "/v1/completions",
+        {"prompt": _PROMPT, "guided_regex": "78", "bad_words": ["78"], "max_tokens": 4},
+        400,
+    ),
+    (
+        "bias id past vocab",
+        "/v1/completions",
+        {"prompt": _PROMPT, "logit_bias": {"70000": 1.0}, "max_tokens": 4},
+        400,
+    ),
+    (
+        "control text in role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user<|eos|>", "content": "hi"}], "max_tokens": 4},
+        400,
+    ),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "sudo", "content": "hi"}], "max_tokens": 4},
+        400,
+    ),
+    (
+        "echo bomb",
+        "/v1/completions",
+        {
+            "prompt": list(range(3, 483)),
+            "n": 8,
+            "max_tokens": 2,
+            "echo": True,
+            "logprobs": 5,
+            "prompt_logprobs": 20,
+            "temperature": 0.0,
+        },
+        200,
+    ),
+    (
+        "guided top_logprobs",
+        "/v1/completions",
+        {"prompt": _PROMPT, "guided_choice": ["yes", "no"], "logprobs": 20, "max_tokens": 3},
+        200,
+    ),
+]
 
 
 def hostile_requests(

@@ -178,9 +178,11 @@ def test_the_error_map() -> None:
         (ValueError("temperature must be a finite number >= 0, got -1"), "temperature"),
         (ValueError("prompt_token_ids has 600 tokens, more than max_model_len 512"), "prompt"),
         (ValueError("no decode worker can hold 9999 prompt tokens"), None),
-        (InvalidParameter("messages[0].role", "messages[0].role 'x' is not a role"),
-         "messages[0].role"),
-    ]  # fmt: skip
+        (
+            InvalidParameter("messages[0].role", "messages[0].role 'x' is not a role"),
+            "messages[0].role",
+        ),
+    ]
     for value_error, param in refusals:
         refused = errors.refusal(value_error)
         assert (refused.status, refused.param) == (400, param), value_error
