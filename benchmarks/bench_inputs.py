@@ -40,7 +40,7 @@ class FixedLeases(BlockLeases):
     def __init__(self, block_ids: list[int]) -> None:
         self.block_ids = block_ids
 
-    def checkout(self, request_id: str, lease_token: str) -> list[int]:
+    async def checkout(self, request_id: str, lease_token: str) -> list[int]:
         return list(self.block_ids)
 
     async def checkin(self, request_id: str) -> None:

@@ -27,9 +27,9 @@ from kvtransfer import (
     KVTransferError,
     ReceiverOptions,
     TransferErrorCode,
-    make_receiver,
 )
 from kvtransfer.base import prompt_digest
+from kvtransfer.sharded import engine_receiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.cluster.last_known import LastKnownWorkers
 from pdserve.common import metrics, tracing
@@ -74,18 +74,17 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
 
     async def load(self) -> None:
         await super().load()
-        pages = self.engine.kv_pages
-        if pages is not None:  # None: an engine that serves colocated requests only
-            # In a thread: a NIXL receiver registers the whole cache with its agent.
-            options = ReceiverOptions(
-                self.config.transfer_timeout_s,
-                tls=self.config.server.tls,
-                verify=self.config.kv_verify,
-                ucx_tls=self.config.ucx_tls,
-            )
-            self._receiver = await asyncio.to_thread(
-                make_receiver, self.config.kv_backend, pages, options
-            )
+        # In a thread: a NIXL receiver registers the whole cache with its agent. None: an
+        # engine that serves colocated requests only.
+        options = ReceiverOptions(
+            self.config.transfer_timeout_s,
+            tls=self.config.server.tls,
+            verify=self.config.kv_verify,
+            ucx_tls=self.config.ucx_tls,
+        )
+        self._receiver = await asyncio.to_thread(
+            engine_receiver, self.engine, self.config.kv_backend, options
+        )
         registry = self.membership.registry if self.membership is not None else None
         redis = self.config.redis
         last_known = LastKnownWorkers(redis.last_known_file if redis is not None else None)
@@ -135,7 +134,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this decode worker's engine takes no remote KV (it serves colocated requests "
-                "only: a vLLM worker with tensor_parallel_size > 1; docs/engines.md)",
+                "only; docs/engines.md)",
             )
         try:
             handle = handle_from_proto(request.handle)

@@ -61,8 +61,15 @@ class KVCacheLayout:
     head_dim: int
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     page_layout: str = NATIVE_PAGE_LAYOUT
+    # Tensor parallelism: the pages are shard ``tp_rank`` of ``tp_size`` (``num_kv_heads`` is
+    # the shard's heads). An engine's own layout is its rank 0's; a shard moves only to the
+    # same shard of an engine of the same ``tp_size`` (docs/engines.md "Tensor parallelism").
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not in [0, tp_size {self.tp_size})")
         if self.quantized and self.num_codes_per_slab % SCALE_BYTES:
             # The scales follow the codes as float32: they must start 4-byte aligned.
             raise ValueError(
@@ -101,6 +108,10 @@ class KVCacheLayout:
     def block_bytes(self) -> int:
         """Bytes of one block across all layers, keys and values."""
         return 2 * self.num_layers * self.slab_block_bytes
+
+    def shard(self, tp_rank: int) -> KVCacheLayout:
+        """The layout of this engine's rank ``tp_rank`` (same heads per rank)."""
+        return dataclasses.replace(self, tp_rank=tp_rank)
 
     def mismatch(self, other: KVCacheLayout) -> str | None:
         """None when compatible, else a message naming the fields that differ and both

@@ -103,10 +103,12 @@ class BlockLeases(ABC):
     """Prefill-side view of leased requests; implemented by the prefill service."""
 
     @abstractmethod
-    def checkout(self, request_id: str, lease_token: str) -> list[int]:
+    async def checkout(self, request_id: str, lease_token: str) -> list[int]:
         """The leased request's block ids. They stay allocated until ``checkin``.
         Raises ``KeyError`` when the request holds no lease, or ``lease_token`` is not its
-        token (the two look alike to the caller: a token must not be probed)."""
+        token (the two look alike to the caller: a token must not be probed). A coroutine: a
+        tensor-parallel rank's sender asks the lease table in its worker's process
+        (``vllm_engine/rank_link.py``)."""
 
     @abstractmethod
     async def checkin(self, request_id: str) -> None:
@@ -134,13 +136,20 @@ class KVSender(ABC):
         self.cache = cache
         self.leases = leases
 
-    def begin_read(self, request_id: str, lease_token: str, trace: TraceContext = ()) -> BlockRead:
+    @property
+    def layout(self) -> KVCacheLayout:
+        """What its handles name: the pages' layout (a tensor-parallel engine's rank 0's)."""
+        return self.cache.layout
+
+    async def begin_read(
+        self, request_id: str, lease_token: str, trace: TraceContext = ()
+    ) -> BlockRead:
         """``BlockLeases.checkout`` (raises its ``KeyError``), and the start of this sender's
         span of the read (``prefill_worker.kv_send``, until its ``end_read``) under ``trace``:
         the receiver's pull span, sent along with the pull (``KVReceiver.pull``). Every read
         begun is ended exactly once, with what this returned."""
         parent = tracing.worker_context(trace)  # first: nothing can fail once checked out
-        block_ids = self.leases.checkout(request_id, lease_token)
+        block_ids = await self.leases.checkout(request_id, lease_token)
         return BlockRead(request_id, block_ids, parent, time.perf_counter())
 
     async def end_read(self, read: BlockRead) -> None:
@@ -190,7 +199,7 @@ class KVSender(ABC):
             self.address,
             request_id,
             num_blocks,
-            self.cache.layout,
+            self.layout,
             lease_s,
             lease_token,
             digest,
@@ -204,6 +213,11 @@ class KVReceiver(ABC):
 
     def __init__(self, cache: KVPages) -> None:
         self.cache = cache
+
+    @property
+    def layout(self) -> KVCacheLayout:
+        """What a handle's layout must equal (``check_handle``)."""
+        return self.cache.layout
 
     @abstractmethod
     async def pull(
@@ -226,7 +240,7 @@ class KVReceiver(ABC):
         return None
 
     def check_handle(self, handle: KVHandle, block_ids: list[int]) -> None:
-        mismatch = self.cache.layout.mismatch(handle.layout)
+        mismatch = self.layout.mismatch(handle.layout)
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         if handle.backend != self.backend:

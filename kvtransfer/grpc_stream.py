@@ -99,7 +99,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
             trace = tracing.headers(context.invocation_metadata())
-            read = self.begin_read(request.request_id, request.lease_token, trace)
+            read = await self.begin_read(request.request_id, request.lease_token, trace)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"

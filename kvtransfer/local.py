@@ -63,7 +63,7 @@ class LocalKVReceiver(KVReceiver):
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         try:
-            read = sender.begin_read(handle.request_id, handle.lease_token, trace)
+            read = await sender.begin_read(handle.request_id, handle.lease_token, trace)
         except KeyError:
             raise KVTransferError(
                 TransferErrorCode.NOT_FOUND, f"no lease for request {handle.request_id!r}"

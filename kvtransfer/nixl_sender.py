@@ -134,12 +134,11 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         self._digests.pop(request_id, None)  # done: the digest held a checkout until then
 
     def _record_digest(self, request_id: str, lease_token: str) -> None:
-        try:
-            block_ids = self.leases.checkout(request_id, lease_token)
-        except KeyError:  # the lease is already over: no checkout will ask
-            return
-
         async def held() -> bytes:
+            try:
+                block_ids = await self.leases.checkout(request_id, lease_token)
+            except KeyError:  # the lease is already over: a checkout computes its own
+                return b""
             try:
                 return await finish_in_thread(
                     block_digest, self.cache, block_ids, executor=transfer_executor()
@@ -153,8 +152,8 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         """The digest recorded with the handle, or (none recorded) computed now; either way
         in a thread, in place: the checked-out blocks cannot change."""
         recorded = self._digests.get(request_id)
-        if recorded is not None:
-            return await asyncio.shield(recorded)
+        if recorded is not None and (digest := await asyncio.shield(recorded)):
+            return digest
         return await finish_in_thread(
             block_digest, self.cache, block_ids, executor=transfer_executor()
         )
@@ -188,7 +187,7 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         """The RPC's body, looked up per call (fault tests wrap it)."""
         try:
             trace = tracing.headers(context.invocation_metadata())
-            read = self.begin_read(request.request_id, request.lease_token, trace)
+            read = await self.begin_read(request.request_id, request.lease_token, trace)
         except KeyError:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no lease for request_id {request.request_id!r}"

@@ -177,7 +177,7 @@ class RayKVSender(KVSender):
             message = f"layers {layers} outside [0, {num_layers})"
             return ExportReply(TransferErrorCode.CORRUPTED, message)
         try:
-            read = self.begin_read(request_id, ticket.lease_token, ticket.trace)
+            read = await self.begin_read(request_id, ticket.lease_token, ticket.trace)
         except KeyError:
             message = f"no lease for request_id {request_id!r}"
             return ExportReply(TransferErrorCode.NOT_FOUND, message)

@@ -31,12 +31,6 @@ class PrefillConfig:
         if self.kv_backend not in BACKENDS:
             raise ValueError(f"kv_backend must be one of {BACKENDS}, got {self.kv_backend!r}")
         check_engine(self.kv_backend, self.engine.backend)
-        if self.engine.vllm.tensor_parallel_size > 1:
-            raise ValueError(
-                "--tensor-parallel-size > 1 on a prefill worker: its KV cannot be handed over "
-                "yet (per-rank transfer is not built); run tensor-parallel workers as colocated "
-                "decode workers (docs/engines.md)"
-            )
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if not self.max_pull_s > 0:

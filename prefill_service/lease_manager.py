@@ -77,7 +77,7 @@ class LeaseManager(BlockLeases):
         return leased
 
     # ---- BlockLeases: the KV sender's reads -------------------------------------------------
-    def checkout(self, request_id: str, lease_token: str) -> list[int]:
+    async def checkout(self, request_id: str, lease_token: str) -> list[int]:
         return self._table.checkout(request_id, lease_token)
 
     async def checkin(self, request_id: str) -> None:

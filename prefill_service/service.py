@@ -16,8 +16,9 @@ import grpc
 
 from engine.outputs import RequestUpdate
 from engine.serving_engine import EngineBuilder, EngineDeadError
-from kvtransfer import KVSender, SenderOptions, make_sender
+from kvtransfer import KVSender, SenderOptions
 from kvtransfer.base import prompt_digest
+from kvtransfer.sharded import engine_sender
 from kvtransfer.wire import handle_to_proto
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.common import tracing
@@ -47,9 +48,6 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     async def prepare(self) -> None:
         # Before the first heartbeat: a record without the KV sender's address would make
         # decode workers refuse this worker's handles (decode_service/peers.py).
-        pages = self.engine.kv_pages
-        if pages is None:  # PrefillConfig refuses the configs that get here
-            raise ValueError("a prefill worker's engine must be able to hand its KV over")
         options = SenderOptions(
             self.config.server.host,
             self.config.kv_port,
@@ -59,7 +57,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             verify=self.config.kv_verify,
             ucx_tls=self.config.ucx_tls,
         )
-        self._sender = make_sender(self.config.kv_backend, pages, self.leases, options)
+        self._sender = engine_sender(self.engine, self.config.kv_backend, self.leases, options)
         await self._sender.start()
         self.leases.start(self.engine, self._sender)
         logger.info("kv sender (%s) at %s", self._sender.backend, self._sender.address)

@@ -7,6 +7,7 @@ options only vLLM has (``VllmOptions``) keep vLLM's names. What is not mapped is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
@@ -17,14 +18,26 @@ CONNECTOR_CLASS = "PdserveConnector"
 SAMPLER_CLASS = "vllm_engine.sampler:PdserveSampler"
 
 
-def engine_args(config: EngineConfig, bridge_id: str, *, on_cpu: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ConnectorTarget:
+    """Where vLLM's two halves of pdserve's connector find the engine: the bridge (in the
+    engine's process) and, with tensor parallelism, the hub the ranks dial; and what names the
+    KV layout (none of it secret: vLLM logs its config)."""
+
+    bridge_id: str
+    fingerprint: str
+    vllm_version: str
+    hub_address: str = ""  # "": the one rank runs in the engine's process
+
+
+def engine_args(config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool) -> dict[str, Any]:
     """The keyword arguments of ``vllm.engine.arg_utils.EngineArgs`` for ``config``.
 
     vLLM samples every token greedily from logits pdserve's own sampler (the logits processor)
     has already decided (``vllm_engine/sampler.py``), decodes no text and stops at no token of
     its own: pdserve applies stop tokens, stop strings and lengths (``engine.request_state``).
-    With tensor parallelism vLLM's workers run in processes of their own, where the connector
-    could not reach the worker's leases: no connector, colocated serving only.
+    With tensor parallelism vLLM's ranks run in processes of their own, started by vLLM's
+    multiprocess executor (on one node: the ranks dial the hub's Unix socket).
     """
     cache, scheduler, options = config.cache, config.scheduler, config.vllm
     kv_bytes = cache.kv_cache_bytes
@@ -50,17 +63,23 @@ def engine_args(config: EngineConfig, bridge_id: str, *, on_cpu: bool) -> dict[s
         "logits_processors": [SAMPLER_CLASS],
         "seed": 0,
         "disable_log_stats": True,
-        "kv_transfer_config": None
-        if options.tensor_parallel_size > 1
-        else {
+        "kv_transfer_config": {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"pdserve_bridge": bridge_id},
+            "kv_connector_extra_config": {
+                "pdserve_bridge": target.bridge_id,
+                "pdserve_hub": target.hub_address,
+                "pdserve_fingerprint": target.fingerprint,
+                "pdserve_vllm": target.vllm_version,
+            },
         },
         # Events on; the engine replaces the null publisher with its own (vllm_engine.events).
         "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
     }
+    if options.tensor_parallel_size > 1:
+        # Never Ray's executor (a placement group would pick it): the ranks must be local.
+        args["distributed_executor_backend"] = "mp"
     if options.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = options.gpu_memory_utilization
     return args

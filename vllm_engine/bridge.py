@@ -10,7 +10,10 @@ The block lifecycle is the contract in ``kvtransfer/base.py``; here is only its 
   them to the waiting ``admit_prefilled``; ``load_finished`` (the pull returned or failed)
   queues the finished-receiving report (and the failure), once. A request loads at most once:
   after a preemption vLLM recomputes it.
-Reports reach vLLM at its next step (``take_reports``), which frees or schedules.
+Reports reach vLLM at its next step (``take_reports``: the rank in this process takes them in
+the step; with tensor parallelism the engine gives them to every rank before it, through the
+hub), which frees or schedules once every rank reported them (``seen``: till then the engine
+keeps stepping).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Bridge:
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self._failed: set[str] = set()
+        self._unseen: set[str] = set()  # taken, not yet in vLLM's aggregated output
         # Bumped whenever a step moved a request's blocks along (pinned, allocated, reported):
         # such a step was not idle, whatever it scheduled.
         self.events = 0
@@ -99,8 +103,14 @@ class Bridge:
         with self._lock:
             reports = Reports(self._sent, self._received, self._failed)
             self._sent, self._received, self._failed = set(), set(), set()
+            self._unseen |= reports.finished_sending | reports.finished_recving
             self.events += bool(reports.finished_sending or reports.finished_recving)
             return reports
+
+    def seen(self, finished_sending: set[str], finished_recving: set[str]) -> None:
+        """vLLM's scheduler got these from every rank (the step's aggregated output)."""
+        with self._lock:
+            self._unseen -= finished_sending | finished_recving
 
     # ---- the engine (event loop) ------------------------------------------------------------
     def expect_allocation(self, rid: str) -> asyncio.Future[list[int]]:
@@ -139,8 +149,9 @@ class Bridge:
             self._loaded.discard(rid)
 
     def has_reports(self) -> bool:
+        """Reports not yet taken, or taken and not yet seen by vLLM's scheduler."""
         with self._lock:
-            return bool(self._sent or self._received)
+            return bool(self._sent or self._received or self._unseen)
 
     @property
     def num_loading(self) -> int:

@@ -1,6 +1,7 @@
 """Builds the vLLM engine for a worker service (an ``EngineBuilder``, given by
 ``pdserve.app.components``): vLLM's engine core in this process, with pdserve's connector, sampler
-and event publisher plugged in (``vllm_engine.args``)."""
+and event publisher plugged in (``vllm_engine.args``); with tensor parallelism, the hub its
+ranks dial first (``vllm_engine/rank_hub.py``)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from engine.config import EngineBackend, EngineConfig
 from engine.fingerprint import engine_fingerprint
 from engine.serving_engine import EngineHooks
 from engine.tokenizer import Tokenizer
-from vllm_engine.args import engine_args
+from vllm_engine.args import ConnectorTarget, engine_args
 from vllm_engine.bridge import Bridge
 from vllm_engine.engine import VllmEngine
 from vllm_engine.install import require_vllm
+from vllm_engine.rank_hub import RankHub
+
+# Loading the model in every rank, then profiling its memory, may take minutes on a busy box.
+RANKS_READY_TIMEOUT_S = 60.0
 
 
 async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEngine:
@@ -31,28 +36,48 @@ async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEng
         config.cache.kv_cache_dtype,
     )
     bridge = Bridge(asyncio.get_running_loop(), fingerprint, version)
+    tp_size = config.vllm.tensor_parallel_size
+    hub = RankHub(tp_size) if tp_size > 1 else None
     try:
-        return await asyncio.to_thread(_load, config, hooks, bridge)
+        if hub is not None:
+            await hub.start()
+        target = ConnectorTarget(bridge.id, fingerprint, version, hub.address if hub else "")
+        engine = await asyncio.to_thread(_load, config, hooks, bridge, target, hub)
+        if hub is not None:  # each rank said hello while vLLM built it: this is a check
+            await hub.wait_ranks(RANKS_READY_TIMEOUT_S)
+        return engine
     except BaseException:
         bridge.close()
+        if hub is not None:
+            await hub.close()
         raise
 
 
-def _load(config: EngineConfig, hooks: EngineHooks, bridge: Bridge) -> VllmEngine:
+def _load(
+    config: EngineConfig,
+    hooks: EngineHooks,
+    bridge: Bridge,
+    target: ConnectorTarget,
+    hub: RankHub | None,
+) -> VllmEngine:
     # vLLM's engine core must run in this process, where the connector reaches the bridge
     # (vLLM reads this switch from the environment only).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if hub is not None:
+        # Ranks start fresh interpreters: a fork would copy this process's live gRPC threads.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_engine.events import CachedBlocks
 
-    args = engine_args(config, bridge.id, on_cpu=current_platform.is_cpu())
+    args = engine_args(config, target, on_cpu=current_platform.is_cpu())
     llm = LLMEngine.from_engine_args(EngineArgs(**args))
     return VllmEngine(
         llm,
         bridge,
+        hub,
         config,
         hooks,
         checkpoint=CheckpointInfo.from_dir(config.model),

@@ -1,9 +1,13 @@
 """pdserve's KV connector: vLLM's side of pdserve's block lifecycle (``kvtransfer/base.py``).
 
-vLLM loads it by module path (``vllm_engine.args``) and builds two: one in its scheduler, one in
-its worker, both in the worker service's process; both reach the engine through its ``Bridge``.
-It moves no byte itself: pdserve's own KV sender and receiver (``kvtransfer``, under pdserve's
-leases) read and write vLLM's pages through ``VllmKVPages`` while no step touches them.
+vLLM loads it by module path (``vllm_engine.args``) and builds two halves: the scheduler's, in
+the engine core (the worker service's process), which reaches the engine through its
+``Bridge``; and one in every worker rank. At tensor_parallel_size 1 that rank runs in the same
+process, and pdserve's own KV sender and receiver (``kvtransfer``, under pdserve's leases) read
+and write its pages through the bridge's ``VllmKVPages``. With more ranks each runs in a process
+of its own, and its half builds a ``RankRuntime`` there that moves that rank's shard
+(``vllm_engine/rank_runtime.py``), commanded by the front-end. Neither half moves a byte in a
+step: KV moves while no step touches the blocks.
 
 - Prefill (a request with mode ``prefill``, one token long): ``request_finished`` keeps its
   blocks (vLLM frees them only once reported finished sending) and records them as pinned. The
@@ -19,6 +23,8 @@ leases) read and write vLLM's pages through ``VllmKVPages`` while no step touche
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +36,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_engine.bridge import find_bridge
+from vllm_engine.bridge import Bridge, find_bridge
 from vllm_engine.kv_pages import SKIP_BLOCK, VllmKVPages, page_halves, vllm_layout
 from vllm_engine.outputs import Mode
+from vllm_engine.rank_runtime import RankRuntime
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,11 +47,12 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
 class _NoMetadata(KVConnectorMetadata):
-    """Scheduler and worker share the bridge: nothing travels with a step."""
+    """Nothing travels with a step: the front-end tells each rank what it needs (the hub)."""
 
 
 class PdserveConnector(KVConnectorBase_V1):
@@ -56,7 +64,13 @@ class PdserveConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self._bridge = find_bridge(extra["pdserve_bridge"])
+        self._fingerprint, self._vllm_version = extra["pdserve_fingerprint"], extra["pdserve_vllm"]
+        # A worker rank in a process of its own (tensor parallelism): the hub, not the bridge.
+        self._hub_address: str = extra["pdserve_hub"] if role is KVConnectorRole.WORKER else ""
+        self._bridge: Bridge | None = (
+            None if self._hub_address else find_bridge(extra["pdserve_bridge"])
+        )
+        self._runtime: RankRuntime | None = None
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
                 f"pdserve moves one KV cache group; this model has "
@@ -72,7 +86,7 @@ class PdserveConnector(KVConnectorBase_V1):
         params = _pdserve_params(request)
         if params is None or params["mode"] != Mode.REMOTE.value:
             return 0, False
-        if not self._bridge.should_load(params["pdserve_rid"]):
+        if not self._engine_bridge.should_load(params["pdserve_rid"]):
             return 0, False  # loaded once already: a preempted request recomputes
         remaining = params["num_tokens"] - num_computed_tokens
         return remaining, remaining > 0  # 0: vLLM's own prefix cache holds it all
@@ -83,7 +97,7 @@ class PdserveConnector(KVConnectorBase_V1):
         params = _pdserve_params(request)
         if params is None or params["mode"] != Mode.REMOTE.value:
             return
-        if not self._bridge.should_load(params["pdserve_rid"]):
+        if not self._engine_bridge.should_load(params["pdserve_rid"]):
             return  # a later allocation (more blocks, a recompute): nothing to load
         block_ids = list(blocks.get_block_ids()[0][: params["num_blocks"]])
         # Leading blocks vLLM's prefix cache already holds (a block-aligned local hit) are
@@ -91,7 +105,7 @@ class PdserveConnector(KVConnectorBase_V1):
         # every one, vLLM waits for nothing: the pull only runs its course (and releases).
         num_local = (params["num_tokens"] - num_external_tokens) // self._block_size
         block_ids[:num_local] = [SKIP_BLOCK] * num_local
-        self._bridge.allocated(
+        self._engine_bridge.allocated(
             params["pdserve_rid"], request.request_id, block_ids, waits=num_external_tokens > 0
         )
 
@@ -108,13 +122,36 @@ class PdserveConnector(KVConnectorBase_V1):
             or request.status is not RequestStatus.FINISHED_LENGTH_CAPPED
         ):
             return False, None
-        self._bridge.pin(params["pdserve_rid"], request.request_id, list(block_ids))
+        self._engine_bridge.pin(params["pdserve_rid"], request.request_id, list(block_ids))
         return True, None  # freed once reported finished sending (the lease ended)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Every rank's reports of a step, aggregated: what vLLM frees or schedules now."""
+        self._engine_bridge.seen(
+            connector_output.finished_sending or set(), connector_output.finished_recving or set()
+        )
+
+    @property
+    def _engine_bridge(self) -> Bridge:
+        assert self._bridge is not None, "only a rank in a process of its own has no bridge"
+        return self._bridge
 
     # ---- worker side (vLLM's step thread) ---------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = list(kv_caches.values())
-        self._bridge.kv_pages = VllmKVPages(layers, self._layout(kv_caches), self._num_blocks)
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        layout = replace(self._layout(kv_caches), tp_size=tp_size, tp_rank=tp_rank)
+        pages = VllmKVPages(list(kv_caches.values()), layout, self._num_blocks)
+        if self._bridge is not None:
+            self._bridge.kv_pages = pages
+            return
+        socket_dir = os.path.dirname(self._hub_address.removeprefix("unix://"))
+        self._runtime = RankRuntime(pages, tp_rank, self._hub_address, socket_dir)
+        self._runtime.start()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return None  # pulls run between steps, before the request is scheduled
@@ -135,7 +172,10 @@ class PdserveConnector(KVConnectorBase_V1):
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        reports = self._bridge.take_reports()
+        runtime = self._runtime
+        reports = (
+            runtime.take_reports() if runtime is not None else self._engine_bridge.take_reports()
+        )
         return KVConnectorTransferResults(
             finished_sending=reports.finished_sending,
             finished_recving=reports.finished_recving,
@@ -146,8 +186,8 @@ class PdserveConnector(KVConnectorBase_V1):
         first_name, first = next(iter(kv_caches.items()))
         _, shape = page_halves(first, self._num_blocks)
         backend = _backend_name(self._vllm_config, first_name)
-        page_layout = f"vllm-{self._bridge.vllm_version}/{backend}/{shape}"
-        return vllm_layout(self._kv_cache_config, self._bridge.fingerprint, page_layout)
+        page_layout = f"vllm-{self._vllm_version}/{backend}/{shape}"
+        return vllm_layout(self._kv_cache_config, self._fingerprint, page_layout)
 
 
 def _pdserve_params(request: Request) -> dict[str, Any] | None:

@@ -1,9 +1,11 @@
 """The vLLM engine behind pdserve's serving contract (``engine/serving_engine.py``).
 
 vLLM's engine core runs in this process (no engine-core process: pdserve's KV connector must
-reach the service's leases and pulls, ``vllm_engine/bridge.py``). Its steps run in a worker
-thread so the event loop keeps serving; every other call into vLLM runs on the event loop
-while no step is in flight (one lock), exactly as the native ``AsyncEngine`` does.
+reach the service's leases and pulls, ``vllm_engine/bridge.py``); with tensor parallelism its
+ranks run in processes of their own, each moving its own shard of the KV
+(``vllm_engine/rank_transfer.py``). Its steps run in a worker thread so the event loop keeps
+serving; every other call into vLLM runs on the event loop while no step is in flight (one
+lock), exactly as the native ``AsyncEngine`` does.
 
 vLLM computes and samples (greedily over what pdserve's sampler decided); pdserve keeps each
 request's text, stop conditions and lengths (``engine.request_state``), so a request ends on
@@ -45,10 +47,15 @@ from engine.serving_engine import (
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
 from engine.tokenizer import Tokenizer
+from kvtransfer import ReceiverOptions, SenderOptions
+from kvtransfer.base import BlockLeases, KVReceiver, KVSender
+from kvtransfer.sharded import ShardedKV
 from vllm_engine.bridge import Bridge
 from vllm_engine.events import BufferingPublisher, CachedBlocks
-from vllm_engine.kv_pages import VllmKVPages, vllm_layout
+from vllm_engine.kv_pages import VllmKVPages
 from vllm_engine.outputs import Mode, Request
+from vllm_engine.rank_hub import RankHub
+from vllm_engine.rank_transfer import RankKVReceiver, RankKVSender
 from vllm_engine.requests import RequestTable
 
 logger = logging.getLogger(__name__)
@@ -56,17 +63,14 @@ T = TypeVar("T")
 # How long an admitted request may wait for vLLM's scheduler to allocate its blocks (it checked
 # there was room; others may take it first): then RESOURCE_EXHAUSTED, and the router retries.
 ALLOCATION_TIMEOUT_S = 10.0
-_NO_CONNECTOR = (
-    "this vLLM worker runs tensor_parallel_size {}: it serves colocated requests only (remote "
-    "KV needs tensor_parallel_size 1; docs/engines.md)"
-)
 
 
-class VllmEngine(ServingEngine):
+class VllmEngine(ServingEngine, ShardedKV):
     def __init__(
         self,
         llm: VllmLLMEngine,
         bridge: Bridge,
+        hub: RankHub | None,
         config: EngineConfig,
         hooks: EngineHooks,
         *,
@@ -78,21 +82,19 @@ class VllmEngine(ServingEngine):
     ) -> None:
         core = llm.engine_core.engine_core  # the in-process client: the engine core itself
         self._llm, self._bridge, self._config, self._hooks = llm, bridge, config, hooks
+        self._hub = hub
         self._scheduler = core.scheduler
         self._pool = self._scheduler.kv_cache_manager.block_pool
         self._publisher = BufferingPublisher()
         self._scheduler.kv_event_publisher = self._publisher
-        # None with tensor parallelism (no connector: colocated serving only).
+        # None with tensor parallelism: the pages are in the ranks' processes.
         self._pages: VllmKVPages | None = bridge.kv_pages
-        self._layout = (
-            self._pages.layout
-            if self._pages is not None
-            else vllm_layout(
-                self._scheduler.kv_cache_config,
-                fingerprint,
-                f"vllm-{bridge.vllm_version}/tp{config.vllm.tensor_parallel_size}",
-            )
-        )
+        if self._pages is not None:
+            self._layout = self._pages.layout
+        elif hub is not None:
+            self._layout = hub.layout  # every rank said hello while vLLM built it
+        else:
+            raise RuntimeError("vLLM registered no KV cache with pdserve's connector")
         self._guides = GuideCompiler.shared(
             Path(config.model), llm.model_config.get_vocab_size(), checkpoint.eos_token_ids
         )
@@ -135,6 +137,17 @@ class VllmEngine(ServingEngine):
     def fingerprint(self) -> str:
         return self._fingerprint
 
+    # ---- ShardedKV: the ranks' senders and receivers -----------------------------------------
+    def make_kv_sender(self, backend: str, leases: BlockLeases, options: SenderOptions) -> KVSender:
+        return RankKVSender(self._ranks(), backend, leases, options)
+
+    def make_kv_receiver(self, backend: str, options: ReceiverOptions) -> KVReceiver:
+        return RankKVReceiver(self._ranks(), backend, options)
+
+    def _ranks(self) -> RankHub:
+        assert self._hub is not None, "an engine with kv_pages moves KV over them"
+        return self._hub
+
     @property
     def block_size(self) -> int:
         return self._layout.block_size
@@ -164,6 +177,8 @@ class VllmEngine(ServingEngine):
             await asyncio.gather(self._task, return_exceptions=True)
         self._step_thread.shutdown(wait=False)
         self._bridge.close()
+        if self._hub is not None:
+            await self._hub.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(
@@ -196,8 +211,6 @@ class VllmEngine(ServingEngine):
         self, request: PrefilledRequest, fill: Callable[[list[int]], Awaitable[T]]
     ) -> T:
         rid = request.request_id
-        if self._pages is None:
-            raise ValueError(_NO_CONNECTOR.format(self._config.vllm.tensor_parallel_size))
         ids, num_generated = request.prompt_token_ids, request.num_generated_tokens
         self._faults.admitted(rid, ids)
         guide = await self._prepare_guide(request.params, ids[len(ids) - num_generated :])
@@ -344,6 +357,8 @@ class VllmEngine(ServingEngine):
                 self.progress.progressed(stepped=False)
                 return
             events = self._bridge.events
+            if self._hub is not None:  # every rank must report what vLLM is to be told
+                await self._hub.report(self._bridge.take_reports())
             outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
             for output in outputs:
                 if isinstance(output, RequestOutput):
@@ -371,19 +386,8 @@ class VllmEngine(ServingEngine):
 
     def _stats(self) -> EngineStats:
         running, waiting = self._scheduler.get_request_counts()
-        return EngineStats(
-            num_waiting=waiting,
-            num_running=running,
-            num_pinned=len(self._table.pinned),
-            num_paused=self._table.num_paused,
-            num_blocks=self.num_blocks,
-            num_free_blocks=self._pool.get_num_free_blocks(),
-            num_cached_blocks=len(self._cached.hashes()),
-            num_preemptions=0,
-            num_prompt_tokens_computed=self._table.num_prompt_tokens_computed,
-            num_prefix_hit_tokens=self._table.num_prefix_hit_tokens,
-            num_steps=self.progress.num_steps,
-        )
+        free, cached = self._pool.get_num_free_blocks(), len(self._cached.hashes())
+        return self._table.stats(running, waiting, (self.num_blocks, free, cached), self.progress)
 
     def _check_alive(self) -> None:
         """A call after the engine died: the request it is for was in no step of it."""

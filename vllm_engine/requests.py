@@ -25,12 +25,13 @@ from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 from engine.admission import Admission
 from engine.checkpoint import CheckpointInfo
 from engine.guide import Guide, GuideCompiler
-from engine.outputs import PrefilledRequest, RequestUpdate
+from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.request_error import RequestError
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.serving_engine import NoRoomError
+from engine.step_progress import StepProgress
 from engine.tokenizer import Tokenizer
 from vllm_engine.bridge import Bridge
 from vllm_engine.outputs import Mode, Request, positions, token_logprobs, vllm_params
@@ -158,6 +159,30 @@ class RequestTable:
     @property
     def num_paused(self) -> int:
         return sum(r.paused for r in self.requests.values())
+
+    def stats(
+        self,
+        running: int,
+        waiting: int,
+        blocks: tuple[int, int, int],
+        progress: StepProgress,
+    ) -> EngineStats:
+        """The engine's stats: vLLM's queue counts, ``blocks`` (total, free, cached), and
+        this table's own counts."""
+        num_blocks, num_free_blocks, num_cached_blocks = blocks
+        return EngineStats(
+            num_waiting=waiting,
+            num_running=running,
+            num_pinned=len(self.pinned),
+            num_paused=self.num_paused,
+            num_blocks=num_blocks,
+            num_free_blocks=num_free_blocks,
+            num_cached_blocks=num_cached_blocks,
+            num_preemptions=0,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens,
+            num_steps=progress.num_steps,
+        )
 
     def _pause_if_unread(self, rid: str, req: Request) -> None:
         """Its reader let ``max_buffered_tokens`` pile up: out of vLLM until ``resume``."""

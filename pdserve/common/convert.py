@@ -135,6 +135,8 @@ def layout_to_proto(layout: KVCacheLayout) -> common_pb2.KVCacheLayout:
         head_dim=layout.head_dim,
         kv_cache_dtype=layout.kv_cache_dtype.value,
         page_layout=layout.page_layout,
+        tp_size=layout.tp_size,
+        tp_rank=layout.tp_rank,
     )
 
 
@@ -148,6 +150,8 @@ def layout_from_proto(msg: common_pb2.KVCacheLayout) -> KVCacheLayout:
         head_dim=msg.head_dim,
         kv_cache_dtype=KVCacheDtype.parse(msg.kv_cache_dtype or "auto"),
         page_layout=msg.page_layout or NATIVE_PAGE_LAYOUT,
+        tp_size=msg.tp_size or 1,
+        tp_rank=msg.tp_rank,
     )
 
 

@@ -317,6 +317,8 @@ class KVCacheLayout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     KV_CACHE_DTYPE_FIELD_NUMBER: _builtins.int
     PAGE_LAYOUT_FIELD_NUMBER: _builtins.int
+    TP_SIZE_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
     model_fingerprint: _builtins.str
     dtype: _builtins.str
     block_size: _builtins.int
@@ -329,6 +331,11 @@ class KVCacheLayout(_message.Message):
     """What a slab's bytes mean: "pdserve" (the native engine; empty reads as it), or
     "vllm-<version>/<attention backend>/<page layout>" for the vLLM engine.
     """
+    tp_size: _builtins.int
+    """Tensor parallelism: these pages are shard tp_rank of tp_size (0 reads as 1: an older peer);
+    num_kv_heads counts the shard's heads.
+    """
+    tp_rank: _builtins.int
     def __init__(
         self,
         *,
@@ -340,10 +347,12 @@ class KVCacheLayout(_message.Message):
         head_dim: _builtins.int = ...,
         kv_cache_dtype: _builtins.str = ...,
         page_layout: _builtins.str = ...,
+        tp_size: _builtins.int = ...,
+        tp_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "model_fingerprint", b"model_fingerprint", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_layout", b"page_layout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "head_dim", b"head_dim", "kv_cache_dtype", b"kv_cache_dtype", "model_fingerprint", b"model_fingerprint", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_layout", b"page_layout", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

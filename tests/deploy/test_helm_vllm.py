@@ -100,9 +100,8 @@ def test_workers_run_the_vllm_image_and_the_router_the_plain_one(helm: str) -> N
 
 
 def test_each_worker_gets_at_least_tensor_parallel_size_gpus(helm: str) -> None:
-    """Sized for tensor parallelism, which the schema holds at 1 until a prefill worker can
-    hand TP > 1 KV over (below): rendered here past the schema."""
-    tp4 = ["--skip-schema-validation", "--set", "engine.vllm.tensorParallelSize=4"]
+    """Sized for tensor parallelism: every rank of a worker's engine gets a GPU of the pod."""
+    tp4 = ["--set", "engine.vllm.tensorParallelSize=4"]
     manifests = render(helm, *VLLM, *tp4)
     assert _config(manifests, "decode").engine.vllm.tensor_parallel_size == 4
     for role in ("prefill", "decode"):
@@ -111,7 +110,6 @@ def test_each_worker_gets_at_least_tensor_parallel_size_gpus(helm: str) -> None:
     # Requests and limits both raised (a GPU's request must equal its limit); more is kept.
     production = render(
         helm,
-        "--skip-schema-validation",
         "-f", str(CHART / "ci" / "gpu-production-values.yaml"),
         "--set", "engine.backend=vllm",
         "--set", "engine.vllm.tensorParallelSize=2",
@@ -160,10 +158,8 @@ def test_ray_mode_runs_the_vllm_image_and_ray_up_passes_the_engine_on(
         assert worker.engine.backend is EngineBackend.VLLM
         assert worker.engine.vllm == VllmOptions(enforce_eager=True)
         assert worker.kv_backend == "grpc"
-    # Tensor parallelism (held at 1 by the schema, below): each actor asks Ray for its GPUs.
-    tp = render(
-        helm, *values, "--skip-schema-validation", "--set", "engine.vllm.tensorParallelSize=2"
-    )
+    # Tensor parallelism: each actor asks Ray for its GPUs.
+    tp = render(helm, *values, "--set", "engine.vllm.tensorParallelSize=2")
     args = find(tp, "Job", "rel-pdserve-ray-up")["spec"]["template"]["spec"]["containers"][0]
     flags = dict(zip(args["args"][4::2], args["args"][5::2], strict=True))
     assert flags["--num-gpus-per-worker"] == "2"
@@ -186,10 +182,6 @@ VLLM_ON = ["engine.backend=vllm"]
         (["engine.vllm.enforceEager=true"], "at '/engine/vllm/enforceEager'"),
         (["engine.vllm.quantization=awq"], "at '/engine/vllm/quantization'"),
         ([*VLLM_ON, "engine.vllm.tensorParallelSize=0"], "at '/engine/vllm/tensorParallelSize'"),
-        (
-            [*VLLM_ON, "engine.vllm.tensorParallelSize=2"],
-            "at '/engine/vllm/tensorParallelSize': maximum: got 2, want 1",
-        ),
         (["engine.backend=sglang"], "at '/engine/backend'"),
     ],
     ids=[
@@ -203,7 +195,6 @@ VLLM_ON = ["engine.backend=vllm"]
         "native-enforce-eager",
         "native-quantization",
         "vllm-zero-gpus",
-        "vllm-tensor-parallel",
         "unknown-engine",
     ],
 )
@@ -246,9 +237,8 @@ def test_gpu_memory_utilization_must_be_a_fraction_for_vllm_only(helm: str) -> N
         (["decode.speculative.method=ngram"], "decode", "--speculative-method"),
         (["decode.engine.hostCacheGib=4"], "decode", "--host-cache-gib"),
         (["prefill.engine.hostCacheGib=4"], "prefill", "--host-cache-gib"),
-        (["engine.vllm.tensorParallelSize=2"], "prefill", "--tensor-parallel-size"),
     ],
-    ids=["nixl", "kv-int8", "speculative", "host-tier", "prefill-host-tier", "tensor-parallel"],
+    ids=["nixl", "kv-int8", "speculative", "host-tier", "prefill-host-tier"],
 )
 def test_the_schema_refuses_what_the_workers_would_refuse_at_start(
     helm: str, values: list[str], role: str, refused: str

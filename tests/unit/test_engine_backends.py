@@ -26,7 +26,7 @@ from engine.model_config import ModelConfig
 from pdserve.common.convert import layout_from_proto, layout_to_proto
 from prefill_service.config import PrefillConfig
 from tests.unit.test_cli import _up_configs
-from vllm_engine.args import engine_args
+from vllm_engine.args import ConnectorTarget, engine_args
 
 VLLM = EngineBackend.VLLM
 
@@ -65,20 +65,18 @@ def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
     assert _up_configs()["router"].engine is EngineBackend.NATIVE  # the default
 
 
-def test_tensor_parallel_vllm_workers_serve_colocated_only() -> None:
-    """Their ranks run in processes of their own, out of the connector's reach: a prefill
-    worker is refused by name, before anything starts; a colocated cluster is fine."""
+def test_tensor_parallel_vllm_workers_go_to_both_pools() -> None:
+    """Each rank moves its own shard (``vllm_engine/rank_transfer.py``): prefill and decode
+    workers both take the flag."""
     from pdserve.app.cli import build_parser
     from pdserve.app.up_command import cluster_config
 
     flags = ["up", "--model", "/m", "--engine", "vllm", "--tensor-parallel-size", "2"]
     args = build_parser().parse_args(flags)
     args.redis_url = ""
-    with pytest.raises(ValueError, match="--tensor-parallel-size > 1 on a prefill worker"):
-        cluster_config(args)
-    args = build_parser().parse_args([*flags, "--colocated"])
-    args.redis_url = ""
-    assert "--tensor-parallel-size" in cluster_config(args).decode_args
+    config = cluster_config(args)
+    assert "--tensor-parallel-size" in config.prefill_args
+    assert "--tensor-parallel-size" in config.decode_args
 
 
 def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
@@ -122,7 +120,8 @@ def test_vllm_gets_pdserves_settings_under_its_own_names() -> None:
         cache=CacheConfig(block_size=32, num_blocks=100, enable_prefix_caching=False),
         vllm=VllmOptions(gpu_memory_utilization=0.5, enforce_eager=True),
     )
-    args = engine_args(config, "bridge-7", on_cpu=False)
+    target = ConnectorTarget("bridge-7", "fp", "0.32.0")
+    args = engine_args(config, target, on_cpu=False)
     keys = ("model", "dtype", "max_model_len", "block_size")
     assert [args[k] for k in keys] == ["/m", "bfloat16", 2048, 32]
     assert args["num_gpu_blocks_override"] == 101  # vLLM's null block on top
@@ -131,12 +130,22 @@ def test_vllm_gets_pdserves_settings_under_its_own_names() -> None:
     assert args["enforce_eager"] is True and args["async_scheduling"] is False
     assert args["logits_processors"] == ["vllm_engine.sampler:PdserveSampler"]
     assert args["kv_transfer_config"]["kv_connector_module_path"] == "vllm_engine.connector"
-    assert args["kv_transfer_config"]["kv_connector_extra_config"] == {"pdserve_bridge": "bridge-7"}
-    # Tensor parallelism: vLLM's ranks run elsewhere, out of the connector's reach: none.
+    assert args["kv_transfer_config"]["kv_connector_extra_config"] == {
+        "pdserve_bridge": "bridge-7",
+        "pdserve_hub": "",
+        "pdserve_fingerprint": "fp",
+        "pdserve_vllm": "0.32.0",
+    }
+    assert "distributed_executor_backend" not in args
+    # Tensor parallelism: the ranks dial the hub; vLLM's own multiprocess executor, never Ray's.
     tp = EngineConfig("/m", backend=VLLM, vllm=VllmOptions(tensor_parallel_size=2))
-    assert engine_args(tp, "b", on_cpu=False)["kv_transfer_config"] is None
+    tp_target = ConnectorTarget("b", "fp", "0.32.0", "unix:///run/hub.sock")
+    tp_args = engine_args(tp, tp_target, on_cpu=False)
+    extra = tp_args["kv_transfer_config"]["kv_connector_extra_config"]
+    assert extra["pdserve_hub"] == "unix:///run/hub.sock"
+    assert tp_args["distributed_executor_backend"] == "mp"
     # On a CPU with no budget given, the native engine's default budget, not vLLM's RAM grab.
-    cpu = engine_args(EngineConfig("/m", backend=VLLM), "b", on_cpu=True)
+    cpu = engine_args(EngineConfig("/m", backend=VLLM), target, on_cpu=True)
     assert cpu["kv_cache_memory_bytes"] == 2 << 30 and "gpu_memory_utilization" not in cpu
 
 

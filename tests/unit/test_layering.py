@@ -26,11 +26,12 @@ _WORKER_SERVICE = frozenset(
 # node -> the nodes it may import. Read bottom-up: each layer stands only on those before it.
 LAYERS: dict[str, frozenset[str]] = {
     "engine": frozenset(),
-    # The vLLM engine behind the engine contract: only the component builder imports it.
-    "vllm_engine": frozenset({"engine"}),
     "pdserve.v1": frozenset(),
     "pdserve.common": frozenset({"engine", "pdserve.v1"}),
     "kvtransfer": frozenset({"engine", "pdserve.common", "pdserve.v1"}),
+    # The vLLM engine behind the engine contract (its ranks move their own KV shards): only
+    # the component builder imports it.
+    "vllm_engine": frozenset({"engine", "pdserve.common", "pdserve.v1", "kvtransfer"}),
     "pdserve.cluster": frozenset({"engine", "pdserve.common"}),
     "pdserve.worker": frozenset({"engine", "pdserve.common", "pdserve.cluster", "pdserve.v1"}),
     "prefill_service": frozenset(

@@ -24,6 +24,7 @@ def main() -> None:
         enforce_eager=True,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         # With penalties the near-tie margin is that of the logits the choice was made on.
         logprobs_mode="processed_logprobs" if extra else "raw_logprobs",
     )

@@ -72,11 +72,16 @@ async def colocated(
 
 
 def offline_greedy(
-    model: Path, prompts: list[list[int]], max_tokens: int, sampling: dict[str, Any] | None = None
+    model: Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    sampling: dict[str, Any] | None = None,
+    tensor_parallel_size: int = 1,
 ) -> list[Run]:
     """vLLM's own offline run (``vllm.LLM``, no pdserve code in the loop), greedy (with vLLM's
     own penalties and bias where ``sampling`` names them), in a process of its own."""
-    spec = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens}
+    spec: dict[str, Any] = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens}
+    spec["tensor_parallel_size"] = tensor_parallel_size
     if sampling:
         spec["sampling"] = sampling
     done = subprocess.run(

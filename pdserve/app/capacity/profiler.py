@@ -154,7 +154,7 @@ class _Leased(BlockLeases):
     def __init__(self) -> None:
         self.block_ids: list[int] = []
 
-    def checkout(self, request_id: str, lease_token: str) -> list[int]:
+    async def checkout(self, request_id: str, lease_token: str) -> list[int]:
         return list(self.block_ids)
 
     async def checkin(self, request_id: str) -> None:
