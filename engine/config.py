@@ -26,9 +26,12 @@ class AttentionBackend(enum.Enum):
     CPU = "cpu"  # native C++ kernel for CPU (fp32, bf16, fp16), compiled on first use
 
 
+NATIVE_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = NATIVE_BLOCK_SIZE  # ``block_size_for``: another engine's default
     # None: sized from kv_cache_bytes, capped at what max_num_seqs full-length sequences need.
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -130,6 +133,15 @@ class EngineBackend(enum.Enum):
 
 
 ENGINE_BACKEND_NAMES = tuple(b.value for b in EngineBackend)
+# The block size when none is given, per engine (the one rule: workers, the router and `pdserve
+# up` resolve it alike, so their layouts agree): vLLM's CPU attention takes multiples of 32
+# only ("No common block size for 16"), and 32 serves on its CUDA backends too.
+DEFAULT_BLOCK_SIZES = {EngineBackend.NATIVE: NATIVE_BLOCK_SIZE, EngineBackend.VLLM: 32}
+
+
+def block_size_for(given: int | None, backend: EngineBackend) -> int:
+    """``--block-size`` as given, else the engine's default."""
+    return DEFAULT_BLOCK_SIZES[backend] if given is None else given
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from engine.config import EngineBackend, block_size_for
 from pdserve.app import settings
 from pdserve.app.cpu_share import worker_threads
 from pdserve.app.settings import add_flag
@@ -77,7 +78,10 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from pdserve.app.local_cluster import ClusterConfig
 
     # One KV layout for every component: the router refuses workers whose layout differs.
-    layout: tuple[str, ...] = ("--dtype", args.dtype, "--block-size", str(args.block_size))
+    block_size = block_size_for(args.block_size, EngineBackend(args.engine))
+    if args.block_size is None:
+        print(f"pdserve up: block size {block_size} (the {args.engine} engine's default)")
+    layout: tuple[str, ...] = ("--dtype", args.dtype, "--block-size", str(block_size))
     layout += ("--kv-cache-dtype", args.kv_cache_dtype)
     router_engine = ("--engine", args.engine)  # workers get it with their pass-through flags
     tls: tuple[str, ...] = ()

@@ -19,16 +19,19 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
     VllmOptions,
+    block_size_for,
 )
 from engine.fingerprint import engine_fingerprint, fingerprint_of
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from engine.model_config import ModelConfig
 from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 from tests.unit.test_cli import _up_configs
 from vllm_engine.args import ConnectorTarget, engine_args
 
 VLLM = EngineBackend.VLLM
+NATIVE = EngineBackend.NATIVE
 
 
 def test_each_engines_options_are_refused_by_name_on_the_other() -> None:
@@ -77,6 +80,28 @@ def test_tensor_parallel_vllm_workers_go_to_both_pools() -> None:
     config = cluster_config(args)
     assert "--tensor-parallel-size" in config.prefill_args
     assert "--tensor-parallel-size" in config.decode_args
+
+
+def test_with_no_block_size_given_every_component_takes_the_engines_default() -> None:
+    """vLLM's CPU attention takes multiples of 32 only: `pdserve up --engine vllm` with no
+    other flag starts (it used to exit 2 on vLLM's "No common block size for 16")."""
+    from pdserve.app.cli import build_parser
+    from pdserve.app.settings import parse_service_flags
+    from pdserve.app.up_command import cluster_config
+
+    assert block_size_for(None, VLLM) == 32 and block_size_for(None, NATIVE) == 16
+    assert block_size_for(64, VLLM) == 64
+    for engine, size in (("vllm", "32"), ("native", "16")):
+        args = build_parser().parse_args(["up", "--model", "/m", "--engine", engine])
+        args.redis_url = ""
+        config = cluster_config(args)
+        for flags in (config.prefill_args, config.decode_args, config.router_args):
+            assert flags[flags.index("--block-size") + 1] == size, (engine, flags)
+    worker = parse_service_flags(Role.DECODE, ["--model", "/m", "--engine", "vllm"])
+    assert worker.engine.cache.block_size == 32
+    router_flags = ["--model", "/m", "--engine", "vllm", "--prefill", "h:1", "--decode", "h:2"]
+    router = parse_service_flags(Role.ROUTER, router_flags)
+    assert router.block_size == 32
 
 
 def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:

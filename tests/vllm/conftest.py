@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import DEFAULT_BLOCK_SIZES, EngineBackend
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 
-# vLLM's CPU attention: block_size a multiple of 32. A small KV budget per worker (the box runs
-# several), no torch.compile (seconds per start, nothing to gain on tiny models).
-BLOCK_SIZE = 32
-LAYOUT_ARGS = ("--engine", "vllm", "--dtype", "float32", "--block-size", str(BLOCK_SIZE))
+# vLLM's CPU attention: block_size a multiple of 32, the vllm engine's default block size (no
+# --block-size flag: every cluster here starts on the default). A small KV budget per worker (the
+# box runs several), no torch.compile (seconds per start, nothing to gain on tiny models).
+BLOCK_SIZE = DEFAULT_BLOCK_SIZES[EngineBackend.VLLM]
+LAYOUT_ARGS = ("--engine", "vllm", "--dtype", "float32")
 WORKER_ARGS = (*LAYOUT_ARGS, "--kv-cache-bytes", str(32 << 20), "--enforce-eager")
 WORKER_ARGS += ("--max-model-len", "512")
 

@@ -98,7 +98,7 @@ def test_pdserve_profile_measures_a_vllm_worker(
     from pdserve.app.capacity import profile as profile_io
 
     out = tmp_path / "profile.json"
-    flags = "--engine vllm --block-size 32 --enforce-eager --quick --num-blocks 64"
+    flags = "--engine vllm --enforce-eager --quick --num-blocks 64"  # its default block size
     command = [sys.executable, "-m", "pdserve.cli", "profile", "--model", str(vllm_model("llama"))]
     command += [*flags.split(), "--max-num-seqs", "4", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -110,41 +110,34 @@ def test_pdserve_profile_measures_a_vllm_worker(
     assert profile.transfer.num_samples == 2 and profile.transfer_s(1 << 20) > 0
 
 
-def test_tensor_parallel_colocated_workers_serve_and_refuse_remote_kv_by_name(
+def test_a_tp2_worker_serves_colocated_and_refuses_a_tp1_prefills_kv_by_name(
     vllm_model: Callable[[str], Path],
     redis_url: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM's CPU build runs TP=2 here: two rank processes, one core each (this box has one
-    NUMA node, so vLLM's automatic thread binding wants the cores named)."""
+    NUMA node, so vLLM's automatic thread binding wants the cores named). Colocated, its greedy
+    output is TP=1's; a TP=1 prefill worker's blocks are refused by name (a shard moves only to
+    the same rank of an engine of the same tp_size)."""
     import grpc
-
-    from pdserve.common.convert import sampling_to_proto
-    from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
     model = vllm_model("llama")
     offline = offline_greedy(model, PROMPTS, GREEDY.max_tokens)  # TP=1
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     tp2 = ("--tensor-parallel-size", "2")
-    with vllm_cluster(model, redis_url, tmp_path, colocated=True, decode_args=tp2) as cluster:
+    with vllm_cluster(model, redis_url, tmp_path, decode_args=tp2) as cluster:
+        decode = cluster.decode[0].address
 
         async def run() -> list[str | None]:
             reports = [
-                same_or_near_tie(
-                    await through_router(cluster.address, prompt, GREEDY), ref, f"prompt {i}"
-                )
+                same_or_near_tie(await colocated(decode, prompt, GREEDY, f"c{i}"), ref, f"{i}")
                 for i, (prompt, ref) in enumerate(zip(PROMPTS, offline, strict=True))
             ]
-            async with grpc.aio.insecure_channel(cluster.decode[0].address) as channel:
-                request = decode_pb2.DecodeRequest(
-                    request_id="r", prompt_token_ids=PROMPTS[0], sampling=sampling_to_proto(GREEDY)
-                )
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    async for _ in decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request):
-                        pass
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await through_router(cluster.address, PROMPTS[0], GREEDY)
             assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-            assert "tensor_parallel_size > 1" in (refused.value.details() or "")
+            assert "tp_size 2 != 1" in (refused.value.details() or "")
             return reports
 
         print("\n".join(r for r in asyncio.run(run()) if r))

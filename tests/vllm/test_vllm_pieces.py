@@ -156,3 +156,35 @@ def test_the_sampler_counts_a_continuations_earlier_output_as_output() -> None:
     out = sampler.apply(logits.clone())
     assert int(out[0].argmax()) == expected and torch.isinf(out[0]).sum() == 49
     assert torch.isinf(processed_logits(logits, [want])[0, 0])  # EOS held back by min_tokens
+
+
+def test_the_vllm_internals_pdserve_relies_on_are_there() -> None:
+    """What docs/engines.md lists as the vLLM internals still used, checked against the
+    installed vLLM: a release that moves one fails here, by name, before any cluster starts."""
+    import inspect
+
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.request import Request, RequestStatus
+
+    def assigns(cls: type, *names: str) -> None:
+        source = inspect.getsource(cls)
+        for name in names:
+            assert f"self.{name} =" in source or f"self.{name}:" in source, (cls, name)
+
+    assigns(LLMEngine, "engine_core")
+    assigns(InprocClient, "engine_core")
+    assigns(Scheduler, "running", "kv_cache_config", "kv_cache_manager", "kv_event_publisher")
+    assert callable(Scheduler.get_request_counts)
+    assigns(BlockPool, "num_gpu_blocks")
+    assert callable(BlockPool.get_num_free_blocks)
+    assigns(Request, "kv_transfer_params")
+    assert RequestStatus.FINISHED_LENGTH_CAPPED
+    for hook in ("update_connector_output", "get_transfer_results", "register_kv_caches"):
+        assert callable(getattr(KVConnectorBase_V1, hook)), hook
+    assert parallel_state.get_tensor_model_parallel_rank
+    assert parallel_state.get_tensor_model_parallel_world_size

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineBackend
+from engine.config import EngineBackend, block_size_for
 from pdserve.app.bench.commands import add_workload_flags
 from pdserve.app.capacity.autoscale_command import add_autoscale_command
 from pdserve.app.settings import add_flag
@@ -94,7 +94,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     config = dataclasses.replace(
         config,
         backend=EngineBackend(args.engine),
-        cache=dataclasses.replace(config.cache, block_size=args.block_size),
+        cache=dataclasses.replace(
+            config.cache, block_size=block_size_for(args.block_size, EngineBackend(args.engine))
+        ),
         vllm=vllm_options(args),
     )
     print(f"profiling {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
@@ -222,7 +224,13 @@ def add_capacity_commands(sub: argparse._SubParsersAction[argparse.ArgumentParse
     add_flag(prof, "--dtype", default="float32")
     add_engine_flag(prof, None)
     add_vllm_flags(prof, None)
-    add_flag(prof, "--block-size", type=int, default=16, help="the workers' block size")
+    add_flag(
+        prof,
+        "--block-size",
+        type=int,
+        default=None,
+        help="the workers' block size (default: the engine's, 16 native, 32 vllm)",
+    )
     add_flag(prof, "--device", default=None, help="cpu or cuda (default: cuda when present)")
     add_flag(prof, "--num-blocks", type=int, default=None, help="the workers' KV cache blocks")
     add_flag(prof, "--max-num-seqs", type=int, default=128)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from engine.config import EngineBackend, block_size_for
 from pdserve.app.settings import (
     add_cluster_flags,
     add_flag,
@@ -66,7 +67,7 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         router_port=args.port,
         max_restarts=args.max_restarts,
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=block_size_for(args.block_size, EngineBackend(args.engine)),
         kv_cache_dtype=args.kv_cache_dtype,
         engine=args.engine,
         prefill_args=[*traced, *worker_passthrough(args), *shlex.split(args.prefill_args)],

@@ -41,7 +41,13 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_kv_backend: str) 
     add_flag(parser, "--port", type=int, default=50051, help="router port (0: ephemeral)")
     add_flag(parser, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
     add_flag(parser, "--dtype", default="float32", choices=DTYPE_NAMES)
-    add_flag(parser, "--block-size", type=int, default=16, help="KV block size (all components)")
+    add_flag(
+        parser,
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size (all components; default: the engine's, 16 native, 32 vllm)",
+    )
     add_kv_cache_dtype_flag(
         parser, None, "KV cache storage (all components: part of the layout and fingerprint)"
     )

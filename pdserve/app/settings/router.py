@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from engine.config import EngineBackend
+from engine.config import EngineBackend, block_size_for
 from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
 from pdserve.app.settings.flags import (
@@ -42,8 +42,8 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "--block-size",
         env,
         type=int,
-        default=field_default(RouterConfig, "block_size"),
-        help="the workers' block size",
+        default=None,
+        help="the workers' block size (default: the engine's, 16 native, 32 vllm)",
     )
     add_kv_cache_dtype_flag(parser, env, "the workers' KV cache dtype (part of the fingerprint)")
     add_engine_flag(parser, env)
@@ -185,7 +185,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         server=server_config(args),
         redis=redis_config(args),
         dtype=args.dtype,
-        block_size=args.block_size,
+        block_size=block_size_for(args.block_size, EngineBackend(args.engine)),
         kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
         engine=EngineBackend(args.engine),
         prefill_policy=RoutingPolicy(args.prefill_policy),

@@ -18,6 +18,7 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
     VllmOptions,
+    block_size_for,
 )
 from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
@@ -52,7 +53,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     )
     add_flag(parser, "--max-model-len", env, type=int, default=None)
     add_flag(
-        parser, "--block-size", env, type=int, default=field_default(CacheConfig, "block_size")
+        parser,
+        "--block-size",
+        env,
+        type=int,
+        default=None,
+        help="KV block size (default: the engine's, 16 native, 32 vllm)",
     )
     add_flag(
         parser, "--num-blocks", env, type=int, default=None, help="KV blocks (default: memory)"
@@ -199,7 +205,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         device=args.device,
         cache=CacheConfig(
-            block_size=args.block_size,
+            block_size=block_size_for(args.block_size, EngineBackend(args.engine)),
             num_blocks=args.num_blocks,
             kv_cache_bytes=args.kv_cache_bytes,
             enable_prefix_caching=not args.no_prefix_caching,
