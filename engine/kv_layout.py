@@ -126,5 +126,12 @@ class KVCacheLayout:
         return f"{'; '.join(differ)} (local layout {self} != remote layout {other})"
 
 
+def tp_mappable(prefill_tp_size: int, decode_tp_size: int) -> bool:
+    """Whether a decode engine's ranks can take a prefill engine's KV shards (the one rule:
+    the decode worker's pull, ``vllm_engine/tp_map.py``, and the router's pairing,
+    ``router/plan.py``): today the same ``tp_size``, rank r from rank r."""
+    return prefill_tp_size == decode_tp_size
+
+
 def _show(value: object) -> str:
     return value.value if isinstance(value, enum.Enum) else str(value)

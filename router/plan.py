@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from engine.kv_layout import tp_mappable
 from router.config import RouterConfig
 from router.policy import (
     RoutingPolicy,
@@ -88,16 +89,24 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
             return Plan(Route.LOCAL, (), (best, *rest), cached.get(best, 0), "local_prefill")
     # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
     # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
+    # And only those whose KV some decode candidate can take (tensor parallelism: ``tp_size``).
+    decode_tp = {w.address: w.tp_size for w in candidates}
     able = [
         w
         for w in facts.prefill
-        if w.routable and w.address not in facts.exclude and (not w.stats_known or w.can_hold(n))
+        if w.routable
+        and w.address not in facts.exclude
+        and (not w.stats_known or w.can_hold(n))
+        and any(tp_mappable(w.tp_size, decode_tp[a]) for a in decode)
     ]
     order, reason, predicted = _rank_prefill(able, facts, config)
     prefill = _last(order, facts.avoid)
     if prefill[:1] != tuple(order[:1]):
         predicted = 0  # the prediction was for a worker now tried last
     unserved = None if prefill else Unserved.NO_WORKER
+    if prefill:  # the decode workers that can take the first choice's KV
+        first_tp = next(w.tp_size for w in able if w.address == prefill[0])
+        decode = tuple(a for a in decode if tp_mappable(first_tp, decode_tp[a]))
     return Plan(Route.DISAGGREGATED, prefill, decode, predicted, reason, unserved)
 
 

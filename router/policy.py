@@ -57,6 +57,7 @@ class WorkerLoad:
     routable: bool = True  # healthy, not suspected, draining or refused (Worker.routable)
     queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
     stats_known: bool = True  # False until its first stats answer (sizes read 0 until then)
+    tp_size: int = 1  # its engine's tensor parallelism (its KV layout's)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

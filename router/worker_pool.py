@@ -116,6 +116,7 @@ class Worker:
             routable=self.routable,
             queued_prefill_tokens=self.queued_prefill_tokens,
             stats_known=stats is not None,
+            tp_size=stats.layout.tp_size or 1 if stats else 1,
         )
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.kv_layout import KVCacheLayout
+from engine.kv_layout import KVCacheLayout, tp_mappable
 from kvtransfer.base import KVHandle, KVTransferError, TransferErrorCode
 
 ADDRESS_SEPARATOR = ","
@@ -18,7 +18,7 @@ ADDRESS_SEPARATOR = ","
 
 def rank_handles(handle: KVHandle, local: KVCacheLayout) -> list[KVHandle]:
     """One handle per local rank: its source's address and the shard layout both sides hold."""
-    if handle.layout.tp_size != local.tp_size:
+    if not tp_mappable(handle.layout.tp_size, local.tp_size):
         raise KVTransferError(
             TransferErrorCode.LAYOUT_MISMATCH,
             f"tp_size {handle.layout.tp_size} (prefill) != tp_size {local.tp_size} (decode): "

@@ -126,3 +126,20 @@ def test_decode_workers_with_free_blocks_now_come_first() -> None:
     full = (load("d1", free=2), load("d2", inflight=3), load("tiny", num_blocks=3))
     cfg = dataclasses.replace(CONFIG, local_prefill_tokens=0)
     assert plan(facts(200, decode=full), cfg).decode == ("d2", "d1")  # tiny: never
+
+
+def test_a_prefill_worker_pairs_only_with_decode_workers_of_a_tensor_parallelism_it_maps_to() -> (
+    None
+):
+    """A shard moves only to the same rank of an engine of the same tp_size
+    (``engine.kv_layout.tp_mappable``): the pair is chosen so, never refused per request."""
+    config = dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.LEAST_LOADED)
+    prefill = (load("p1", tp_size=2), load("p2", inflight=1), load("p4", tp_size=4))
+    decode = (load("d1", inflight=1), load("d2", tp_size=2), load("d3", inflight=2))
+    got = plan(facts(prefill=prefill, decode=decode, prefill_cached={}), config)
+    # p4 (TP=4) has no decode worker to take its KV; p1 (TP=2) only d2.
+    assert got == Plan(Route.DISAGGREGATED, ("p1", "p2"), ("d2",), 0, "load")
+    second = plan(facts(prefill=prefill, decode=decode, exclude=frozenset({"p1"})), config)
+    assert (second.prefill, second.decode) == (("p2",), ("d1", "d3"))
+    alone = plan(facts(prefill=(load("p4", tp_size=4),), decode=decode), config)
+    assert (alone.prefill, alone.unserved) == ((), Unserved.NO_WORKER)
