@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import signal
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,10 +217,12 @@ async def kill_the_busiest_decode_worker(
     prompts: list[list[int]],
     params: list[SamplingParams],
     restart_s: float = 120.0,
+    kill: Callable[[Component], None] | None = None,
 ) -> tuple[list[Stream], Component]:
     """Streams ``prompts`` and, once every stream has tokens, kill -9s the decode worker running
-    the most of them. Every stream finishes without error (migration; the caller compares the
-    tokens), the supervisor restarts the worker and afterwards nobody holds anything."""
+    the most of them (or ``kill``s it: one of its processes). Every stream finishes without
+    error (migration; the caller compares the tokens), the supervisor restarts the worker and
+    afterwards nobody holds anything."""
     streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
 
     async def all_streaming() -> bool:
@@ -229,7 +232,10 @@ async def kill_the_busiest_decode_worker(
     running = [(await stats(c)).num_running for c in cluster.decode]
     victim = cluster.decode[running.index(max(running))]
     assert max(running) > 0  # streams were on it
-    victim.process.send_signal(signal.SIGKILL)
+    if kill is None:
+        victim.process.send_signal(signal.SIGKILL)
+    else:
+        kill(victim)
     await asyncio.gather(*tasks)
     for i, stream in enumerate(streams):
         assert stream.error is None, f"stream {i}: {stream.error}"

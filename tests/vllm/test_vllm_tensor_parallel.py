@@ -1,5 +1,5 @@
 """Tensor-parallel disaggregation on the vLLM engine, with real processes: a TP=2 vLLM prefill
-worker and a TP=2 vLLM decode worker over gRPC, behind the router. Each worker is a front-end
+worker and two TP=2 vLLM decode workers over gRPC, behind the router. Each worker is a front-end
 (its engine core in-process) and two rank processes; each decode rank pulls its own shard from
 the same prefill rank (``vllm_engine/rank_transfer.py``).
 
@@ -7,7 +7,9 @@ the same prefill rank (``vllm_engine/rank_transfer.py``).
   offline TP=2 run (near-ties reported apart); the decode pool computes no prompt token.
 - Leases across ranks: after Release, expiry and a Release before the pull (NOT_FOUND, by name),
   every block of both workers is back (vLLM frees only once every rank reported).
-- A TP=1 prefill worker's handle is refused by a TP=2 decode worker, naming tp_size.
+- kill -9 of one rank process of a decode worker mid-stream: that worker leaves the pool (its
+  engine dies), every stream completes identical; kill -9 of a worker's front-end: none of its
+  rank processes is left.
 
 vLLM's CPU build runs TP=2 here with the cores named (this box has one NUMA node).
 """
@@ -16,17 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from engine.sampling_params import SamplingParams
 from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from tests.faults.faults_util import stats
+from tests.faults.faults_util import (
+    kill_the_busiest_decode_worker,
+    mixed_params,
+    restarted,
+    stats,
+)
 from tests.services.harness import wait_for
 from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
 from tests.vllm.vllm_util import colocated, offline_greedy, same_or_near_tie, through_router
@@ -66,6 +75,7 @@ def cluster(
         vllm_model("llama"),
         redis_url,
         tmp_path_factory.mktemp("vllm-tp2"),
+        num_decode=2,
         prefill_args=(*TP2, "--lease-s", str(LEASE_S)),
         decode_args=TP2,
     ) as running:
@@ -171,5 +181,67 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
         assert refused.value.code() is grpc.StatusCode.NOT_FOUND, refused.value.details()
         assert "no lease for request_id 'released'" in (refused.value.details() or "")
         await _back_to(decode, free[1], "the failed pull's blocks back on every decode rank")
+
+    asyncio.run(run())
+
+
+def _ranks(pid: int) -> list[psutil.Process]:
+    """A worker's vLLM rank processes (vLLM names them ``VLLM::Worker_TP<r>``)."""
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "Worker_TP" in " ".join([child.name(), *child.cmdline()]):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _gone(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_kill_9_of_one_decode_rank_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
+    prompts = [_prompt(30 + 11 * i, 40 + i) for i in range(4)]
+    params = mixed_params(len(prompts), max_tokens=80, guided=False)
+
+    async def run() -> None:
+        references = [
+            await colocated(cluster.decode[i % 2].address, prompt, p, f"ref{i}")
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+
+        def kill_a_rank(victim: Component) -> None:
+            ranks = _ranks(victim.process.pid)
+            assert len(ranks) == 2, ranks
+            ranks[1].send_signal(signal.SIGKILL)  # not the front-end: one rank of its engine
+
+        streams, victim = await kill_the_busiest_decode_worker(
+            cluster, prompts, params, 180.0, kill=kill_a_rank
+        )
+        # Its engine died with the rank: the worker left the pool, and came back (restarted).
+        assert victim.process.returncode not in (None, 0)
+        for i, (stream, ref) in enumerate(zip(streams, references, strict=True)):
+            assert stream.token_ids == ref.token_ids, f"stream {i}"
+
+    asyncio.run(run())
+
+
+def test_kill_9_of_a_front_end_leaves_none_of_its_rank_processes(cluster: LocalCluster) -> None:
+    prefill = cluster.prefill[0]
+    ranks = _ranks(prefill.process.pid)
+    assert len(ranks) == 2, ranks
+
+    async def run() -> None:
+        prefill.process.send_signal(signal.SIGKILL)
+
+        async def orphans_gone() -> bool:
+            return all(_gone(r) for r in ranks)
+
+        await wait_for(orphans_gone, 60.0, "the killed front-end's ranks exited")
+        await wait_for(lambda: restarted(cluster, prefill), 180.0, "the prefill worker restarted")
 
     asyncio.run(run())
