@@ -62,8 +62,8 @@ class KVCacheLayout:
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     page_layout: str = NATIVE_PAGE_LAYOUT
     # Tensor parallelism: the pages are shard ``tp_rank`` of ``tp_size`` (``num_kv_heads`` is
-    # the shard's heads). An engine's own layout is its rank 0's; a shard moves only to the
-    # same shard of an engine of the same ``tp_size`` (docs/engines.md "Tensor parallelism").
+    # the shard's heads). An engine's own layout is its rank 0's; which shards move between
+    # engines of different ``tp_size`` is ``engine/kv_shards.py``'s rule.
     tp_size: int = 1
     tp_rank: int = 0
 
@@ -124,13 +124,6 @@ class KVCacheLayout:
             if getattr(self, f.name) != getattr(other, f.name)
         ]
         return f"{'; '.join(differ)} (local layout {self} != remote layout {other})"
-
-
-def tp_mappable(prefill_tp_size: int, decode_tp_size: int) -> bool:
-    """Whether a decode engine's ranks can take a prefill engine's KV shards (the one rule:
-    the decode worker's pull, ``vllm_engine/tp_map.py``, and the router's pairing,
-    ``router/plan.py``): today the same ``tp_size``, rank r from rank r."""
-    return prefill_tp_size == decode_tp_size
 
 
 def _show(value: object) -> str:

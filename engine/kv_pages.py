@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 from engine.kv_layout import KVCacheLayout
+from engine.kv_shards import head_range
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,23 @@ class KVPages(ABC):
     def write_slabs(self, first: int, block_ids: list[int], data: torch.Tensor) -> None:
         """``data``: ``[num_slabs, n, *layout.slab_shape]`` for slabs ``first`` onwards, as
         ``read_slabs`` returned it (on any engine with the same layout)."""
+
+    def shard(self, layout: KVCacheLayout) -> KVPages:
+        """The pages holding ``layout``, one read's shard (``engine.kv_shards``): these pages
+        when it is theirs, else a view of the heads that hold it (writes through it land in
+        these pages). Raises ``ValueError`` naming why they hold no such shard."""
+        first, count = head_range(self.layout, layout)
+        if (first, count) == (0, self.layout.num_kv_heads):
+            return self
+        return self.heads(first, layout)
+
+    def heads(self, first: int, layout: KVCacheLayout) -> KVPages:
+        """A view of heads ``[first, first + layout.num_kv_heads)`` of every page, whose layout
+        is ``layout`` (``shard`` checked it). Pages whose slabs cannot be cut by heads refuse."""
+        raise ValueError(
+            f"these KV pages ({self.layout.page_layout}) are not cut by heads: KV moves only "
+            "between engines of the same tensor parallelism"
+        )
 
     def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
         """Keys (kv 0) or values (kv 1) of one layer: ``[n, *slab_shape]``."""

@@ -108,7 +108,7 @@ class BlockLeases(ABC):
         Raises ``KeyError`` when the request holds no lease, or ``lease_token`` is not its
         token (the two look alike to the caller: a token must not be probed). A coroutine: a
         tensor-parallel rank's sender asks the lease table in its worker's process
-        (``vllm_engine/rank_link.py``)."""
+        (``vllm_engine/rank_runtime.py``)."""
 
     @abstractmethod
     async def checkin(self, request_id: str) -> None:
@@ -239,8 +239,14 @@ class KVReceiver(ABC):
         what it uses until it ends."""
         return None
 
+    def layout_refusal(self, layout: KVCacheLayout) -> str | None:
+        """Why a handle of ``layout`` cannot be pulled here (None: it can): a layout equal to
+        this receiver's. A receiver that maps tensor-parallel shards says more
+        (``kvtransfer/shard_receiver.py``)."""
+        return self.layout.mismatch(layout)
+
     def check_handle(self, handle: KVHandle, block_ids: list[int]) -> None:
-        mismatch = self.layout.mismatch(handle.layout)
+        mismatch = self.layout_refusal(handle.layout)
         if mismatch is not None:
             raise KVTransferError(TransferErrorCode.LAYOUT_MISMATCH, mismatch)
         if handle.backend != self.backend:

@@ -2,8 +2,10 @@
 port and receives a header, then layer-major checksummed chunks (``kvtransfer.codec``).
 
 The sender checks the receiver's layout before sending a byte (FAILED_PRECONDITION, naming both
-layouts); the receiver checks the header against its own layout and every chunk's checksum, and
-writes each layer into its cache as soon as the layer is complete.
+layouts): it sends the shard that layout names, its pages or a head range of them (tensor
+parallelism of another size: ``engine/kv_shards.py``); the receiver checks the header against
+its own layout and every chunk's checksum, and writes each layer into its cache as soon as the
+layer is complete.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kvtransfer.codec import (
 )
 from pdserve.common import peer_token, tracing
 from pdserve.common.channels import SERVER_OPTIONS, TRANSFER_OPTIONS, ChannelPool
-from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
+from pdserve.common.convert import layout_from_proto, layout_to_proto, remote_layout_mismatch
 from pdserve.common.tls import TlsConfig, add_port
 from pdserve.common.tracing import TraceContext
 from pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -94,9 +96,16 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
     async def Pull(  # type: ignore[override]  # writes with context.write, bounded in time
         self, request: kv_transfer_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        mismatch = remote_layout_mismatch(self.cache.layout, request.receiver_layout)
-        if mismatch is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
+        try:
+            wanted = layout_from_proto(request.receiver_layout)
+        except ValueError as exc:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"remote layout refused: {exc}"
+            )
+        try:  # the receiver's layout names the shard it reads (engine/kv_shards.py)
+            pages = self.cache.shard(wanted)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
             trace = tracing.headers(context.invocation_metadata())
             read = await self.begin_read(request.request_id, request.lease_token, trace)
@@ -107,7 +116,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         block_ids = read.block_ids
         deadline = asyncio.get_running_loop().time() + self.max_pull_s
         try:
-            layout = self.cache.layout
+            layout = pages.layout
             per_chunk = blocks_per_chunk(layout, self.chunk_bytes)
             num_slabs = slabs_per_chunk(
                 layout, len(block_ids), self.chunk_bytes, request.max_slabs_per_chunk or 1
@@ -126,7 +135,7 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
                     ids = block_ids[spec.first_block : spec.first_block + spec.num_blocks]
                     await context.write(
                         await finish_in_thread(
-                            self._encode, spec, ids, executor=transfer_executor()
+                            self._encode, pages, spec, ids, executor=transfer_executor()
                         )
                     )
         except TimeoutError:
@@ -137,8 +146,10 @@ class GrpcKVSender(KVSender, kv_transfer_pb2_grpc.KVTransferServicer):
         finally:
             await self.end_read(read)
 
-    def _encode(self, spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
-        data = tensor_bytes(self.cache.read_slabs(spec.slab, spec.num_slabs, block_ids))
+    def _encode(
+        self, pages: KVPages, spec: ChunkSpec, block_ids: list[int]
+    ) -> kv_transfer_pb2.KVMessage:
+        data = tensor_bytes(pages.read_slabs(spec.slab, spec.num_slabs, block_ids))
         message = kv_transfer_pb2.KVMessage()
         # Filled in place: constructing nested messages from kwargs copies the payload twice.
         chunk = message.chunk

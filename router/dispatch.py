@@ -56,6 +56,12 @@ def _unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerEr
             f"no {kind} worker can hold {num_prompt_tokens} prompt tokens",
             never=True,
         )
+    if chosen.unserved is Unserved.NO_PAIR:
+        return WorkerError(
+            grpc.StatusCode.UNAVAILABLE,
+            "no healthy decode worker can take a healthy prefill worker's KV: their tensor "
+            "parallelism does not map (tp_size and KV heads per rank, docs/engines.md)",
+        )
     return WorkerError(grpc.StatusCode.UNAVAILABLE, f"no healthy {kind} worker")
 
 

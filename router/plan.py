@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.kv_layout import tp_mappable
 from router.config import RouterConfig
 from router.policy import (
     RoutingPolicy,
@@ -25,6 +24,7 @@ from router.policy import (
     rank_decode,
     rank_prefill,
     rank_round_robin,
+    takes_kv_of,
 )
 
 
@@ -38,6 +38,7 @@ class Unserved(Enum):
 
     NO_WORKER = "no_worker"  # none healthy (or every one turned this attempt away)
     TOO_LARGE = "too_large"  # healthy ones, but none could ever hold the prompt
+    NO_PAIR = "no_pair"  # healthy prefill workers, but no decode worker can take their KV
 
 
 @dataclass(frozen=True)
@@ -89,24 +90,24 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
             return Plan(Route.LOCAL, (), (best, *rest), cached.get(best, 0), "local_prefill")
     # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
     # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
-    # And only those whose KV some decode candidate can take (tensor parallelism: ``tp_size``).
-    decode_tp = {w.address: w.tp_size for w in candidates}
-    able = [
+    # And only those whose KV some decode candidate can take (tensor parallelism).
+    by_address = {w.address: w for w in candidates}
+    fit = [
         w
         for w in facts.prefill
-        if w.routable
-        and w.address not in facts.exclude
-        and (not w.stats_known or w.can_hold(n))
-        and any(tp_mappable(w.tp_size, decode_tp[a]) for a in decode)
+        if w.routable and w.address not in facts.exclude and (not w.stats_known or w.can_hold(n))
     ]
+    able = [w for w in fit if any(takes_kv_of(by_address[a], w) for a in decode)]
     order, reason, predicted = _rank_prefill(able, facts, config)
     prefill = _last(order, facts.avoid)
     if prefill[:1] != tuple(order[:1]):
         predicted = 0  # the prediction was for a worker now tried last
-    unserved = None if prefill else Unserved.NO_WORKER
+    unserved = None
+    if not prefill:  # NO_PAIR: some were left out only for their KV's tensor parallelism
+        unserved = Unserved.NO_PAIR if fit and decode else Unserved.NO_WORKER
     if prefill:  # the decode workers that can take the first choice's KV
-        first_tp = next(w.tp_size for w in able if w.address == prefill[0])
-        decode = tuple(a for a in decode if tp_mappable(first_tp, decode_tp[a]))
+        first = next(w for w in able if w.address == prefill[0])
+        decode = tuple(a for a in decode if takes_kv_of(by_address[a], first))
     return Plan(Route.DISAGGREGATED, prefill, decode, predicted, reason, unserved)
 
 

@@ -17,6 +17,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.kv_shards import tp_mappable
+
 
 class RoutingPolicy(enum.Enum):
     ROUND_ROBIN = "round_robin"
@@ -58,6 +60,7 @@ class WorkerLoad:
     queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
     stats_known: bool = True  # False until its first stats answer (sizes read 0 until then)
     tp_size: int = 1  # its engine's tensor parallelism (its KV layout's)
+    kv_heads: int = 0  # KV heads per rank (its KV layout's); 0 until its stats come
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -66,6 +69,14 @@ class WorkerLoad:
         """Whether its whole cache could ever hold ``num_tokens`` of KV (a worker whose stats
         have not come yet reports 0 blocks: it cannot, as far as the router knows)."""
         return self.num_blocks >= self.blocks_for(num_tokens)
+
+
+def takes_kv_of(decode: WorkerLoad, prefill: WorkerLoad) -> bool:
+    """Whether a decode worker can take a prefill worker's KV shards (``engine/kv_shards.py``'s
+    rule); until both stats came, by equal ``tp_size`` (as the two were started)."""
+    if not (prefill.kv_heads and decode.kv_heads):
+        return prefill.tp_size == decode.tp_size
+    return tp_mappable(prefill.tp_size, prefill.kv_heads, decode.tp_size, decode.kv_heads)
 
 
 def _rank(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:

@@ -117,6 +117,7 @@ class Worker:
             queued_prefill_tokens=self.queued_prefill_tokens,
             stats_known=stats is not None,
             tp_size=stats.layout.tp_size or 1 if stats else 1,
+            kv_heads=stats.layout.num_kv_heads if stats else 0,
         )
 
     @property

@@ -184,7 +184,8 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def _layout(self, kv_caches: dict[str, torch.Tensor]) -> Any:
         first_name, first = next(iter(kv_caches.items()))
-        _, shape = page_halves(first, self._num_blocks)
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        _, shape = page_halves(first, self._num_blocks, spec.num_kv_heads)
         backend = _backend_name(self._vllm_config, first_name)
         page_layout = f"vllm-{self._vllm_version}/{backend}/{shape}"
         return vllm_layout(self._kv_cache_config, self._fingerprint, page_layout)

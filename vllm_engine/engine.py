@@ -47,8 +47,9 @@ from engine.serving_engine import (
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
 from engine.tokenizer import Tokenizer
-from kvtransfer import ReceiverOptions, SenderOptions
+from kvtransfer import ReceiverOptions, SenderOptions, make_sender
 from kvtransfer.base import BlockLeases, KVReceiver, KVSender
+from kvtransfer.shard_receiver import ShardReceiver
 from kvtransfer.sharded import ShardedKV
 from vllm_engine.bridge import Bridge
 from vllm_engine.events import BufferingPublisher, CachedBlocks
@@ -137,16 +138,18 @@ class VllmEngine(ServingEngine, ShardedKV):
     def fingerprint(self) -> str:
         return self._fingerprint
 
-    # ---- ShardedKV: the ranks' senders and receivers -----------------------------------------
+    # ---- ShardedKV: senders and receivers that map tensor-parallel shards ----------------------
     def make_kv_sender(self, backend: str, leases: BlockLeases, options: SenderOptions) -> KVSender:
-        return RankKVSender(self._ranks(), backend, leases, options)
+        if self._hub is not None:
+            return RankKVSender(self._hub, backend, leases, options)
+        assert self._pages is not None
+        return make_sender(backend, self._pages, leases, options)
 
     def make_kv_receiver(self, backend: str, options: ReceiverOptions) -> KVReceiver:
-        return RankKVReceiver(self._ranks(), backend, options)
-
-    def _ranks(self) -> RankHub:
-        assert self._hub is not None, "an engine with kv_pages moves KV over them"
-        return self._hub
+        if self._hub is not None:
+            return RankKVReceiver(self._hub, backend, options)
+        assert self._pages is not None
+        return ShardReceiver(backend, self._pages, options)
 
     @property
     def block_size(self) -> int:

@@ -7,6 +7,14 @@ backends (keys, then values). Either way a page is ``2 * block_size * num_kv_hea
 elements: pdserve's slab ``(layer, 0)`` is its first half, slab ``(layer, 1)`` its second, in the
 page's own element order. The bytes are opaque; the layout's ``page_layout`` names the
 arrangement so that only an identical one ever receives them.
+
+Tensor parallelism of unequal sizes moves a range of a page's heads (``engine/kv_shards.py``).
+vLLM 0.32's per-layer cache is ``[num_blocks, num_kv_heads, block_size, C]`` logically (its
+``KVCacheLayout`` RFC); when it is so in memory too (block-major, heads outermost in a page: the
+CPU backend's), a head range is one run of each page, and ``VllmKVPages.heads`` views it as pages
+of their own. The arrangement's name reads ``BH``, not the head count, so that shards of engines
+of different ``tp_size`` name the same arrangement. Pages of another arrangement (the CUDA
+backends' keys-then-values) refuse a head range by name.
 """
 
 from __future__ import annotations
@@ -28,12 +36,18 @@ class PageShapeError(ValueError):
     """A KV cache tensor this connector cannot split into pages (named by its shape)."""
 
 
-def page_halves(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, str]:
+def page_halves(
+    tensor: torch.Tensor, num_blocks: int, num_kv_heads: int = 0
+) -> tuple[torch.Tensor, str]:
     """A ``[num_blocks, 2, half_page]`` view of one layer's cache (writes through it land in
-    the cache), and the arrangement's name."""
+    the cache), and the arrangement's name (``BH...`` when its pages are cut by heads, those of
+    ``num_kv_heads``)."""
     shape = tuple(tensor.shape)
     if tensor.is_contiguous() and shape[0] == num_blocks:  # block-major pages
-        return tensor.view(num_blocks, 2, -1), "B" + "x".join(map(str, shape[1:]))
+        dims = list(map(str, shape[1:]))
+        if _heads_outermost(shape, num_kv_heads):
+            dims[0] = "H"
+        return tensor.view(num_blocks, 2, -1), "B" + "x".join(dims)
     if shape[:2] == (2, num_blocks) and tensor[0].is_contiguous() and tensor[1].is_contiguous():
         keys, values = tensor[0].reshape(num_blocks, -1), tensor[1].reshape(num_blocks, -1)
         if values.data_ptr() - keys.data_ptr() == keys.numel() * keys.element_size():
@@ -45,6 +59,24 @@ def page_halves(tensor: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, st
         f"vLLM KV cache tensor of shape {shape} (stride {tensor.stride()}) for {num_blocks} "
         "blocks: not one block-major page per block, nor keys-then-values of one"
     )
+
+
+def head_halves(tensor: torch.Tensor, num_blocks: int, first: int, count: int) -> torch.Tensor:
+    """``page_halves`` of heads ``[first, first + count)`` only: each page's run of them."""
+    shape = tuple(tensor.shape)
+    if not (tensor.is_contiguous() and shape[0] == num_blocks and len(shape) == 4):
+        raise PageShapeError(
+            f"vLLM KV cache tensor of shape {shape} (stride {tensor.stride()}): its pages are "
+            "not cut by heads (block-major [num_blocks, heads, block_size, C] only), so KV "
+            "moves only between engines of the same tensor parallelism"
+        )
+    per_head = shape[2] * shape[3]
+    pages = tensor.view(num_blocks, -1)[:, first * per_head : (first + count) * per_head]
+    return pages.view(num_blocks, 2, -1)
+
+
+def _heads_outermost(shape: tuple[int, ...], num_kv_heads: int) -> bool:
+    return len(shape) == 4 and shape[1] == num_kv_heads
 
 
 def vllm_layout(kv_cache_config: Any, fingerprint: str, page_layout: str) -> KVCacheLayout:
@@ -66,10 +98,23 @@ def vllm_layout(kv_cache_config: Any, fingerprint: str, page_layout: str) -> KVC
 
 
 class VllmKVPages(KVPages):
-    def __init__(self, layers: list[torch.Tensor], layout: KVCacheLayout, num_blocks: int) -> None:
+    def __init__(
+        self,
+        layers: list[torch.Tensor],
+        layout: KVCacheLayout,
+        num_blocks: int,
+        first_head: int | None = None,
+    ) -> None:
+        """``first_head``: a view of heads ``[first_head, first_head + layout.num_kv_heads)``
+        of ``layers``' pages (``heads``); None: the pages whole."""
         self.layout = layout
         self.num_blocks = num_blocks
-        self._halves = [page_halves(t, num_blocks)[0] for t in layers]
+        self._layers, self._first_head = layers, first_head
+        if first_head is None:
+            self._halves = [page_halves(t, num_blocks)[0] for t in layers]
+        else:
+            count = layout.num_kv_heads
+            self._halves = [head_halves(t, num_blocks, first_head, count) for t in layers]
         slab = layout.num_codes_per_slab
         if any(h.shape[-1] != slab for h in self._halves):
             raise PageShapeError(
@@ -77,6 +122,10 @@ class VllmKVPages(KVPages):
                 f"{layout} holds {slab}"
             )
         self._dtype = layers[0].dtype
+
+    def heads(self, first: int, layout: KVCacheLayout) -> VllmKVPages:
+        offset = self._first_head or 0
+        return VllmKVPages(self._layers, layout, self.num_blocks, first_head=offset + first)
 
     def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
         self.check_slabs(first, num_slabs)

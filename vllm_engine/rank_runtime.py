@@ -6,7 +6,9 @@ shard of the KV cache (its KV heads of every block). pdserve's connector builds 
 own shard: a prefill rank serves it with a real ``kvtransfer`` sender, a decode rank pulls it
 with a real receiver, each over the rank's own pages. What stays with the worker's front-end,
 its one owner, is everything with a guarantee: the leases (a rank's sender checks out through
-the front-end's lease table, ``HubLeases``), the pulls (commanded per request, ``RankControl``)
+the front-end's lease table, ``HubLeases``), the pulls (commanded per request, ``RankControl``;
+the rank reads the shards its heads hold from the prefill ranks that hold them, whatever their
+``tp_size``: ``kvtransfer/shard_receiver.py``)
 and what vLLM is told (``Report``: vLLM frees or schedules a request only once every rank has
 reported it, ``vllm_engine/bridge.py``).
 
@@ -36,10 +38,10 @@ from kvtransfer import (
     ReceiverOptions,
     SenderOptions,
     TransferErrorCode,
-    make_receiver,
     make_sender,
 )
 from kvtransfer.base import BlockLeases
+from kvtransfer.shard_receiver import ShardReceiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.common.convert import layout_to_proto
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
@@ -193,7 +195,7 @@ class RankRuntime(hub_grpc.RankControlServicer):
     ) -> hub_pb2.HubAck:
         if self._receiver is None:
             options = ReceiverOptions(request.timeout_s)
-            self._receiver = make_receiver(request.backend, self.pages, options)
+            self._receiver = ShardReceiver(request.backend, self.pages, options)
         return hub_pb2.HubAck()
 
     async def Pull(

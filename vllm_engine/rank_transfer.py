@@ -4,13 +4,14 @@ rank's process over that rank's shard (``vllm_engine/rank_runtime.py``), driven 
 ``RankHub``.
 
 - ``RankKVSender``: starts a sender in every rank; its address, the one its handles name, is the
-  ranks' addresses in rank order (``vllm_engine/tp_map.py``), so a decode worker's "KV only from
-  a known prefill worker's own sender" check compares it whole. The lease table stays the
+  ranks' addresses in rank order (``kvtransfer/shard_receiver.py``), so a decode worker's "KV
+  only from a known prefill worker's own sender" check compares it whole. The lease table stays the
   prefill service's: the ranks check out through the hub.
-- ``RankKVReceiver``: a pull is one pull per rank, from its source rank, into the same block ids
-  (vLLM's block ids are the same in every rank). It returns or raises only once every rank has
-  stopped writing (the receiver contract, ``kvtransfer/base.py``): the first failure, or a
-  cancel, cancels the others and waits for them.
+- ``RankKVReceiver``: a pull is one pull per rank, into the same block ids (vLLM's block ids are
+  the same in every rank): each rank reads its heads from the prefill ranks that hold them
+  (``engine/kv_shards.py``, ``kvtransfer/shard_receiver.py``). It returns or raises only once
+  every rank has stopped writing (the receiver contract, ``kvtransfer/base.py``): the first
+  failure, or a cancel, cancels the others and waits for them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import grpc
 
 from engine.kv_layout import KVCacheLayout
+from engine.kv_shards import shard_mismatch
 from kvtransfer import ReceiverOptions, SenderOptions
 from kvtransfer.base import (
     BlockLeases,
@@ -32,12 +34,12 @@ from kvtransfer.base import (
     TransferErrorCode,
     TransferStats,
 )
+from kvtransfer.shard_receiver import ADDRESS_SEPARATOR, source_addresses
 from kvtransfer.wire import handle_to_proto
 from pdserve.common.tracing import TraceContext
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from vllm_engine.rank_hub import RANK_CALL_TIMEOUT_S, Rank, RankHub
 from vllm_engine.rank_runtime import RANK_BACKENDS
-from vllm_engine.tp_map import ADDRESS_SEPARATOR, rank_handles
 
 
 def check_rank_backend(backend: str, options: SenderOptions | ReceiverOptions) -> None:
@@ -108,25 +110,28 @@ class RankKVReceiver(KVReceiver):
     def layout(self) -> KVCacheLayout:
         return self._hub.layout
 
+    def layout_refusal(self, layout: KVCacheLayout) -> str | None:
+        return shard_mismatch(layout, self.layout)
+
     async def pull(
         self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
     ) -> TransferStats:
         self.check_handle(handle, block_ids)
-        handles = rank_handles(handle, self.layout)
+        source_addresses(handle)  # refused here, before any rank starts
         await self._start_receivers()
         ranks = _in_order(self._hub)
         headers = [hub_pb2.TraceHeader(key=k, value=v) for k, v in trace]
         pull_id = uuid.uuid4().hex
 
-        async def pull(rank: Rank, source: KVHandle) -> hub_pb2.RankPulled:
+        async def pull(rank: Rank) -> hub_pb2.RankPulled:
             request = hub_pb2.RankPull(
-                handle=handle_to_proto(source), block_ids=block_ids, trace=headers, pull_id=pull_id
+                handle=handle_to_proto(handle), block_ids=block_ids, trace=headers, pull_id=pull_id
             )
             # The rank's pull is bounded by its receiver's timeout; this bounds the call.
             timeout_s = self._options.timeout_s + RANK_CALL_TIMEOUT_S
             return await rank.stub.Pull(request, timeout=timeout_s)
 
-        pulls = [asyncio.create_task(pull(r, h)) for r, h in zip(ranks, handles, strict=True)]
+        pulls = [asyncio.create_task(pull(r)) for r in ranks]
         replies: list[hub_pb2.RankPulled] = []
         try:
             for done in asyncio.as_completed(pulls):

@@ -12,6 +12,7 @@ import torch
 
 from engine import SamplingParams
 from engine.kv_layout import KVCacheDtype
+from engine.kv_pages import KVPages
 from kvtransfer.codec import ChunkSpec
 from kvtransfer.grpc_stream import GrpcKVSender
 from kvtransfer.nixl_sender import NixlKVSender
@@ -37,9 +38,11 @@ def test_corrupted_chunk_fails_cleanly_and_frees_both_sides(llama_dir: Path) -> 
         sender.chunk_bytes = 4096  # small chunks, so that the stream has a second one to damage
         encode, sent = sender._encode, [0]
 
-        def damaged(spec: ChunkSpec, block_ids: list[int]) -> kv_transfer_pb2.KVMessage:
+        def damaged(
+            pages: KVPages, spec: ChunkSpec, block_ids: list[int]
+        ) -> kv_transfer_pb2.KVMessage:
             # A faulty NIC or memory: one bit flips after the checksum was taken.
-            message = encode(spec, block_ids)
+            message = encode(pages, spec, block_ids)
             sent[0] += 1
             if sent[0] == 2:
                 data = bytearray(message.chunk.data)

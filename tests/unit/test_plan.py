@@ -128,18 +128,27 @@ def test_decode_workers_with_free_blocks_now_come_first() -> None:
     assert plan(facts(200, decode=full), cfg).decode == ("d2", "d1")  # tiny: never
 
 
-def test_a_prefill_worker_pairs_only_with_decode_workers_of_a_tensor_parallelism_it_maps_to() -> (
-    None
-):
-    """A shard moves only to the same rank of an engine of the same tp_size
-    (``engine.kv_layout.tp_mappable``): the pair is chosen so, never refused per request."""
+def test_a_prefill_worker_pairs_only_with_decode_workers_that_can_take_its_shards() -> None:
+    """The pair is chosen by ``engine.kv_shards``' rule, never refused per request. A model
+    of 2 KV heads: TP=1 and TP=2 map both ways; TP=3 divides neither; TP=4 replicates heads
+    (a copy per rank), so it maps only to TP=4. Until a worker's stats came (kv_heads 0), by
+    equal tp_size."""
     config = dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.LEAST_LOADED)
-    prefill = (load("p1", tp_size=2), load("p2", inflight=1), load("p4", tp_size=4))
-    decode = (load("d1", inflight=1), load("d2", tp_size=2), load("d3", inflight=2))
+
+    def tp(address: str, tp_size: int, inflight: int = 0) -> WorkerLoad:
+        return load(address, inflight, tp_size=tp_size, kv_heads=max(1, 2 // tp_size))
+
+    prefill = (tp("p2", 2), tp("p1", 1, inflight=1), tp("p3", 3), tp("p4", 4))
+    decode = (tp("d1", 1, inflight=1), tp("d2", 2), tp("d3", 3, inflight=2))
     got = plan(facts(prefill=prefill, decode=decode, prefill_cached={}), config)
-    # p4 (TP=4) has no decode worker to take its KV; p1 (TP=2) only d2.
-    assert got == Plan(Route.DISAGGREGATED, ("p1", "p2"), ("d2",), 0, "load")
-    second = plan(facts(prefill=prefill, decode=decode, exclude=frozenset({"p1"})), config)
-    assert (second.prefill, second.decode) == (("p2",), ("d1", "d3"))
-    alone = plan(facts(prefill=(load("p4", tp_size=4),), decode=decode), config)
-    assert (alone.prefill, alone.unserved) == ((), Unserved.NO_WORKER)
+    # p4 has no decode worker to take its KV; p2 (TP=2) goes to d1 (TP=1) or d2 (TP=2).
+    assert got == Plan(Route.DISAGGREGATED, ("p2", "p3", "p1"), ("d2", "d1"), 0, "load")
+    third = plan(facts(prefill=prefill, decode=decode, exclude=frozenset({"p2", "p1"})), config)
+    assert (third.prefill, third.decode) == (("p3",), ("d3",))
+    alone = plan(facts(prefill=(tp("p4", 4),), decode=decode), config)
+    assert (alone.prefill, alone.unserved) == ((), Unserved.NO_PAIR)
+    none = plan(facts(prefill=(tp("p4", 4, inflight=0),), decode=(), prefill_cached={}), config)
+    assert none.unserved is Unserved.NO_WORKER
+    unknown = (load("d1", tp_size=2), load("d2", tp_size=1))  # no stats yet: kv_heads 0
+    early = plan(facts(prefill=(tp("p2", 2),), decode=unknown), config)
+    assert early.decode == ("d1",)

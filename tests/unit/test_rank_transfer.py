@@ -2,7 +2,8 @@
 decode ranks (``vllm_engine/rank_runtime.py``, each with its own event loop thread, real gRPC on
 Unix sockets, real ``GrpcKVSender``/``GrpcKVReceiver`` over plain tensors shaped like vLLM's CPU
 pages), driven through each side's real ``RankHub`` and facades; one lease table, the prefill
-side's. Also the pure pieces: ``tp_map.rank_handles`` and the layout's tp fields."""
+side's. Unequal tensor parallelism both ways: a one-rank engine's pages (its front-end's plain
+sender, or its ``ShardReceiver``) with a two-rank engine's. Also the layout's tp fields."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from engine.kv_layout import KVCacheLayout
 from kvtransfer import KVTransferError, ReceiverOptions, SenderOptions, TransferErrorCode
 from kvtransfer.base import BlockLeases, KVHandle, prompt_digest
+from kvtransfer.grpc_stream import GrpcKVSender
+from kvtransfer.shard_receiver import ShardReceiver, source_addresses
 from pdserve.common.convert import layout_from_proto, layout_to_proto
 from prefill_service.lease_table import LeaseTable
 from vllm_engine.bridge import Reports
@@ -23,32 +26,26 @@ from vllm_engine.kv_pages import VllmKVPages
 from vllm_engine.rank_hub import RankHub
 from vllm_engine.rank_runtime import RankRuntime
 from vllm_engine.rank_transfer import RankKVReceiver, RankKVSender
-from vllm_engine.tp_map import rank_handles
 
 NUM_BLOCKS, BLOCK, HEAD_DIM, LAYERS = 8, 4, 8, 2
-PAGE = "vllm-test/CPU_ATTN/B1x8x8"
+PAGE = "vllm-test/CPU_ATTN/BHx8x8"
+HEADS = 2  # the model's KV heads
 
 
 def _layout(tp_rank: int = 0, tp_size: int = 2) -> KVCacheLayout:
+    heads = HEADS // tp_size
     return KVCacheLayout(
-        "fp", "float32", BLOCK, LAYERS, 1, HEAD_DIM, page_layout=PAGE,
+        "fp", "float32", BLOCK, LAYERS, heads, HEAD_DIM, page_layout=PAGE,
         tp_size=tp_size, tp_rank=tp_rank,
     )  # fmt: skip
 
 
-def test_a_handle_names_one_sender_per_rank_and_each_rank_pulls_its_own() -> None:
+def test_a_handle_names_one_sender_per_rank() -> None:
     handle = KVHandle("grpc", "h:1,h:2", "r", 3, _layout(), 10.0, "t", b"d")
-    first, second = rank_handles(handle, _layout())
-    assert (first.address, first.layout) == ("h:1", _layout(0))
-    assert (second.address, second.layout) == ("h:2", _layout(1))
-    assert dataclasses.replace(second, address="h:1", layout=_layout(0)) == first
+    assert source_addresses(handle) == ["h:1", "h:2"]
     with pytest.raises(KVTransferError, match=r"names 1 senders for tp_size 2") as one:
-        rank_handles(dataclasses.replace(handle, address="h:1"), _layout())
+        source_addresses(dataclasses.replace(handle, address="h:1"))
     assert one.value.code is TransferErrorCode.CORRUPTED
-    tp1 = dataclasses.replace(handle, address="h:1", layout=_layout(0, 1))
-    with pytest.raises(KVTransferError, match=r"tp_size 1 \(prefill\) != tp_size 2") as other:
-        rank_handles(tp1, _layout())
-    assert other.value.code is TransferErrorCode.LAYOUT_MISMATCH
 
 
 def test_the_layout_carries_the_shard_and_refuses_another_by_name() -> None:
@@ -57,7 +54,7 @@ def test_the_layout_carries_the_shard_and_refuses_another_by_name() -> None:
     message = _layout(0).mismatch(_layout(1))
     assert message is not None and message.startswith("tp_rank 0 != 1")
     message = _layout(0, 1).mismatch(_layout(0, 2))
-    assert message is not None and message.startswith("tp_size 1 != 2")
+    assert message is not None and message.startswith("num_kv_heads 2 != 1; tp_size 1 != 2")
     with pytest.raises(ValueError, match=r"tp_rank 2 is not in \[0, tp_size 2\)"):
         _layout(2)
     # An older peer's layout (no tp fields) reads as one rank.
@@ -92,10 +89,11 @@ class _Leases(BlockLeases):
         self.table.checkin(request_id)
 
 
-def _pages(tp_rank: int, fill: bool) -> VllmKVPages:
-    shape = (NUM_BLOCKS, 1, 2 * BLOCK, HEAD_DIM)  # vLLM CPU: per block, one head's K then V
+def _pages(tp_rank: int, fill: bool, tp_size: int = 2) -> VllmKVPages:
+    # vLLM CPU: per block and head, its K then V
+    shape = (NUM_BLOCKS, HEADS // tp_size, 2 * BLOCK, HEAD_DIM)
     layers = [torch.randn(shape) if fill else torch.zeros(shape) for _ in range(LAYERS)]
-    return VllmKVPages(layers, _layout(tp_rank), NUM_BLOCKS)
+    return VllmKVPages(layers, _layout(tp_rank, tp_size), NUM_BLOCKS)
 
 
 async def _side(fill: bool) -> tuple[RankHub, list[RankRuntime]]:
@@ -187,3 +185,59 @@ def test_what_a_rank_cannot_move_is_refused_by_name() -> None:
         hub = RankHub(2)
     with pytest.raises(ValueError, match="kv_backend 'nixl' with tensor_parallel_size > 1"):
         RankKVReceiver(hub, "nixl", ReceiverOptions(1.0))
+
+
+def _page(pages: VllmKVPages, layer: int, block: int) -> torch.Tensor:
+    return pages._layers[layer][block]  # [heads, 2 * block_size, head_dim]
+
+
+def test_one_rank_and_two_ranks_exchange_kv_both_ways_by_head_ranges() -> None:
+    """P TP=1 -> D TP=2: each decode rank reads its head of the one prefill rank's pages (the
+    sender cuts them). P TP=2 -> D TP=1: the one decode engine reads each prefill rank's page
+    into its head range. Both under the one lease table of each prefill side."""
+
+    async def run() -> None:
+        one_p, one_d = _pages(0, True, tp_size=1), _pages(0, False, tp_size=1)
+        (p_hub, p_ranks), (d_hub, d_ranks) = await _side(True), await _side(False)
+        leases_one, leases_two = _Leases(), _Leases()
+        plain = GrpcKVSender(one_p, leases_one)
+        two_senders = RankKVSender(p_hub, "grpc", leases_two, SenderOptions("127.0.0.1", 0))
+        two_receivers = RankKVReceiver(d_hub, "grpc", ReceiverOptions(30.0))
+        one_receiver = ShardReceiver("grpc", one_d, ReceiverOptions(30.0))
+        try:
+            await plain.start()
+            await two_senders.start()
+            leases_one.table.grant("a", [1, 3], 0.0, "token")
+            handle = plain.handle("a", 2, 60.0, "token", b"")
+            stats = await two_receivers.pull(handle, [4, 6])
+            assert stats.num_bytes == 2 * _layout(0, 1).block_bytes  # every head, once
+            for rank in d_ranks:
+                for layer in range(LAYERS):
+                    for src, dst in ((1, 4), (3, 6)):
+                        head = _page(one_p, layer, src)[rank.tp_rank]
+                        assert torch.equal(_page(rank.pages, layer, dst)[0], head)
+            leases_two.table.grant("b", [2, 5], 0.0, "token")
+            handle = two_senders.handle("b", 2, 60.0, "token", b"")
+            stats = await one_receiver.pull(handle, [0, 7])
+            assert stats.num_bytes == 2 * _layout(0, 1).block_bytes
+            for layer in range(LAYERS):
+                for src, dst in ((2, 0), (5, 7)):
+                    heads = [_page(rank.pages, layer, src)[0] for rank in p_ranks]
+                    assert torch.equal(_page(one_d, layer, dst), torch.stack(heads))
+            assert leases_one.readers == leases_two.readers == 0
+            # A handle of a tp_size the pages cannot map: refused by name before any read.
+            three = dataclasses.replace(
+                handle, address="h:1,h:2,h:3", layout=dataclasses.replace(_layout(0), tp_size=3)
+            )
+            with pytest.raises(KVTransferError, match="do not divide") as refused:
+                await two_receivers.pull(three, [0, 7])
+            assert refused.value.code is TransferErrorCode.LAYOUT_MISMATCH
+        finally:
+            await plain.stop()
+            await one_receiver.close()
+            for rank in (*p_ranks, *d_ranks):
+                await asyncio.to_thread(rank.close)
+            await p_hub.close()
+            await d_hub.close()
+
+    asyncio.run(run())

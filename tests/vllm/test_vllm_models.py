@@ -108,36 +108,3 @@ def test_pdserve_profile_measures_a_vllm_worker(
     assert profile.num_blocks == 64 and profile.block_size == 32
     assert profile.prefill.num_samples >= 4 and profile.decode.num_samples >= 4
     assert profile.transfer.num_samples == 2 and profile.transfer_s(1 << 20) > 0
-
-
-def test_a_tp2_worker_serves_colocated_and_refuses_a_tp1_prefills_kv_by_name(
-    vllm_model: Callable[[str], Path],
-    redis_url: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """vLLM's CPU build runs TP=2 here: two rank processes, one core each (this box has one
-    NUMA node, so vLLM's automatic thread binding wants the cores named). Colocated, its greedy
-    output is TP=1's; a TP=1 prefill worker's blocks are refused by name (a shard moves only to
-    the same rank of an engine of the same tp_size)."""
-    import grpc
-
-    model = vllm_model("llama")
-    offline = offline_greedy(model, PROMPTS, GREEDY.max_tokens)  # TP=1
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    tp2 = ("--tensor-parallel-size", "2")
-    with vllm_cluster(model, redis_url, tmp_path, decode_args=tp2) as cluster:
-        decode = cluster.decode[0].address
-
-        async def run() -> list[str | None]:
-            reports = [
-                same_or_near_tie(await colocated(decode, prompt, GREEDY, f"c{i}"), ref, f"{i}")
-                for i, (prompt, ref) in enumerate(zip(PROMPTS, offline, strict=True))
-            ]
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await through_router(cluster.address, PROMPTS[0], GREEDY)
-            assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-            assert "tp_size 2 != 1" in (refused.value.details() or "")
-            return reports
-
-        print("\n".join(r for r in asyncio.run(run()) if r))

@@ -1,0 +1,112 @@
+"""A receiver that takes KV from a prefill engine of any tensor parallelism its pages map to
+(``engine/kv_shards.py``): a pull is the reads ``shard_reads`` names, each from the prefill rank
+that holds its shard, into the heads of these pages that hold it (``KVPages.shard``), by a
+backend receiver over that view (one per view, made on first use).
+
+Used where a tensor-parallel engine's pages are (a vLLM engine's front-end at tensor_parallel_size
+1, every rank's process above: ``vllm_engine/rank_runtime.py``). A tensor-parallel engine's
+handle names its ranks' senders, comma-separated in rank order (``ADDRESS_SEPARATOR``).
+
+The receiver contract (``kvtransfer/base.py``) holds for the whole pull: it returns or raises
+only once every read stopped writing; the first failure, or a cancel, cancels the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Coroutine
+from typing import Any
+
+from engine.kv_layout import KVCacheLayout
+from engine.kv_pages import KVPages
+from engine.kv_shards import shard_mismatch, shard_reads
+from kvtransfer import ReceiverOptions, make_receiver
+from kvtransfer.base import (
+    KVHandle,
+    KVReceiver,
+    KVTransferError,
+    TransferErrorCode,
+    TransferStats,
+)
+from pdserve.common.tracing import TraceContext
+
+ADDRESS_SEPARATOR = ","
+
+
+def source_addresses(handle: KVHandle) -> list[str]:
+    """The handle's senders in rank order: one per rank of its engine (``layout.tp_size``)."""
+    addresses = handle.address.split(ADDRESS_SEPARATOR)
+    if len(addresses) != handle.layout.tp_size or not all(addresses):
+        raise KVTransferError(
+            TransferErrorCode.CORRUPTED,
+            f"handle address {handle.address!r} names {len(addresses)} senders for tp_size "
+            f"{handle.layout.tp_size}",
+        )
+    return addresses
+
+
+class ShardReceiver(KVReceiver):
+    def __init__(self, backend: str, pages: KVPages, options: ReceiverOptions) -> None:
+        super().__init__(pages)
+        self.backend = backend
+        self._options = options
+        self._receivers: dict[KVCacheLayout, KVReceiver] = {}
+
+    def layout_refusal(self, layout: KVCacheLayout) -> str | None:
+        return shard_mismatch(layout, self.layout)
+
+    async def pull(
+        self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
+    ) -> TransferStats:
+        self.check_handle(handle, block_ids)
+        addresses = source_addresses(handle)
+        reads = shard_reads(handle.layout, self.layout)
+        return await pull_all(
+            [
+                self._receiver(read.layout).pull(
+                    dataclasses.replace(
+                        handle, address=addresses[read.source_rank], layout=read.layout
+                    ),
+                    block_ids,
+                    trace,
+                )
+                for read in reads
+            ]
+        )
+
+    def _receiver(self, layout: KVCacheLayout) -> KVReceiver:
+        receiver = self._receivers.get(layout)
+        if receiver is None:
+            receiver = make_receiver(self.backend, self.cache.shard(layout), self._options)
+            self._receivers[layout] = receiver
+        return receiver
+
+    async def retain_peers(self, kv_addresses: set[str]) -> None:
+        ranks = {a for joined in kv_addresses for a in joined.split(ADDRESS_SEPARATOR)}
+        for receiver in self._receivers.values():
+            await receiver.retain_peers(ranks)
+
+    async def close(self) -> None:
+        for receiver in self._receivers.values():
+            await receiver.close()
+
+
+async def pull_all(pulls: list[Coroutine[Any, Any, TransferStats]]) -> TransferStats:
+    """Runs the reads of one pull together; returns or raises once none is writing (the first
+    failure, or a cancel of the caller, cancels the others and waits for them)."""
+    if len(pulls) == 1:
+        return await pulls[0]
+    tasks = [asyncio.ensure_future(p) for p in pulls]
+    try:
+        done = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        while not all(task.done() for task in tasks):
+            try:
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError:
+                continue  # cancelled again: still not before the reads stopped writing
+        raise
+    return TransferStats(sum(s.num_bytes for s in done), max(s.duration_s for s in done))

@@ -1,0 +1,145 @@
+"""Tensor parallelism of unequal sizes on the vLLM engine, real processes behind the router: a
+TP=1 prefill worker with a TP=2 decode worker, and a TP=2 prefill worker with a TP=1 decode
+worker (the tiny llama's 2 KV heads: one per rank at TP=2). Each decode rank reads the heads
+its shard holds from the prefill rank(s) that hold them (``engine/kv_shards.py``).
+
+- Greedy and seeded streams equal the decode worker's own colocated run (the decode side's
+  tensor parallelism computes every output token); the prefill side's other split changes the
+  KV only by float rounding, so a difference is allowed only at a near-tie, and reported.
+- The decode pool computes no prompt token; every block of both workers comes back.
+- A handle of a tensor parallelism the decode worker cannot map is refused by name.
+
+vLLM's CPU build runs TP=2 here with the cores named (this box has one NUMA node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from pdserve.app.local_cluster import LocalCluster
+from pdserve.common.convert import sampling_to_proto
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from tests.faults.faults_util import stats
+from tests.services.harness import wait_for
+from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
+from tests.vllm.vllm_util import colocated, offline_greedy, same_or_near_tie, through_router
+
+TP2 = ("--tensor-parallel-size", "2")
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(
+    max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=11, ignore_eos=True, logprobs=2
+)
+PROMPTS = [[(29 * i + 13 * k) % 900 + 3 for i in range(n)] for k, n in enumerate((7, 70))]
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    request: pytest.FixtureRequest,
+    vllm_model: Callable[[str], Path],
+    redis_url: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LocalCluster]:
+    """One cluster per pair of sizes, shared by the tests that name it."""
+    prefill_tp, decode_tp = request.param
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank, on every worker
+        cluster = vllm_cluster(
+            vllm_model("llama"),
+            redis_url,
+            tmp_path_factory.mktemp(f"vllm-p{prefill_tp}-d{decode_tp}"),
+            prefill_args=TP2 if prefill_tp == 2 else (),
+            decode_args=TP2 if decode_tp == 2 else (),
+        )
+        with cluster as running:
+            yield running
+
+
+async def _idle(cluster: LocalCluster) -> None:
+    async def idle() -> bool:
+        for worker in (*cluster.prefill, *cluster.decode):
+            s = await stats(worker)
+            if (s.num_pinned, s.num_running, s.num_waiting, s.num_inflight) != (0, 0, 0, 0):
+                return False
+        return True
+
+    await wait_for(idle, 60.0, "both workers idle")
+
+
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1)], ids=["p1-d2", "p2-d1"], indirect=True)
+def test_unequal_tensor_parallelism_streams_equal_the_decode_workers_own_run(
+    cluster: LocalCluster, vllm_model: Callable[[str], Path]
+) -> None:
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    offline = offline_greedy(vllm_model("llama"), PROMPTS, GREEDY.max_tokens)  # TP=1
+
+    async def run() -> list[str]:
+        tp = ((await stats(prefill)).layout.tp_size, (await stats(decode)).layout.tp_size)
+        assert tp in ((1, 2), (2, 1))
+        await _idle(cluster)
+        free = [(await stats(w)).num_free_blocks for w in (prefill, decode)]
+        computed = (await stats(decode)).num_prompt_tokens_computed
+        served = {
+            (i, name): await through_router(cluster.address, prompt, params)
+            for i, prompt in enumerate(PROMPTS)
+            for name, params in (("greedy", GREEDY), ("seeded", SEEDED))
+        }
+        assert (await stats(decode)).num_prompt_tokens_computed == computed
+        reports = []
+        for i, prompt in enumerate(PROMPTS):
+            for name, params in (("greedy", GREEDY), ("seeded", SEEDED)):
+                label = f"P TP={tp[0]} -> D TP={tp[1]}, {len(prompt)} tokens, {name}"
+                got = served[i, name]
+                assert len(got.token_ids) == params.max_tokens, label
+                own = await colocated(decode.address, prompt, params, f"c{i}{name}")
+                reports.append(same_or_near_tie(got, own, label))
+            reports.append(same_or_near_tie(served[i, "greedy"], offline[i], "offline TP=1"))
+        await _idle(cluster)
+        assert [(await stats(w)).num_free_blocks for w in (prefill, decode)] == free
+        return [r for r in reports if r]
+
+    print("\n".join(asyncio.run(run())))
+
+
+@pytest.mark.parametrize("cluster", [(1, 2)], ids=["p1-d2"], indirect=True)
+def test_a_handle_of_a_tensor_parallelism_the_decode_worker_cannot_map_is_refused_by_name(
+    cluster: LocalCluster,
+) -> None:
+    prefill, decode = cluster.prefill[0], cluster.decode[0]
+    prompt = PROMPTS[1][: 2 * BLOCK_SIZE + 3]
+
+    async def run() -> None:
+        await _idle(cluster)
+        free = (await stats(decode)).num_free_blocks
+        async with grpc.aio.insecure_channel(prefill.address) as channel:
+            request = prefill_pb2.PrefillRequest(
+                request_id="tp3", prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY)
+            )
+            prefilled = await prefill_pb2_grpc.PrefillWorkerStub(channel).Prefill(request)
+        handle = prefilled.handle
+        handle.layout.tp_size = 3  # as if the prefill engine ran 3 ranks
+        async with grpc.aio.insecure_channel(decode.address) as channel:
+            request = decode_pb2.DecodeRequest(
+                request_id="tp3",
+                prompt_token_ids=prompt,
+                sampling=sampling_to_proto(GREEDY),
+                handle=handle,
+                first_token_id=prefilled.first_token_id,
+                prefill_address=prefill.address,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in decode_pb2_grpc.DecodeWorkerStub(channel).Decode(request):
+                    pass
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "tp_size 3 (prefill) and tp_size 2 (decode) do not divide" in (
+            refused.value.details() or ""
+        )
+        await _idle(cluster)  # the prefill side's lease ended (released or expired)
+        assert (await stats(decode)).num_free_blocks == free
+
+    asyncio.run(run())
