@@ -22,6 +22,18 @@ from vllm_engine.rank_hub import RankHub
 
 # Loading the model in every rank, then profiling its memory, may take minutes on a busy box.
 RANKS_READY_TIMEOUT_S = 60.0
+V2_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def check_model_runner(use_v2_model_runner: bool) -> None:
+    """Refuses vLLM's Model Runner V2 by name: its logits processors are not pdserve's."""
+    if use_v2_model_runner:
+        raise ValueError(
+            f"vLLM chose its Model Runner V2 ({V2_RUNNER_VARIABLE}="
+            f"{os.environ.get(V2_RUNNER_VARIABLE, '')!r}, or a feature that needs it): "
+            f"pdserve's sampler runs in the V1 model runner; unset {V2_RUNNER_VARIABLE} or "
+            "set it to 0"
+        )
 
 
 async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEngine:
@@ -72,8 +84,14 @@ def _load(
 
     from vllm_engine.events import CachedBlocks
 
+    # pdserve's sampler is a V1 logits processor (``vllm_engine/sampler.py``): Model Runner V2,
+    # vLLM 0.32's default on CUDA, takes another interface. The V1 runner unless the operator
+    # chose otherwise, and then a refusal by name before the model loads.
+    os.environ.setdefault(V2_RUNNER_VARIABLE, "0")
     args = engine_args(config, target, on_cpu=current_platform.is_cpu())
-    llm = LLMEngine.from_engine_args(EngineArgs(**args))
+    vllm_config = EngineArgs(**args).create_engine_config()
+    check_model_runner(vllm_config.use_v2_model_runner)
+    llm = LLMEngine.from_vllm_config(vllm_config, disable_log_stats=True)
     return VllmEngine(
         llm,
         bridge,

@@ -188,3 +188,32 @@ def test_the_vllm_internals_pdserve_relies_on_are_there() -> None:
         assert callable(getattr(KVConnectorBase_V1, hook)), hook
     assert parallel_state.get_tensor_model_parallel_rank
     assert parallel_state.get_tensor_model_parallel_world_size
+    # Unequal tensor parallelism cuts CPU pages by heads: block-major, heads outermost.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_layout import KVCacheLayout as VllmCacheLayout
+
+    assert CPUAttentionBackend.supported_kv_cache_layouts() == (VllmCacheLayout.LBHNC,)
+
+
+def test_model_runner_v2_is_refused_by_the_variable_that_chooses_it(
+    vllm_model,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA vLLM 0.32 defaults to Model Runner V2, whose logits processors are not the
+    interface pdserve's sampler implements: pdserve asks for the V1 runner (the variable at 0
+    unless the operator set it), and V2 chosen all the same is refused by name before the
+    model loads (vllm_engine/builder.py). This CPU build has no Triton, so vLLM itself refuses
+    V2 here; a GPU check (scripts/gpu_check.sh) starts on CUDA."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_engine.builder import V2_RUNNER_VARIABLE, check_model_runner
+
+    assert isinstance(VllmConfig.__dict__["use_v2_model_runner"], property)
+    monkeypatch.setenv(V2_RUNNER_VARIABLE, "1")
+    with pytest.raises(ValueError, match=r"VLLM_USE_V2_MODEL_RUNNER='1'.*set it to 0"):
+        check_model_runner(True)
+    monkeypatch.setenv(V2_RUNNER_VARIABLE, "0")
+    config = EngineArgs(model=str(vllm_model("llama")), block_size=32).create_engine_config()
+    assert not config.use_v2_model_runner
+    check_model_runner(config.use_v2_model_runner)
