@@ -6,6 +6,7 @@ Only the CLI/settings layer reads argv or the environment; everything below take
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from engine.dtypes import DTYPE_NAMES
@@ -144,6 +145,9 @@ def block_size_for(given: int | None, backend: EngineBackend) -> int:
     return DEFAULT_BLOCK_SIZES[backend] if given is None else given
 
 
+_CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+
+
 @dataclass(frozen=True)
 class VllmOptions:
     """Options only the vLLM engine has, passed to vLLM under the same names."""
@@ -154,10 +158,23 @@ class VllmOptions:
     gpu_memory_utilization: float | None = None
     quantization: str | None = None  # vLLM's weight quantization method (None: the checkpoint's)
     enforce_eager: bool = False  # no CUDA graphs / torch.compile
+    # On CPU: each rank's cores, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax ("0-1|2-3": rank 0
+    # on cores 0 and 1, ...). None: vLLM's own (or `pdserve up`'s share of this machine).
+    cpu_omp_threads_bind: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        bind = self.cpu_omp_threads_bind
+        if bind is not None and bind not in ("auto", "nobind"):
+            ranks = bind.split("|")
+            if len(ranks) != self.tensor_parallel_size or not all(
+                _CORE_LIST.fullmatch(r) for r in ranks
+            ):
+                raise ValueError(
+                    f"cpu_omp_threads_bind {bind!r}: one core list per rank (tensor_parallel_size "
+                    f"{self.tensor_parallel_size}), '|' between ranks, as '0-1|2,3'"
+                )
         gmu = self.gpu_memory_utilization
         if gmu is not None and not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gmu}")

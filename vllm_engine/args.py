@@ -28,6 +28,7 @@ class ConnectorTarget:
     fingerprint: str
     vllm_version: str
     hub_address: str = ""  # "": the one rank runs in the engine's process
+    process_name: str = "pdserve"  # the worker's (ps): its ranks are "<it> vllm rank <r>"
 
 
 def engine_args(config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool) -> dict[str, Any]:
@@ -72,6 +73,7 @@ def engine_args(config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool) 
                 "pdserve_hub": target.hub_address,
                 "pdserve_fingerprint": target.fingerprint,
                 "pdserve_vllm": target.vllm_version,
+                "pdserve_name": target.process_name,
             },
         },
         # Events on; the engine replaces the null publisher with its own (vllm_engine.events).

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 
+import setproctitle
+
 from engine.block_hash import root_hash
 from engine.checkpoint import CheckpointInfo
 from engine.config import EngineBackend, EngineConfig
@@ -53,7 +55,9 @@ async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEng
     try:
         if hub is not None:
             await hub.start()
-        target = ConnectorTarget(bridge.id, fingerprint, version, hub.address if hub else "")
+        hub_address = hub.address if hub else ""
+        name = setproctitle.getproctitle()
+        target = ConnectorTarget(bridge.id, fingerprint, version, hub_address, name)
         engine = await asyncio.to_thread(_load, config, hooks, bridge, target, hub)
         if hub is not None:  # each rank said hello while vLLM built it: this is a check
             await hub.wait_ranks(RANKS_READY_TIMEOUT_S)
@@ -78,6 +82,8 @@ def _load(
     if hub is not None:
         # Ranks start fresh interpreters: a fork would copy this process's live gRPC threads.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if config.vllm.cpu_omp_threads_bind is not None:  # each rank's cores (CPU), as given
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpu_omp_threads_bind
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine

@@ -27,6 +27,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import setproctitle
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -149,6 +150,9 @@ class PdserveConnector(KVConnectorBase_V1):
         if self._bridge is not None:
             self._bridge.kv_pages = pages
             return
+        # Named for what it is in ps/top/py-spy (vLLM called it VLLM::Worker_TP<r>).
+        name = self._kv_transfer_config.kv_connector_extra_config.get("pdserve_name", "pdserve")
+        setproctitle.setproctitle(f"{name} vllm rank {tp_rank}")
         socket_dir = os.path.dirname(self._hub_address.removeprefix("unix://"))
         self._runtime = RankRuntime(pages, tp_rank, self._hub_address, socket_dir)
         self._runtime.start()

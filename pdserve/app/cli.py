@@ -48,11 +48,14 @@ def _serve(service: Service, config: ServerConfig, role: Role, *, reflect: bool 
 
 def _cmd_service(args: argparse.Namespace) -> int:
     from pdserve.app.components import build_service
+    from pdserve.app.supervised import follow_lifeline, name_process, process_title
 
     if args.command == "serve-config":
         config = settings.stdin_config()
+        follow_lifeline(sys.stdin)
     else:
         config = settings.service_config(Role(args.command), args)
+    name_process(process_title(config))
     spec = build_service(config)
     code = _serve(spec.service, spec.server, spec.role, reflect=spec.reflect)
     return 1 if spec.service.failure is not None else code

@@ -10,11 +10,14 @@ registry and the prefix index rebuild from the workers' own state.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +38,17 @@ DISABLED_COMMANDS = (
     "SHUTDOWN",
     "ACL",
 )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_starter() -> None:
+    """In the child, before exec: SIGTERM once the thread that started it is gone (this
+    process's main thread, or the supervisor's thread, which lives until ``stop``), so no
+    redis-server outlives a supervisor killed with SIGKILL. Linux; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def redis_server_binary() -> str:
@@ -89,7 +103,12 @@ class EmbeddedRedis:
         with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write("\n".join(lines) + "\n")
         args = [redis_server_binary(), conf]
-        self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+        self._process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            process_group=0,  # a terminal's Ctrl-C stops the cluster in order, Redis last
+            preexec_fn=_die_with_starter,
+        )
         deadline = time.monotonic() + self.ready_timeout_s
         while not self._answers_ping():
             if self._process.poll() is not None or time.monotonic() > deadline:

@@ -11,10 +11,8 @@ that line (bounded), so no caller ever sleeps to guess readiness.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -26,6 +24,8 @@ from pathlib import Path
 from types import TracebackType
 
 from pdserve.app import settings
+from pdserve.app.component import Component, start_component
+from pdserve.app.cpu_share import CoreShare, WorkerConfig
 from pdserve.app.settings import ServiceConfig
 from pdserve.common.role import Role
 from router.config import RouterConfig
@@ -77,53 +77,6 @@ def restart_delay_s(num_restarts: int, first_s: float, max_s: float) -> float:
     return float(min(first_s * 2**num_restarts, max_s))
 
 
-@dataclass
-class Component:
-    name: str
-    config: ServiceConfig  # what the process was handed, its incarnation's worker id included
-    process: subprocess.Popen[str]
-    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
-    address: str = ""
-    metrics_address: str = ""
-    http_address: str = ""  # the router's OpenAI API, when on
-    num_restarts: int = 0
-
-    def __post_init__(self) -> None:
-        threading.Thread(target=self._read, daemon=True).start()
-
-    @property
-    def role(self) -> Role:
-        return settings.role_of(self.config)
-
-    @property
-    def worker_id(self) -> str:
-        """Its registry id ("" for the router)."""
-        return "" if isinstance(self.config, RouterConfig) else self.config.worker_id or ""
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def wait_ready(self, timeout_s: float) -> str:
-        while True:
-            try:
-                line = self.lines.get(timeout=timeout_s)
-            except queue.Empty:
-                raise TimeoutError(f"{self.name} not ready within {timeout_s} s") from None
-            if line is None:
-                raise RuntimeError(f"{self.name} exited with {self.process.wait()} before ready")
-            words = line.split()
-            if len(words) == 4 and words[0] == "pdserve" and words[2] == "metrics":
-                self.metrics_address = words[3]
-            if len(words) == 4 and words[0] == "pdserve" and words[2] == "http":
-                self.http_address = words[3]
-            if len(words) == 4 and words[0] == "pdserve" and words[2] == "ready":
-                self.address = words[3]
-                return self.address
-
-
 class LocalCluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -136,6 +89,9 @@ class LocalCluster:
         self.num_restarts = 0  # over all components
         # Each component's last-known workers (a restart during a Redis outage reads them).
         self._state_dir = tempfile.TemporaryDirectory(prefix="pdserve-up-")
+        # vLLM ranks get cores of their own (vLLM's default binds each to a whole NUMA node).
+        skip = settings.environment_vllm_cpu_bind() is not None
+        self._cores = CoreShare(sorted(os.sched_getaffinity(0)), skip)
 
     def _redis_args(self, name: str) -> list[str]:
         cfg = self.config
@@ -177,42 +133,16 @@ class LocalCluster:
         if cfg.peer_token:
             server = dataclasses.replace(config.server, peer_token=cfg.peer_token)
             config = dataclasses.replace(config, server=server)
-        stderr = None
-        if cfg.log_dir is not None:
-            cfg.log_dir.mkdir(parents=True, exist_ok=True)
-            stderr = (cfg.log_dir / f"{name}.log").open("a" if restarts else "w")
-        command = [sys.executable, "-m", "pdserve.cli", "--log-level", cfg.log_level]
-        try:
-            process = subprocess.Popen(
-                [*command, "serve-config"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        finally:
-            if stderr is not None:
-                stderr.close()  # the child has its own copy
-        assert process.stdin is not None
-        # A few KB, within a pipe's buffer; a child that died at once reports through its exit.
-        with contextlib.suppress(BrokenPipeError):
-            process.stdin.write(settings.to_json(config))
-        with contextlib.suppress(BrokenPipeError):
-            process.stdin.close()
-        component = Component(name, config, process)
-        component.num_restarts = restarts
-        return component
+        return start_component(name, config, cfg.log_dir, cfg.log_level, restarts)
 
     def _group(self, role: Role) -> list[Component]:
         return self.prefill if role is Role.PREFILL else self.decode
 
-    def spawn_worker(self, role: Role, extra_args: tuple[str, ...] = ()) -> Component:
-        """Starts one more prefill or decode worker (not waited for). Bad flags: ValueError."""
+    def _worker_config(
+        self, role: Role, name: str, extra_args: tuple[str, ...] = ()
+    ) -> WorkerConfig:
         cfg = self.config
         args = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
-        with self._lock:
-            name = f"{role.value}-{len(self._group(role))}"
         args += self._redis_args(name)
         if role is Role.PREFILL:
             args += ["--kv-port", "0", *cfg.prefill_args]
@@ -222,6 +152,14 @@ class LocalCluster:
                 args += ["--prefill-peers", ",".join(w.address for w in self.prefill)]
             args += list(cfg.decode_args)
         config = settings.parse_service_flags(role, [*args, *extra_args], with_environment=True)
+        assert not isinstance(config, RouterConfig)
+        return config
+
+    def spawn_worker(self, role: Role, extra_args: tuple[str, ...] = ()) -> Component:
+        """Starts one more prefill or decode worker (not waited for). Bad flags: ValueError."""
+        with self._lock:
+            name = f"{role.value}-{len(self._group(role))}"
+        config = self._cores.bind(self._worker_config(role, name, extra_args))
         with self._lock:
             component = self._spawn(name, config)
             self._group(role).append(component)
@@ -259,6 +197,8 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         cfg = self.config
+        planned = [(Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)]
+        self._cores.plan([(self._worker_config(role, role.value), n) for role, n in planned if n])
         try:
             for _ in range(cfg.num_prefill):
                 self.spawn_worker(Role.PREFILL)
@@ -311,6 +251,7 @@ class LocalCluster:
         0 (it was asked to: ``pdserve drain``), starts it again."""
         cfg = self.config
         code = component.process.wait()
+        component.cut_lifeline()
         if code == 0 or component in self._draining:  # asked to stop (drain, scale-down)
             return
         while not self._stopping.is_set() and component.num_restarts < cfg.max_restarts:
@@ -357,11 +298,12 @@ class LocalCluster:
         return new
 
     def stop(self) -> dict[str, int]:
-        """SIGTERM (graceful drain), router first; SIGKILL past stop_timeout_s. Exit codes."""
+        """SIGTERM (a graceful drain) to the workers, then the router: the workers finish their
+        streams while the router still relays them. SIGKILL past stop_timeout_s. Exit codes."""
         self._stopping.set()
         codes: dict[str, int] = {}
         with self._lock:
-            groups = ([self.router] if self.router else [], [*self.prefill, *self.decode])
+            groups = ([*self.prefill, *self.decode], [self.router] if self.router else [])
         for group in groups:
             for c in group:
                 if c.process.poll() is None:
@@ -372,6 +314,7 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     c.process.kill()
                     codes[c.name] = c.process.wait()
+                c.cut_lifeline()
         self._state_dir.cleanup()
         return codes
 

@@ -50,11 +50,16 @@ async def generate_many(
         return list(await asyncio.gather(*(generate(stub, r, timeout_s=300) for r in requests)))
 
 
-def start_up(*flags: str, seen: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
+def start_up(
+    *flags: str, seen: list[str] | None = None, terminal: bool = False
+) -> tuple[subprocess.Popen[str], str]:
     """Runs ``pdserve up FLAGS`` and returns the process and the router address it announced.
-    ``seen``: gets every line printed up to the ready line."""
+    ``seen``: gets every line printed up to the ready line. ``terminal``: in a process group
+    of its own, as a shell's foreground job (a Ctrl-C is ``os.killpg(pid, SIGINT)``)."""
     command = [sys.executable, "-m", "pdserve.cli", "up", *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, process_group=0 if terminal else None
+    )
     assert process.stdout is not None
     for line in process.stdout:
         if seen is not None:

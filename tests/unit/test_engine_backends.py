@@ -160,14 +160,16 @@ def test_vllm_gets_pdserves_settings_under_its_own_names() -> None:
         "pdserve_hub": "",
         "pdserve_fingerprint": "fp",
         "pdserve_vllm": "0.32.0",
+        "pdserve_name": "pdserve",
     }
     assert "distributed_executor_backend" not in args
     # Tensor parallelism: the ranks dial the hub; vLLM's own multiprocess executor, never Ray's.
     tp = EngineConfig("/m", backend=VLLM, vllm=VllmOptions(tensor_parallel_size=2))
-    tp_target = ConnectorTarget("b", "fp", "0.32.0", "unix:///run/hub.sock")
+    tp_target = ConnectorTarget("b", "fp", "0.32.0", "unix:///run/hub.sock", "pdserve decode-0")
     tp_args = engine_args(tp, tp_target, on_cpu=False)
     extra = tp_args["kv_transfer_config"]["kv_connector_extra_config"]
     assert extra["pdserve_hub"] == "unix:///run/hub.sock"
+    assert extra["pdserve_name"] == "pdserve decode-0"  # its ranks: "... vllm rank <r>"
     assert tp_args["distributed_executor_backend"] == "mp"
     # On a CPU with no budget given, the native engine's default budget, not vLLM's RAM grab.
     cpu = engine_args(EngineConfig("/m", backend=VLLM), target, on_cpu=True)

@@ -186,15 +186,19 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
 
 
 def _ranks(pid: int) -> list[psutil.Process]:
-    """A worker's vLLM rank processes (vLLM names them ``VLLM::Worker_TP<r>``)."""
-    found = []
+    """A worker's vLLM rank processes, in rank order: each named ``<the worker's name> vllm
+    rank <r>`` (``pdserve decode-0-3f9a1c vllm rank 1``) in ps, top and py-spy."""
+    title = " ".join(psutil.Process(pid).cmdline()).strip()
+    found = {}
     for child in psutil.Process(pid).children(recursive=True):
         try:
-            if "Worker_TP" in " ".join([child.name(), *child.cmdline()]):
-                found.append(child)
+            command = " ".join(child.cmdline()).strip()
         except psutil.NoSuchProcess:
             continue
-    return found
+        if command.startswith(f"{title} vllm rank "):
+            found[int(command.rsplit(" ", 1)[1])] = child
+    assert title.startswith("pdserve ") and sorted(found) in ([], [0, 1]), (title, found)
+    return [found[r] for r in sorted(found)]
 
 
 def _gone(process: psutil.Process) -> bool:

@@ -9,7 +9,8 @@ its shard holds from the prefill rank(s) that hold them (``engine/kv_shards.py``
 - The decode pool computes no prompt token; every block of both workers comes back.
 - A handle of a tensor parallelism the decode worker cannot map is refused by name.
 
-vLLM's CPU build runs TP=2 here with the cores named (this box has one NUMA node).
+vLLM's CPU build runs TP=2 here with the cores named (this box has one NUMA node): the local
+cluster names them (``pdserve/app/cpu_share.py``).
 """
 
 from __future__ import annotations
@@ -47,17 +48,16 @@ def cluster(
 ) -> Iterator[LocalCluster]:
     """One cluster per pair of sizes, shared by the tests that name it."""
     prefill_tp, decode_tp = request.param
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank, on every worker
-        cluster = vllm_cluster(
-            vllm_model("llama"),
-            redis_url,
-            tmp_path_factory.mktemp(f"vllm-p{prefill_tp}-d{decode_tp}"),
-            prefill_args=TP2 if prefill_tp == 2 else (),
-            decode_args=TP2 if decode_tp == 2 else (),
-        )
-        with cluster as running:
-            yield running
+    # No VLLM_CPU_OMP_THREADS_BIND: the cluster gives each rank its cores (one NUMA node here,
+    # where vLLM's own binding would refuse TP=2): 3 ranks on 2 cores, in turn.
+    with vllm_cluster(
+        vllm_model("llama"),
+        redis_url,
+        tmp_path_factory.mktemp(f"vllm-p{prefill_tp}-d{decode_tp}"),
+        prefill_args=TP2 if prefill_tp == 2 else (),
+        decode_args=TP2 if decode_tp == 2 else (),
+    ) as running:
+        yield running
 
 
 async def _idle(cluster: LocalCluster) -> None:

@@ -31,6 +31,7 @@ from pdserve.app.settings.flags import (
     add_tracing_flags,
     env_name,
     environment_peer_token,
+    environment_vllm_cpu_bind,
     redis_config,
     server_config,
     tls_config,
@@ -61,6 +62,7 @@ __all__ = [
     "engine_config",
     "env_name",
     "environment_peer_token",
+    "environment_vllm_cpu_bind",
     "from_json",
     "parse_service_flags",
     "redis_config",
@@ -121,6 +123,7 @@ def parse_service_flags(
 
 
 def stdin_config() -> ServiceConfig:
-    """The whole config a supervisor (``pdserve up``) wrote to this process's stdin as JSON
-    (``settings/serialized.py``); ValueError naming what is wrong."""
-    return from_json(sys.stdin.read())
+    """The whole config a supervisor (``pdserve up``) wrote to the first line of this
+    process's stdin as JSON (``settings/serialized.py``; the rest of stdin is its lifeline,
+    ``pdserve/app/supervised.py``); ValueError naming what is wrong."""
+    return from_json(sys.stdin.readline())

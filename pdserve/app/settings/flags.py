@@ -184,6 +184,15 @@ def environment_peer_token() -> str:
     return os.environ.get(PEER_TOKEN_ENV, "")
 
 
+VLLM_CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's own variable
+
+
+def environment_vllm_cpu_bind() -> str | None:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` when the operator set it (then ``pdserve up``
+    assigns no cores: the operator's binding stands)."""
+    return os.environ.get(VLLM_CPU_BIND_ENV)
+
+
 def add_redis_flags(
     parser: argparse.ArgumentParser, env: Mapping[str, str] | None, help_text: str
 ) -> None:

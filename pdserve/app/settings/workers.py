@@ -195,6 +195,15 @@ def add_vllm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
         action="store_true",
         help="--engine vllm: no CUDA graphs or torch.compile",
     )
+    add_flag(
+        parser,
+        "--cpu-omp-threads-bind",
+        env,
+        default=default.cpu_omp_threads_bind,
+        help="--engine vllm on CPU: each rank's cores, '|' between ranks ('0-1|2-3'; vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND). Default: vLLM's, or under `pdserve up` each worker's "
+        "share of the machine",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -231,6 +240,7 @@ def vllm_options(args: argparse.Namespace) -> VllmOptions:
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
+        cpu_omp_threads_bind=args.cpu_omp_threads_bind,
     )
 
 
