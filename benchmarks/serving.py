@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from bench_inputs import REPO  # sibling module
-from servers import BASELINE, Load, pdserve_client, pdserve_up, vllm_client, vllm_serve
+from servers import (
+    BASELINE,
+    Load,
+    pdserve_client,
+    pdserve_up,
+    vllm_client,
+    vllm_pd,
+    vllm_serve,
+)
 from servers import warm_up as warm
 
 from pdserve.app.fetch_model import fetch_model
@@ -87,11 +95,12 @@ def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]
     for dtype in args.dtypes.split(","):
         for system in args.systems.split(","):
             print(f"== {system} ({dtype})", flush=True)
-            server = (
-                vllm_serve(args, dtype, model, logs)
-                if system == BASELINE
-                else pdserve_up(system, args, dtype, model, logs)
-            )
+            if system == BASELINE:
+                server = vllm_serve(args, dtype, model, logs)
+            elif system == "vllm-pd":
+                server = vllm_pd(args, dtype, model, logs)
+            else:
+                server = pdserve_up(system, args, dtype, model, logs)
             with server as url:
                 warm(url, vocab)
                 for name, load in loads(args):
@@ -139,7 +148,19 @@ def report(rows: dict[str, Any]) -> None:
 
 
 def goals(rows: dict[str, Any]) -> dict[str, Any]:
-    """Issue 24's goals, in bf16, through vLLM's client, at every load measured."""
+    """Issue 24's goals, in bf16, through vLLM's client, at every load measured; issue 36's
+    in every dtype measured: pdserve-vLLM colocated >= 1.0x ``vllm serve``'s throughput and
+    <= 1.0x its TPOT p90, pdserve-vLLM 1P:1D >= vLLM's own P/D's throughput."""
+    vllm_colocated, vllm_split = [], []
+    for by_load in rows.values():
+        for by_client in by_load.values():
+            by_system = by_client.get("vllm", {})
+            x = ratios(by_system).get("vllm-colocated")
+            if x is not None:
+                vllm_colocated.append(x["req_s"] >= 1.0 and x["tpot_p90_ms"] <= 1.0)
+            ours, theirs = by_system.get("vllm-1p1d"), by_system.get("vllm-pd")
+            if ours and theirs and "error" not in ours and "error" not in theirs:
+                vllm_split.append(ours["req_s"] >= theirs["req_s"])
     colocated, one_p_one_d = [], []
     for by_client in rows.get("bfloat16", {}).values():
         by_system = by_client.get("vllm", {})
@@ -154,6 +175,8 @@ def goals(rows: dict[str, Any]) -> dict[str, Any]:
     return {
         "colocated_at_least_vllm_serve": bool(colocated) and all(colocated),
         "one_p_one_d_at_least_0.8x_colocated": bool(one_p_one_d) and all(one_p_one_d),
+        "vllm_colocated_at_least_vllm_serve": bool(vllm_colocated) and all(vllm_colocated),
+        "vllm_1p1d_at_least_vllm_pd": bool(vllm_split) and all(vllm_split),
     }
 
 

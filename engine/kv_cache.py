@@ -15,7 +15,7 @@ import torch
 
 from engine.dtypes import torch_dtype
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
-from engine.kv_pages import KVPages
+from engine.kv_pages import KVPages, SlabSpans
 from engine.kv_quant import codebook
 
 __all__ = ["KVCache", "KVCacheLayout", "LayerCache"]
@@ -56,6 +56,17 @@ class KVCache(KVPages):
         # of 4 bytes), since torch's index kernels copy uint8 rows a byte at a time (~8x slower).
         self.words = self.tensor.view(torch.int32) if layout.quantized else self.tensor
         self.layers = [self._layer(i) for i in range(layout.num_layers)]
+
+    def spans(self) -> SlabSpans:
+        size = self.layout.slab_block_bytes
+        base, count = self.tensor.data_ptr(), 2 * self.layout.num_layers
+        device = self.tensor.device
+        return SlabSpans(
+            (self.tensor,),
+            tuple(base + s * self.num_blocks * size for s in range(count)),
+            (size,) * count,
+            (device.index or 0) if device.type == "cuda" else 0,
+        )
 
     def _layer(self, layer: int) -> LayerCache:
         lo = self.layout

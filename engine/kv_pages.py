@@ -14,6 +14,7 @@ contract in ``kvtransfer/base.py``: these methods only copy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.kv_layout import KVCacheLayout
@@ -21,6 +22,27 @@ from engine.kv_shards import head_range
 
 if TYPE_CHECKING:
     import torch
+
+
+# A destination block id a pull receives but does not write: a block the engine already holds
+# (vLLM's own prefix hit, shared with other requests). Only pages that hold such blocks get it.
+SKIP_BLOCK = -1
+
+
+@dataclass(frozen=True)
+class SlabSpans:
+    """Where the pages' bytes lie, for one-sided reads (NIXL: ``kvtransfer/nixl_plan.py``):
+    slab ``s`` (``layer * 2 + kv``) of block ``b`` is ``layout.slab_block_bytes`` contiguous
+    bytes at ``bases[s] + b * strides[s]``, inside ``tensors`` (what an agent registers)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    bases: tuple[int, ...]
+    strides: tuple[int, ...]
+    device_id: int = 0  # the CUDA device, 0 on the host
+
+    @property
+    def on_device(self) -> bool:
+        return self.tensors[0].device.type == "cuda"
 
 
 class KVPages(ABC):
@@ -53,6 +75,10 @@ class KVPages(ABC):
             f"these KV pages ({self.layout.page_layout}) are not cut by heads: KV moves only "
             "between engines of the same tensor parallelism"
         )
+
+    def spans(self) -> SlabSpans:
+        """Where each slab lies (for NIXL). Pages that cannot say refuse by name."""
+        raise ValueError(f"these KV pages ({self.layout.page_layout}) have no one-sided spans")
 
     def read_slab(self, layer: int, kv: int, block_ids: list[int]) -> torch.Tensor:
         """Keys (kv 0) or values (kv 1) of one layer: ``[n, *slab_shape]``."""

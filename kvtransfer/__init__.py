@@ -65,8 +65,9 @@ class Backend:
     sender: Callable[[KVPages, BlockLeases, SenderOptions], KVSender]
     receiver: Callable[[KVPages, ReceiverOptions], KVReceiver]
     network: bool = True  # crosses processes (local is in-process only)
-    # Moves any engine's pages (``engine.kv_pages``); else it needs the native engine's
-    # one-tensor cache (NIXL registers it whole, Ray ships it as int32 words).
+    # Moves any engine's pages (``engine.kv_pages``; NIXL reads their slabs where
+    # ``KVPages.spans`` says they lie); else it needs the native engine's one-tensor cache
+    # (Ray ships it as int32 words).
     paged: bool = False
     require: Callable[[], None] | None = None  # raises ImportError with the install command
 
@@ -119,7 +120,7 @@ def _nixl_sender(cache: KVPages, leases: BlockLeases, o: SenderOptions) -> KVSen
     from kvtransfer.nixl_sender import NixlKVSender
 
     return NixlKVSender(
-        _native_cache("nixl", cache),
+        cache,
         leases,
         o.host,
         o.port,
@@ -134,8 +135,7 @@ def _nixl_sender(cache: KVPages, leases: BlockLeases, o: SenderOptions) -> KVSen
 def _nixl_receiver(cache: KVPages, o: ReceiverOptions) -> KVReceiver:
     from kvtransfer.nixl_receiver import NixlKVReceiver
 
-    native = _native_cache("nixl", cache)
-    return NixlKVReceiver(native, o.timeout_s, tls=o.tls, verify=o.verify, ucx_tls=o.ucx_tls)
+    return NixlKVReceiver(cache, o.timeout_s, tls=o.tls, verify=o.verify, ucx_tls=o.ucx_tls)
 
 
 def _nixl_require() -> None:
@@ -151,7 +151,7 @@ REGISTRY: dict[str, Backend] = {
         Backend("grpc", _grpc_sender, _grpc_receiver, paged=True),
         Backend("local", _local_sender, _local_receiver, network=False, paged=True),
         Backend("ray", _ray_sender, _ray_receiver),
-        Backend("nixl", _nixl_sender, _nixl_receiver, require=_nixl_require),
+        Backend("nixl", _nixl_sender, _nixl_receiver, paged=True, require=_nixl_require),
     )
 }
 BACKENDS = tuple(REGISTRY)

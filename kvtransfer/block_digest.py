@@ -13,19 +13,24 @@ import torch
 import xxhash
 
 from engine.kv_cache import KVCache
+from engine.kv_pages import KVPages
 
 
-def block_digest(cache: KVCache, block_ids: list[int]) -> bytes:
-    """16 bytes; the same for the same bytes in the same block order, whatever the block ids."""
+def block_digest(pages: KVPages, block_ids: list[int]) -> bytes:
+    """16 bytes; the same for the same bytes in the same block order, whatever the block ids
+    and whatever the pages' arrangement (the native cache's slabs are hashed in place on the
+    CPU; other pages' are read a slab at a time)."""
     state = xxhash.xxh3_128()
-    layout = cache.layout
+    layout = pages.layout
+    in_place = isinstance(pages, KVCache) and pages.tensor.device.type == "cpu"
     for layer in range(layout.num_layers):
         for kv in (0, 1):
-            if cache.tensor.device.type == "cpu":
-                slab = cache.tensor[layer, kv]
+            if in_place:
+                assert isinstance(pages, KVCache)
+                slab = pages.tensor[layer, kv]
                 for block in block_ids:
                     state.update(slab[block].view(torch.uint8).numpy().data)
-            else:
-                data = cache.read_slab(layer, kv, block_ids).contiguous().cpu()
+            elif block_ids:
+                data = pages.read_slab(layer, kv, block_ids).contiguous().cpu()
                 state.update(data.view(torch.uint8).numpy().data)
     return state.digest()

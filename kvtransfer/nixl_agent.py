@@ -1,4 +1,4 @@
-"""One NIXL agent per worker, over its whole KV cache: the thin shell around ``nixl_cu12``
+"""One NIXL agent per KV cache (its tensors registered whole): the thin shell around ``nixl_cu12``
 the NIXL sender and receiver share (``kvtransfer/nixl_sender.py``, ``nixl_receiver.py``).
 
 NIXL is an optional extra: ``load_nixl`` fails with the install command when it is missing.
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.kv_cache import KVCache
+from engine.kv_pages import KVPages
 from kvtransfer.base import KVTransferError, TransferErrorCode
 from kvtransfer.nixl_plan import Region, Row
 
@@ -62,7 +62,7 @@ class ReadStopped(Exception):
 
 
 class NixlAgent:
-    def __init__(self, role: str, cache: KVCache, ucx_tls: str | None = None) -> None:
+    def __init__(self, role: str, pages: KVPages, ucx_tls: str | None = None) -> None:
         api = load_nixl()
         if ucx_tls:
             os.environ["UCX_TLS"] = ucx_tls  # before UCX starts: it reads it once
@@ -72,12 +72,11 @@ class NixlAgent:
             backends=["UCX"], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
         self._agent: Any = _new_agent(api, self.name, config, PROGRESS_DELAY_US)
-        self.cache = cache
-        tensor = cache.tensor
-        self.mem_type = "VRAM" if tensor.device.type == "cuda" else "DRAM"
-        self._registered = self._agent.register_memory([tensor])  # once: the whole cache
-        device_id = (tensor.device.index or 0) if tensor.device.type == "cuda" else 0
-        self.region = Region(tensor.data_ptr(), cache.num_blocks, device_id)
+        spans = pages.spans()
+        self.mem_type = "VRAM" if spans.on_device else "DRAM"
+        # Once: the whole cache (every layer's tensor); a view's region lies inside it.
+        self._registered = self._agent.register_memory(list(spans.tensors))
+        self.region = region_of(pages)
         # READs in flight per remote agent, and remote agents to remove once they have none:
         # removing one disconnects it, which must not happen under a READ still polling it.
         self._lock = threading.Lock()
@@ -210,6 +209,12 @@ class NixlAgent:
 
     def close(self) -> None:
         self._agent.deregister_memory(self._registered)
+
+
+def region_of(pages: KVPages) -> Region:
+    """Where ``pages``' slabs lie (a view's: inside its base pages' registered memory)."""
+    spans = pages.spans()
+    return Region(spans.bases, spans.strides, pages.num_blocks, spans.device_id)
 
 
 def _new_agent(api: ModuleType, name: str, config: Any, delay_us: int) -> Any:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from engine.kv_cache import KVCache
+from engine.kv_pages import SKIP_BLOCK, KVPages
 from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     KVHandle,
@@ -65,11 +65,10 @@ class _Peer:
 
 class NixlKVReceiver(KVReceiver):
     backend = "nixl"
-    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
 
     def __init__(
         self,
-        cache: KVCache,
+        cache: KVPages,
         timeout_s: float = 60.0,
         tls: TlsConfig | None = None,
         verify: bool = True,
@@ -112,10 +111,14 @@ class NixlKVReceiver(KVReceiver):
         try:
             async with asyncio.timeout(self.timeout_s):
                 peer = await self._peer(handle.address, deadline_s)
+                # A block this engine holds already (SKIP_BLOCK) is neither read nor digested.
+                skip = [i for i, b in enumerate(block_ids) if b == SKIP_BLOCK]
                 request = nixl_pb2.NixlCheckoutRequest(
                     request_id=handle.request_id,
                     lease_token=handle.lease_token,
                     want_digest=self.verify,
+                    receiver_layout=layout_to_proto(self.cache.layout),
+                    skip=skip,
                 )
                 checkout = await self._call(
                     handle.address, _checkout, request, deadline_s, metadata=trace
@@ -139,13 +142,17 @@ class NixlKVReceiver(KVReceiver):
                     raise KVTransferError(
                         TransferErrorCode.UNAVAILABLE, f"{handle.address} restarted again"
                     )
+            kept = [i for i, b in enumerate(block_ids) if b != SKIP_BLOCK]
+            sources = list(checkout.block_ids)
             try:
+                if len(sources) != len(block_ids):
+                    raise ValueError(f"of {len(sources)} blocks for {len(block_ids)}")
                 local_rows, remote_rows = plan_read(
                     self.cache.layout,
                     self.agent.region,
                     peer.region,
-                    list(checkout.block_ids),
-                    block_ids,
+                    [sources[i] for i in kept],
+                    [block_ids[i] for i in kept],
                 )
             except ValueError as exc:  # block ids outside the sender's own cache, or too few
                 raise KVTransferError(
@@ -153,8 +160,9 @@ class NixlKVReceiver(KVReceiver):
                 ) from None
             await self._read(peer, local_rows, remote_rows, min(deadline_s, hold_deadline_s))
             if self.verify:
+                written = [block_ids[i] for i in kept]
                 digest = await finish_in_thread(
-                    block_digest, self.cache, block_ids, executor=transfer_executor()
+                    block_digest, self.cache, written, executor=transfer_executor()
                 )
                 if digest != checkout.digest:
                     raise KVTransferError(
@@ -223,7 +231,12 @@ class NixlKVReceiver(KVReceiver):
                 raise KVTransferError(
                     TransferErrorCode.UNAVAILABLE, f"{address}: NIXL add_remote_agent: {exc}"
                 ) from None
-            region = Region(response.base_address, response.num_blocks, response.device_id)
+            region = Region(
+                tuple(response.slab_bases),
+                tuple(response.slab_strides),
+                response.num_blocks,
+                response.device_id,
+            )
             peer = _Peer(name, response.incarnation, region, response.mem_type)
             self._peers[address] = peer
             logger.info("nixl peer %s: agent %s", address, name)

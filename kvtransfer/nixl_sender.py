@@ -22,16 +22,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.kv_cache import KVCache
+from engine.kv_pages import KVPages
 from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import BlockLeases, BlockRead, KVHandle, KVSender
 from kvtransfer.block_digest import block_digest
-from kvtransfer.nixl_agent import NixlAgent
+from kvtransfer.nixl_agent import NixlAgent, region_of
 from pdserve.common import peer_token, tracing
 from pdserve.common.channels import SERVER_OPTIONS
-from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
+from pdserve.common.convert import layout_from_proto, layout_to_proto
 from pdserve.common.tls import TlsConfig, add_port
-from pdserve.v1 import nixl_pb2, nixl_pb2_grpc
+from pdserve.v1 import common_pb2, nixl_pb2, nixl_pb2_grpc
 
 logger = logging.getLogger(__name__)
 _STOP_GRACE_S = 5.0  # how long stop() lets READs in flight finish before freeing their blocks
@@ -49,11 +49,10 @@ class _Checkout:
 
 class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
     backend = "nixl"
-    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
 
     def __init__(
         self,
-        cache: KVCache,
+        cache: KVPages,
         leases: BlockLeases,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -148,32 +147,45 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
 
         self._digests[request_id] = asyncio.get_running_loop().create_task(held())
 
-    async def _digest(self, request_id: str, block_ids: list[int]) -> bytes:
-        """The digest recorded with the handle, or (none recorded) computed now; either way
-        in a thread, in place: the checked-out blocks cannot change."""
-        recorded = self._digests.get(request_id)
-        if recorded is not None and (digest := await asyncio.shield(recorded)):
+    async def _digest(
+        self, request: nixl_pb2.NixlCheckoutRequest, pages: KVPages, block_ids: list[int]
+    ) -> bytes:
+        """The digest of the blocks the receiver reads: the one recorded with the handle (all
+        of them, whole pages), or computed now; either way in a thread, in place: the
+        checked-out blocks cannot change."""
+        skip = set(request.skip)
+        recorded = self._digests.get(request.request_id)
+        whole = pages is self.cache and not skip and recorded is not None
+        if whole and recorded is not None and (digest := await asyncio.shield(recorded)):
             return digest
-        return await finish_in_thread(
-            block_digest, self.cache, block_ids, executor=transfer_executor()
-        )
+        read = [b for i, b in enumerate(block_ids) if i not in skip]
+        return await finish_in_thread(block_digest, pages, read, executor=transfer_executor())
+
+    async def _shard(
+        self, layout: common_pb2.KVCacheLayout, context: grpc.aio.ServicerContext
+    ) -> KVPages:
+        """The pages holding the shard a receiver reads (engine/kv_shards.py), or an abort."""
+        try:
+            return self.cache.shard(layout_from_proto(layout))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        raise AssertionError("unreachable: abort raises")
 
     async def Handshake(
         self, request: nixl_pb2.NixlHandshakeRequest, context: grpc.aio.ServicerContext
     ) -> nixl_pb2.NixlHandshakeResponse:
-        mismatch = remote_layout_mismatch(self.cache.layout, request.receiver_layout)
-        if mismatch is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
-        agent = self.agent
+        pages = await self._shard(request.receiver_layout, context)
+        agent, region = self.agent, region_of(pages)
         return nixl_pb2.NixlHandshakeResponse(
             agent_name=agent.name,
             agent_metadata=agent.metadata,
             incarnation=agent.incarnation,
-            layout=layout_to_proto(self.cache.layout),
-            base_address=agent.region.base_address,
-            num_blocks=agent.region.num_blocks,
-            device_id=agent.region.device_id,
+            layout=layout_to_proto(pages.layout),
+            num_blocks=region.num_blocks,
+            device_id=region.device_id,
             mem_type=agent.mem_type,
+            slab_bases=region.bases,
+            slab_strides=region.strides,
         )
 
     async def Checkout(
@@ -195,9 +207,12 @@ class NixlKVSender(KVSender, nixl_pb2_grpc.NixlControlServicer):
         block_ids = read.block_ids
         held = False
         try:
-            digest = (
-                await self._digest(request.request_id, block_ids) if request.want_digest else b""
-            )
+            digest = b""
+            if request.want_digest:
+                pages = self.cache
+                if request.HasField("receiver_layout"):
+                    pages = await self._shard(request.receiver_layout, context)
+                digest = await self._digest(request, pages, block_ids)
             checkout_id = uuid.uuid4().hex
             timer = asyncio.get_running_loop().call_later(
                 self.max_pull_s, self._expire, checkout_id

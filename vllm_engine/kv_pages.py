@@ -25,11 +25,7 @@ import torch
 
 from engine.dtypes import ModelDtype
 from engine.kv_layout import KVCacheLayout
-from engine.kv_pages import KVPages
-
-# In ``write_slabs``' block ids: a block the engine already holds (vLLM's own prefix hit,
-# shared with other requests): its slabs are received but not written.
-SKIP_BLOCK = -1
+from engine.kv_pages import SKIP_BLOCK, KVPages, SlabSpans
 
 
 class PageShapeError(ValueError):
@@ -126,6 +122,16 @@ class VllmKVPages(KVPages):
     def heads(self, first: int, layout: KVCacheLayout) -> VllmKVPages:
         offset = self._first_head or 0
         return VllmKVPages(self._layers, layout, self.num_blocks, first_head=offset + first)
+
+    def spans(self) -> SlabSpans:
+        """Each half page (a whole page's or a head range's) is contiguous: slab ``(layer,
+        kv)`` of block ``b`` is at the half's first byte plus ``b`` pages."""
+        itemsize = self._halves[0].element_size()
+        bases = tuple(h[0, kv].data_ptr() for h in self._halves for kv in (0, 1))
+        strides = tuple(h.stride(0) * itemsize for h in self._halves for _ in (0, 1))
+        device = self._halves[0].device
+        device_id = (device.index or 0) if device.type == "cuda" else 0
+        return SlabSpans(tuple(self._layers), bases, strides, device_id)
 
     def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
         self.check_slabs(first, num_slabs)

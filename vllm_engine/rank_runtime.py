@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 HUB_CALL_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 60.0
 _MAX_CANCELLED = 4096
-RANK_BACKENDS = ("grpc",)  # what a rank can move its shard with (docs/engines.md)
+RANK_BACKENDS = ("grpc", "nixl")  # what a rank can move its shard with (docs/engines.md)
 
 
 class HubLeases(BlockLeases):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/nixl.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"J\n\x14NixlHandshakeRequest\x12\x32\n\x0freceiver_layout\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\"\xd2\x01\n\x15NixlHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12)\n\x06layout\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x14\n\x0c\x62\x61se_address\x18\x05 \x01(\x04\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\tdevice_id\x18\x07 \x01(\r\x12\x10\n\x08mem_type\x18\x08 \x01(\t\"S\n\x13NixlCheckoutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\x12\x13\n\x0bwant_digest\x18\x03 \x01(\x08\"s\n\x14NixlCheckoutResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x13\n\x0b\x63heckout_id\x18\x04 \x01(\t\x12\x0e\n\x06hold_s\x18\x05 \x01(\x01\"=\n\x12NixlCheckinRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63heckout_id\x18\x02 \x01(\t\"\x15\n\x13NixlCheckinResponse2\xfa\x01\n\x0bNixlControl\x12P\n\tHandshake\x12 .pdserve.v1.NixlHandshakeRequest\x1a!.pdserve.v1.NixlHandshakeResponse\x12M\n\x08\x43heckout\x12\x1f.pdserve.v1.NixlCheckoutRequest\x1a .pdserve.v1.NixlCheckoutResponse\x12J\n\x07\x43heckin\x12\x1e.pdserve.v1.NixlCheckinRequest\x1a\x1f.pdserve.v1.NixlCheckinResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/nixl.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"J\n\x14NixlHandshakeRequest\x12\x32\n\x0freceiver_layout\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\"\xec\x01\n\x15NixlHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12)\n\x06layout\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x11\n\tdevice_id\x18\x07 \x01(\r\x12\x10\n\x08mem_type\x18\x08 \x01(\t\x12\x12\n\nslab_bases\x18\t \x03(\x04\x12\x14\n\x0cslab_strides\x18\n \x03(\x04J\x04\x08\x05\x10\x06\"\x95\x01\n\x13NixlCheckoutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\x12\x13\n\x0bwant_digest\x18\x03 \x01(\x08\x12\x32\n\x0freceiver_layout\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x0c\n\x04skip\x18\x05 \x03(\r\"s\n\x14NixlCheckoutResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x13\n\x0b\x63heckout_id\x18\x04 \x01(\t\x12\x0e\n\x06hold_s\x18\x05 \x01(\x01\"=\n\x12NixlCheckinRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63heckout_id\x18\x02 \x01(\t\"\x15\n\x13NixlCheckinResponse2\xfa\x01\n\x0bNixlControl\x12P\n\tHandshake\x12 .pdserve.v1.NixlHandshakeRequest\x1a!.pdserve.v1.NixlHandshakeResponse\x12M\n\x08\x43heckout\x12\x1f.pdserve.v1.NixlCheckoutRequest\x1a .pdserve.v1.NixlCheckoutResponse\x12J\n\x07\x43heckin\x12\x1e.pdserve.v1.NixlCheckinRequest\x1a\x1f.pdserve.v1.NixlCheckinResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NIXLHANDSHAKEREQUEST']._serialized_start=62
   _globals['_NIXLHANDSHAKEREQUEST']._serialized_end=136
   _globals['_NIXLHANDSHAKERESPONSE']._serialized_start=139
-  _globals['_NIXLHANDSHAKERESPONSE']._serialized_end=349
-  _globals['_NIXLCHECKOUTREQUEST']._serialized_start=351
-  _globals['_NIXLCHECKOUTREQUEST']._serialized_end=434
-  _globals['_NIXLCHECKOUTRESPONSE']._serialized_start=436
-  _globals['_NIXLCHECKOUTRESPONSE']._serialized_end=551
-  _globals['_NIXLCHECKINREQUEST']._serialized_start=553
-  _globals['_NIXLCHECKINREQUEST']._serialized_end=614
-  _globals['_NIXLCHECKINRESPONSE']._serialized_start=616
-  _globals['_NIXLCHECKINRESPONSE']._serialized_end=637
-  _globals['_NIXLCONTROL']._serialized_start=640
-  _globals['_NIXLCONTROL']._serialized_end=890
+  _globals['_NIXLHANDSHAKERESPONSE']._serialized_end=375
+  _globals['_NIXLCHECKOUTREQUEST']._serialized_start=378
+  _globals['_NIXLCHECKOUTREQUEST']._serialized_end=527
+  _globals['_NIXLCHECKOUTRESPONSE']._serialized_start=529
+  _globals['_NIXLCHECKOUTRESPONSE']._serialized_end=644
+  _globals['_NIXLCHECKINREQUEST']._serialized_start=646
+  _globals['_NIXLCHECKINREQUEST']._serialized_end=707
+  _globals['_NIXLCHECKINRESPONSE']._serialized_start=709
+  _globals['_NIXLCHECKINRESPONSE']._serialized_end=730
+  _globals['_NIXLCONTROL']._serialized_start=733
+  _globals['_NIXLCONTROL']._serialized_end=983
 # @@protoc_insertion_point(module_scope)

@@ -50,10 +50,11 @@ class NixlHandshakeResponse(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
-    BASE_ADDRESS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     DEVICE_ID_FIELD_NUMBER: _builtins.int
     MEM_TYPE_FIELD_NUMBER: _builtins.int
+    SLAB_BASES_FIELD_NUMBER: _builtins.int
+    SLAB_STRIDES_FIELD_NUMBER: _builtins.int
     agent_name: _builtins.str
     agent_metadata: _builtins.bytes
     """nixl_agent.get_agent_metadata(): for add_remote_agent"""
@@ -61,14 +62,22 @@ class NixlHandshakeResponse(_message.Message):
     """A new value every time the sender starts: a peer restarted at the same address is a
     different agent with a different cache, and must be handshaken again.
     """
-    base_address: _builtins.int
-    """the registered cache tensor [layers, 2, num_blocks, ...]"""
     num_blocks: _builtins.int
     device_id: _builtins.int
     mem_type: _builtins.str
     """DRAM or VRAM"""
     @_builtins.property
-    def layout(self) -> _common_pb2.KVCacheLayout: ...
+    def layout(self) -> _common_pb2.KVCacheLayout:
+        """the shard's: receiver_layout when the sender holds it"""
+
+    @_builtins.property
+    def slab_bases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Slab s (layer * 2 + kv) of block b: layout's slab bytes at slab_bases[s] + b *
+        slab_strides[s] (engine.kv_pages.SlabSpans), inside the agent's registered memory.
+        """
+
+    @_builtins.property
+    def slab_strides(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -76,14 +85,15 @@ class NixlHandshakeResponse(_message.Message):
         agent_metadata: _builtins.bytes = ...,
         incarnation: _builtins.str = ...,
         layout: _common_pb2.KVCacheLayout | None = ...,
-        base_address: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         device_id: _builtins.int = ...,
         mem_type: _builtins.str = ...,
+        slab_bases: _abc.Iterable[_builtins.int] | None = ...,
+        slab_strides: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "base_address", b"base_address", "device_id", b"device_id", "incarnation", b"incarnation", "layout", b"layout", "mem_type", b"mem_type", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "agent_name", b"agent_name", "device_id", b"device_id", "incarnation", b"incarnation", "layout", b"layout", "mem_type", b"mem_type", "num_blocks", b"num_blocks", "slab_bases", b"slab_bases", "slab_strides", b"slab_strides"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -96,20 +106,34 @@ class NixlCheckoutRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     LEASE_TOKEN_FIELD_NUMBER: _builtins.int
     WANT_DIGEST_FIELD_NUMBER: _builtins.int
+    RECEIVER_LAYOUT_FIELD_NUMBER: _builtins.int
+    SKIP_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     lease_token: _builtins.str
     want_digest: _builtins.bool
     """the receiver verifies what it read against this digest"""
+    @_builtins.property
+    def receiver_layout(self) -> _common_pb2.KVCacheLayout:
+        """The shard the receiver reads (its handshake's receiver_layout): the digest is of it."""
+
+    @_builtins.property
+    def skip(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Positions (in the request's block order) the receiver does not read (blocks it holds
+        already): left out of the digest.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         lease_token: _builtins.str = ...,
         want_digest: _builtins.bool = ...,
+        receiver_layout: _common_pb2.KVCacheLayout | None = ...,
+        skip: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_layout", b"receiver_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "request_id", b"request_id", "want_digest", b"want_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_token", b"lease_token", "receiver_layout", b"receiver_layout", "request_id", b"request_id", "skip", b"skip", "want_digest", b"want_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

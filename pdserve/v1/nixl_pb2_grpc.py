@@ -55,8 +55,9 @@ class NixlControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Handshake(self, request, context):
-        """The sender's NIXL agent and where its KV cache lies. FAILED_PRECONDITION (naming both
-        layouts) when receiver_layout differs from the sender's.
+        """The sender's NIXL agent and where the shard receiver_layout names lies in its KV cache
+        (its pages, or a head range of them: engine/kv_shards.py). FAILED_PRECONDITION (naming
+        both layouts) when the sender holds no such shard.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

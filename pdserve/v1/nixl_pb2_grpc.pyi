@@ -35,8 +35,9 @@ class NixlControlStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> NixlControlAsyncStub: ...
     Handshake: _grpc.UnaryUnaryMultiCallable[_nixl_pb2.NixlHandshakeRequest, _nixl_pb2.NixlHandshakeResponse]
-    """The sender's NIXL agent and where its KV cache lies. FAILED_PRECONDITION (naming both
-    layouts) when receiver_layout differs from the sender's.
+    """The sender's NIXL agent and where the shard receiver_layout names lies in its KV cache
+    (its pages, or a head range of them: engine/kv_shards.py). FAILED_PRECONDITION (naming
+    both layouts) when the sender holds no such shard.
     """
     Checkout: _grpc.UnaryUnaryMultiCallable[_nixl_pb2.NixlCheckoutRequest, _nixl_pb2.NixlCheckoutResponse]
     """Holds a leased request's blocks for one READ (until Checkin, at most hold_s). NOT_FOUND
@@ -48,8 +49,9 @@ class NixlControlStub:
 class NixlControlAsyncStub(NixlControlStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Handshake: _aio.UnaryUnaryMultiCallable[_nixl_pb2.NixlHandshakeRequest, _nixl_pb2.NixlHandshakeResponse]  # type: ignore[assignment]
-    """The sender's NIXL agent and where its KV cache lies. FAILED_PRECONDITION (naming both
-    layouts) when receiver_layout differs from the sender's.
+    """The sender's NIXL agent and where the shard receiver_layout names lies in its KV cache
+    (its pages, or a head range of them: engine/kv_shards.py). FAILED_PRECONDITION (naming
+    both layouts) when the sender holds no such shard.
     """
     Checkout: _aio.UnaryUnaryMultiCallable[_nixl_pb2.NixlCheckoutRequest, _nixl_pb2.NixlCheckoutResponse]  # type: ignore[assignment]
     """Holds a leased request's blocks for one READ (until Checkin, at most hold_s). NOT_FOUND
@@ -64,8 +66,9 @@ class NixlControlServicer(metaclass=_abc_1.ABCMeta):
         request: _nixl_pb2.NixlHandshakeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_nixl_pb2.NixlHandshakeResponse, _abc.Awaitable[_nixl_pb2.NixlHandshakeResponse]]:
-        """The sender's NIXL agent and where its KV cache lies. FAILED_PRECONDITION (naming both
-        layouts) when receiver_layout differs from the sender's.
+        """The sender's NIXL agent and where the shard receiver_layout names lies in its KV cache
+        (its pages, or a head range of them: engine/kv_shards.py). FAILED_PRECONDITION (naming
+        both layouts) when the sender holds no such shard.
         """
 
     @_abc_1.abstractmethod

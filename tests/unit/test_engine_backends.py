@@ -49,8 +49,9 @@ def test_each_engines_options_are_refused_by_name_on_the_other() -> None:
     for cache in (CacheConfig(host_cache_gib=1.0), CacheConfig(kv_cache_dtype=KVCacheDtype.INT8)):
         with pytest.raises(ValueError, match="has no meaning for the vllm engine"):
             EngineConfig("m", backend=VLLM, cache=cache)
-    with pytest.raises(ValueError, match="kv_backend 'nixl' needs the native engine's KV cache"):
-        PrefillConfig(engine=EngineConfig("m", backend=VLLM), kv_backend="nixl")
+    with pytest.raises(ValueError, match="kv_backend 'ray' needs the native engine's KV cache"):
+        PrefillConfig(engine=EngineConfig("m", backend=VLLM), kv_backend="ray")
+    PrefillConfig(engine=EngineConfig("m", backend=VLLM), kv_backend="nixl")  # every rank's own
     EngineConfig("m", backend=VLLM, vllm=VllmOptions(tensor_parallel_size=2, quantization="awq"))
 
 

@@ -15,9 +15,14 @@ import pytest
 import torch
 
 from engine.kv_layout import KVCacheLayout
-from kvtransfer import KVTransferError, ReceiverOptions, SenderOptions, TransferErrorCode
+from kvtransfer import (
+    KVTransferError,
+    ReceiverOptions,
+    SenderOptions,
+    TransferErrorCode,
+    make_sender,
+)
 from kvtransfer.base import BlockLeases, KVHandle, prompt_digest
-from kvtransfer.grpc_stream import GrpcKVSender
 from kvtransfer.shard_receiver import ShardReceiver, source_addresses
 from pdserve.common.convert import layout_from_proto, layout_to_proto
 from prefill_service.lease_table import LeaseTable
@@ -183,27 +188,30 @@ def test_a_cancelled_pull_returns_once_every_rank_stopped_writing() -> None:
 def test_what_a_rank_cannot_move_is_refused_by_name() -> None:
     with tempfile.TemporaryDirectory():
         hub = RankHub(2)
-    with pytest.raises(ValueError, match="kv_backend 'nixl' with tensor_parallel_size > 1"):
-        RankKVReceiver(hub, "nixl", ReceiverOptions(1.0))
+    with pytest.raises(ValueError, match="kv_backend 'ray' with tensor_parallel_size > 1"):
+        RankKVReceiver(hub, "ray", ReceiverOptions(1.0))
 
 
 def _page(pages: VllmKVPages, layer: int, block: int) -> torch.Tensor:
     return pages._layers[layer][block]  # [heads, 2 * block_size, head_dim]
 
 
-def test_one_rank_and_two_ranks_exchange_kv_both_ways_by_head_ranges() -> None:
+@pytest.mark.parametrize("backend", ["grpc", "nixl"])
+def test_one_rank_and_two_ranks_exchange_kv_both_ways_by_head_ranges(backend: str) -> None:
     """P TP=1 -> D TP=2: each decode rank reads its head of the one prefill rank's pages (the
-    sender cuts them). P TP=2 -> D TP=1: the one decode engine reads each prefill rank's page
-    into its head range. Both under the one lease table of each prefill side."""
+    sender cuts them; over NIXL, the sender's handshake says where that head range lies). P
+    TP=2 -> D TP=1: the one decode engine reads each prefill rank's page into its head range.
+    Both under the one lease table of each prefill side; NIXL's digests checked per read."""
 
     async def run() -> None:
         one_p, one_d = _pages(0, True, tp_size=1), _pages(0, False, tp_size=1)
         (p_hub, p_ranks), (d_hub, d_ranks) = await _side(True), await _side(False)
         leases_one, leases_two = _Leases(), _Leases()
-        plain = GrpcKVSender(one_p, leases_one)
-        two_senders = RankKVSender(p_hub, "grpc", leases_two, SenderOptions("127.0.0.1", 0))
-        two_receivers = RankKVReceiver(d_hub, "grpc", ReceiverOptions(30.0))
-        one_receiver = ShardReceiver("grpc", one_d, ReceiverOptions(30.0))
+        options = SenderOptions("127.0.0.1", 0)
+        plain = make_sender(backend, one_p, leases_one, options)
+        two_senders = RankKVSender(p_hub, backend, leases_two, options)
+        two_receivers = RankKVReceiver(d_hub, backend, ReceiverOptions(30.0))
+        one_receiver = ShardReceiver(backend, one_d, ReceiverOptions(30.0))
         try:
             await plain.start()
             await two_senders.start()
@@ -224,7 +232,9 @@ def test_one_rank_and_two_ranks_exchange_kv_both_ways_by_head_ranges() -> None:
                 for src, dst in ((2, 0), (5, 7)):
                     heads = [_page(rank.pages, layer, src)[0] for rank in p_ranks]
                     assert torch.equal(_page(one_d, layer, dst), torch.stack(heads))
-            assert leases_one.readers == leases_two.readers == 0
+            async with asyncio.timeout(30.0):  # NIXL checks in after the pull returned
+                while leases_one.readers or leases_two.readers:
+                    await asyncio.sleep(0.01)
             # A handle of a tp_size the pages cannot map: refused by name before any read.
             three = dataclasses.replace(
                 handle, address="h:1,h:2,h:3", layout=dataclasses.replace(_layout(0), tp_size=3)

@@ -1,11 +1,14 @@
-"""Tensor parallelism of unequal sizes on the vLLM engine, real processes behind the router: a
-TP=1 prefill worker with a TP=2 decode worker, and a TP=2 prefill worker with a TP=1 decode
-worker (the tiny llama's 2 KV heads: one per rank at TP=2). Each decode rank reads the heads
-its shard holds from the prefill rank(s) that hold them (``engine/kv_shards.py``).
+"""Tensor-parallel KV transfer on the vLLM engine, real processes behind the router, over gRPC
+and NIXL: a TP=1 prefill worker with a TP=2 decode worker (grpc), a TP=2 prefill worker with a
+TP=1 decode worker (nixl), and TP=2 with TP=2 (nixl) (the tiny llama's 2 KV heads: one per rank
+at TP=2). Each decode rank reads the heads its shard holds from the prefill rank(s) that hold
+them (``engine/kv_shards.py``); over NIXL each rank registers its own pages and reads straight
+into them, the handshake naming where the shard lies in the sender's (``KVPages.spans``).
 
 - Greedy and seeded streams equal the decode worker's own colocated run (the decode side's
-  tensor parallelism computes every output token); the prefill side's other split changes the
-  KV only by float rounding, so a difference is allowed only at a near-tie, and reported.
+  tensor parallelism computes every output token); with unequal TP the prefill side's other
+  split changes the KV only by float rounding, so a difference is allowed only at a near-tie,
+  and reported. Greedy also against vLLM's offline run at the decode side's TP.
 - The decode pool computes no prompt token; every block of both workers comes back.
 - A handle of a tensor parallelism the decode worker cannot map is refused by name.
 
@@ -47,15 +50,15 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[LocalCluster]:
     """One cluster per pair of sizes, shared by the tests that name it."""
-    prefill_tp, decode_tp = request.param
+    prefill_tp, decode_tp, backend = request.param
     # No VLLM_CPU_OMP_THREADS_BIND: the cluster gives each rank its cores (one NUMA node here,
     # where vLLM's own binding would refuse TP=2): 3 ranks on 2 cores, in turn.
     with vllm_cluster(
         vllm_model("llama"),
         redis_url,
-        tmp_path_factory.mktemp(f"vllm-p{prefill_tp}-d{decode_tp}"),
-        prefill_args=TP2 if prefill_tp == 2 else (),
-        decode_args=TP2 if decode_tp == 2 else (),
+        tmp_path_factory.mktemp(f"vllm-p{prefill_tp}-d{decode_tp}-{backend}"),
+        prefill_args=("--kv-backend", backend, *(TP2 if prefill_tp == 2 else ())),
+        decode_args=("--kv-backend", backend, *(TP2 if decode_tp == 2 else ())),
     ) as running:
         yield running
 
@@ -71,16 +74,25 @@ async def _idle(cluster: LocalCluster) -> None:
     await wait_for(idle, 60.0, "both workers idle")
 
 
-@pytest.mark.parametrize("cluster", [(1, 2), (2, 1)], ids=["p1-d2", "p2-d1"], indirect=True)
-def test_unequal_tensor_parallelism_streams_equal_the_decode_workers_own_run(
-    cluster: LocalCluster, vllm_model: Callable[[str], Path]
+PAIRS = [(1, 2, "grpc"), (2, 1, "nixl"), (2, 2, "nixl")]
+
+
+@pytest.mark.parametrize(
+    "cluster", PAIRS, ids=["p1-d2-grpc", "p2-d1-nixl", "p2-d2-nixl"], indirect=True
+)
+def test_tensor_parallel_streams_equal_the_decode_workers_own_run(
+    cluster: LocalCluster, vllm_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode = cluster.prefill[0], cluster.decode[0]
-    offline = offline_greedy(vllm_model("llama"), PROMPTS, GREEDY.max_tokens)  # TP=1
+
+    async def sizes() -> tuple[int, int]:
+        return (await stats(prefill)).layout.tp_size, (await stats(decode)).layout.tp_size
+
+    tp = asyncio.run(sizes())
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if tp[1] == 2 else "0-1")  # offline
+    offline = offline_greedy(vllm_model("llama"), PROMPTS, GREEDY.max_tokens, None, tp[1])
 
     async def run() -> list[str]:
-        tp = ((await stats(prefill)).layout.tp_size, (await stats(decode)).layout.tp_size)
-        assert tp in ((1, 2), (2, 1))
         await _idle(cluster)
         free = [(await stats(w)).num_free_blocks for w in (prefill, decode)]
         computed = (await stats(decode)).num_prompt_tokens_computed
@@ -98,7 +110,7 @@ def test_unequal_tensor_parallelism_streams_equal_the_decode_workers_own_run(
                 assert len(got.token_ids) == params.max_tokens, label
                 own = await colocated(decode.address, prompt, params, f"c{i}{name}")
                 reports.append(same_or_near_tie(got, own, label))
-            reports.append(same_or_near_tie(served[i, "greedy"], offline[i], "offline TP=1"))
+            reports.append(same_or_near_tie(served[i, "greedy"], offline[i], "vLLM offline"))
         await _idle(cluster)
         assert [(await stats(w)).num_free_blocks for w in (prefill, decode)] == free
         return [r for r in reports if r]
@@ -106,7 +118,7 @@ def test_unequal_tensor_parallelism_streams_equal_the_decode_workers_own_run(
     print("\n".join(asyncio.run(run())))
 
 
-@pytest.mark.parametrize("cluster", [(1, 2)], ids=["p1-d2"], indirect=True)
+@pytest.mark.parametrize("cluster", PAIRS[:1], ids=["p1-d2-grpc"], indirect=True)
 def test_a_handle_of_a_tensor_parallelism_the_decode_worker_cannot_map_is_refused_by_name(
     cluster: LocalCluster,
 ) -> None:
