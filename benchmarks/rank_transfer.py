@@ -69,27 +69,33 @@ async def side(tp_size: int, num_blocks: int, fill: bool) -> tuple[RankHub, list
     return hub, ranks
 
 
-async def serve(tp_size: int, num_blocks: int) -> None:
-    """The prefill child: one sender per backend, every request leasing the same blocks;
-    prints their addresses, serves until stdin closes."""
+async def serve(backend: str, tp_size: int, num_blocks: int) -> None:
+    """The prefill child: its ranks' senders (one backend: a worker's), every request leasing
+    the same blocks; prints the handle's address, serves until stdin closes."""
     from bench_inputs import FixedLeases
 
     hub, _ = await side(tp_size, num_blocks, fill=True)
     leases = FixedLeases(list(reversed(range(num_blocks))))  # scattered, as in serving
-    addresses = []
-    for backend in BACKENDS:
-        sender = RankKVSender(hub, backend, leases, SenderOptions("127.0.0.1", 0, max_pull_s=600))
-        await sender.start()
-        addresses.append(sender.address)
-    print(" ".join(addresses), flush=True)
+    sender = RankKVSender(hub, backend, leases, SenderOptions("127.0.0.1", 0, max_pull_s=600))
+    await sender.start()
+    print(sender.address, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 
 
-async def pull(args: argparse.Namespace, addresses: list[str]) -> dict[str, dict[str, float]]:
+def prefill_child(args: argparse.Namespace, backend: str) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, str(Path(__file__)), "--serve", backend]
+    command += ["--prefill-tp", str(args.prefill_tp), "--num-blocks", str(args.num_blocks)]
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    return child, child.stdout.readline().strip()
+
+
+async def pull(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     destination = list(range(args.num_blocks))
     results: dict[str, dict[str, float]] = {}
-    for backend, address in zip(BACKENDS, addresses, strict=True):
-        hub, ranks = await side(args.decode_tp, args.num_blocks, fill=False)  # one per backend
+    for backend in BACKENDS:
+        child, address = prefill_child(args, backend)
+        hub, ranks = await side(args.decode_tp, args.num_blocks, fill=False)
         receiver = RankKVReceiver(hub, backend, ReceiverOptions(600.0))
         handle = KVHandle(backend, address, "r", args.num_blocks, layout(args.prefill_tp), 600.0)
         seconds, num_bytes = [], 0
@@ -102,6 +108,8 @@ async def pull(args: argparse.Namespace, addresses: list[str]) -> dict[str, dict
         for rank in ranks:
             await asyncio.to_thread(rank.close)
         await hub.close()
+        child.kill()
+        child.wait()
         median = statistics.median(seconds)
         results[backend] = {
             "bytes": num_bytes,
@@ -118,21 +126,12 @@ def main() -> None:
     p.add_argument("--decode-tp", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=64, help="32 tokens each")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--serve", choices=BACKENDS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        asyncio.run(serve(args.prefill_tp, args.num_blocks))
+        asyncio.run(serve(args.serve, args.prefill_tp, args.num_blocks))
         return
-    command = [sys.executable, str(Path(__file__)), "--serve"]
-    command += ["--prefill-tp", str(args.prefill_tp), "--num-blocks", str(args.num_blocks)]
-    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        addresses = child.stdout.readline().split()
-        results = asyncio.run(pull(args, addresses))
-    finally:
-        child.kill()
-        child.wait()
+    results = asyncio.run(pull(args))
     ratio = results["nixl"]["mb_s"] / results["grpc"]["mb_s"]
     print(f"P TP={args.prefill_tp} -> D TP={args.decode_tp}, {args.num_blocks} blocks of {BLOCK}")
     for backend, r in results.items():

@@ -57,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's (colocated only)")
     p.add_argument("--model", type=Path, help="default: models/smollm2-135m-instruct")
     p.add_argument("--smoke", action="store_true", help="CI: pdserve, tiny model, one load")
+    p.add_argument("--logs", help="keep every server's log here (default: a temporary dir)")
     args = p.parse_args()
     if args.smoke:
         args.systems, args.dtypes, args.rates, args.clients = (
@@ -101,17 +102,24 @@ def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]
                 server = vllm_pd(args, dtype, model, logs)
             else:
                 server = pdserve_up(system, args, dtype, model, logs)
-            with server as url:
-                warm(url, vocab)
-                for name, load in loads(args):
+            try:
+                with server as url:
+                    warm(url, vocab)
+                    for name, load in loads(args):
+                        for client in clients:
+                            summary = (
+                                vllm_client(url, load, model, logs)
+                                if client == "vllm"
+                                else pdserve_client(url, load, vocab)
+                            )
+                            by_system = rows.setdefault(dtype, {}).setdefault(name, {})
+                            by_system.setdefault(client, {})[system] = summary
+            except (RuntimeError, TimeoutError) as exc:  # a server that did not start
+                print(f"   {system}: {exc} (its log: {logs})", flush=True)
+                for name, _ in loads(args):
                     for client in clients:
-                        summary = (
-                            vllm_client(url, load, model, logs)
-                            if client == "vllm"
-                            else pdserve_client(url, load, vocab)
-                        )
                         by_system = rows.setdefault(dtype, {}).setdefault(name, {})
-                        by_system.setdefault(client, {})[system] = summary
+                        by_system.setdefault(client, {})[system] = {"error": str(exc)}
     return rows
 
 
@@ -183,7 +191,8 @@ def goals(rows: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        logs = Path(tmp)
+        logs = Path(args.logs) if args.logs else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         rows = measure(args, model_dir(args, logs), logs)
     report(rows)
     result = {

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check (< 10 min): Triton kernels on CUDA vs the torch path, the engine benchmark in
 # bf16 on CUDA, NIXL with VRAM caches, then the vLLM engine on CUDA (disaggregated, exact, and
-# against `vllm serve`; TP=2 colocated on two GPUs). Run from the repository root on an NVIDIA
-# GPU machine.
+# against `vllm serve` and vLLM's own P/D; NIXL from VRAM; TP=2 -> TP=2 over NIXL on two GPUs).
+# Run from the repository root on an NVIDIA GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -28,14 +28,17 @@ TRITON_INTERPRET=0 .venv/bin/python -m pytest -q tests/engine/test_kv_quant.py \
 # below the main one's): the CUDA wheel of the release the CPU build pins.
 if [ ! -x .venv-vllm-cuda/bin/python ]; then
   $PY -m venv .venv-vllm-cuda
-  .venv-vllm-cuda/bin/pip install --quiet vllm==0.32.0
+  .venv-vllm-cuda/bin/pip install --quiet vllm==0.32.0 nixl-cu12==1.5.1 nixl==1.5.1
   .venv-vllm-cuda/bin/pip install --quiet -e . pytest pytest-timeout openai httpx2 gguf accelerate
 fi
 VPY=.venv-vllm-cuda/bin/python
-$VPY -m pytest -q tests/vllm/test_serving_engine_vllm.py tests/vllm/test_vllm_disaggregation.py
+# The V1 model runner (pdserve's sampler; Model Runner V2 is refused by name), exactness, and
+# NIXL from VRAM: a TP=1 pair over NIXL, each worker's agent over its own CUDA pages.
+$VPY -m pytest -q tests/vllm/test_serving_engine_vllm.py tests/vllm/test_vllm_disaggregation.py \
+  tests/vllm/test_vllm_pieces.py "tests/vllm/test_vllm_tp_pairs.py::test_tensor_parallel_streams_equal_the_decode_workers_own_run[p1-d1-nixl]"
 SERVING="--dtypes bfloat16 --rates 2 --workloads random:256:64 --clients vllm,pdserve"
-$VPY benchmarks/serving.py --systems vllm-serve,vllm-colocated,vllm-1p1d $SERVING
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism: colocated workers only
-  $VPY benchmarks/serving.py --systems vllm-serve,vllm-colocated $SERVING \
-    --tensor-parallel-size 2
+$VPY benchmarks/serving.py --systems vllm-serve,vllm-colocated,vllm-1p1d,vllm-pd $SERVING
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism: TP=2 -> TP=2 over NIXL
+  $VPY -m pytest -q tests/vllm/test_vllm_tp_pairs.py -k "p2-d2-nixl"
+  $VPY benchmarks/serving.py --systems vllm-serve,vllm-1p1d-tp2 $SERVING
 fi

@@ -1,9 +1,10 @@
 """Tensor-parallel KV transfer on the vLLM engine, real processes behind the router, over gRPC
 and NIXL: a TP=1 prefill worker with a TP=2 decode worker (grpc), a TP=2 prefill worker with a
-TP=1 decode worker (nixl), and TP=2 with TP=2 (nixl) (the tiny llama's 2 KV heads: one per rank
-at TP=2). Each decode rank reads the heads its shard holds from the prefill rank(s) that hold
-them (``engine/kv_shards.py``); over NIXL each rank registers its own pages and reads straight
-into them, the handshake naming where the shard lies in the sender's (``KVPages.spans``).
+TP=1 decode worker (nixl), TP=2 with TP=2 (nixl) and TP=1 with TP=1 (nixl) (the tiny llama's 2
+KV heads: one per rank at TP=2). Each decode rank reads the heads its shard holds from the
+prefill rank(s) that hold them (``engine/kv_shards.py``); over NIXL each rank registers its own
+pages and reads straight into them, the handshake naming where the shard lies in the sender's
+(``KVPages.spans``).
 
 - Greedy and seeded streams equal the decode worker's own colocated run (the decode side's
   tensor parallelism computes every output token); with unequal TP the prefill side's other
@@ -74,11 +75,14 @@ async def _idle(cluster: LocalCluster) -> None:
     await wait_for(idle, 60.0, "both workers idle")
 
 
-PAIRS = [(1, 2, "grpc"), (2, 1, "nixl"), (2, 2, "nixl")]
+PAIRS = [(1, 2, "grpc"), (2, 1, "nixl"), (2, 2, "nixl"), (1, 1, "nixl")]
 
 
 @pytest.mark.parametrize(
-    "cluster", PAIRS, ids=["p1-d2-grpc", "p2-d1-nixl", "p2-d2-nixl"], indirect=True
+    "cluster",
+    PAIRS,
+    ids=["p1-d2-grpc", "p2-d1-nixl", "p2-d2-nixl", "p1-d1-nixl"],
+    indirect=True,
 )
 def test_tensor_parallel_streams_equal_the_decode_workers_own_run(
     cluster: LocalCluster, vllm_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
