@@ -46,21 +46,30 @@ def source_addresses(handle: KVHandle) -> list[str]:
     return addresses
 
 
-class ShardReceiver(KVReceiver):
+class MapsShards(KVReceiver):
+    """A receiver that takes a handle of any tensor parallelism its layout maps to (this one
+    and the vLLM engine's per-rank facade, ``vllm_engine/rank_transfer.py``)."""
+
+    def layout_refusal(self, layout: KVCacheLayout) -> str | None:
+        return shard_mismatch(layout, self.layout)
+
+    def check_shard_handle(self, handle: KVHandle, block_ids: list[int]) -> list[str]:
+        """``check_handle``, then the handle's senders in rank order (refused by name)."""
+        self.check_handle(handle, block_ids)
+        return source_addresses(handle)
+
+
+class ShardReceiver(MapsShards):
     def __init__(self, backend: str, pages: KVPages, options: ReceiverOptions) -> None:
         super().__init__(pages)
         self.backend = backend
         self._options = options
         self._receivers: dict[KVCacheLayout, KVReceiver] = {}
 
-    def layout_refusal(self, layout: KVCacheLayout) -> str | None:
-        return shard_mismatch(layout, self.layout)
-
     async def pull(
         self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
     ) -> TransferStats:
-        self.check_handle(handle, block_ids)
-        addresses = source_addresses(handle)
+        addresses = self.check_shard_handle(handle, block_ids)
         reads = shard_reads(handle.layout, self.layout)
         return await pull_all(
             [

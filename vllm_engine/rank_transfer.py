@@ -23,18 +23,16 @@ from collections.abc import Sequence
 import grpc
 
 from engine.kv_layout import KVCacheLayout
-from engine.kv_shards import shard_mismatch
 from kvtransfer import ReceiverOptions, SenderOptions
 from kvtransfer.base import (
     BlockLeases,
     KVHandle,
-    KVReceiver,
     KVSender,
     KVTransferError,
     TransferErrorCode,
     TransferStats,
 )
-from kvtransfer.shard_receiver import ADDRESS_SEPARATOR, source_addresses
+from kvtransfer.shard_receiver import ADDRESS_SEPARATOR, MapsShards
 from kvtransfer.wire import handle_to_proto
 from pdserve.common.tracing import TraceContext
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
@@ -99,7 +97,7 @@ class RankKVSender(KVSender):
         return None  # the ranks' senders stop with their processes
 
 
-class RankKVReceiver(KVReceiver):
+class RankKVReceiver(MapsShards):
     def __init__(self, hub: RankHub, backend: str, options: ReceiverOptions) -> None:
         check_rank_backend(backend, options)
         self.backend = backend
@@ -110,14 +108,10 @@ class RankKVReceiver(KVReceiver):
     def layout(self) -> KVCacheLayout:
         return self._hub.layout
 
-    def layout_refusal(self, layout: KVCacheLayout) -> str | None:
-        return shard_mismatch(layout, self.layout)
-
     async def pull(
         self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
     ) -> TransferStats:
-        self.check_handle(handle, block_ids)
-        source_addresses(handle)  # refused here, before any rank starts
+        self.check_shard_handle(handle, block_ids)  # refused here, before any rank starts
         await self._start_receivers()
         ranks = _in_order(self._hub)
         headers = [hub_pb2.TraceHeader(key=k, value=v) for k, v in trace]
