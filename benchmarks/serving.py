@@ -55,7 +55,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's (colocated only)")
-    p.add_argument("--model", type=Path, help="default: models/smollm2-135m-instruct")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="a checkpoint directory, or where to fetch SmolLM2 (default: "
+        "models/smollm2-135m-instruct; its 3 KV heads take no TP=2)",
+    )
     p.add_argument("--smoke", action="store_true", help="CI: pdserve, tiny model, one load")
     p.add_argument("--logs", help="keep every server's log here (default: a temporary dir)")
     args = p.parse_args()
@@ -84,6 +89,8 @@ def loads(args: argparse.Namespace) -> list[tuple[str, Load]]:
 def model_dir(args: argparse.Namespace, tmp: Path) -> Path:
     if args.smoke:
         return make_model(tmp / "tiny", "llama", "tiny")
+    if args.model is not None and (args.model / "config.json").is_file():
+        return Path(args.model)  # a checkpoint of the caller's (one with the KV heads TP=2 needs)
     model, _ = fetch_model("smollm2", args.model or REPO / "models" / "smollm2-135m-instruct")
     return model
 

@@ -76,7 +76,7 @@ class NixlAgent:
         self.mem_type = "VRAM" if spans.on_device else "DRAM"
         # Once: the whole cache (every layer's tensor); a view's region lies inside it.
         self._registered = self._agent.register_memory(list(spans.tensors))
-        self.region = region_of(pages)
+        self.key = _memory_key(role, pages)
         # READs in flight per remote agent, and remote agents to remove once they have none:
         # removing one disconnects it, which must not happen under a READ still polling it.
         self._lock = threading.Lock()
@@ -209,6 +209,38 @@ class NixlAgent:
 
     def close(self) -> None:
         self._agent.deregister_memory(self._registered)
+
+
+_shared: dict[tuple[str, tuple[int, ...]], tuple[NixlAgent, int]] = {}
+_shared_lock = threading.Lock()
+
+
+def acquire_agent(role: str, pages: KVPages, ucx_tls: str | None = None) -> NixlAgent:
+    """The process's agent over ``pages``' memory (their base pages' tensors): shared by the
+    receivers of several views of one cache (a decode rank reading several prefill ranks'
+    shards into head ranges of its pages), so the memory is registered once. Each acquire is
+    released once (``release_agent``); the last release closes it. Blocks: off the loop."""
+    key = _memory_key(role, pages)
+    with _shared_lock:
+        agent, count = _shared.get(key) or (None, 0)
+        if agent is None:
+            agent = NixlAgent(role, pages, ucx_tls)
+        _shared[key] = (agent, count + 1)
+        return agent
+
+
+def release_agent(agent: NixlAgent) -> None:
+    with _shared_lock:
+        shared, count = _shared[agent.key]
+        if count > 1:
+            _shared[agent.key] = (shared, count - 1)
+            return
+        del _shared[agent.key]
+    agent.close()
+
+
+def _memory_key(role: str, pages: KVPages) -> tuple[str, tuple[int, ...]]:
+    return role, tuple(t.data_ptr() for t in pages.spans().tensors)
 
 
 def region_of(pages: KVPages) -> Region:

@@ -35,7 +35,7 @@ from kvtransfer.base import (
     TransferStats,
 )
 from kvtransfer.block_digest import block_digest
-from kvtransfer.nixl_agent import NixlAgent
+from kvtransfer.nixl_agent import acquire_agent, region_of, release_agent
 from kvtransfer.nixl_plan import Region, Row, plan_read
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
@@ -77,7 +77,8 @@ class NixlKVReceiver(KVReceiver):
         super().__init__(cache)
         self.timeout_s = timeout_s
         self.verify = verify
-        self.agent = NixlAgent("decode", cache, ucx_tls)
+        self.agent = acquire_agent("decode", cache, ucx_tls)
+        self._region = region_of(cache)  # where this receiver's pages (a view's) lie
         self._channels = ChannelPool(tls=tls)
         self._peers: dict[str, _Peer] = {}
         self._handshakes: dict[str, asyncio.Lock] = {}
@@ -88,7 +89,7 @@ class NixlKVReceiver(KVReceiver):
         for peer in list(self._peers.values()):
             await self._forget(peer)
         await self._channels.close()
-        await asyncio.to_thread(self.agent.close)
+        await asyncio.to_thread(release_agent, self.agent)
 
     async def retain_peers(self, kv_addresses: set[str]) -> None:
         for address, peer in list(self._peers.items()):
@@ -149,7 +150,7 @@ class NixlKVReceiver(KVReceiver):
                     raise ValueError(f"of {len(sources)} blocks for {len(block_ids)}")
                 local_rows, remote_rows = plan_read(
                     self.cache.layout,
-                    self.agent.region,
+                    self._region,
                     peer.region,
                     [sources[i] for i in kept],
                     [block_ids[i] for i in kept],
@@ -231,6 +232,12 @@ class NixlKVReceiver(KVReceiver):
                 raise KVTransferError(
                     TransferErrorCode.UNAVAILABLE, f"{address}: NIXL add_remote_agent: {exc}"
                 ) from None
+            if not response.slab_bases:  # a sender from before slabs had bases of their own
+                raise KVTransferError(
+                    TransferErrorCode.LAYOUT_MISMATCH,
+                    f"{address}: its NIXL control plane sends no slab_bases (an older pdserve): "
+                    "run one release on both sides",
+                )
             region = Region(
                 tuple(response.slab_bases),
                 tuple(response.slab_strides),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from engine.kv_layout import KVCacheLayout
@@ -65,31 +65,39 @@ class ShardReceiver(MapsShards):
         self.backend = backend
         self._options = options
         self._receivers: dict[KVCacheLayout, KVReceiver] = {}
+        self._making = asyncio.Lock()
 
     async def pull(
         self, handle: KVHandle, block_ids: list[int], trace: TraceContext = ()
     ) -> TransferStats:
         addresses = self.check_shard_handle(handle, block_ids)
         reads = shard_reads(handle.layout, self.layout)
+        receivers = [await self._receiver(read.layout) for read in reads]
         return await pull_all(
             [
-                self._receiver(read.layout).pull(
+                receiver.pull(
                     dataclasses.replace(
                         handle, address=addresses[read.source_rank], layout=read.layout
                     ),
                     block_ids,
                     trace,
                 )
-                for read in reads
+                for receiver, read in zip(receivers, reads, strict=True)
             ]
         )
 
-    def _receiver(self, layout: KVCacheLayout) -> KVReceiver:
-        receiver = self._receivers.get(layout)
-        if receiver is None:
-            receiver = make_receiver(self.backend, self.cache.shard(layout), self._options)
-            self._receivers[layout] = receiver
-        return receiver
+    async def _receiver(self, layout: KVCacheLayout) -> KVReceiver:
+        """The backend's receiver over the view holding ``layout``: made once, in a thread (a
+        NIXL agent's start blocks), one at a time."""
+        async with self._making:
+            receiver = self._receivers.get(layout)
+            if receiver is None:
+                pages = self.cache.shard(layout)
+                receiver = await asyncio.to_thread(
+                    make_receiver, self.backend, pages, self._options
+                )
+                self._receivers[layout] = receiver
+            return receiver
 
     async def retain_peers(self, kv_addresses: set[str]) -> None:
         ranks = {a for joined in kv_addresses for a in joined.split(ADDRESS_SEPARATOR)}
@@ -112,10 +120,23 @@ async def pull_all(pulls: list[Coroutine[Any, Any, TransferStats]]) -> TransferS
     except BaseException:
         for task in tasks:
             task.cancel()
-        while not all(task.done() for task in tasks):
-            try:
-                await asyncio.wait(tasks)
-            except asyncio.CancelledError:
-                continue  # cancelled again: still not before the reads stopped writing
+        await settle(tasks)
         raise
     return TransferStats(sum(s.num_bytes for s in done), max(s.duration_s for s in done))
+
+
+async def settle(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Returns once every task is done (their outcomes taken: none is left unretrieved), even
+    when the caller is cancelled meanwhile: a pull's contract is that nothing writes once it
+    returned. A cancel that came while waiting is raised then."""
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True  # not before the reads stopped writing
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+    if cancelled:
+        raise asyncio.CancelledError

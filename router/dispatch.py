@@ -60,7 +60,7 @@ def _unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerEr
         return WorkerError(
             grpc.StatusCode.UNAVAILABLE,
             "no healthy decode worker can take a healthy prefill worker's KV: their tensor "
-            "parallelism does not map (tp_size and KV heads per rank, docs/engines.md)",
+            "parallelism or page arrangement does not map (engine/kv_shards.py, docs/engines.md)",
         )
     return WorkerError(grpc.StatusCode.UNAVAILABLE, f"no healthy {kind} worker")
 

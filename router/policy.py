@@ -17,7 +17,8 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.kv_shards import tp_mappable
+from engine.kv_layout import KVCacheLayout
+from engine.kv_shards import shard_mismatch
 
 
 class RoutingPolicy(enum.Enum):
@@ -59,8 +60,13 @@ class WorkerLoad:
     routable: bool = True  # healthy, not suspected, draining or refused (Worker.routable)
     queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
     stats_known: bool = True  # False until its first stats answer (sizes read 0 until then)
-    tp_size: int = 1  # its engine's tensor parallelism (its KV layout's)
-    kv_heads: int = 0  # KV heads per rank (its KV layout's); 0 until its stats come
+    # Its KV layout (its stats' rank 0's: tensor parallelism, heads per rank, page layout);
+    # None until its stats come (then it counts as one rank).
+    kv_layout: KVCacheLayout | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return self.kv_layout.tp_size if self.kv_layout is not None else 1
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -72,11 +78,13 @@ class WorkerLoad:
 
 
 def takes_kv_of(decode: WorkerLoad, prefill: WorkerLoad) -> bool:
-    """Whether a decode worker can take a prefill worker's KV shards (``engine/kv_shards.py``'s
-    rule); until both stats came, by equal ``tp_size`` (as the two were started)."""
-    if not (prefill.kv_heads and decode.kv_heads):
+    """Whether a decode worker can take a prefill worker's KV shards: the decode worker's own
+    rule (``engine.kv_shards.shard_mismatch``: the tensor parallelism maps, and the pages are
+    the same arrangement, which for unequal sizes means cut by heads); until both stats came,
+    by equal ``tp_size`` (as the two were started)."""
+    if prefill.kv_layout is None or decode.kv_layout is None:
         return prefill.tp_size == decode.tp_size
-    return tp_mappable(prefill.tp_size, prefill.kv_heads, decode.tp_size, decode.kv_heads)
+    return shard_mismatch(prefill.kv_layout, decode.kv_layout) is None
 
 
 def _rank(workers: list[WorkerLoad], turn: int) -> list[WorkerLoad]:

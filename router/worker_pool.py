@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.kv_layout import KVCacheLayout
 from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
+from pdserve.common.convert import layout_from_proto
 from pdserve.common.role import Role
 from pdserve.common.tls import TlsConfig
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
@@ -56,6 +58,7 @@ class Worker:
     num_inflight: int = 0
     queued_prefill_tokens: int = 0
     stats: common_pb2.WorkerStats | None = None
+    kv_layout: KVCacheLayout | None = None  # its stats' layout, read (the pairing rule's)
     healthy: bool = False
     draining: bool = False  # from the registry: no new work
     record_expired: bool = False  # from the registry: it stopped heartbeating
@@ -116,8 +119,7 @@ class Worker:
             routable=self.routable,
             queued_prefill_tokens=self.queued_prefill_tokens,
             stats_known=stats is not None,
-            tp_size=stats.layout.tp_size or 1 if stats else 1,
-            kv_heads=stats.layout.num_kv_heads if stats else 0,
+            kv_layout=self.kv_layout,
         )
 
     @property
@@ -158,6 +160,10 @@ class Worker:
             return
         self.num_stats_timeouts = 0
         layout = self.stats.layout
+        try:
+            self.kv_layout = layout_from_proto(layout)
+        except ValueError:  # refused below by its fingerprint, or unreadable: pairs with none
+            self.kv_layout = None
         refused = (
             layout_refusal(layout.model_fingerprint, layout.block_size, fingerprint, block_size)
             or ""

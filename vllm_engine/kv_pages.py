@@ -60,7 +60,8 @@ def page_halves(
 def head_halves(tensor: torch.Tensor, num_blocks: int, first: int, count: int) -> torch.Tensor:
     """``page_halves`` of heads ``[first, first + count)`` only: each page's run of them."""
     shape = tuple(tensor.shape)
-    if not (tensor.is_contiguous() and shape[0] == num_blocks and len(shape) == 4):
+    whole = len(shape) == 4 and first >= 0 and first + count <= shape[1]
+    if not (tensor.is_contiguous() and shape[0] == num_blocks and whole):
         raise PageShapeError(
             f"vLLM KV cache tensor of shape {shape} (stride {tensor.stride()}): its pages are "
             "not cut by heads (block-major [num_blocks, heads, block_size, C] only), so KV "

@@ -17,6 +17,7 @@ rank's process over that rank's shard (``vllm_engine/rank_runtime.py``), driven 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Sequence
 
@@ -32,12 +33,14 @@ from kvtransfer.base import (
     TransferErrorCode,
     TransferStats,
 )
-from kvtransfer.shard_receiver import ADDRESS_SEPARATOR, MapsShards
+from kvtransfer.shard_receiver import ADDRESS_SEPARATOR, MapsShards, settle
 from kvtransfer.wire import handle_to_proto
 from pdserve.common.tracing import TraceContext
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from vllm_engine.rank_hub import RANK_CALL_TIMEOUT_S, Rank, RankHub
 from vllm_engine.rank_runtime import RANK_BACKENDS
+
+logger = logging.getLogger(__name__)
 
 
 def check_rank_backend(backend: str, options: SenderOptions | ReceiverOptions) -> None:
@@ -140,7 +143,7 @@ class RankKVReceiver(MapsShards):
                     raise KVTransferError(code, reply.error_message)
                 replies.append(reply)
         except BaseException:
-            await asyncio.shield(self._cancel(ranks, pull_id, pulls))
+            await settle([asyncio.ensure_future(self._cancel(ranks, pull_id, pulls))])
             raise
         return TransferStats(sum(r.num_bytes for r in replies), max(r.duration_s for r in replies))
 
@@ -176,13 +179,27 @@ class RankKVReceiver(MapsShards):
     async def _cancel(
         self, ranks: Sequence[Rank], pull_id: str, pulls: list[asyncio.Task[hub_pb2.RankPulled]]
     ) -> None:
-        """Every rank stopped writing (each answers ``Cancel`` once its pull ended, or refuses
-        the pull if it comes later)."""
+        """Every rank stopped writing: each answers ``Cancel`` once its pull ended (or refuses
+        the pull if it comes later), asked again while it is busy, up to its pull's own bound;
+        a rank gone (its process dead) writes nothing. Past the bound the rank is stuck, and
+        its engine with it (the stall bound takes the worker out): logged, not waited for."""
         request = hub_pb2.RankCancel(pull_id=pull_id)
-        await asyncio.gather(
-            *(r.stub.Cancel(request, timeout=RANK_CALL_TIMEOUT_S) for r in ranks),
-            return_exceptions=True,
-        )
+        deadline = asyncio.get_running_loop().time() + self._options.timeout_s
+        deadline += 2 * RANK_CALL_TIMEOUT_S
+
+        async def cancel(rank: Rank) -> None:
+            while True:
+                try:
+                    await rank.stub.Cancel(request, timeout=RANK_CALL_TIMEOUT_S)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                        return  # gone (UNAVAILABLE): nothing of it writes any more
+                    if asyncio.get_running_loop().time() > deadline:
+                        logger.error("rank %d did not stop pull %s", rank.tp_rank, pull_id)
+                        return
+
+        await asyncio.gather(*(cancel(r) for r in ranks))
         for pull in pulls:
             pull.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)

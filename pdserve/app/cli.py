@@ -48,11 +48,13 @@ def _serve(service: Service, config: ServerConfig, role: Role, *, reflect: bool 
 
 def _cmd_service(args: argparse.Namespace) -> int:
     from pdserve.app.components import build_service
-    from pdserve.app.supervised import follow_lifeline, name_process, process_title
+    from pdserve.app.supervised import follow_lifeline, name_process, piped, process_title
 
     if args.command == "serve-config":
-        config = settings.stdin_config()
-        follow_lifeline(sys.stdin)
+        lifeline = piped(sys.stdin)
+        config = settings.stdin_config(first_line=lifeline)
+        if lifeline:
+            follow_lifeline(sys.stdin)
     else:
         config = settings.service_config(Role(args.command), args)
     name_process(process_title(config))
@@ -187,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         component.set_defaults(func=_cmd_service)
     child = sub.add_parser(
         "serve-config",
-        help="run the component whose JSON config is on stdin (as `pdserve up` does)",
+        help="run the component whose JSON config is on stdin (as `pdserve up` does: one line "
+        "on a pipe, which then is its lifeline: closed, the component drains; or a file)",
     )
     child.set_defaults(func=_cmd_service)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -79,6 +80,12 @@ class Component:
     def worker_id(self) -> str:
         """Its registry id ("" for the router)."""
         return "" if isinstance(self.config, RouterConfig) else self.config.worker_id or ""
+
+    def kill(self) -> None:
+        """SIGKILL to its process group: the component and what it started (a vLLM worker's
+        rank processes), at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def cut_lifeline(self) -> None:
         """Closes this side of an exited child's lifeline (its stdin pipe)."""

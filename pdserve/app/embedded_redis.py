@@ -41,14 +41,16 @@ DISABLED_COMMANDS = (
 
 
 _PR_SET_PDEATHSIG = 1
+# Looked up here, in the parent: a dlopen between fork and exec may deadlock.
+_prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
 
 
 def _die_with_starter() -> None:
     """In the child, before exec: SIGTERM once the thread that started it is gone (this
     process's main thread, or the supervisor's thread, which lives until ``stop``), so no
     redis-server outlives a supervisor killed with SIGKILL. Linux; elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def redis_server_binary() -> str:

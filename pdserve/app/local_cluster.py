@@ -180,8 +180,9 @@ class LocalCluster:
         try:
             worker.wait_ready(self.config.ready_timeout_s)
         except BaseException:
-            worker.process.kill()
+            worker.kill()
             worker.process.wait()
+            worker.cut_lifeline()
             with self._lock:
                 self._group(role).remove(worker)
             raise
@@ -272,8 +273,9 @@ class LocalCluster:
             try:
                 replacement.wait_ready(cfg.ready_timeout_s)
             except (TimeoutError, RuntimeError):
-                replacement.process.kill()
+                replacement.kill()
                 code = replacement.process.wait()
+                replacement.cut_lifeline()
                 component = replacement
                 continue
             self._supervise(replacement)
@@ -312,7 +314,7 @@ class LocalCluster:
                 try:
                     codes[c.name] = c.process.wait(timeout=self.config.stop_timeout_s)
                 except subprocess.TimeoutExpired:
-                    c.process.kill()
+                    c.kill()
                     codes[c.name] = c.process.wait()
                 c.cut_lifeline()
         self._state_dir.cleanup()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import threading
 from typing import TextIO
 
@@ -30,16 +31,26 @@ from router.config import RouterConfig
 logger = logging.getLogger(__name__)
 
 
+def piped(stream: TextIO) -> bool:
+    """Whether ``stream`` is a pipe: a supervisor's (a config read from a file is not)."""
+    try:
+        return stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def follow_lifeline(stream: TextIO) -> None:
-    """From now on, the end of ``stream`` (the supervisor gone) is a SIGTERM to this process:
-    the graceful drain every component runs on SIGTERM."""
+    """From now on, the end of ``stream``, a supervisor's pipe (the supervisor gone), is a
+    SIGTERM to this process: the graceful drain every component runs on SIGTERM. A stream that
+    cannot be read is no lifeline: it is left alone, logged."""
 
     def follow() -> None:
         try:
             while stream.read(4096):
                 pass  # the supervisor writes nothing more; bytes would be ignored
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError) as exc:
+            logger.warning("the supervisor's lifeline cannot be read (%s): not followed", exc)
+            return
         logger.warning("supervisor gone (its lifeline closed): draining")
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from engine.kv_layout import KVCacheLayout
 from router.config import RouterConfig
 from router.plan import Facts, Plan, Route, Unserved, plan
 from router.policy import RoutingPolicy, WorkerLoad, host_credited_tokens
@@ -128,15 +129,22 @@ def test_decode_workers_with_free_blocks_now_come_first() -> None:
     assert plan(facts(200, decode=full), cfg).decode == ("d2", "d1")  # tiny: never
 
 
+PAGE = "vllm/CPU_ATTN/BHx32x128"  # block-major pages, heads outermost: cut by heads
+
+
 def test_a_prefill_worker_pairs_only_with_decode_workers_that_can_take_its_shards() -> None:
     """The pair is chosen by ``engine.kv_shards``' rule, never refused per request. A model
     of 2 KV heads: TP=1 and TP=2 map both ways; TP=3 divides neither; TP=4 replicates heads
-    (a copy per rank), so it maps only to TP=4. Until a worker's stats came (kv_heads 0), by
-    equal tp_size."""
+    (a copy per rank), so it maps only to TP=4. Until a worker's stats came, it counts as one
+    rank."""
     config = dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.LEAST_LOADED)
 
-    def tp(address: str, tp_size: int, inflight: int = 0) -> WorkerLoad:
-        return load(address, inflight, tp_size=tp_size, kv_heads=max(1, 2 // tp_size))
+    def tp(address: str, tp_size: int, inflight: int = 0, page: str = PAGE) -> WorkerLoad:
+        heads = max(1, 2 // tp_size)
+        layout = KVCacheLayout(
+            "fp", "bfloat16", 32, 2, heads, 64, page_layout=page, tp_size=tp_size
+        )
+        return load(address, inflight, kv_layout=layout)
 
     prefill = (tp("p2", 2), tp("p1", 1, inflight=1), tp("p3", 3), tp("p4", 4))
     decode = (tp("d1", 1, inflight=1), tp("d2", 2), tp("d3", 3, inflight=2))
@@ -149,6 +157,12 @@ def test_a_prefill_worker_pairs_only_with_decode_workers_that_can_take_its_shard
     assert (alone.prefill, alone.unserved) == ((), Unserved.NO_PAIR)
     none = plan(facts(prefill=(tp("p4", 4, inflight=0),), decode=(), prefill_cached={}), config)
     assert none.unserved is Unserved.NO_WORKER
-    unknown = (load("d1", tp_size=2), load("d2", tp_size=1))  # no stats yet: kv_heads 0
-    early = plan(facts(prefill=(tp("p2", 2),), decode=unknown), config)
-    assert early.decode == ("d1",)
+    unknown = (load("d1"), load("d2", inflight=1))  # no stats yet: one rank each
+    early = plan(facts(prefill=(tp("p1", 1),), decode=unknown), config)
+    assert early.decode == ("d1", "d2")
+    assert plan(facts(prefill=(tp("p2", 2),), decode=unknown), config).unserved is Unserved.NO_PAIR
+    # Pages not cut by heads (CUDA's keys-then-values, whose name carries the head count):
+    # unequal sizes never pair; equal ones do.
+    cuda = (tp("d1", 1, page="vllm/FA/2xB16x2x64"), tp("d2", 2, page="vllm/FA/2xB16x1x64"))
+    got = plan(facts(prefill=(tp("p2", 2, page="vllm/FA/2xB16x1x64"),), decode=cuda), config)
+    assert got.decode == ("d2",)

@@ -122,8 +122,9 @@ def parse_service_flags(
         raise ValueError(f"{role.value} flags: {exc}") from None
 
 
-def stdin_config() -> ServiceConfig:
-    """The whole config a supervisor (``pdserve up``) wrote to the first line of this
-    process's stdin as JSON (``settings/serialized.py``; the rest of stdin is its lifeline,
-    ``pdserve/app/supervised.py``); ValueError naming what is wrong."""
-    return from_json(sys.stdin.readline())
+def stdin_config(first_line: bool) -> ServiceConfig:
+    """The whole config on this process's stdin as JSON (``settings/serialized.py``):
+    ``first_line``, a supervisor's (``pdserve up``) one line, the rest of its pipe being the
+    lifeline (``pdserve/app/supervised.py``); else all of it (a file). ValueError naming what
+    is wrong."""
+    return from_json(sys.stdin.readline() if first_line else sys.stdin.read())
