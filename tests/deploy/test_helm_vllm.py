@@ -129,6 +129,22 @@ def test_each_worker_gets_at_least_tensor_parallel_size_gpus(helm: str) -> None:
     assert container(other, "router")["resources"] == container(render(helm), "router")["resources"]
 
 
+def test_each_prefill_rank_serves_its_kv_shard_on_a_port_the_pod_opens(helm: str) -> None:
+    """vLLM tensor parallelism: rank r of a prefill worker serves its shard on kvTransfer.port
+    + r (grpc or nixl), so the pod names every one and the network policy admits them all."""
+    manifests = render(
+        helm, *VLLM, "--set", "engine.vllm.tensorParallelSize=2", "--set", "kvTransfer.backend=nixl"
+    )
+    prefill = _config(manifests, "prefill")
+    assert prefill.kv_backend == "nixl" and prefill.engine.vllm.tensor_parallel_size == 2
+    ports = {p["name"]: p["containerPort"] for p in container(manifests, "prefill")["ports"]}
+    assert (ports["kv"], ports["kv-rank-1"]) == (50071, 50072)
+    policy = find(manifests, "NetworkPolicy", "rel-pdserve-prefill")["spec"]["ingress"][0]
+    assert {"port": 50071, "endPort": 50072, "protocol": "TCP"} in policy["ports"]
+    one = render(helm, *VLLM)  # one rank: the one port, as before
+    assert "kv-rank-1" not in {p["name"] for p in container(one, "prefill")["ports"]}
+
+
 def test_ray_mode_runs_the_vllm_image_and_ray_up_passes_the_engine_on(
     helm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -172,7 +188,6 @@ VLLM_ON = ["engine.backend=vllm"]
 @pytest.mark.parametrize(
     ("values", "named"),
     [
-        ([*VLLM_ON, "kvTransfer.backend=nixl"], "at '/kvTransfer/backend': value must be 'grpc'"),
         ([*VLLM_ON, "ray.enabled=true"], "at '/ray/deployment/kvBackend': value must be 'grpc'"),
         ([*VLLM_ON, "kvCacheDtype=int8"], "at '/kvCacheDtype': value must be 'auto'"),
         ([*VLLM_ON, "decode.speculative.method=ngram"], "at '/decode/speculative/method'"),
@@ -185,7 +200,6 @@ VLLM_ON = ["engine.backend=vllm"]
         (["engine.backend=sglang"], "at '/engine/backend'"),
     ],
     ids=[
-        "vllm-nixl",
         "vllm-ray-transfer",
         "vllm-kv-int8",
         "vllm-speculative",
@@ -232,13 +246,12 @@ def test_gpu_memory_utilization_must_be_a_fraction_for_vllm_only(helm: str) -> N
 @pytest.mark.parametrize(
     ("values", "role", "refused"),
     [
-        (["kvTransfer.backend=nixl"], "decode", "kv_backend 'nixl'"),
         (["kvCacheDtype=int8"], "decode", "--kv-cache-dtype"),
         (["decode.speculative.method=ngram"], "decode", "--speculative-method"),
         (["decode.engine.hostCacheGib=4"], "decode", "--host-cache-gib"),
         (["prefill.engine.hostCacheGib=4"], "prefill", "--host-cache-gib"),
     ],
-    ids=["nixl", "kv-int8", "speculative", "host-tier", "prefill-host-tier"],
+    ids=["kv-int8", "speculative", "host-tier", "prefill-host-tier"],
 )
 def test_the_schema_refuses_what_the_workers_would_refuse_at_start(
     helm: str, values: list[str], role: str, refused: str

@@ -23,7 +23,7 @@ from kvtransfer import (
 def test_the_lists_derive_from_the_registry() -> None:
     assert BACKENDS == ("grpc", "local", "ray", "nixl") == tuple(REGISTRY)
     assert NETWORK_BACKENDS == ("grpc", "ray", "nixl")
-    assert PAGED_BACKENDS == ("grpc", "local")
+    assert PAGED_BACKENDS == ("grpc", "local", "nixl")
     assert all(backend(name).name == name for name in BACKENDS)
 
 
@@ -34,7 +34,7 @@ def test_an_unknown_backend_is_refused_by_name() -> None:
         require_backend("tcp")
 
 
-@pytest.mark.parametrize("name", ["ray", "nixl"])
+@pytest.mark.parametrize("name", ["ray"])
 def test_backends_of_the_native_cache_refuse_other_engines(name: str) -> None:
     check_engine(name, EngineBackend.NATIVE)
     with pytest.raises(ValueError, match=f"kv_backend '{name}' needs the native engine's KV"):

@@ -328,3 +328,16 @@ initContainers:
   value: "true"
 {{- end }}
 {{- end }}
+
+{{/*
+The KV ports a prefill worker listens on: kvTransfer.port, and with vLLM tensor parallelism one
+more per rank (rank r serves its shard on kvTransfer.port + r; docs/engines.md). Prints the
+number of ports.
+*/}}
+{{- define "pdserve.kvPorts" -}}
+{{- if eq .Values.engine.backend "vllm" -}}
+{{- max 1 (int .Values.engine.vllm.tensorParallelSize) -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end }}

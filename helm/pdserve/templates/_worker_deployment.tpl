@@ -113,6 +113,11 @@ spec:
             {{- if eq $role "prefill" }}
             - name: kv
               containerPort: {{ $root.Values.kvTransfer.port }}
+            {{- /* vLLM tensor parallelism: rank r serves its KV shard on port + r. */}}
+            {{- range $rank := untilStep 1 (int (include "pdserve.kvPorts" $root)) 1 }}
+            - name: kv-rank-{{ $rank }}
+              containerPort: {{ add $root.Values.kvTransfer.port $rank }}
+            {{- end }}
             {{- end }}
           # The server listens at once and reports NOT_SERVING until the model is loaded, and
           # again while draining: readiness follows health, liveness only needs the socket.
