@@ -26,9 +26,17 @@ from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.failures import Action, Phase, Seen, classify
-from router.plan import Facts, Plan, Route, Unserved, plan
+from router.plan import Facts, Plan, Route, plan
 from router.policy import RoutingPolicy
-from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled, worker_error
+from router.worker_errors import (
+    WorkerError,
+    WorkerLost,
+    event,
+    failure,
+    stalled,
+    unserved,
+    worker_error,
+)
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -46,23 +54,6 @@ class Placement:
     plan: Plan
     prefill: list[Worker]
     decode: list[Worker]
-
-
-def _unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerError:
-    kind = "colocated" if colocated else "prefill"
-    if chosen.unserved is Unserved.TOO_LARGE:
-        return WorkerError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"no {kind} worker can hold {num_prompt_tokens} prompt tokens",
-            never=True,
-        )
-    if chosen.unserved is Unserved.NO_PAIR:
-        return WorkerError(
-            grpc.StatusCode.UNAVAILABLE,
-            "no healthy decode worker can take a healthy prefill worker's KV: their tensor "
-            "parallelism or page arrangement does not map (engine/kv_shards.py, docs/engines.md)",
-        )
-    return WorkerError(grpc.StatusCode.UNAVAILABLE, f"no healthy {kind} worker")
 
 
 class Dispatcher:
@@ -118,7 +109,7 @@ class Dispatcher:
             pool.next_turn(Role.DECODE)
         self._count(chosen)
         if chosen.unserved is not None:
-            raise _unserved(chosen, len(prompt_ids), config.colocated)
+            raise unserved(chosen, len(prompt_ids), config.colocated)
         return Placement(
             chosen, [prefill[a] for a in chosen.prefill], [decode[a] for a in chosen.decode]
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 
 from router.failures import Action, Event, Phase, Seen, Verdict, classify, event_of
+from router.plan import Plan, Unserved
 from router.worker_pool import Worker
 
 
@@ -74,3 +75,21 @@ def stalled(worker: Worker, what: str, phase: Phase) -> WorkerLost:
 def event(exc: grpc.aio.AioRpcError) -> Event:
     """A failed call's event for the failure table: its code, or what its trailers name."""
     return event_of(exc.code(), tuple(exc.trailing_metadata() or ()))
+
+
+def unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerError:
+    """The refusal of a plan with no worker to start with, by its cause."""
+    kind = "colocated" if colocated else "prefill"
+    if chosen.unserved is Unserved.TOO_LARGE:
+        return WorkerError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"no {kind} worker can hold {num_prompt_tokens} prompt tokens",
+            never=True,
+        )
+    if chosen.unserved is Unserved.NO_PAIR:
+        return WorkerError(
+            grpc.StatusCode.UNAVAILABLE,
+            "no healthy decode worker can take a healthy prefill worker's KV: their tensor "
+            "parallelism or page arrangement does not map (engine/kv_shards.py, docs/engines.md)",
+        )
+    return WorkerError(grpc.StatusCode.UNAVAILABLE, f"no healthy {kind} worker")
