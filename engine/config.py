@@ -148,6 +148,15 @@ def block_size_for(given: int | None, backend: EngineBackend) -> int:
 _CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
+class VllmEngineCore(enum.Enum):
+    """Where vLLM's engine core (its scheduler and the scheduler half of pdserve's connector)
+    runs (docs/engines.md "Where vLLM's engine core runs")."""
+
+    AUTO = "auto"  # WORKER for one rank on a CPU (measured faster there), else PROCESS
+    WORKER = "worker"  # in the worker's process, stepped from a thread; one rank only
+    PROCESS = "process"  # a process of its own (vLLM's), driven through vLLM's AsyncLLM
+
+
 @dataclass(frozen=True)
 class VllmOptions:
     """Options only the vLLM engine has, passed to vLLM under the same names."""
@@ -161,10 +170,16 @@ class VllmOptions:
     # On CPU: each rank's cores, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax ("0-1|2-3": rank 0
     # on cores 0 and 1, ...). None: vLLM's own (or `pdserve up`'s share of this machine).
     cpu_omp_threads_bind: str | None = None
+    engine_core: VllmEngineCore = VllmEngineCore.AUTO
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.engine_core is VllmEngineCore.WORKER and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"engine_core worker runs vLLM's one rank in the worker's process: "
+                f"tensor_parallel_size {self.tensor_parallel_size} needs engine_core process"
+            )
         bind = self.cpu_omp_threads_bind
         if bind is not None and bind not in ("auto", "nobind"):
             ranks = bind.split("|")

@@ -10,12 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, VllmEngineCore, VllmOptions
 
 # Where vLLM finds pdserve's pieces (it loads them by module path).
 CONNECTOR_MODULE = "vllm_engine.connector"
 CONNECTOR_CLASS = "PdserveConnector"
 SAMPLER_CLASS = "vllm_engine.sampler:PdserveSampler"
+
+
+def engine_core_for(options: VllmOptions, *, on_cpu: bool) -> VllmEngineCore:
+    """Where vLLM's engine core runs: as asked, or (``auto``) in the worker's process for one
+    rank on a CPU, where it was measured faster (docs/benchmarks.md: vLLM's CPU build gives the
+    rank a process of its own besides the engine core's, and on a worker's one core their
+    shared-memory queues poll against each other), and in a process of its own otherwise."""
+    if options.engine_core is not VllmEngineCore.AUTO:
+        return options.engine_core
+    if on_cpu and options.tensor_parallel_size == 1:
+        return VllmEngineCore.WORKER
+    return VllmEngineCore.PROCESS
 
 
 @dataclass(frozen=True)
@@ -31,14 +43,19 @@ class ConnectorTarget:
     process_name: str = "pdserve"  # the worker's (ps): its ranks are "<it> vllm rank <r>"
 
 
-def engine_args(config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool) -> dict[str, Any]:
+def engine_args(
+    config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool, events: str = ""
+) -> dict[str, Any]:
     """The keyword arguments of ``vllm.engine.arg_utils.EngineArgs`` for ``config``.
 
     vLLM samples every token greedily from logits pdserve's own sampler (the logits processor)
     has already decided (``vllm_engine/sampler.py``), decodes no text and stops at no token of
     its own: pdserve applies stop tokens, stop strings and lengths (``engine.request_state``).
     With tensor parallelism vLLM's ranks run in processes of their own, started by vLLM's
-    multiprocess executor (on one node: the ranks dial the hub's Unix socket).
+    multiprocess executor (on one node: the ranks dial the hub's Unix socket). ``events``: the
+    ZMQ endpoint an engine core in a process of its own publishes its KV cache events on (""
+    when it runs in the worker's process, whose engine buffers them itself); such an engine
+    core reports its stats too (pdserve's stat logger reads them).
     """
     cache, scheduler, options = config.cache, config.scheduler, config.vllm
     kv_bytes = cache.kv_cache_bytes
@@ -63,7 +80,7 @@ def engine_args(config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool) 
         "logprobs_mode": "raw_logprobs",  # pdserve's logprobs are the raw model's
         "logits_processors": [SAMPLER_CLASS],
         "seed": 0,
-        "disable_log_stats": True,
+        "disable_log_stats": not events,
         "kv_transfer_config": {
             "kv_connector": CONNECTOR_CLASS,
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -76,8 +93,13 @@ def engine_args(config: EngineConfig, target: ConnectorTarget, *, on_cpu: bool) 
                 "pdserve_name": target.process_name,
             },
         },
-        # Events on; the engine replaces the null publisher with its own (vllm_engine.events).
-        "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
+        # Events on: published on ``events``, or (null publisher) replaced by the in-process
+        # engine's own buffer (vllm_engine.events).
+        "kv_events_config": (
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
+            if events
+            else {"enable_kv_cache_events": True, "publisher": "null"}
+        ),
     }
     if options.tensor_parallel_size > 1:
         # Never Ray's executor (a placement group would pick it): the ranks must be local.

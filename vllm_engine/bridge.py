@@ -21,14 +21,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from vllm_engine.core_channel import CoreChannel
 
 if TYPE_CHECKING:
     from vllm_engine.kv_pages import VllmKVPages
 
 _bridges: dict[str, Bridge] = {}
 _ids = itertools.count()
+_MAX_ABANDONED = 4096
 
 
 def find_bridge(bridge_id: str) -> Bridge:
@@ -51,7 +56,7 @@ class Reports:
     failed_recving: set[str] = field(default_factory=set)
 
 
-class Bridge:
+class Bridge(CoreChannel):
     def __init__(
         self, loop: asyncio.AbstractEventLoop, fingerprint: str, vllm_version: str
     ) -> None:
@@ -68,9 +73,15 @@ class Bridge:
         self._received: set[str] = set()
         self._failed: set[str] = set()
         self._unseen: set[str] = set()  # taken, not yet in vLLM's aggregated output
+        # Loads given up before their allocation arrived (an engine core in a process of its
+        # own says it later): that allocation is reported failed at once.
+        self._abandoned: OrderedDict[str, None] = OrderedDict()
         # Bumped whenever a step moved a request's blocks along (pinned, allocated, reported):
         # such a step was not idle, whatever it scheduled.
         self.events = 0
+        # Told (on the event loop) when there are reports to give vLLM: an engine core in a
+        # process of its own steps by itself, so they go to its ranks at once.
+        self.on_report: Callable[[], None] | None = None
         _bridges[self.id] = self
 
     def close(self) -> None:
@@ -90,7 +101,12 @@ class Bridge:
         """``waits``: vLLM parked the request until told its load finished (else its own
         prefix cache held every block, and it must not be told)."""
         with self._lock:
-            if waits:
+            abandoned = rid in self._abandoned
+            self._abandoned.pop(rid, None)
+            if abandoned and waits:  # vLLM keeps the blocks until told the load is over
+                self._received.add(internal_id)
+                self._failed.add(internal_id)
+            elif waits:
                 self._loading[rid] = internal_id
             else:
                 self._loaded.add(rid)
@@ -98,6 +114,8 @@ class Bridge:
             self.events += 1
         if future is not None:
             self._loop.call_soon_threadsafe(_resolve, future, block_ids)
+        if abandoned:
+            self._reported_now()
 
     def take_reports(self) -> Reports:
         with self._lock:
@@ -116,24 +134,40 @@ class Bridge:
     def expect_allocation(self, rid: str) -> asyncio.Future[list[int]]:
         future: asyncio.Future[list[int]] = self._loop.create_future()
         with self._lock:
+            self._abandoned.pop(rid, None)  # this attempt's allocation is the one awaited
             self._waiting[rid] = future
         return future
+
+    def refuse(self, rid: str, error: Exception) -> None:
+        """vLLM refused to add ``rid``: an admission waiting for its blocks gets ``error``."""
+        with self._lock:
+            future = self._waiting.pop(rid, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
 
     def pinned(self, rid: str) -> list[int]:
         with self._lock:
             return list(self._pinned[rid][1])
+
+    def is_pinned(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._pinned
 
     def release(self, rid: str) -> None:
         """The pinned blocks may go (``KeyError`` when not pinned: a second release)."""
         with self._lock:
             internal_id, _ = self._pinned.pop(rid)
             self._sent.add(internal_id)
+        self._reported_now()
 
     def load_finished(self, rid: str, ok: bool) -> bool:
         """The fill of ``rid``'s blocks returned (``ok``) or failed; False when it held none
         (not allocated yet, or already reported)."""
         with self._lock:
-            self._waiting.pop(rid, None)
+            if self._waiting.pop(rid, None) is not None:  # its allocation may still come
+                self._abandoned[rid] = None
+                while len(self._abandoned) > _MAX_ABANDONED:  # vLLM aborted it first
+                    self._abandoned.popitem(last=False)
             internal_id = self._loading.pop(rid, None)
             self._loaded.add(rid)
             if internal_id is None:
@@ -141,7 +175,12 @@ class Bridge:
             self._received.add(internal_id)
             if not ok:
                 self._failed.add(internal_id)
-            return True
+        self._reported_now()
+        return True
+
+    def _reported_now(self) -> None:
+        if self.on_report is not None:
+            self.on_report()
 
     def forget(self, rid: str) -> None:
         """The request is over on every side."""

@@ -1,27 +1,32 @@
 """Builds the vLLM engine for a worker service (an ``EngineBuilder``, given by
-``pdserve.app.components``): vLLM's engine core in this process, with pdserve's connector, sampler
-and event publisher plugged in (``vllm_engine.args``); with tensor parallelism, the hub its
-ranks dial first (``vllm_engine/rank_hub.py``)."""
+``pdserve.app.components``): vLLM's engine core in this process (``WorkerCore``) or in one of its
+own (``ProcessCore``, through vLLM's ``AsyncLLM``), with pdserve's connector, sampler and event
+publisher plugged in (``vllm_engine.args``); when ranks or the engine core run in processes of
+their own, the hub they dial first (``vllm_engine/rank_hub.py``)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+from typing import Any
 
 import setproctitle
 
 from engine.block_hash import root_hash
 from engine.checkpoint import CheckpointInfo
-from engine.config import EngineBackend, EngineConfig
+from engine.config import EngineBackend, EngineConfig, VllmEngineCore
 from engine.fingerprint import engine_fingerprint
 from engine.serving_engine import EngineHooks
 from engine.tokenizer import Tokenizer
-from vllm_engine.args import ConnectorTarget, engine_args
+from vllm_engine.args import ConnectorTarget, engine_args, engine_core_for
 from vllm_engine.bridge import Bridge
+from vllm_engine.core_driver import CoreDriver
 from vllm_engine.engine import VllmEngine
 from vllm_engine.install import require_vllm
 from vllm_engine.rank_hub import RankHub
 
+logger = logging.getLogger(__name__)
 # Loading the model in every rank, then profiling its memory, may take minutes on a busy box.
 RANKS_READY_TIMEOUT_S = 60.0
 V2_RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
@@ -51,17 +56,24 @@ async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEng
     )
     bridge = Bridge(asyncio.get_running_loop(), fingerprint, version)
     tp_size = config.vllm.tensor_parallel_size
-    hub = RankHub(tp_size) if tp_size > 1 else None
+    mode = engine_core_for(config.vllm, on_cpu=await asyncio.to_thread(_on_cpu))
+    logger.info("vLLM's engine core runs %s", _WHERE[mode])
+    in_process = mode is VllmEngineCore.WORKER
+    hub = None if in_process else RankHub(tp_size, bridge)
     try:
         if hub is not None:
             await hub.start()
         hub_address = hub.address if hub else ""
         name = setproctitle.getproctitle()
-        target = ConnectorTarget(bridge.id, fingerprint, version, hub_address, name)
-        engine = await asyncio.to_thread(_load, config, hooks, bridge, target, hub)
+        bridge_id = bridge.id if in_process else ""
+        target = ConnectorTarget(bridge_id, fingerprint, version, hub_address, name)
+        if hub is None:
+            core: CoreDriver = await asyncio.to_thread(_load_in_worker, config, bridge, target)
+        else:
+            core = await _start_process(config, bridge, target, hub)
         if hub is not None:  # each rank said hello while vLLM built it: this is a check
             await hub.wait_ranks(RANKS_READY_TIMEOUT_S)
-        return engine
+        return await asyncio.to_thread(_engine, config, hooks, core, bridge, hub)
     except BaseException:
         bridge.close()
         if hub is not None:
@@ -69,44 +81,106 @@ async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEng
         raise
 
 
-def _load(
+def _engine(
     config: EngineConfig,
     hooks: EngineHooks,
+    core: CoreDriver,
     bridge: Bridge,
-    target: ConnectorTarget,
     hub: RankHub | None,
 ) -> VllmEngine:
-    # vLLM's engine core must run in this process, where the connector reaches the bridge
-    # (vLLM reads this switch from the environment only).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if hub is not None:
-        # Ranks start fresh interpreters: a fork would copy this process's live gRPC threads.
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    if config.vllm.cpu_omp_threads_bind is not None:  # each rank's cores (CPU), as given
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpu_omp_threads_bind
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
-    from vllm.v1.engine.llm_engine import LLMEngine
-
     from vllm_engine.events import CachedBlocks
 
-    # pdserve's sampler is a V1 logits processor (``vllm_engine/sampler.py``): Model Runner V2,
-    # vLLM 0.32's default on CUDA, takes another interface. The V1 runner unless the operator
-    # chose otherwise, and then a refusal by name before the model loads.
-    os.environ.setdefault(V2_RUNNER_VARIABLE, "0")
-    args = engine_args(config, target, on_cpu=current_platform.is_cpu())
-    vllm_config = EngineArgs(**args).create_engine_config()
-    check_model_runner(vllm_config.use_v2_model_runner)
-    llm = LLMEngine.from_vllm_config(vllm_config, disable_log_stats=True)
+    checkpoint = CheckpointInfo.from_dir(config.model)
     return VllmEngine(
-        llm,
+        core,
         bridge,
         hub,
         config,
         hooks,
-        checkpoint=CheckpointInfo.from_dir(config.model),
+        checkpoint=checkpoint,
         tokenizer=Tokenizer.from_dir(config.model),
         fingerprint=bridge.fingerprint,
-        max_model_len=llm.model_config.max_model_len,
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
         cached=CachedBlocks(root_hash(bridge.fingerprint)),
     )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+_WHERE = {
+    VllmEngineCore.WORKER: "in the worker's process (--engine-core worker)",
+    VllmEngineCore.PROCESS: "in a process of its own (--engine-core process)",
+}
+
+
+def _set_environment(config: EngineConfig) -> None:
+    """vLLM reads these switches from the environment only."""
+    # vLLM's processes start fresh interpreters: a fork would copy this process's live gRPC
+    # threads.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if config.vllm.cpu_omp_threads_bind is not None:  # each rank's cores (CPU), as given
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.vllm.cpu_omp_threads_bind
+    # pdserve's sampler is a V1 logits processor (``vllm_engine/sampler.py``): Model Runner V2,
+    # vLLM 0.32's default on CUDA, takes another interface. The V1 runner unless the operator
+    # chose otherwise, and then a refusal by name before the model loads.
+    os.environ.setdefault(V2_RUNNER_VARIABLE, "0")
+
+
+def _vllm_config(config: EngineConfig, target: ConnectorTarget, events_endpoint: str) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    args = engine_args(config, target, on_cpu=current_platform.is_cpu(), events=events_endpoint)
+    vllm_config = EngineArgs(**args).create_engine_config()
+    check_model_runner(vllm_config.use_v2_model_runner)
+    return vllm_config
+
+
+def _load_in_worker(config: EngineConfig, bridge: Bridge, target: ConnectorTarget) -> CoreDriver:
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from vllm_engine.worker_core import WorkerCore
+
+    # The engine core and its one rank run here, where the connector reaches the bridge.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _set_environment(config)
+    llm = LLMEngine.from_vllm_config(_vllm_config(config, target, ""), disable_log_stats=True)
+    return WorkerCore(llm, bridge)
+
+
+async def _start_process(
+    config: EngineConfig, bridge: Bridge, target: ConnectorTarget, hub: RankHub
+) -> CoreDriver:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_engine.events import EventSubscriber
+    from vllm_engine.process_core import CoreStats, ProcessCore
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    _set_environment(config)
+    endpoint = f"ipc://{hub.socket_dir}/kv-events"
+    events = EventSubscriber(endpoint)  # connected before vLLM binds: no event is missed
+    stats: list[CoreStats] = []
+
+    def stat_logger(vllm_config: Any, engine_index: int) -> CoreStats:
+        stats.append(CoreStats(vllm_config, engine_index))
+        return stats[-1]
+
+    try:
+        vllm_config = await asyncio.to_thread(_vllm_config, config, target, endpoint)
+        # The engine core's start (the model's load, in its process) blocks this thread.
+        llm = await asyncio.to_thread(
+            AsyncLLM.from_vllm_config,
+            vllm_config,
+            stat_loggers=[stat_logger],
+            disable_log_stats=False,
+        )
+    except BaseException:
+        events.close()
+        raise
+    return ProcessCore(llm, bridge, hub, stats[0], events)

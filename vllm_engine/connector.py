@@ -1,13 +1,15 @@
 """pdserve's KV connector: vLLM's side of pdserve's block lifecycle (``kvtransfer/base.py``).
 
 vLLM loads it by module path (``vllm_engine.args``) and builds two halves: the scheduler's, in
-the engine core (the worker service's process), which reaches the engine through its
-``Bridge``; and one in every worker rank. At tensor_parallel_size 1 that rank runs in the same
-process, and pdserve's own KV sender and receiver (``kvtransfer``, under pdserve's leases) read
-and write its pages through the bridge's ``VllmKVPages``. With more ranks each runs in a process
-of its own, and its half builds a ``RankRuntime`` there that moves that rank's shard
-(``vllm_engine/rank_runtime.py``), commanded by the front-end. Neither half moves a byte in a
-step: KV moves while no step touches the blocks.
+the engine core, which tells the front-end which blocks vLLM gave a request through a
+``CoreChannel`` (``vllm_engine/core_channel.py``: the engine's ``Bridge`` when the engine core
+runs in the worker's process, the hub when it runs in a process of its own); and one in every
+worker rank. When that rank runs in the worker's process (tensor_parallel_size 1, the engine
+core in the worker's process), pdserve's own KV sender and receiver (``kvtransfer``, under
+pdserve's leases) read and write its pages through the bridge's ``VllmKVPages``. Otherwise its
+half builds a ``RankRuntime`` in the rank's process that moves that rank's shard
+(``vllm_engine/rank_runtime.py``), commanded by the front-end through the hub. Neither half
+moves a byte in a step: KV moves while no step touches the blocks.
 
 - Prefill (a request with mode ``prefill``, one token long): ``request_finished`` keeps its
   blocks (vLLM frees them only once reported finished sending) and records them as pinned. The
@@ -38,8 +40,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from vllm_engine.bridge import Bridge, find_bridge
+from vllm_engine.core_channel import CoreChannel, HubChannel
 from vllm_engine.kv_pages import SKIP_BLOCK, VllmKVPages, page_halves, vllm_layout
-from vllm_engine.outputs import Mode
+from vllm_engine.outputs import PINNED_KEY, Mode
 from vllm_engine.rank_runtime import RankRuntime
 
 if TYPE_CHECKING:
@@ -66,11 +69,21 @@ class PdserveConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._fingerprint, self._vllm_version = extra["pdserve_fingerprint"], extra["pdserve_vllm"]
-        # A worker rank in a process of its own (tensor parallelism): the hub, not the bridge.
-        self._hub_address: str = extra["pdserve_hub"] if role is KVConnectorRole.WORKER else ""
-        self._bridge: Bridge | None = (
-            None if self._hub_address else find_bridge(extra["pdserve_bridge"])
-        )
+        # The bridge when the engine core runs in the worker's process; the hub for a rank in
+        # a process of its own, and for an engine core in one.
+        hub_address, bridge_id = extra["pdserve_hub"], extra["pdserve_bridge"]
+        self._hub_address: str = hub_address if role is KVConnectorRole.WORKER else ""
+        self._bridge: Bridge | None = None
+        self._channel: CoreChannel | None = None
+        if role is KVConnectorRole.SCHEDULER and bridge_id:
+            self._channel = find_bridge(bridge_id)
+        elif role is KVConnectorRole.SCHEDULER:  # vLLM's engine core, in a process of its own
+            # Named for what it is in ps/top/py-spy (vLLM called it VLLM::EngineCore); at
+            # tensor_parallel_size 1 its one rank runs here too.
+            setproctitle.setproctitle(f"{extra.get('pdserve_name', 'pdserve')} vllm engine core")
+            self._channel = HubChannel(hub_address)
+        elif not hub_address:
+            self._bridge = find_bridge(bridge_id)
         self._runtime: RankRuntime | None = None
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
             raise ValueError(
@@ -87,7 +100,7 @@ class PdserveConnector(KVConnectorBase_V1):
         params = _pdserve_params(request)
         if params is None or params["mode"] != Mode.REMOTE.value:
             return 0, False
-        if not self._engine_bridge.should_load(params["pdserve_rid"]):
+        if not self._core.should_load(params["pdserve_rid"]):
             return 0, False  # loaded once already: a preempted request recomputes
         remaining = params["num_tokens"] - num_computed_tokens
         return remaining, remaining > 0  # 0: vLLM's own prefix cache holds it all
@@ -98,7 +111,7 @@ class PdserveConnector(KVConnectorBase_V1):
         params = _pdserve_params(request)
         if params is None or params["mode"] != Mode.REMOTE.value:
             return
-        if not self._engine_bridge.should_load(params["pdserve_rid"]):
+        if not self._core.should_load(params["pdserve_rid"]):
             return  # a later allocation (more blocks, a recompute): nothing to load
         block_ids = list(blocks.get_block_ids()[0][: params["num_blocks"]])
         # Leading blocks vLLM's prefix cache already holds (a block-aligned local hit) are
@@ -106,7 +119,7 @@ class PdserveConnector(KVConnectorBase_V1):
         # every one, vLLM waits for nothing: the pull only runs its course (and releases).
         num_local = (params["num_tokens"] - num_external_tokens) // self._block_size
         block_ids[:num_local] = [SKIP_BLOCK] * num_local
-        self._engine_bridge.allocated(
+        self._core.allocated(
             params["pdserve_rid"], request.request_id, block_ids, waits=num_external_tokens > 0
         )
 
@@ -117,24 +130,33 @@ class PdserveConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         params = _pdserve_params(request)
+        if params is None:
+            return False, None
+        self._core.finished(params["pdserve_rid"])
         if (
-            params is None
-            or params["mode"] != Mode.PREFILL.value
+            params["mode"] != Mode.PREFILL.value
             or request.status is not RequestStatus.FINISHED_LENGTH_CAPPED
         ):
             return False, None
-        self._engine_bridge.pin(params["pdserve_rid"], request.request_id, list(block_ids))
-        return True, None  # freed once reported finished sending (the lease ended)
+        self._core.pin(params["pdserve_rid"], request.request_id, list(block_ids))
+        # Freed once reported finished sending (the lease ended). The output says it was
+        # pinned: the front-end holds it until the pin itself has reached it.
+        return True, {PINNED_KEY: True}
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Every rank's reports of a step, aggregated: what vLLM frees or schedules now."""
-        self._engine_bridge.seen(
+        self._core.seen(
             connector_output.finished_sending or set(), connector_output.finished_recving or set()
         )
 
     @property
+    def _core(self) -> CoreChannel:
+        assert self._channel is not None, "the scheduler half's calls"
+        return self._channel
+
+    @property
     def _engine_bridge(self) -> Bridge:
-        assert self._bridge is not None, "only a rank in a process of its own has no bridge"
+        assert self._bridge is not None, "a rank in a process of its own has no bridge"
         return self._bridge
 
     # ---- worker side (vLLM's step thread) ---------------------------------------------------

@@ -1,11 +1,10 @@
 """The vLLM engine behind pdserve's serving contract (``engine/serving_engine.py``).
 
-vLLM's engine core runs in this process (no engine-core process: pdserve's KV connector must
-reach the service's leases and pulls, ``vllm_engine/bridge.py``); with tensor parallelism its
-ranks run in processes of their own, each moving its own shard of the KV
-(``vllm_engine/rank_transfer.py``). Its steps run in a worker thread so the event loop keeps
-serving; every other call into vLLM runs on the event loop while no step is in flight (one
-lock), exactly as the native ``AsyncEngine`` does.
+vLLM's engine core runs in this process or in one of its own (``engine.config.VllmEngineCore``;
+a ``CoreDriver`` drives it, ``vllm_engine/core_driver.py``); its ranks, when they run in
+processes of their own, each move their own shard of the KV (``vllm_engine/rank_transfer.py``),
+and the connector's bookkeeping of each request's blocks is the ``Bridge``
+(``vllm_engine/bridge.py``).
 
 vLLM computes and samples (greedily over what pdserve's sampler decided); pdserve keeps each
 request's text, stop conditions and lengths (``engine.request_state``), so a request ends on
@@ -24,7 +23,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from vllm.outputs import RequestOutput
-from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
 from engine.block_hash import BlockHash
 from engine.checkpoint import CheckpointInfo
@@ -34,6 +32,7 @@ from engine.guide import Guide, GuideCompiler
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
+from engine.request_error import RequestError
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import (
     EngineDeadError,
@@ -42,17 +41,16 @@ from engine.serving_engine import (
     NoRoomError,
     ServingEngine,
     raise_on_error,
-    run_until_dead,
 )
 from engine.step_progress import StepProgress
-from engine.threads import finish_in_thread, step_executor
 from engine.tokenizer import Tokenizer
 from kvtransfer import ReceiverOptions, SenderOptions, make_sender
 from kvtransfer.base import BlockLeases, KVReceiver, KVSender
 from kvtransfer.shard_receiver import ShardReceiver
 from kvtransfer.sharded import ShardedKV
 from vllm_engine.bridge import Bridge
-from vllm_engine.events import BufferingPublisher, CachedBlocks
+from vllm_engine.core_driver import CoreCallbacks, CoreDriver
+from vllm_engine.events import CachedBlocks
 from vllm_engine.kv_pages import VllmKVPages
 from vllm_engine.outputs import Mode, Request
 from vllm_engine.rank_hub import RankHub
@@ -69,7 +67,7 @@ ALLOCATION_TIMEOUT_S = 10.0
 class VllmEngine(ServingEngine, ShardedKV):
     def __init__(
         self,
-        llm: VllmLLMEngine,
+        core: CoreDriver,
         bridge: Bridge,
         hub: RankHub | None,
         config: EngineConfig,
@@ -79,16 +77,12 @@ class VllmEngine(ServingEngine, ShardedKV):
         tokenizer: Tokenizer | None,
         fingerprint: str,
         max_model_len: int,
+        vocab_size: int,
         cached: CachedBlocks,
     ) -> None:
-        core = llm.engine_core.engine_core  # the in-process client: the engine core itself
-        self._llm, self._bridge, self._config, self._hooks = llm, bridge, config, hooks
+        self._core, self._bridge, self._config, self._hooks = core, bridge, config, hooks
         self._hub = hub
-        self._scheduler = core.scheduler
-        self._pool = self._scheduler.kv_cache_manager.block_pool
-        self._publisher = BufferingPublisher()
-        self._scheduler.kv_event_publisher = self._publisher
-        # None with tensor parallelism: the pages are in the ranks' processes.
+        # None when the ranks run in processes of their own: the pages are theirs.
         self._pages: VllmKVPages | None = bridge.kv_pages
         if self._pages is not None:
             self._layout = self._pages.layout
@@ -97,11 +91,11 @@ class VllmEngine(ServingEngine, ShardedKV):
         else:
             raise RuntimeError("vLLM registered no KV cache with pdserve's connector")
         self._guides = GuideCompiler.shared(
-            Path(config.model), llm.model_config.get_vocab_size(), checkpoint.eos_token_ids
+            Path(config.model), vocab_size, checkpoint.eos_token_ids
         )
         self._guides.warm()  # built in the loading thread: it holds the GIL (~0.3 s)
         self._table = RequestTable(
-            llm,
+            core,
             bridge,
             checkpoint,
             tokenizer,
@@ -111,14 +105,12 @@ class VllmEngine(ServingEngine, ShardedKV):
         )
         self._fingerprint, self._max_model_len = fingerprint, max_model_len
         self._cached = cached
-        self._lock = asyncio.Lock()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._step_thread = step_executor()  # steps never wait for a shared pool's thread
+        if hub is not None:
+            hub.on_pinned = self._pin_arrived
         self.error: BaseException | None = None
+        self.progress: StepProgress = core.progress  # the driver's loop writes it
         self.collect_kv_events = False
         self._kv_events: list[KVEvents] = []
-        self.progress = StepProgress()
         self.stats = self._stats()
         self._faults = FaultInjection(raise_on_token=config.fault_raise_on_token)  # tests only
         # The request whose output is being delivered: a failure there is that request's
@@ -157,7 +149,7 @@ class VllmEngine(ServingEngine, ShardedKV):
 
     @property
     def num_blocks(self) -> int:
-        return self._pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        return self._core.num_blocks
 
     @property
     def max_model_len(self) -> int:
@@ -172,13 +164,10 @@ class VllmEngine(ServingEngine, ShardedKV):
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="vllm-engine-loop")
+        self._core.start(CoreCallbacks(self._deliver, self._refresh, self._refuse, self._die))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._step_thread.shutdown(wait=False)
+        await self._core.close()
         self._bridge.close()
         if self._hub is not None:
             await self._hub.close()
@@ -220,7 +209,7 @@ class VllmEngine(ServingEngine, ShardedKV):
         needed = self.blocks_for(len(request.prompt_token_ids))
         allocation = await self._call(
             lambda: self._table.add_remote(
-                request, needed, self._pool.get_num_free_blocks(), self.num_blocks, guide
+                request, needed, self._core.num_free_blocks(), self.num_blocks, guide
             )
         )
         try:
@@ -244,8 +233,7 @@ class VllmEngine(ServingEngine, ShardedKV):
         if req is not None:
             req.filling = False
             if req.done:  # its first token ended it: vLLM frees the blocks it just got
-                await self._call(lambda: self._llm.abort_request([rid]))
-        self._wakeup.set()
+                await self._call(lambda: self._core.abort([rid]))
         return result
 
     def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
@@ -262,6 +250,7 @@ class VllmEngine(ServingEngine, ShardedKV):
 
     async def snapshot_cached_hashes(self) -> dict[CacheTier, list[BlockHash]]:
         def snapshot() -> dict[CacheTier, list[BlockHash]]:
+            self._cached.apply(self._core.take_event_batches())
             self._cached.drain()
             self._kv_events = []
             return {CacheTier.DEVICE: self._cached.hashes()}
@@ -271,13 +260,12 @@ class VllmEngine(ServingEngine, ShardedKV):
     # ---- calls between steps ----------------------------------------------------------------
     async def _call(self, fn: Callable[[], T]) -> T:
         self._check_alive()
-        async with self._lock:
+
+        def checked() -> T:
             self._check_alive()
-            try:
-                return fn()
-            finally:
-                self._refresh()
-                self._wakeup.set()
+            return fn()
+
+        return await self._core.call(checked)
 
     # ---- streams ----------------------------------------------------------------------------
     async def _prepare_guide(self, params: SamplingParams, earlier: list[int]) -> Guide | None:
@@ -328,16 +316,7 @@ class VllmEngine(ServingEngine, ShardedKV):
             await self._call(lambda: self._table.resume(rid))
         return item
 
-    # ---- the loop ---------------------------------------------------------------------------
-    def _has_work(self) -> bool:
-        running, waiting = self._scheduler.get_request_counts()
-        return running + waiting > self._bridge.num_loading or self._bridge.has_reports()
-
-    async def _run(self) -> None:
-        """Steps while there is work, until the engine dies (``run_until_dead``): a step that
-        raised, or the delivery of its outputs."""
-        await run_until_dead(self._iterate, self._die)
-
+    # ---- what the core driver tells ---------------------------------------------------------
     def _die(self, exc: BaseException) -> None:
         """Every stream and the worker are told at once. A failure delivering one request's
         output is that request's: the last words name it alone (the others are bystanders);
@@ -351,35 +330,28 @@ class VllmEngine(ServingEngine, ShardedKV):
         if self._hooks.on_dead is not None:
             self._hooks.on_dead(exc)
 
-    async def _iterate(self) -> None:
-        await self._wakeup.wait()
-        self.progress.working()
-        async with self._lock:
-            if not self._has_work():
-                self._wakeup.clear()
-                self.progress.progressed(stepped=False)
-                return
-            events = self._bridge.events
-            if self._hub is not None:  # every rank must report what vLLM is to be told
-                await self._hub.report(self._bridge.take_reports())
-            outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
-            for output in outputs:
-                if isinstance(output, RequestOutput):
-                    self._delivering = output.request_id
-                    self._faults.check(output.request_id)
-                    self._table.deliver(output)
-            self._delivering = None
-            # Only once its outputs are delivered has a step completed: a delivery that
-            # hangs or fails must not pass for progress (the stall clock, /livez).
-            self.progress.progressed(stepped=True)
-            self._refresh()
-            idle = not outputs and not self._scheduler.running
-            if idle and events == self._bridge.events and not self._bridge.has_reports():
-                # Nothing could be scheduled, nothing moved: wait for a call to change that.
-                self._wakeup.clear()
+    def _pin_arrived(self, rid: str) -> None:
+        """The engine core (in a process of its own) pinned ``rid``'s blocks."""
+        self._table.pin_arrived(rid)
+        self._refresh()  # its pin counts in the stats now
+
+    def _refuse(self, rid: str, exc: Exception) -> None:
+        """vLLM refused to add ``rid`` (its input checks): that request fails by name, as a
+        request's own error (INVALID_ARGUMENT); the engine goes on."""
+        error = RequestError(f"vLLM refused request {rid!r}: {exc}")
+        self._bridge.refuse(rid, error)
+        if (req := self._table.requests.get(rid)) is not None:
+            req.queue.put_nowait(error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._delivering = output.request_id
+            self._faults.check(output.request_id)
+            self._table.deliver(output)
+        self._delivering = None
 
     def _refresh(self) -> None:
-        self._cached.apply(self._publisher.take())
+        self._cached.apply(self._core.take_event_batches())
         events = self._cached.drain()
         if self.collect_kv_events and not events.empty:
             self._kv_events.append(events)
@@ -388,8 +360,8 @@ class VllmEngine(ServingEngine, ShardedKV):
             self._hooks.on_stats(self.stats)
 
     def _stats(self) -> EngineStats:
-        running, waiting = self._scheduler.get_request_counts()
-        free, cached = self._pool.get_num_free_blocks(), len(self._cached.hashes())
+        running, waiting = self._core.counts()
+        free, cached = self._core.num_free_blocks(), len(self._cached.hashes())
         return self._table.stats(running, waiting, (self.num_blocks, free, cached), self.progress)
 
     def _check_alive(self) -> None:

@@ -10,20 +10,25 @@ pdserve's chain: it is left out (its prefix is not routable to this worker, whic
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 from vllm.distributed.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     EventPublisher,
+    KVEventBatch,
 )
 
 from engine.block_hash import BlockHash, hash_block
 from engine.kv_events import KVEventLog, KVEvents
+
+logger = logging.getLogger(__name__)
 
 
 class BufferingPublisher(EventPublisher):
@@ -92,3 +97,40 @@ class CachedBlocks:
 
     def drain(self) -> KVEvents:
         return self.log.drain()
+
+
+class EventSubscriber:
+    """vLLM's KV cache events from an engine core in a process of its own: a SUB socket on its
+    ZMQ publisher (``kv_events_config``, an ``ipc://`` endpoint in a directory only this user
+    may enter), read on the event loop. Each message is ``(topic, seq, msgpack batch)``; a
+    sequence gap (the publisher's queue overflowed) is logged: the blocks whose parents were
+    missed are left out of the index (``CachedBlocks``), which is safe."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)  # before vLLM binds: ZMQ connects once it does
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._batches: list[EventBatch] = []
+        self._next_seq: int | None = None
+
+    async def run(self) -> None:
+        while True:
+            _topic, seq_bytes, payload = await self._socket.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if self._next_seq is not None and seq != self._next_seq:
+                logger.warning("vLLM KV events %d..%d were lost", self._next_seq, seq - 1)
+            self._next_seq = seq + 1
+            self._batches.append(self._decoder.decode(payload))
+
+    def take(self) -> list[EventBatch]:
+        batches, self._batches = self._batches, []
+        return batches
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()

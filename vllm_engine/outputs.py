@@ -12,17 +12,20 @@ from typing import Any
 
 from vllm import SamplingParams as VllmParams
 from vllm.logprobs import Logprob
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
 from engine.outputs import RequestUpdate
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
-from engine.serving_engine import EngineDeadError
 from vllm_engine.sampler import EXTRA_ARGS_KEY, sampling_extra_args
 
 # The key vLLM passes on to the connector (``Request.kv_transfer_params``).
 KV_PARAMS_KEY = "kv_transfer_params"
+# What the connector returns for a prefill whose blocks it pinned (``RequestOutput``'s
+# ``kv_transfer_params``).
+PINNED_KEY = "pdserve_pinned"
 
 
 class Mode(enum.Enum):
@@ -37,7 +40,7 @@ class Mode(enum.Enum):
 class Request:
     state: RequestState
     mode: Mode
-    queue: asyncio.Queue[RequestUpdate | EngineDeadError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestUpdate | Exception] = field(default_factory=asyncio.Queue)
     num_buffered_tokens: int = 0
     counted: bool = False  # its prompt tokens are in the engine's counters
     filling: bool = False  # REMOTE: the pull is writing its blocks
@@ -45,6 +48,9 @@ class Request:
     # Its reader let the bound pile up: not in vLLM now (seat and blocks given back), its
     # state kept here until ``RequestTable.resume`` re-adds it as a continuation.
     paused: bool = False
+    # PREFILL: its last output, held until the engine core's pin of its blocks is here (an
+    # engine core in a process of its own says it over another channel).
+    pending: RequestOutput | None = None
 
 
 def vllm_params(

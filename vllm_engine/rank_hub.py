@@ -1,11 +1,15 @@
-"""The front-end's end of the control channel to a tensor-parallel engine's ranks
-(``proto/pdserve/v1/engine_hub.proto``; the ranks' end is ``vllm_engine/rank_runtime.py``).
+"""The front-end's end of the control channel to vLLM's processes
+(``proto/pdserve/v1/engine_hub.proto``; the ranks' end is ``vllm_engine/rank_runtime.py``, the
+engine core's ``vllm_engine/core_channel.py``).
 
-One per vLLM engine with tensor_parallel_size > 1, started before vLLM builds its ranks: each
-rank says hello once its KV cache is registered, then the hub is how the front-end commands them
-(start a sender or receiver, pull a request's shard, cancel it, report to vLLM) and how their
-senders reach the one lease table (``Checkout``/``Checkin`` on the prefill service's
-``LeaseManager``). gRPC on a Unix socket in a directory only this user may enter.
+One per vLLM engine whose ranks run in processes of their own (tensor_parallel_size > 1, or an
+engine core in a process of its own), started before vLLM builds them: each rank says hello
+once its KV cache is registered, then the hub is how the front-end commands them (start a
+sender or receiver, pull a request's shard, cancel it, report to vLLM) and how their senders
+reach the one lease table (``Checkout``/``Checkin`` on the prefill service's
+``LeaseManager``). An engine core in a process of its own says here which blocks vLLM gave a
+request (``Allocated``, ``Pinned``), handed to the engine's ``Bridge``. gRPC on a Unix socket
+in a directory only this user may enter.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import shutil
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -24,7 +29,7 @@ from kvtransfer.base import BlockLeases
 from pdserve.common.convert import layout_from_proto
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from pdserve.v1 import engine_hub_pb2_grpc as hub_grpc
-from vllm_engine.bridge import Reports
+from vllm_engine.bridge import Bridge, Reports
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +46,12 @@ class Rank:
 
 
 class RankHub(hub_grpc.EngineHubServicer):
-    def __init__(self, tp_size: int) -> None:
+    def __init__(self, tp_size: int, bridge: Bridge | None = None) -> None:
         self.tp_size = tp_size
+        self._bridge = bridge  # None: only ranks dial (the engine core is the worker's)
+        # Told of a pin the engine core made (its request's output may be here first, or
+        # the request gone: the table decides).
+        self.on_pinned: Callable[[str], None] | None = None
         self.socket_dir = tempfile.mkdtemp(prefix="pdserve-ranks-")  # mode 0700
         self.address = f"unix://{self.socket_dir}/hub.sock"
         self.ranks: dict[int, Rank] = {}
@@ -113,6 +122,32 @@ class RankHub(hub_grpc.EngineHubServicer):
         if len(self.ranks) == self.tp_size:
             self._all_ranks.set()
         return hub_pb2.HubAck()
+
+    async def Allocated(
+        self, request: hub_pb2.CoreBlocks, context: grpc.aio.ServicerContext
+    ) -> hub_pb2.HubAck:
+        bridge = await self._engine_bridge(context)
+        bridge.allocated(
+            request.request_id, request.internal_id, list(request.block_ids), request.waits
+        )
+        return hub_pb2.HubAck()
+
+    async def Pinned(
+        self, request: hub_pb2.CoreBlocks, context: grpc.aio.ServicerContext
+    ) -> hub_pb2.HubAck:
+        bridge = await self._engine_bridge(context)
+        bridge.pin(request.request_id, request.internal_id, list(request.block_ids))
+        if self.on_pinned is not None:
+            self.on_pinned(request.request_id)
+        return hub_pb2.HubAck()
+
+    async def _engine_bridge(self, context: grpc.aio.ServicerContext) -> Bridge:
+        if self._bridge is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this engine's core is the worker's own"
+            )
+        assert self._bridge is not None
+        return self._bridge
 
     async def Checkout(
         self, request: hub_pb2.HubCheckout, context: grpc.aio.ServicerContext

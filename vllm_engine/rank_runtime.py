@@ -44,6 +44,7 @@ from kvtransfer.base import BlockLeases
 from kvtransfer.shard_receiver import ShardReceiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.common.convert import layout_to_proto
+from pdserve.common.tls import TlsConfig
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from pdserve.v1 import engine_hub_pb2_grpc as hub_grpc
 from vllm_engine.bridge import Reports
@@ -56,6 +57,21 @@ HUB_CALL_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 60.0
 _MAX_CANCELLED = 4096
 RANK_BACKENDS = ("grpc", "nixl")  # what a rank can move its shard with (docs/engines.md)
+
+
+def tls_to_proto(tls: TlsConfig | None) -> hub_pb2.RankTls | None:
+    if tls is None:
+        return None
+    return hub_pb2.RankTls(
+        cert_file=tls.cert_file,
+        key_file=tls.key_file,
+        ca_file=tls.ca_file or "",
+        server_name=tls.server_name,
+    )
+
+
+def tls_from_proto(tls: hub_pb2.RankTls) -> TlsConfig:
+    return TlsConfig(tls.cert_file, tls.key_file, tls.ca_file or None, tls.server_name)
 
 
 class HubLeases(BlockLeases):
@@ -180,7 +196,10 @@ class RankRuntime(hub_grpc.RankControlServicer):
                 request.host,
                 request.port,
                 advertise_host=request.advertise_host or None,
+                tls=tls_from_proto(request.tls) if request.HasField("tls") else None,
                 max_pull_s=request.max_pull_s,
+                verify=not request.no_verify,
+                ucx_tls=request.ucx_tls or None,
             )
             sender = make_sender(request.backend, self.pages, HubLeases(self._hub()), options)
             await sender.start()
@@ -194,7 +213,12 @@ class RankRuntime(hub_grpc.RankControlServicer):
         self, request: hub_pb2.StartRankReceiver, context: grpc.aio.ServicerContext
     ) -> hub_pb2.HubAck:
         if self._receiver is None:
-            options = ReceiverOptions(request.timeout_s)
+            options = ReceiverOptions(
+                request.timeout_s,
+                tls=tls_from_proto(request.tls) if request.HasField("tls") else None,
+                verify=not request.no_verify,
+                ucx_tls=request.ucx_tls or None,
+            )
             self._receiver = ShardReceiver(request.backend, self.pages, options)
         return hub_pb2.HubAck()
 

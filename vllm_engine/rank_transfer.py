@@ -38,22 +38,17 @@ from kvtransfer.wire import handle_to_proto
 from pdserve.common.tracing import TraceContext
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from vllm_engine.rank_hub import RANK_CALL_TIMEOUT_S, Rank, RankHub
-from vllm_engine.rank_runtime import RANK_BACKENDS
+from vllm_engine.rank_runtime import RANK_BACKENDS, tls_to_proto
 
 logger = logging.getLogger(__name__)
 
 
-def check_rank_backend(backend: str, options: SenderOptions | ReceiverOptions) -> None:
+def check_rank_backend(backend: str) -> None:
     """What a rank cannot move its shard with, refused by name before anything starts."""
     if backend not in RANK_BACKENDS:
         raise ValueError(
             f"kv_backend {backend!r} with tensor_parallel_size > 1: a vLLM rank moves its "
             f"shard with {' or '.join(RANK_BACKENDS)} (docs/engines.md)"
-        )
-    if options.tls is not None:
-        raise ValueError(
-            "TLS on the KV port with tensor_parallel_size > 1: the ranks' senders do not "
-            "serve TLS yet (docs/engines.md)"
         )
 
 
@@ -61,7 +56,7 @@ class RankKVSender(KVSender):
     def __init__(
         self, hub: RankHub, backend: str, leases: BlockLeases, options: SenderOptions
     ) -> None:
-        check_rank_backend(backend, options)
+        check_rank_backend(backend)
         self.backend = backend
         self.leases = leases
         self._hub, self._options = hub, options
@@ -86,6 +81,9 @@ class RankKVSender(KVSender):
                 port=o.port + rank.tp_rank if o.port else 0,  # --kv-port: one port per rank
                 advertise_host=o.advertise_host or "",
                 max_pull_s=o.max_pull_s,
+                tls=tls_to_proto(o.tls),
+                no_verify=not o.verify,
+                ucx_tls=o.ucx_tls or "",
             )
 
         replies = await asyncio.gather(
@@ -102,7 +100,7 @@ class RankKVSender(KVSender):
 
 class RankKVReceiver(MapsShards):
     def __init__(self, hub: RankHub, backend: str, options: ReceiverOptions) -> None:
-        check_rank_backend(backend, options)
+        check_rank_backend(backend)
         self.backend = backend
         self._hub, self._options = hub, options
         self._started: asyncio.Task[None] | None = None
@@ -161,8 +159,13 @@ class RankKVReceiver(MapsShards):
 
     async def _start_receivers(self) -> None:
         if self._started is None:
+            o = self._options
             request = hub_pb2.StartRankReceiver(
-                backend=self.backend, timeout_s=self._options.timeout_s
+                backend=self.backend,
+                timeout_s=o.timeout_s,
+                tls=tls_to_proto(o.tls),
+                no_verify=not o.verify,
+                ucx_tls=o.ucx_tls or "",
             )
 
             async def start() -> None:

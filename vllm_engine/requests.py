@@ -1,7 +1,8 @@
 """Every request of one vLLM engine, on pdserve's side: its vLLM request, its output state
 (``engine.request_state``: text, stops, lengths), its queue to the consumer, and its pinned
-blocks once prefilled. Called by ``VllmEngine`` on the event loop, between steps only (the
-engine's lock), so it may call into vLLM.
+blocks once prefilled. Called by ``VllmEngine`` on the event loop, through its core driver's
+``call`` (``vllm_engine/core_driver.py``: between steps, when vLLM steps in this process), so it
+may add and abort.
 
 A slow reader is bounded as on the native engine: once ``max_buffered_tokens`` of a
 request's output wait in its queue, the request is paused. vLLM has no pause, so it leaves
@@ -20,7 +21,6 @@ import logging
 from typing import Any
 
 from vllm.outputs import RequestOutput
-from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
 from engine.admission import Admission
 from engine.checkpoint import CheckpointInfo
@@ -34,7 +34,8 @@ from engine.serving_engine import NoRoomError
 from engine.step_progress import StepProgress
 from engine.tokenizer import Tokenizer
 from vllm_engine.bridge import Bridge
-from vllm_engine.outputs import Mode, Request, positions, token_logprobs, vllm_params
+from vllm_engine.core_driver import CoreDriver
+from vllm_engine.outputs import PINNED_KEY, Mode, Request, positions, token_logprobs, vllm_params
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 class RequestTable:
     def __init__(
         self,
-        llm: VllmLLMEngine,
+        core: CoreDriver,
         bridge: Bridge,
         checkpoint: CheckpointInfo,
         tokenizer: Tokenizer | None,
@@ -50,7 +51,7 @@ class RequestTable:
         guides: GuideCompiler,
         max_buffered_tokens: int,
     ) -> None:
-        self._llm, self._bridge = llm, bridge
+        self._core, self._bridge = core, bridge
         self.max_buffered_tokens = max_buffered_tokens
         self._checkpoint, self._tokenizer = checkpoint, tokenizer
         self._max_model_len = max_model_len
@@ -136,11 +137,13 @@ class RequestTable:
         if req is None:
             return
         req.done = True
+        if self._bridge.is_pinned(rid):  # pinned, its output not delivered yet
+            self._bridge.release(rid)
         if req.paused:  # not in vLLM
             return
         if not req.filling:  # an allocated, unfilled request's blocks go at the next step
             self._bridge.load_finished(rid, ok=False)
-        self._llm.abort_request([rid])
+        self._core.abort([rid])
         self._bridge.forget(rid)
 
     def resume(self, rid: str) -> None:
@@ -154,7 +157,20 @@ class RequestTable:
         kv_params = {"pdserve_rid": rid, "mode": Mode.GENERATE.value}
         eos = tuple(self._checkpoint.eos_token_ids)
         params = vllm_params(seq.params, Mode.GENERATE, seq.num_output_tokens, kv_params, eos)
-        self._llm.add_request(rid, {"prompt_token_ids": list(seq.token_ids)}, params)
+        self._core.add(rid, list(seq.token_ids), params)
+
+    def pin_arrived(self, rid: str) -> None:
+        """The engine core's pin of ``rid``'s blocks reached the bridge: its held output goes
+        on; a pin no request wants any more (it was aborted, or failed) is released at once."""
+        req = self.requests.get(rid)
+        if req is None or req.done:
+            if rid not in self.pinned:
+                with contextlib.suppress(KeyError):
+                    self._bridge.release(rid)
+            return
+        if req.pending is not None:
+            output, req.pending = req.pending, None
+            self.deliver(output)
 
     @property
     def num_paused(self) -> int:
@@ -190,7 +206,7 @@ class RequestTable:
         if busy or req.num_buffered_tokens < self.max_buffered_tokens:
             return
         req.paused = True
-        self._llm.abort_request([rid])
+        self._core.abort([rid])
         self._bridge.forget(rid)
 
     def deliver(self, output: RequestOutput) -> None:
@@ -198,6 +214,10 @@ class RequestTable:
         rid = output.request_id
         req = self.requests.get(rid)
         if req is None or req.done or req.paused:
+            return
+        pinned = bool(output.kv_transfer_params and output.kv_transfer_params.get(PINNED_KEY))
+        if pinned and not self._bridge.is_pinned(rid):
+            req.pending = output  # delivered once the pin is here (``pin_arrived``)
             return
         seq = req.state.seq
         if not req.counted:
@@ -251,9 +271,9 @@ class RequestTable:
     ) -> Request:
         state = RequestState.create(seq, self._tokenizer, self._checkpoint.eos_token_ids)
         req = Request(state, mode)
-        self._llm.add_request(
+        self._core.add(
             seq.request_id,
-            {"prompt_token_ids": tokens},
+            tokens,
             vllm_params(params, mode, offset, kv_params, tuple(self._checkpoint.eos_token_ids)),
         )
         self.requests[seq.request_id] = req
@@ -292,7 +312,7 @@ class RequestTable:
             status = state.finish(status or SequenceStatus.FINISHED_LENGTH)
             req.done = True
             if not vllm_finished and abort_in_vllm:
-                self._llm.abort_request([rid])
+                self._core.abort([rid])
             self._bridge.forget(rid)
             update = state.flush(status.finish_reason)
         else:

@@ -115,6 +115,40 @@ class HubBlocks(_message.Message):
 Global___HubBlocks: _TypeAlias = HubBlocks  # noqa: Y015
 
 @_typing.final
+class CoreBlocks(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INTERNAL_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    WAITS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """pdserve's"""
+    internal_id: _builtins.str
+    """vLLM's (what the ranks report it by)"""
+    waits: _builtins.bool
+    """Allocated: vLLM parked the request until told its load finished"""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Allocated: -1 for a block vLLM's prefix cache holds"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        internal_id: _builtins.str = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        waits: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "internal_id", b"internal_id", "request_id", b"request_id", "waits", b"waits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoreBlocks: _TypeAlias = CoreBlocks  # noqa: Y015
+
+@_typing.final
 class HubCheckin(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -134,6 +168,39 @@ class HubCheckin(_message.Message):
 Global___HubCheckin: _TypeAlias = HubCheckin  # noqa: Y015
 
 @_typing.final
+class RankTls(_message.Message):
+    """Mutual TLS on a rank's KV port, as the worker's own: file paths (the rank reads the files;
+    a renewed certificate is read again at the next handshake), never the key itself.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CERT_FILE_FIELD_NUMBER: _builtins.int
+    KEY_FILE_FIELD_NUMBER: _builtins.int
+    CA_FILE_FIELD_NUMBER: _builtins.int
+    SERVER_NAME_FIELD_NUMBER: _builtins.int
+    cert_file: _builtins.str
+    key_file: _builtins.str
+    ca_file: _builtins.str
+    """"": none"""
+    server_name: _builtins.str
+    def __init__(
+        self,
+        *,
+        cert_file: _builtins.str = ...,
+        key_file: _builtins.str = ...,
+        ca_file: _builtins.str = ...,
+        server_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_file", b"ca_file", "cert_file", b"cert_file", "key_file", b"key_file", "server_name", b"server_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankTls: _TypeAlias = RankTls  # noqa: Y015
+
+@_typing.final
 class StartRankSender(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -142,12 +209,23 @@ class StartRankSender(_message.Message):
     PORT_FIELD_NUMBER: _builtins.int
     ADVERTISE_HOST_FIELD_NUMBER: _builtins.int
     MAX_PULL_S_FIELD_NUMBER: _builtins.int
+    TLS_FIELD_NUMBER: _builtins.int
+    NO_VERIFY_FIELD_NUMBER: _builtins.int
+    UCX_TLS_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     host: _builtins.str
     port: _builtins.int
     """0: any free port"""
     advertise_host: _builtins.str
     max_pull_s: _builtins.float
+    no_verify: _builtins.bool
+    """nixl: record no digest as handles are issued"""
+    ucx_tls: _builtins.str
+    """nixl: UCX's transports ("": UCX's choice)"""
+    @_builtins.property
+    def tls(self) -> Global___RankTls:
+        """unset: plaintext"""
+
     def __init__(
         self,
         *,
@@ -156,10 +234,13 @@ class StartRankSender(_message.Message):
         port: _builtins.int = ...,
         advertise_host: _builtins.str = ...,
         max_pull_s: _builtins.float = ...,
+        tls: Global___RankTls | None = ...,
+        no_verify: _builtins.bool = ...,
+        ucx_tls: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tls", b"tls"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "backend", b"backend", "host", b"host", "max_pull_s", b"max_pull_s", "port", b"port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_host", b"advertise_host", "backend", b"backend", "host", b"host", "max_pull_s", b"max_pull_s", "no_verify", b"no_verify", "port", b"port", "tls", b"tls", "ucx_tls", b"ucx_tls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -190,17 +271,30 @@ class StartRankReceiver(_message.Message):
 
     BACKEND_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    TLS_FIELD_NUMBER: _builtins.int
+    NO_VERIFY_FIELD_NUMBER: _builtins.int
+    UCX_TLS_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     timeout_s: _builtins.float
+    no_verify: _builtins.bool
+    """nixl: do not check what was read against the sender's digest"""
+    ucx_tls: _builtins.str
+    @_builtins.property
+    def tls(self) -> Global___RankTls:
+        """unset: plaintext"""
+
     def __init__(
         self,
         *,
         backend: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
+        tls: Global___RankTls | None = ...,
+        no_verify: _builtins.bool = ...,
+        ucx_tls: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tls", b"tls"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "no_verify", b"no_verify", "timeout_s", b"timeout_s", "tls", b"tls", "ucx_tls", b"ucx_tls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

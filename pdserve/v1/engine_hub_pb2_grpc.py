@@ -27,11 +27,13 @@ if _version_not_supported:
 
 class EngineHubStub:
     """The control channel between a vLLM worker (the front-end: leases, request table, services)
-    and its tensor-parallel rank processes (each holds one shard of the KV cache and moves only
-    that shard). On a Unix socket in a directory only the worker's user can enter; nothing here
+    and vLLM's processes: its tensor-parallel ranks (each holds one shard of the KV cache and
+    moves only that shard) and, when it runs in a process of its own, its engine core (the
+    scheduler half of pdserve's connector, which moves no byte: it says which blocks vLLM gave
+    a request). On a Unix socket in a directory only the worker's user can enter; nothing here
     crosses the network (docs/engines.md "Tensor parallelism").
 
-    Served by the front-end; called by each rank.
+    Served by the front-end; called by each rank, and by the engine core's connector half.
     """
 
     def __init__(self, channel):
@@ -55,15 +57,27 @@ class EngineHubStub:
                 request_serializer=pdserve_dot_v1_dot_engine__hub__pb2.HubCheckin.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
                 _registered_method=True)
+        self.Allocated = channel.unary_unary(
+                '/pdserve.v1.EngineHub/Allocated',
+                request_serializer=pdserve_dot_v1_dot_engine__hub__pb2.CoreBlocks.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
+                _registered_method=True)
+        self.Pinned = channel.unary_unary(
+                '/pdserve.v1.EngineHub/Pinned',
+                request_serializer=pdserve_dot_v1_dot_engine__hub__pb2.CoreBlocks.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
+                _registered_method=True)
 
 
 class EngineHubServicer:
     """The control channel between a vLLM worker (the front-end: leases, request table, services)
-    and its tensor-parallel rank processes (each holds one shard of the KV cache and moves only
-    that shard). On a Unix socket in a directory only the worker's user can enter; nothing here
+    and vLLM's processes: its tensor-parallel ranks (each holds one shard of the KV cache and
+    moves only that shard) and, when it runs in a process of its own, its engine core (the
+    scheduler half of pdserve's connector, which moves no byte: it says which blocks vLLM gave
+    a request). On a Unix socket in a directory only the worker's user can enter; nothing here
     crosses the network (docs/engines.md "Tensor parallelism").
 
-    Served by the front-end; called by each rank.
+    Served by the front-end; called by each rank, and by the engine core's connector half.
     """
 
     def Hello(self, request, context):
@@ -87,6 +101,21 @@ class EngineHubServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Allocated(self, request, context):
+        """The engine core (in a process of its own) allocated a remote request's blocks, or kept a
+        finished prefill's blocks for a pull (vLLM frees them only once every rank reported the
+        request finished sending: the front-end's lease decides when).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pinned(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineHubServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +134,16 @@ def add_EngineHubServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.HubCheckin.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.SerializeToString,
             ),
+            'Allocated': grpc.unary_unary_rpc_method_handler(
+                    servicer.Allocated,
+                    request_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.CoreBlocks.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.SerializeToString,
+            ),
+            'Pinned': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pinned,
+                    request_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.CoreBlocks.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.EngineHub', rpc_method_handlers)
@@ -115,11 +154,13 @@ def add_EngineHubServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class EngineHub:
     """The control channel between a vLLM worker (the front-end: leases, request table, services)
-    and its tensor-parallel rank processes (each holds one shard of the KV cache and moves only
-    that shard). On a Unix socket in a directory only the worker's user can enter; nothing here
+    and vLLM's processes: its tensor-parallel ranks (each holds one shard of the KV cache and
+    moves only that shard) and, when it runs in a process of its own, its engine core (the
+    scheduler half of pdserve's connector, which moves no byte: it says which blocks vLLM gave
+    a request). On a Unix socket in a directory only the worker's user can enter; nothing here
     crosses the network (docs/engines.md "Tensor parallelism").
 
-    Served by the front-end; called by each rank.
+    Served by the front-end; called by each rank, and by the engine core's connector half.
     """
 
     @staticmethod
@@ -192,6 +233,60 @@ class EngineHub:
             target,
             '/pdserve.v1.EngineHub/Checkin',
             pdserve_dot_v1_dot_engine__hub__pb2.HubCheckin.SerializeToString,
+            pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Allocated(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineHub/Allocated',
+            pdserve_dot_v1_dot_engine__hub__pb2.CoreBlocks.SerializeToString,
+            pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pinned(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EngineHub/Pinned',
+            pdserve_dot_v1_dot_engine__hub__pb2.CoreBlocks.SerializeToString,
             pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
             options,
             channel_credentials,

@@ -28,11 +28,13 @@ GRPC_VERSION: str
 
 class EngineHubStub:
     """The control channel between a vLLM worker (the front-end: leases, request table, services)
-    and its tensor-parallel rank processes (each holds one shard of the KV cache and moves only
-    that shard). On a Unix socket in a directory only the worker's user can enter; nothing here
+    and vLLM's processes: its tensor-parallel ranks (each holds one shard of the KV cache and
+    moves only that shard) and, when it runs in a process of its own, its engine core (the
+    scheduler half of pdserve's connector, which moves no byte: it says which blocks vLLM gave
+    a request). On a Unix socket in a directory only the worker's user can enter; nothing here
     crosses the network (docs/engines.md "Tensor parallelism").
 
-    Served by the front-end; called by each rank.
+    Served by the front-end; called by each rank, and by the engine core's connector half.
     """
 
     @_typing.overload
@@ -46,15 +48,23 @@ class EngineHubStub:
     leased request's blocks: NOT_FOUND when it holds no lease, or the token is not its token.
     """
     Checkin: _grpc.UnaryUnaryMultiCallable[_engine_hub_pb2.HubCheckin, _engine_hub_pb2.HubAck]
+    Allocated: _grpc.UnaryUnaryMultiCallable[_engine_hub_pb2.CoreBlocks, _engine_hub_pb2.HubAck]
+    """The engine core (in a process of its own) allocated a remote request's blocks, or kept a
+    finished prefill's blocks for a pull (vLLM frees them only once every rank reported the
+    request finished sending: the front-end's lease decides when).
+    """
+    Pinned: _grpc.UnaryUnaryMultiCallable[_engine_hub_pb2.CoreBlocks, _engine_hub_pb2.HubAck]
 
 @_typing.type_check_only
 class EngineHubAsyncStub(EngineHubStub):
     """The control channel between a vLLM worker (the front-end: leases, request table, services)
-    and its tensor-parallel rank processes (each holds one shard of the KV cache and moves only
-    that shard). On a Unix socket in a directory only the worker's user can enter; nothing here
+    and vLLM's processes: its tensor-parallel ranks (each holds one shard of the KV cache and
+    moves only that shard) and, when it runs in a process of its own, its engine core (the
+    scheduler half of pdserve's connector, which moves no byte: it says which blocks vLLM gave
+    a request). On a Unix socket in a directory only the worker's user can enter; nothing here
     crosses the network (docs/engines.md "Tensor parallelism").
 
-    Served by the front-end; called by each rank.
+    Served by the front-end; called by each rank, and by the engine core's connector half.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -65,14 +75,22 @@ class EngineHubAsyncStub(EngineHubStub):
     leased request's blocks: NOT_FOUND when it holds no lease, or the token is not its token.
     """
     Checkin: _aio.UnaryUnaryMultiCallable[_engine_hub_pb2.HubCheckin, _engine_hub_pb2.HubAck]  # type: ignore[assignment]
+    Allocated: _aio.UnaryUnaryMultiCallable[_engine_hub_pb2.CoreBlocks, _engine_hub_pb2.HubAck]  # type: ignore[assignment]
+    """The engine core (in a process of its own) allocated a remote request's blocks, or kept a
+    finished prefill's blocks for a pull (vLLM frees them only once every rank reported the
+    request finished sending: the front-end's lease decides when).
+    """
+    Pinned: _aio.UnaryUnaryMultiCallable[_engine_hub_pb2.CoreBlocks, _engine_hub_pb2.HubAck]  # type: ignore[assignment]
 
 class EngineHubServicer(metaclass=_abc_1.ABCMeta):
     """The control channel between a vLLM worker (the front-end: leases, request table, services)
-    and its tensor-parallel rank processes (each holds one shard of the KV cache and moves only
-    that shard). On a Unix socket in a directory only the worker's user can enter; nothing here
+    and vLLM's processes: its tensor-parallel ranks (each holds one shard of the KV cache and
+    moves only that shard) and, when it runs in a process of its own, its engine core (the
+    scheduler half of pdserve's connector, which moves no byte: it says which blocks vLLM gave
+    a request). On a Unix socket in a directory only the worker's user can enter; nothing here
     crosses the network (docs/engines.md "Tensor parallelism").
 
-    Served by the front-end; called by each rank.
+    Served by the front-end; called by each rank, and by the engine core's connector half.
     """
 
     @_abc_1.abstractmethod
@@ -97,6 +115,24 @@ class EngineHubServicer(metaclass=_abc_1.ABCMeta):
     def Checkin(
         self,
         request: _engine_hub_pb2.HubCheckin,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_hub_pb2.HubAck, _abc.Awaitable[_engine_hub_pb2.HubAck]]: ...
+
+    @_abc_1.abstractmethod
+    def Allocated(
+        self,
+        request: _engine_hub_pb2.CoreBlocks,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_hub_pb2.HubAck, _abc.Awaitable[_engine_hub_pb2.HubAck]]:
+        """The engine core (in a process of its own) allocated a remote request's blocks, or kept a
+        finished prefill's blocks for a pull (vLLM frees them only once every rank reported the
+        request finished sending: the front-end's lease decides when).
+        """
+
+    @_abc_1.abstractmethod
+    def Pinned(
+        self,
+        request: _engine_hub_pb2.CoreBlocks,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_hub_pb2.HubAck, _abc.Awaitable[_engine_hub_pb2.HubAck]]: ...
 

@@ -18,6 +18,7 @@ from engine.config import (
     EngineConfig,
     SpecMethod,
     SpeculativeConfig,
+    VllmEngineCore,
     VllmOptions,
     block_size_for,
 )
@@ -28,7 +29,7 @@ from pdserve.common.convert import layout_from_proto, layout_to_proto
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 from tests.unit.test_cli import _up_configs
-from vllm_engine.args import ConnectorTarget, engine_args
+from vllm_engine.args import ConnectorTarget, engine_args, engine_core_for
 
 VLLM = EngineBackend.VLLM
 NATIVE = EngineBackend.NATIVE
@@ -175,6 +176,36 @@ def test_vllm_gets_pdserves_settings_under_its_own_names() -> None:
     # On a CPU with no budget given, the native engine's default budget, not vLLM's RAM grab.
     cpu = engine_args(EngineConfig("/m", backend=VLLM), target, on_cpu=True)
     assert cpu["kv_cache_memory_bytes"] == 2 << 30 and "gpu_memory_utilization" not in cpu
+
+
+def test_where_vllms_engine_core_runs_is_chosen_by_device_and_ranks_or_as_asked() -> None:
+    """``auto``: in the worker's process for one rank on a CPU (measured faster there,
+    docs/benchmarks.md), a process of its own otherwise; ``worker`` with ranks is refused."""
+    cases = {
+        (VllmEngineCore.AUTO, 1, True): VllmEngineCore.WORKER,
+        (VllmEngineCore.AUTO, 1, False): VllmEngineCore.PROCESS,
+        (VllmEngineCore.AUTO, 2, True): VllmEngineCore.PROCESS,
+        (VllmEngineCore.AUTO, 2, False): VllmEngineCore.PROCESS,
+        (VllmEngineCore.PROCESS, 1, True): VllmEngineCore.PROCESS,
+        (VllmEngineCore.WORKER, 1, False): VllmEngineCore.WORKER,
+    }
+    for (asked, tp, on_cpu), chosen in cases.items():
+        options = VllmOptions(tensor_parallel_size=tp, engine_core=asked)
+        assert engine_core_for(options, on_cpu=on_cpu) is chosen, (asked, tp, on_cpu)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs engine_core process"):
+        VllmOptions(tensor_parallel_size=2, engine_core=VllmEngineCore.WORKER)
+    configs = _up_configs("--engine", "vllm", "--engine-core", "process")
+    assert configs["decode"].engine.vllm.engine_core is VllmEngineCore.PROCESS
+    # An engine core in a process of its own publishes its events and reports its stats.
+    target = ConnectorTarget("", "fp", "0.32.0", "unix:///run/hub.sock")
+    args = engine_args(EngineConfig("/m", backend=VLLM), target, on_cpu=True, events="ipc:///e")
+    assert args["kv_events_config"] == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "ipc:///e",
+    }
+    assert args["disable_log_stats"] is False
+    assert args["kv_transfer_config"]["kv_connector_extra_config"]["pdserve_bridge"] == ""
 
 
 def test_layouts_name_the_engine_and_a_native_and_a_vllm_layout_never_match() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,9 @@ from kvtransfer import (
 from kvtransfer.base import BlockLeases, KVHandle, prompt_digest
 from kvtransfer.shard_receiver import ShardReceiver, source_addresses
 from pdserve.common.convert import layout_from_proto, layout_to_proto
+from pdserve.common.tls import TlsConfig
 from prefill_service.lease_table import LeaseTable
+from tests.security.tls_util import make_pki
 from vllm_engine.bridge import Reports
 from vllm_engine.kv_pages import VllmKVPages
 from vllm_engine.rank_hub import RankHub
@@ -181,6 +184,44 @@ def test_a_cancelled_pull_returns_once_every_rank_stopped_writing() -> None:
                 await asyncio.to_thread(rank.close)
             await p_hub.close()
             await d_hub.close()
+
+    asyncio.run(run())
+
+
+def test_ranks_move_their_shards_over_mutual_tls_and_refuse_a_rogue_peer(
+    tmp_path: Path,
+) -> None:
+    """TLS on a rank's KV port is the worker's own (file paths through the hub): each decode
+    rank pulls its shard over mTLS; a decode side with another CA's certificate is refused."""
+    pki = make_pki(tmp_path / "pki")
+    tls = TlsConfig(str(pki.cert), str(pki.key), str(pki.ca))
+    rogue = TlsConfig(str(pki.rogue_cert), str(pki.rogue_key), str(pki.ca))
+
+    async def run() -> None:
+        (p_hub, p_ranks), (d_hub, d_ranks) = await _side(True), await _side(False)
+        (r_hub, r_ranks) = await _side(False)
+        leases = _Leases()
+        sender = RankKVSender(p_hub, "grpc", leases, SenderOptions("127.0.0.1", 0, tls=tls))
+        receiver = RankKVReceiver(d_hub, "grpc", ReceiverOptions(30.0, tls=tls))
+        stranger = RankKVReceiver(r_hub, "grpc", ReceiverOptions(5.0, tls=rogue))
+        try:
+            await sender.start()
+            leases.table.grant("r", [1, 3], 0.0, "token")
+            handle = sender.handle("r", 2, 60.0, "token", prompt_digest([1, 2]))
+            await receiver.pull(handle, [2, 4])
+            for p, d in zip(p_ranks, d_ranks, strict=True):
+                for layer in range(LAYERS):
+                    want = p.pages.read_layer(layer, [1, 3])
+                    assert torch.equal(d.pages.read_layer(layer, [2, 4]), want)
+            with pytest.raises(KVTransferError) as refused:
+                await stranger.pull(handle, [2, 4])
+            assert refused.value.code is TransferErrorCode.UNAVAILABLE
+            assert leases.readers == 0
+        finally:
+            for rank in (*p_ranks, *d_ranks, *r_ranks):
+                await asyncio.to_thread(rank.close)
+            for hub in (p_hub, d_hub, r_hub):
+                await hub.close()
 
     asyncio.run(run())
 

@@ -16,7 +16,6 @@ vLLM decode workers over gRPC, behind the router (``pdserve up --engine vllm``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,14 +34,17 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, pre
 from tests.faults.faults_util import (
     kill_the_busiest_decode_worker,
     mixed_params,
-    requests_for,
-    run_streams,
     stats,
-    survivors_hold_nothing,
 )
 from tests.services.harness import engine_config, failed_decode, start, wait_for
 from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
-from tests.vllm.vllm_util import colocated, offline_greedy, same_or_near_tie, through_router
+from tests.vllm.vllm_util import (
+    cancel_at_each_stage,
+    colocated,
+    offline_greedy,
+    same_or_near_tie,
+    through_router,
+)
 
 LEASE_S = 15.0  # expiry is tested; the router releases every lease it uses within ms
 # Shorter than, equal to, one past, and several blocks.
@@ -197,26 +199,7 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
 
 
 def test_client_cancels_at_each_stage_free_every_block(cluster: LocalCluster) -> None:
-    async def run() -> None:
-        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        for stage, tokens_first in (("before the first token", 0), ("mid-decode", 8)):
-            streams, tasks = await run_streams(
-                cluster.address, requests_for([_prompt(120, 60 + tokens_first)], [long])
-            )
-            if tokens_first:
-
-                async def streaming(s: list = streams, n: int = tokens_first) -> bool:  # type: ignore[type-arg]
-                    return len(s[0].token_ids) >= n
-
-                await wait_for(streaming, 60.0, "tokens arrive")
-            tasks[0].cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await tasks[0]
-            await wait_for(
-                lambda: survivors_hold_nothing(cluster), 60.0, f"cancel {stage}: all freed"
-            )
-
-    asyncio.run(run())
+    asyncio.run(cancel_at_each_stage(cluster, _prompt(120, 60)))
 
 
 def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(

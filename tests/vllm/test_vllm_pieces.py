@@ -195,6 +195,38 @@ def test_the_vllm_internals_pdserve_relies_on_are_there() -> None:
     assert CPUAttentionBackend.supported_kv_cache_layouts() == (VllmCacheLayout.LBHNC,)
 
 
+def test_what_an_engine_core_in_its_own_process_is_driven_through_is_there() -> None:
+    """``--engine-core process`` (vllm_engine/process_core.py) uses vLLM's public client and
+    its stat logger, stats and event interfaces only; the fields it reads are checked here."""
+    import dataclasses
+    import inspect
+
+    import msgspec
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    for method in ("add_request", "abort", "shutdown", "from_vllm_config"):
+        assert callable(getattr(AsyncLLM, method)), method
+    assert isinstance(inspect.getattr_static(AsyncLLM, "errored"), property)
+    assert isinstance(inspect.getattr_static(AsyncLLM, "dead_error"), property)
+    assert "stat_loggers" in inspect.signature(AsyncLLM.from_vllm_config).parameters
+    record = inspect.signature(StatLoggerBase.record).parameters
+    assert list(record)[:3] == ["self", "scheduler_stats", "iteration_stats"]
+    fields = {f.name for f in dataclasses.fields(SchedulerStats)}
+    assert {"num_running_reqs", "num_waiting_reqs", "num_skipped_waiting_reqs"} <= fields
+    assert "kv_cache_usage" in fields
+    # The publisher's frames: (topic, 8-byte big-endian sequence, msgpack KVEventBatch).
+    assert 'seq.to_bytes(8, "big")' in inspect.getsource(ZmqEventPublisher)
+    stored = BlockStored([b"h"], None, [1, 2], 2, None, None, None)
+    batch = KVEventBatch(ts=1.0, events=[stored])
+    decoded = msgspec.msgpack.Decoder(type=KVEventBatch).decode(
+        msgspec.msgpack.Encoder().encode(batch)
+    )
+    assert decoded.events[0].token_ids == [1, 2]
+
+
 def test_model_runner_v2_is_refused_by_the_variable_that_chooses_it(
     vllm_model,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,

@@ -1,7 +1,8 @@
 """Tensor-parallel disaggregation on the vLLM engine, with real processes: a TP=2 vLLM prefill
-worker and two TP=2 vLLM decode workers over gRPC, behind the router. Each worker is a front-end
-(its engine core in-process) and two rank processes; each decode rank pulls its own shard from
-the same prefill rank (``vllm_engine/rank_transfer.py``).
+worker and two TP=2 vLLM decode workers over gRPC, behind the router. Each worker is a front-end,
+vLLM's engine core in a process of its own (the default with tensor parallelism) and two rank
+processes under it; each decode rank pulls its own shard from the same prefill rank
+(``vllm_engine/rank_transfer.py``).
 
 - Greedy and seeded streams equal one TP=2 vLLM worker run colocated; greedy equals vLLM's own
   offline TP=2 run (near-ties reported apart); the decode pool computes no prompt token.
@@ -38,7 +39,13 @@ from tests.faults.faults_util import (
 )
 from tests.services.harness import wait_for
 from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
-from tests.vllm.vllm_util import colocated, offline_greedy, same_or_near_tie, through_router
+from tests.vllm.vllm_util import (
+    colocated,
+    gone,
+    offline_greedy,
+    same_or_near_tie,
+    through_router,
+)
 
 TP2 = ("--tensor-parallel-size", "2")
 LEASE_S = 15.0
@@ -201,13 +208,6 @@ def _ranks(pid: int) -> list[psutil.Process]:
     return [found[r] for r in sorted(found)]
 
 
-def _gone(process: psutil.Process) -> bool:
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_kill_9_of_one_decode_rank_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
     prompts = [_prompt(30 + 11 * i, 40 + i) for i in range(4)]
     params = mixed_params(len(prompts), max_tokens=80, guided=False)
@@ -243,7 +243,7 @@ def test_kill_9_of_a_front_end_leaves_none_of_its_rank_processes(cluster: LocalC
         prefill.process.send_signal(signal.SIGKILL)
 
         async def orphans_gone() -> bool:
-            return all(_gone(r) for r in ranks)
+            return all(gone(r) for r in ranks)
 
         await wait_for(orphans_gone, 60.0, "the killed front-end's ranks exited")
         await wait_for(lambda: restarted(cluster, prefill), 180.0, "the prefill worker restarted")

@@ -3,6 +3,8 @@ colocated on one vLLM worker, vLLM's own offline run as a reference, and the com
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -12,12 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 
 from engine.diagnostics import NEAR_TIE
 from engine.sampling_params import SamplingParams
 from pdserve.app.client import router_channel
+from pdserve.app.local_cluster import LocalCluster
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from tests.faults.faults_util import requests_for, run_streams, survivors_hold_nothing
+from tests.services.harness import wait_for
 
 _ROOT = Path(__file__).resolve().parents[2]
 _RESULT = "offline-reference: "
@@ -115,3 +121,29 @@ def same_or_near_tie(got: Run, want: Run, label: str) -> str | None:
         f"{got.token_ids[at : at + 5]} vs {want.token_ids[at : at + 5]}"
     )
     return f"{label}: near-tie at output {at} (margin {margin:.2g}), not a bug"
+
+
+def gone(process: psutil.Process) -> bool:
+    """The process exited (a zombie its parent has not reaped counts)."""
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def cancel_at_each_stage(cluster: LocalCluster, prompt: list[int]) -> None:
+    """A client cancel before the first token, then mid-decode: every block is freed after
+    each (``survivors_hold_nothing``)."""
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for stage, tokens_first in (("before the first token", 0), ("mid-decode", 8)):
+        streams, tasks = await run_streams(cluster.address, requests_for([prompt], [long]))
+        if tokens_first:
+
+            async def streaming(s: list = streams, n: int = tokens_first) -> bool:  # type: ignore[type-arg]
+                return len(s[0].token_ids) >= n
+
+            await wait_for(streaming, 60.0, "tokens arrive")
+        tasks[0].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await tasks[0]
+        await wait_for(lambda: survivors_hold_nothing(cluster), 60.0, f"cancel {stage}: all freed")

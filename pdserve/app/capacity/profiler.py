@@ -26,8 +26,9 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.outputs import RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineHooks, ServingEngine
-from kvtransfer import KVHandle, ReceiverOptions, SenderOptions, make_receiver, make_sender
+from kvtransfer import KVHandle, ReceiverOptions, SenderOptions
 from kvtransfer.base import BlockLeases, TransferStats
+from kvtransfer.sharded import engine_receiver, engine_sender
 from pdserve.app.capacity.profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
@@ -166,13 +167,13 @@ async def _transfer_samples(
 ) -> tuple[list[tuple[float]], list[float]]:
     """A pinned prefill pulled, through the backend over loopback, into blocks admitted on the
     same engine: what a decode worker's admission spends on the KV."""
-    pages = engine.kv_pages
-    if pages is None:
-        raise ValueError("this engine exchanges no KV (tensor_parallel_size > 1): no transfer")
     leases = _Leased()
-    sender = make_sender(backend, pages, leases, SenderOptions("127.0.0.1", 0))
+    sender = engine_sender(engine, backend, leases, SenderOptions("127.0.0.1", 0))
     await sender.start()
-    receiver = make_receiver(backend, pages, ReceiverOptions(timeout_s=60.0))
+    receiver = engine_receiver(engine, backend, ReceiverOptions(timeout_s=60.0))
+    if receiver is None:
+        await sender.stop()
+        raise ValueError("this engine takes no remote KV: no transfer to measure")
     rows, times = [], []
     first_only = SamplingParams(max_tokens=2, ignore_eos=True)
     try:

@@ -94,6 +94,7 @@ WORKER_FLAGS = (
     "--tensor-parallel-size",
     "--gpu-memory-utilization",
     "--quantization",
+    "--engine-core",
 )
 WORKER_SWITCHES = ("--enforce-eager",)
 

@@ -17,6 +17,7 @@ from engine.config import (
     SchedulerConfig,
     SpecMethod,
     SpeculativeConfig,
+    VllmEngineCore,
     VllmOptions,
     block_size_for,
 )
@@ -204,6 +205,16 @@ def add_vllm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
         "VLLM_CPU_OMP_THREADS_BIND). Default: vLLM's, or under `pdserve up` each worker's "
         "share of the machine",
     )
+    add_flag(
+        parser,
+        "--engine-core",
+        env,
+        choices=[mode.value for mode in VllmEngineCore],
+        default=default.engine_core.value,
+        help="--engine vllm: where vLLM's engine core runs: worker (in the worker's process; "
+        "one rank only), process (a process of its own, driven through vLLM's AsyncLLM), or "
+        "auto (worker for one rank on a CPU, else process)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -241,6 +252,7 @@ def vllm_options(args: argparse.Namespace) -> VllmOptions:
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         cpu_omp_threads_bind=args.cpu_omp_threads_bind,
+        engine_core=VllmEngineCore(args.engine_core),
     )
 
 
