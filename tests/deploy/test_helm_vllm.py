@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineBackend, VllmOptions
+from engine.config import EngineBackend, VllmEngineCore, VllmOptions
 from pdserve.app import settings
 from pdserve.common.role import Role
 from tests.deploy.test_helm_chart import (
@@ -35,6 +35,7 @@ VLLM_VARIABLES = {
     "PDSERVE_GPU_MEMORY_UTILIZATION",
     "PDSERVE_QUANTIZATION",
     "PDSERVE_ENFORCE_EAGER",
+    "PDSERVE_ENGINE_CORE",
 }
 
 
@@ -104,6 +105,9 @@ def test_each_worker_gets_at_least_tensor_parallel_size_gpus(helm: str) -> None:
     tp4 = ["--set", "engine.vllm.tensorParallelSize=4"]
     manifests = render(helm, *VLLM, *tp4)
     assert _config(manifests, "decode").engine.vllm.tensor_parallel_size == 4
+    # With ranks, vLLM's engine core runs in a process of its own (auto); asked for, always.
+    process = render(helm, *VLLM, "--set", "engine.vllm.engineCore=process")
+    assert _config(process, "prefill").engine.vllm.engine_core is VllmEngineCore.PROCESS
     for role in ("prefill", "decode"):
         assert env(container(manifests, role))["PDSERVE_TENSOR_PARALLEL_SIZE"] == "4"
         assert _gpus(manifests, role) == {"requests": None, "limits": 4}
@@ -195,6 +199,8 @@ VLLM_ON = ["engine.backend=vllm"]
         ([*VLLM_ON, "decode.engine.hostCacheGib=4"], "at '/decode/engine/hostCacheGib'"),
         (["engine.vllm.tensorParallelSize=2"], "at '/engine/vllm/tensorParallelSize'"),
         (["engine.vllm.enforceEager=true"], "at '/engine/vllm/enforceEager'"),
+        (["engine.vllm.engineCore=worker"], "at '/engine/vllm/engineCore'"),
+        ([*VLLM_ON, "engine.vllm.engineCore=elsewhere"], "at '/engine/vllm/engineCore'"),
         (["engine.vllm.quantization=awq"], "at '/engine/vllm/quantization'"),
         ([*VLLM_ON, "engine.vllm.tensorParallelSize=0"], "at '/engine/vllm/tensorParallelSize'"),
         (["engine.backend=sglang"], "at '/engine/backend'"),
@@ -207,6 +213,8 @@ VLLM_ON = ["engine.backend=vllm"]
         "vllm-decode-host-tier",
         "native-tensor-parallel",
         "native-enforce-eager",
+        "native-engine-core",
+        "vllm-unknown-engine-core",
         "native-quantization",
         "vllm-zero-gpus",
         "unknown-engine",

@@ -327,6 +327,8 @@ initContainers:
 - name: PDSERVE_ENFORCE_EAGER
   value: "true"
 {{- end }}
+- name: PDSERVE_ENGINE_CORE
+  value: {{ $vllm.engineCore | quote }}
 {{- end }}
 
 {{/*
