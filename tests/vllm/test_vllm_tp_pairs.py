@@ -1,10 +1,11 @@
 """Tensor-parallel KV transfer on the vLLM engine, real processes behind the router, over gRPC
 and NIXL: a TP=1 prefill worker with a TP=2 decode worker (grpc), a TP=2 prefill worker with a
 TP=1 decode worker (nixl), TP=2 with TP=2 (nixl) and TP=1 with TP=1 (nixl) (the tiny llama's 2
-KV heads: one per rank at TP=2). Each decode rank reads the heads its shard holds from the
-prefill rank(s) that hold them (``engine/kv_shards.py``); over NIXL each rank registers its own
-pages and reads straight into them, the handshake naming where the shard lies in the sender's
-(``KVPages.spans``).
+KV heads: one per rank at TP=2), and the tiny MoE TP=2 with TP=2 (grpc). At TP=2 vLLM's engine
+core runs in a process of its own (``--engine-core auto``). Each decode rank reads the heads
+its shard holds from the prefill rank(s) that hold them (``engine/kv_shards.py``); over NIXL
+each rank registers its own pages and reads straight into them, the handshake naming where the
+shard lies in the sender's (``KVPages.spans``).
 
 - Greedy and seeded streams equal the decode worker's own colocated run (the decode side's
   tensor parallelism computes every output token); with unequal TP the prefill side's other
@@ -51,13 +52,13 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[LocalCluster]:
     """One cluster per pair of sizes, shared by the tests that name it."""
-    prefill_tp, decode_tp, backend = request.param
+    prefill_tp, decode_tp, backend, arch = request.param
     # No VLLM_CPU_OMP_THREADS_BIND: the cluster gives each rank its cores (one NUMA node here,
     # where vLLM's own binding would refuse TP=2): 3 ranks on 2 cores, in turn.
     with vllm_cluster(
-        vllm_model("llama"),
+        vllm_model(arch),
         redis_url,
-        tmp_path_factory.mktemp(f"vllm-p{prefill_tp}-d{decode_tp}-{backend}"),
+        tmp_path_factory.mktemp(f"vllm-{arch}-p{prefill_tp}-d{decode_tp}-{backend}"),
         prefill_args=("--kv-backend", backend, *(TP2 if prefill_tp == 2 else ())),
         decode_args=("--kv-backend", backend, *(TP2 if decode_tp == 2 else ())),
     ) as running:
@@ -75,17 +76,25 @@ async def _idle(cluster: LocalCluster) -> None:
     await wait_for(idle, 60.0, "both workers idle")
 
 
-PAIRS = [(1, 2, "grpc"), (2, 1, "nixl"), (2, 2, "nixl"), (1, 1, "nixl")]
+# (prefill TP, decode TP, backend, model): the tiny llama; and the tiny MoE (its experts
+# sharded by vLLM's TP too) TP=2 -> TP=2.
+PAIRS = [
+    (1, 2, "grpc", "llama"),
+    (2, 1, "nixl", "llama"),
+    (2, 2, "nixl", "llama"),
+    (1, 1, "nixl", "llama"),
+    (2, 2, "grpc", "qwen3_moe"),
+]
 
 
 @pytest.mark.parametrize(
     "cluster",
     PAIRS,
-    ids=["p1-d2-grpc", "p2-d1-nixl", "p2-d2-nixl", "p1-d1-nixl"],
+    ids=["p1-d2-grpc", "p2-d1-nixl", "p2-d2-nixl", "p1-d1-nixl", "moe-p2-d2-grpc"],
     indirect=True,
 )
 def test_tensor_parallel_streams_equal_the_decode_workers_own_run(
-    cluster: LocalCluster, vllm_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefill, decode = cluster.prefill[0], cluster.decode[0]
 
@@ -94,7 +103,8 @@ def test_tensor_parallel_streams_equal_the_decode_workers_own_run(
 
     tp = asyncio.run(sizes())
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if tp[1] == 2 else "0-1")  # offline
-    offline = offline_greedy(vllm_model("llama"), PROMPTS, GREEDY.max_tokens, None, tp[1])
+    model = Path(cluster.config.model)
+    offline = offline_greedy(model, PROMPTS, GREEDY.max_tokens, None, tp[1])
 
     async def run() -> list[str]:
         await _idle(cluster)
