@@ -99,9 +99,11 @@ class HubChannel(CoreChannel):
             try:
                 getattr(self._hub, method)(blocks, timeout=HUB_CALL_TIMEOUT_S)
             except grpc.RpcError as exc:
-                # The front-end is gone or stuck: the worker is dead, and this process goes
-                # with it (vLLM's engine core watches its parent); nothing here can recover.
+                # The front-end is gone or stuck past the bound, or failed to take it: a lost
+                # allocation or pin would hold vLLM's blocks for ever, so this engine core
+                # (and with it its ranks) stops, and its worker with it (fail-stop).
                 logger.error("pdserve hub: %s of %s failed: %s", method, blocks.request_id, exc)
+                os._exit(1)
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -331,8 +331,16 @@ class VllmEngine(ServingEngine, ShardedKV):
             self._hooks.on_dead(exc)
 
     def _pin_arrived(self, rid: str) -> None:
-        """The engine core (in a process of its own) pinned ``rid``'s blocks."""
-        self._table.pin_arrived(rid)
+        """The engine core (in a process of its own) pinned ``rid``'s blocks: a held output
+        is delivered now, under the delivery's rule (a failure kills the engine)."""
+        self._delivering = rid
+        try:
+            self._table.pin_arrived(rid)
+        except Exception as exc:
+            self._die(exc)
+            return
+        finally:
+            self._delivering = None
         self._refresh()  # its pin counts in the stats now
 
     def _refuse(self, rid: str, exc: Exception) -> None:

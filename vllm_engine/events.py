@@ -103,8 +103,9 @@ class EventSubscriber:
     """vLLM's KV cache events from an engine core in a process of its own: a SUB socket on its
     ZMQ publisher (``kv_events_config``, an ``ipc://`` endpoint in a directory only this user
     may enter), read on the event loop. Each message is ``(topic, seq, msgpack batch)``; a
-    sequence gap (the publisher's queue overflowed) is logged: the blocks whose parents were
-    missed are left out of the index (``CachedBlocks``), which is safe."""
+    sequence gap (the publisher's queue overflowed) is logged and clears the index (a lost
+    removal must not leave a hash there): it then holds the blocks stored after the gap whose
+    parents it saw (``CachedBlocks``), which is safe: a prefix it misses is not routed here."""
 
     def __init__(self, endpoint: str) -> None:
         import zmq
@@ -123,7 +124,9 @@ class EventSubscriber:
             _topic, seq_bytes, payload = await self._socket.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
             if self._next_seq is not None and seq != self._next_seq:
+                # A lost removal would leave a hash in the index for ever: start it afresh.
                 logger.warning("vLLM KV events %d..%d were lost", self._next_seq, seq - 1)
+                self._batches.append(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
             self._next_seq = seq + 1
             self._batches.append(self._decoder.decode(payload))
 

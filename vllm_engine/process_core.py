@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from vllm import SamplingParams as VllmParams
 from vllm.config import VllmConfig
 from vllm.distributed.kv_events import EventBatch
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import SchedulerStats
 
@@ -47,7 +49,7 @@ class CoreStats(StatLoggerBase):
 
     def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
         self.last = SchedulerStats()
-        self.on_step: Callable[[], None] | None = None
+        self.on_step: Callable[[bool], None] | None = None
 
     def record(
         self,
@@ -56,13 +58,24 @@ class CoreStats(StatLoggerBase):
         mm_cache_stats: Any = None,
         engine_idx: int = 0,
     ) -> None:
+        changed = iteration_stats is not None  # tokens were produced
         if scheduler_stats is not None:
+            changed = changed or _counts(scheduler_stats) != _counts(self.last)
             self.last = scheduler_stats
         if self.on_step is not None:
-            self.on_step()
+            self.on_step(changed)
 
     def log_engine_initialized(self) -> None:
         return None
+
+
+def _counts(stats: SchedulerStats) -> tuple[int, int, int, float]:
+    return (
+        stats.num_running_reqs,
+        stats.num_waiting_reqs,
+        stats.num_skipped_waiting_reqs,
+        stats.kv_cache_usage,
+    )
 
 
 class ProcessCore(CoreDriver):
@@ -82,6 +95,10 @@ class ProcessCore(CoreDriver):
         self._num_blocks = cache.num_gpu_blocks - 1  # block 0 is vLLM's null block
         self._commands: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._readers: dict[str, asyncio.Task[None]] = {}  # by request id
+        # Each add's number, until its request is aborted: a reader is made only for the add
+        # still current (an abort may come while the add is in flight, and the id come back).
+        self._adds = itertools.count()
+        self._current: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._reported = asyncio.Event()
         self._callbacks: CoreCallbacks | None = None
@@ -114,10 +131,12 @@ class ProcessCore(CoreDriver):
 
     def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
         self.progress.working()
-        self._commands.put_nowait(("add", (rid, prompt_token_ids, params)))
+        number = self._current[rid] = next(self._adds)
+        self._commands.put_nowait(("add", (rid, number, prompt_token_ids, params)))
 
     def abort(self, rids: list[str]) -> None:
         for rid in rids:
+            self._current.pop(rid, None)
             reader = self._readers.pop(rid, None)
             if reader is not None:
                 reader.cancel()
@@ -154,22 +173,37 @@ class ProcessCore(CoreDriver):
         while True:
             kind, arg = await self._commands.get()
             if kind == "add":
-                rid, prompt_token_ids, params = arg
+                rid, number, prompt_token_ids, params = arg
                 try:
                     collector = await self._llm.add_request(
                         rid, {"prompt_token_ids": prompt_token_ids}, params
                     )
-                except (ValueError, TypeError) as exc:  # vLLM's input checks: this one only
-                    assert self._callbacks is not None
-                    self._callbacks.refuse(rid, exc)
+                except EngineDeadError:
+                    raise
+                except Exception as exc:  # vLLM's input checks (VLLMValidationError, ...)
+                    self._refused(rid, exc)
                     continue
-                if rid not in self._readers:  # not aborted while it was added
-                    reader = asyncio.create_task(self._read(rid, collector), name=f"vllm-{rid}")
+                if self._current.get(rid) == number:  # not aborted while it was added
+                    old = self._readers.pop(rid, None)
+                    if old is not None:
+                        old.cancel()
+                    reader = asyncio.create_task(
+                        self._read(rid, number, collector), name=f"vllm-{rid}"
+                    )
                     self._readers[rid] = reader
             else:
                 await self._llm.abort(arg)
 
-    async def _read(self, rid: str, collector: Any) -> None:
+    def _refused(self, rid: str, exc: Exception) -> None:
+        """That request alone fails; an engine left with nothing to do is idle, not stalled."""
+        self._current.pop(rid, None)
+        assert self._callbacks is not None
+        self._callbacks.refuse(rid, exc)
+        running, waiting = self.counts()
+        if not self._readers and running + waiting <= self._bridge.num_loading:
+            self.progress.progressed(stepped=False)
+
+    async def _read(self, rid: str, number: int, collector: Any) -> None:
         assert self._callbacks is not None
         while True:
             try:
@@ -181,6 +215,8 @@ class ProcessCore(CoreDriver):
                 return
             if output.finished and self._readers.get(rid) is asyncio.current_task():
                 del self._readers[rid]
+                if self._current.get(rid) == number:
+                    del self._current[rid]
             try:
                 self._callbacks.deliver([output])
             except Exception as exc:  # a delivery that fails kills the engine (its loop's rule)
@@ -196,19 +232,25 @@ class ProcessCore(CoreDriver):
         while True:
             await self._reported.wait()
             self._reported.clear()
-            await self._hub.report(self._bridge.take_reports())
+            reports = self._bridge.take_reports()
+            await self._hub.report(reports)
+            # Every rank has them: vLLM's step takes them (nothing here waits for that step).
+            self._bridge.seen(reports.finished_sending, reports.finished_recving)
 
     async def _watch_death(self) -> None:
         while not self._llm.errored:
             await asyncio.sleep(DEATH_POLL_S)
         raise self._llm.dead_error
 
-    def _stepped(self) -> None:
-        self.progress.progressed(stepped=True)
+    def _stepped(self, changed: bool) -> None:
+        """A step's stats arrived; ``changed``: they differ from the last (vLLM steps every
+        millisecond while a request waits for a report: those steps refresh nothing)."""
+        self.progress.progressed(stepped=changed)
         running, waiting = self.counts()
         if running + waiting > self._bridge.num_loading:
             self.progress.working()
-        self._refresh()
+        if changed:
+            self._refresh()
 
     def _die(self, exc: BaseException) -> None:
         if self._callbacks is not None and not self._dead:

@@ -20,6 +20,7 @@ import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
@@ -33,10 +34,11 @@ from tests.faults.faults_util import (
     survivors_hold_nothing,
 )
 from tests.services.harness import wait_for
-from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
+from tests.vllm.conftest import BLOCK_SIZE, WORKER_ARGS, vllm_cluster
 from tests.vllm.vllm_util import cancel_at_each_stage, colocated, gone, through_router
 
 PROCESS = ("--engine-core", "process")
+MAX_MODEL_LEN = int(WORKER_ARGS[WORKER_ARGS.index("--max-model-len") + 1])
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(
     max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=11, ignore_eos=True, logprobs=2
@@ -109,6 +111,26 @@ def test_a_cancel_before_the_first_token_and_mid_decode_frees_every_block(
     cluster: LocalCluster,
 ) -> None:
     asyncio.run(cancel_at_each_stage(cluster, _prompt(120, 70)))
+
+
+def test_a_request_vllm_refuses_fails_alone_by_name(cluster: LocalCluster) -> None:
+    """A prompt of max_model_len tokens passes pdserve's admission but not vLLM's (it wants a
+    position for the output): that request fails with INVALID_ARGUMENT naming vLLM's refusal,
+    and the engine core and its worker go on."""
+    decode = cluster.decode[0]
+    full = _prompt(MAX_MODEL_LEN, 90)
+
+    async def run() -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await colocated(decode.address, full, GREEDY, "full")
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert "vLLM refused request 'full'" in (refused.value.details() or "")
+        after = await colocated(decode.address, _prompt(9, 91), GREEDY, "after")
+        assert len(after.token_ids) == GREEDY.max_tokens
+        assert decode.process.poll() is None
+        await wait_for(lambda: survivors_hold_nothing(cluster), 60.0, "nothing held")
+
+    asyncio.run(run())
 
 
 def test_kill_9_of_an_engine_core_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
