@@ -10,10 +10,11 @@ The block lifecycle is the contract in ``kvtransfer/base.py``; here is only its 
   them to the waiting ``admit_prefilled``; ``load_finished`` (the pull returned or failed)
   queues the finished-receiving report (and the failure), once. A request loads at most once:
   after a preemption vLLM recomputes it.
-Reports reach vLLM at its next step (``take_reports``: the rank in this process takes them in
-the step; with tensor parallelism the engine gives them to every rank before it, through the
-hub), which frees or schedules once every rank reported them (``seen``: till then the engine
-keeps stepping).
+Reports reach vLLM at its next step, which frees or schedules once every rank reported them:
+with the engine core in this process its one rank takes them in the step (``take_reports``;
+``seen``: till vLLM saw them the engine keeps stepping); with one in a process of its own the
+front-end gives them to every rank as soon as they are here (``on_report``, through the hub),
+and vLLM keeps stepping while a request waits for one.
 """
 
 from __future__ import annotations

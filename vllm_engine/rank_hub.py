@@ -91,7 +91,7 @@ class RankHub(hub_grpc.EngineHubServicer):
 
     # ---- commands to every rank -------------------------------------------------------------
     async def report(self, reports: Reports) -> None:
-        """What vLLM must be told, given to every rank before the next step."""
+        """What vLLM must be told, given to every rank (it frees or schedules once all did)."""
         if not (reports.finished_sending or reports.finished_recving):
             return
         request = hub_pb2.RankReport(
