@@ -10,6 +10,11 @@ The block lifecycle is the contract in ``kvtransfer/base.py``; here is only its 
   them to the waiting ``admit_prefilled``; ``load_finished`` (the pull returned or failed)
   queues the finished-receiving report (and the failure), once. A request loads at most once:
   after a preemption vLLM recomputes it.
+- attempts: one worker may add a request id again (a retry, a paused request resumed); each
+  add carries its number (``attempt``), and the engine core's messages name it. A message of an
+  attempt no longer wanted (its load given up, or an earlier add of the id) frees its blocks
+  at once: an allocation is reported failed, a pin is the request table's to release
+  (``RequestTable.pin_arrived``). Messages of one id arrive in the order of its adds.
 Reports reach vLLM at its next step, which frees or schedules once every rank reported them:
 with the engine core in this process its one rank takes them in the step (``take_reports``;
 ``seen``: till vLLM saw them the engine keeps stepping); with one in a process of its own the
@@ -21,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,7 +39,7 @@ if TYPE_CHECKING:
 
 _bridges: dict[str, Bridge] = {}
 _ids = itertools.count()
-_MAX_ABANDONED = 4096
+logger = logging.getLogger(__name__)
 
 
 def find_bridge(bridge_id: str) -> Bridge:
@@ -57,6 +62,13 @@ class Reports:
     failed_recving: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class _Pin:
+    attempt: int
+    internal_id: str
+    block_ids: list[int]
+
+
 class Bridge(CoreChannel):
     def __init__(
         self, loop: asyncio.AbstractEventLoop, fingerprint: str, vllm_version: str
@@ -66,17 +78,15 @@ class Bridge(CoreChannel):
         self.fingerprint, self.vllm_version = fingerprint, vllm_version  # name the KV layout
         self._lock = threading.Lock()
         self.kv_pages: VllmKVPages | None = None  # set when vLLM registers its KV caches
-        self._pinned: dict[str, tuple[str, list[int]]] = {}  # rid -> (internal id, blocks)
-        self._waiting: dict[str, asyncio.Future[list[int]]] = {}  # rid -> its allocation
+        self._pinned: dict[str, _Pin] = {}
+        # rid -> the attempt whose allocation is awaited, and its future
+        self._waiting: dict[str, tuple[int, asyncio.Future[list[int]]]] = {}
         self._loading: dict[str, str] = {}  # rid -> internal id, allocated, not yet filled
         self._loaded: set[str] = set()  # rids whose load is over (never loaded again)
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self._failed: set[str] = set()
         self._unseen: set[str] = set()  # taken, not yet in vLLM's aggregated output
-        # Loads given up before their allocation arrived (an engine core in a process of its
-        # own says it later): that allocation is reported failed at once.
-        self._abandoned: OrderedDict[str, None] = OrderedDict()
         # Bumped whenever a step moved a request's blocks along (pinned, allocated, reported):
         # such a step was not idle, whatever it scheduled.
         self.events = 0
@@ -89,33 +99,42 @@ class Bridge(CoreChannel):
         _bridges.pop(self.id, None)
 
     # ---- the connector (step thread) --------------------------------------------------------
-    def pin(self, rid: str, internal_id: str, block_ids: list[int]) -> None:
+    def pin(self, rid: str, attempt: int, internal_id: str, block_ids: list[int]) -> None:
         with self._lock:
-            self._pinned[rid] = (internal_id, block_ids)
+            earlier = self._pinned.get(rid)
+            if earlier is not None:  # never here (an earlier attempt's pin went at arrival)
+                logger.error("request %s: attempt %d pinned over %d", rid, attempt, earlier.attempt)
+                self._sent.add(earlier.internal_id)
+            self._pinned[rid] = _Pin(attempt, internal_id, block_ids)
             self.events += 1
+        if earlier is not None:
+            self._reported_now()
 
     def should_load(self, rid: str) -> bool:
         with self._lock:
             return rid not in self._loaded and rid not in self._loading
 
-    def allocated(self, rid: str, internal_id: str, block_ids: list[int], waits: bool) -> None:
+    def allocated(
+        self, rid: str, attempt: int, internal_id: str, block_ids: list[int], waits: bool
+    ) -> None:
         """``waits``: vLLM parked the request until told its load finished (else its own
         prefix cache held every block, and it must not be told)."""
         with self._lock:
-            abandoned = rid in self._abandoned
-            self._abandoned.pop(rid, None)
-            if abandoned and waits:  # vLLM keeps the blocks until told the load is over
+            waiting = self._waiting.get(rid)
+            stale = waiting is None or waiting[0] != attempt  # given up, or an earlier add
+            if stale and waits:  # vLLM keeps the blocks until told the load is over
                 self._received.add(internal_id)
                 self._failed.add(internal_id)
-            elif waits:
-                self._loading[rid] = internal_id
-            else:
-                self._loaded.add(rid)
-            future = self._waiting.pop(rid, None)
+            elif not stale:
+                del self._waiting[rid]
+                if waits:
+                    self._loading[rid] = internal_id
+                else:
+                    self._loaded.add(rid)
             self.events += 1
-        if future is not None:
-            self._loop.call_soon_threadsafe(_resolve, future, block_ids)
-        if abandoned:
+        if waiting is not None and not stale:
+            self._loop.call_soon_threadsafe(_resolve, waiting[1], block_ids)
+        if stale and waits:
             self._reported_now()
 
     def take_reports(self) -> Reports:
@@ -132,43 +151,42 @@ class Bridge(CoreChannel):
             self._unseen -= finished_sending | finished_recving
 
     # ---- the engine (event loop) ------------------------------------------------------------
-    def expect_allocation(self, rid: str) -> asyncio.Future[list[int]]:
+    def expect_allocation(self, rid: str, attempt: int) -> asyncio.Future[list[int]]:
+        """The allocation of ``rid``'s add number ``attempt`` (any other's is stale)."""
         future: asyncio.Future[list[int]] = self._loop.create_future()
         with self._lock:
-            self._abandoned.pop(rid, None)  # this attempt's allocation is the one awaited
-            self._waiting[rid] = future
+            self._waiting[rid] = (attempt, future)
         return future
 
     def refuse(self, rid: str, error: Exception) -> None:
         """vLLM refused to add ``rid``: an admission waiting for its blocks gets ``error``."""
         with self._lock:
-            future = self._waiting.pop(rid, None)
-        if future is not None and not future.done():
-            future.set_exception(error)
+            waiting = self._waiting.pop(rid, None)
+        if waiting is not None and not waiting[1].done():
+            waiting[1].set_exception(error)
 
     def pinned(self, rid: str) -> list[int]:
         with self._lock:
-            return list(self._pinned[rid][1])
+            return list(self._pinned[rid].block_ids)
 
-    def is_pinned(self, rid: str) -> bool:
+    def is_pinned(self, rid: str, attempt: int) -> bool:
         with self._lock:
-            return rid in self._pinned
+            pin = self._pinned.get(rid)
+            return pin is not None and pin.attempt == attempt
 
     def release(self, rid: str) -> None:
         """The pinned blocks may go (``KeyError`` when not pinned: a second release)."""
         with self._lock:
-            internal_id, _ = self._pinned.pop(rid)
-            self._sent.add(internal_id)
+            pin = self._pinned.pop(rid)
+            self._sent.add(pin.internal_id)
         self._reported_now()
 
     def load_finished(self, rid: str, ok: bool) -> bool:
         """The fill of ``rid``'s blocks returned (``ok``) or failed; False when it held none
         (not allocated yet, or already reported)."""
         with self._lock:
-            if self._waiting.pop(rid, None) is not None:  # its allocation may still come
-                self._abandoned[rid] = None
-                while len(self._abandoned) > _MAX_ABANDONED:  # vLLM aborted it first
-                    self._abandoned.popitem(last=False)
+            # Its allocation may still come: stale then, and reported failed at once.
+            self._waiting.pop(rid, None)
             internal_id = self._loading.pop(rid, None)
             self._loaded.add(rid)
             if internal_id is None:

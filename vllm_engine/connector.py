@@ -44,6 +44,7 @@ from vllm_engine.core_channel import CoreChannel, HubChannel
 from vllm_engine.kv_pages import SKIP_BLOCK, VllmKVPages, page_halves, vllm_layout
 from vllm_engine.outputs import PINNED_KEY, Mode
 from vllm_engine.rank_runtime import RankRuntime
+from vllm_engine.sampler import guide_compiler
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -120,7 +121,11 @@ class PdserveConnector(KVConnectorBase_V1):
         num_local = (params["num_tokens"] - num_external_tokens) // self._block_size
         block_ids[:num_local] = [SKIP_BLOCK] * num_local
         self._core.allocated(
-            params["pdserve_rid"], request.request_id, block_ids, waits=num_external_tokens > 0
+            params["pdserve_rid"],
+            params["pdserve_attempt"],
+            request.request_id,
+            block_ids,
+            waits=num_external_tokens > 0,
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -138,7 +143,9 @@ class PdserveConnector(KVConnectorBase_V1):
             or request.status is not RequestStatus.FINISHED_LENGTH_CAPPED
         ):
             return False, None
-        self._core.pin(params["pdserve_rid"], request.request_id, list(block_ids))
+        self._core.pin(
+            params["pdserve_rid"], params["pdserve_attempt"], request.request_id, list(block_ids)
+        )
         # Freed once reported finished sending (the lease ended). The output says it was
         # pinned: the front-end holds it until the pin itself has reached it.
         return True, {PINNED_KEY: True}
@@ -176,7 +183,8 @@ class PdserveConnector(KVConnectorBase_V1):
         name = self._kv_transfer_config.kv_connector_extra_config.get("pdserve_name", "pdserve")
         setproctitle.setproctitle(f"{name} vllm rank {tp_rank}")
         socket_dir = os.path.dirname(self._hub_address.removeprefix("unix://"))
-        self._runtime = RankRuntime(pages, tp_rank, self._hub_address, socket_dir)
+        guides = guide_compiler(self._vllm_config)
+        self._runtime = RankRuntime(pages, tp_rank, self._hub_address, socket_dir, guides)
         self._runtime.start()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -40,13 +40,17 @@ class CoreChannel(ABC):
         """Whether ``rid``'s remote KV is still to be loaded (not allocated before)."""
 
     @abstractmethod
-    def allocated(self, rid: str, internal_id: str, block_ids: list[int], waits: bool) -> None:
-        """vLLM allocated ``rid``'s blocks; ``waits``: it parked the request until told its
-        load finished (else its own prefix cache held every block, and it must not be told)."""
+    def allocated(
+        self, rid: str, attempt: int, internal_id: str, block_ids: list[int], waits: bool
+    ) -> None:
+        """vLLM allocated the blocks of ``rid``'s add number ``attempt``; ``waits``: it parked
+        the request until told its load finished (else its own prefix cache held every block,
+        and it must not be told)."""
 
     @abstractmethod
-    def pin(self, rid: str, internal_id: str, block_ids: list[int]) -> None:
-        """A prefill finished: vLLM keeps its blocks until every rank reports it sent."""
+    def pin(self, rid: str, attempt: int, internal_id: str, block_ids: list[int]) -> None:
+        """A prefill (``rid``'s add number ``attempt``) finished: vLLM keeps its blocks until
+        every rank reports it sent."""
 
     def finished(self, rid: str) -> None:
         """vLLM is done with ``rid`` (finished or aborted)."""
@@ -74,15 +78,20 @@ class HubChannel(CoreChannel):
     def should_load(self, rid: str) -> bool:
         return rid not in self._loading
 
-    def allocated(self, rid: str, internal_id: str, block_ids: list[int], waits: bool) -> None:
+    def allocated(
+        self, rid: str, attempt: int, internal_id: str, block_ids: list[int], waits: bool
+    ) -> None:
         self._loading.add(rid)
         blocks = hub_pb2.CoreBlocks(
-            request_id=rid, internal_id=internal_id, block_ids=block_ids, waits=waits
-        )
+            request_id=rid, attempt=attempt, internal_id=internal_id, block_ids=block_ids,
+            waits=waits,
+        )  # fmt: skip
         self._outbox.put(("Allocated", blocks))
 
-    def pin(self, rid: str, internal_id: str, block_ids: list[int]) -> None:
-        blocks = hub_pb2.CoreBlocks(request_id=rid, internal_id=internal_id, block_ids=block_ids)
+    def pin(self, rid: str, attempt: int, internal_id: str, block_ids: list[int]) -> None:
+        blocks = hub_pb2.CoreBlocks(
+            request_id=rid, attempt=attempt, internal_id=internal_id, block_ids=block_ids
+        )
         self._outbox.put(("Pinned", blocks))
 
     def finished(self, rid: str) -> None:

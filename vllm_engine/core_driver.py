@@ -22,9 +22,16 @@ from vllm import SamplingParams as VllmParams
 from vllm.distributed.kv_events import EventBatch
 from vllm.outputs import RequestOutput
 
+from engine.request_error import RequestError
 from engine.step_progress import StepProgress
 
 T = TypeVar("T")
+
+
+def refusal(rid: str, exc: Exception) -> RequestError:
+    """vLLM refused to add ``rid`` (its input checks: ``VLLMValidationError`` is not a
+    ``ValueError``): that request's own error, named; the engine goes on."""
+    return RequestError(f"vLLM refused request {rid!r}: {exc}")
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,9 @@ class CoreDriver(ABC):
 
     @abstractmethod
     def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
-        """Adds a request (in order with ``abort``: an abort never overtakes its add)."""
+        """Adds a request (in order with ``abort``: an abort never overtakes its add). vLLM's
+        refusal of its input is the request's ``refusal``: raised here where the add is
+        synchronous, else given to ``CoreCallbacks.refuse``."""
 
     @abstractmethod
     def abort(self, rids: list[str]) -> None:

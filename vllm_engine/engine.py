@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
 from vllm.outputs import RequestOutput
 
 from engine.block_hash import BlockHash
@@ -32,7 +33,6 @@ from engine.guide import Guide, GuideCompiler
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
-from engine.request_error import RequestError
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import (
     EngineDeadError,
@@ -49,7 +49,7 @@ from kvtransfer.base import BlockLeases, KVReceiver, KVSender
 from kvtransfer.shard_receiver import ShardReceiver
 from kvtransfer.sharded import ShardedKV
 from vllm_engine.bridge import Bridge
-from vllm_engine.core_driver import CoreCallbacks, CoreDriver
+from vllm_engine.core_driver import CoreCallbacks, CoreDriver, refusal
 from vllm_engine.events import CachedBlocks
 from vllm_engine.kv_pages import VllmKVPages
 from vllm_engine.outputs import Mode, Request
@@ -270,10 +270,18 @@ class VllmEngine(ServingEngine, ShardedKV):
     # ---- streams ----------------------------------------------------------------------------
     async def _prepare_guide(self, params: SamplingParams, earlier: list[int]) -> Guide | None:
         """A guided request's matcher (``GuideCompiler.guide_for``: compiled, replayed past
-        ``earlier``, its first position checked) in a worker thread before admission."""
+        ``earlier``, its first position checked) in a worker thread before admission; and the
+        grammar compiled in every rank process, so that no rank compiles it in a step."""
         if params.structured is None:
             return None
-        return await asyncio.to_thread(self._guides.guide_for, params, earlier)
+        guide = await asyncio.to_thread(self._guides.guide_for, params, earlier)
+        if self._hub is not None:  # the ranks sample in processes of their own
+            try:
+                await self._hub.compile(params.structured)
+            except grpc.aio.AioRpcError as exc:  # a rank that does not answer: a dead engine
+                self._die(exc)
+                self._check_alive()
+        return guide
 
     async def _stream(
         self,
@@ -330,12 +338,13 @@ class VllmEngine(ServingEngine, ShardedKV):
         if self._hooks.on_dead is not None:
             self._hooks.on_dead(exc)
 
-    def _pin_arrived(self, rid: str) -> None:
-        """The engine core (in a process of its own) pinned ``rid``'s blocks: a held output
-        is delivered now, under the delivery's rule (a failure kills the engine)."""
+    def _pin_arrived(self, rid: str, attempt: int) -> None:
+        """The engine core (in a process of its own) pinned the blocks of ``rid``'s add number
+        ``attempt``: a held output is delivered now, under the delivery's rule (a failure
+        kills the engine)."""
         self._delivering = rid
         try:
-            self._table.pin_arrived(rid)
+            self._table.pin_arrived(rid, attempt)
         except Exception as exc:
             self._die(exc)
             return
@@ -346,7 +355,7 @@ class VllmEngine(ServingEngine, ShardedKV):
     def _refuse(self, rid: str, exc: Exception) -> None:
         """vLLM refused to add ``rid`` (its input checks): that request fails by name, as a
         request's own error (INVALID_ARGUMENT); the engine goes on."""
-        error = RequestError(f"vLLM refused request {rid!r}: {exc}")
+        error = refusal(rid, exc)
         self._bridge.refuse(rid, error)
         if (req := self._table.requests.get(rid)) is not None:
             req.queue.put_nowait(error)

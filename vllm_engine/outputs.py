@@ -40,6 +40,7 @@ class Mode(enum.Enum):
 class Request:
     state: RequestState
     mode: Mode
+    attempt: int  # its add's number (``RequestTable``; a resume adds it again)
     queue: asyncio.Queue[RequestUpdate | Exception] = field(default_factory=asyncio.Queue)
     num_buffered_tokens: int = 0
     counted: bool = False  # its prompt tokens are in the engine's counters

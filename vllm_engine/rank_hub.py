@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import grpc
 
 from engine.kv_layout import KVCacheLayout
+from engine.structured_output import StructuredOutput
 from kvtransfer.base import BlockLeases
-from pdserve.common.convert import layout_from_proto
+from pdserve.common.convert import layout_from_proto, structured_to_proto
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from pdserve.v1 import engine_hub_pb2_grpc as hub_grpc
 from vllm_engine.bridge import Bridge, Reports
@@ -34,6 +35,9 @@ from vllm_engine.bridge import Bridge, Reports
 logger = logging.getLogger(__name__)
 
 RANK_CALL_TIMEOUT_S = 10.0
+# A grammar the front-end compiled within pdserve's limits compiles in a rank as fast; this
+# bound also covers a rank still warming its token table.
+COMPILE_TIMEOUT_S = 30.0
 _MAX_ENDED = 4096  # a command a rank does not answer in this is a dead engine
 
 
@@ -51,7 +55,7 @@ class RankHub(hub_grpc.EngineHubServicer):
         self._bridge = bridge  # None: only ranks dial (the engine core is the worker's)
         # Told of a pin the engine core made (its request's output may be here first, or
         # the request gone: the table decides).
-        self.on_pinned: Callable[[str], None] | None = None
+        self.on_pinned: Callable[[str, int], None] | None = None  # (rid, attempt)
         self.socket_dir = tempfile.mkdtemp(prefix="pdserve-ranks-")  # mode 0700
         self.address = f"unix://{self.socket_dir}/hub.sock"
         self.ranks: dict[int, Rank] = {}
@@ -103,6 +107,20 @@ class RankHub(hub_grpc.EngineHubServicer):
             *(r.stub.Report(request, timeout=RANK_CALL_TIMEOUT_S) for r in self.ranks.values())
         )
 
+    async def compile(self, spec: StructuredOutput) -> None:
+        """Compiles a grammar in every rank (each off its step, in parallel), before its
+        request is added: a rank's sampler then finds it compiled. ``ValueError`` when a rank
+        cannot compile it; any other failure is a rank that does not answer (a dead engine)."""
+        request = structured_to_proto(spec)
+        try:
+            await asyncio.gather(
+                *(r.stub.Compile(request, timeout=COMPILE_TIMEOUT_S) for r in self.ranks.values())
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                raise ValueError(exc.details()) from None
+            raise
+
     # ---- EngineHub --------------------------------------------------------------------------
     async def Hello(
         self, request: hub_pb2.RankHello, context: grpc.aio.ServicerContext
@@ -128,7 +146,11 @@ class RankHub(hub_grpc.EngineHubServicer):
     ) -> hub_pb2.HubAck:
         bridge = await self._engine_bridge(context)
         bridge.allocated(
-            request.request_id, request.internal_id, list(request.block_ids), request.waits
+            request.request_id,
+            request.attempt,
+            request.internal_id,
+            list(request.block_ids),
+            request.waits,
         )
         return hub_pb2.HubAck()
 
@@ -136,9 +158,11 @@ class RankHub(hub_grpc.EngineHubServicer):
         self, request: hub_pb2.CoreBlocks, context: grpc.aio.ServicerContext
     ) -> hub_pb2.HubAck:
         bridge = await self._engine_bridge(context)
-        bridge.pin(request.request_id, request.internal_id, list(request.block_ids))
-        if self.on_pinned is not None:
-            self.on_pinned(request.request_id)
+        bridge.pin(
+            request.request_id, request.attempt, request.internal_id, list(request.block_ids)
+        )
+        if self.on_pinned is not None:  # at once: a stale pin is released before the next
+            self.on_pinned(request.request_id, request.attempt)
         return hub_pb2.HubAck()
 
     async def _engine_bridge(self, context: grpc.aio.ServicerContext) -> Bridge:

@@ -12,9 +12,11 @@ the rank reads the shards its heads hold from the prefill ranks that hold them, 
 and what vLLM is told (``Report``: vLLM frees or schedules a request only once every rank has
 reported it, ``vllm_engine/bridge.py``).
 
-Torch, ``kvtransfer`` and gRPC only (no vLLM): tested with plain tensors in the main venv.
-The runtime runs an event loop in a daemon thread: vLLM's step runs in the rank's main thread
-and never waits for it (``take_reports`` is a lock and a swap).
+Torch, ``kvtransfer``, the grammar compiler and gRPC only (no vLLM): tested with plain tensors
+in the main venv. It also compiles each guided request's grammar before vLLM's step needs it
+(``Compile``), into the rank's compiler, which its sampler reads. The runtime runs an event
+loop in a daemon thread: vLLM's step runs in the rank's main thread and never waits for it
+(``take_reports`` is a lock and a swap).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from engine.guide import GuideCompiler
 from engine.kv_pages import KVPages
 from kvtransfer import (
     KVReceiver,
@@ -43,8 +46,9 @@ from kvtransfer import (
 from kvtransfer.base import BlockLeases
 from kvtransfer.shard_receiver import ShardReceiver
 from kvtransfer.wire import handle_from_proto
-from pdserve.common.convert import layout_to_proto
+from pdserve.common.convert import layout_to_proto, structured_from_proto
 from pdserve.common.tls import TlsConfig
+from pdserve.v1 import common_pb2
 from pdserve.v1 import engine_hub_pb2 as hub_pb2
 from pdserve.v1 import engine_hub_pb2_grpc as hub_grpc
 from vllm_engine.bridge import Reports
@@ -120,8 +124,18 @@ class RankRuntime(hub_grpc.RankControlServicer):
     """Built by the connector's worker half once vLLM registered this rank's KV caches;
     ``start`` returns once the front-end knows the rank (or raises: the rank cannot serve)."""
 
-    def __init__(self, pages: KVPages, tp_rank: int, hub_address: str, socket_dir: str) -> None:
+    def __init__(
+        self,
+        pages: KVPages,
+        tp_rank: int,
+        hub_address: str,
+        socket_dir: str,
+        guides: GuideCompiler | None = None,
+    ) -> None:
         self.pages, self.tp_rank = pages, tp_rank
+        # The rank's grammar compiler (its sampler's: ``vllm_engine/sampler.py``), which
+        # ``Compile`` fills before a guided request reaches vLLM's step.
+        self._guides = guides
         self._hub_address = hub_address
         self.control_address = f"unix://{os.path.join(socket_dir, f'rank-{tp_rank}.sock')}"
         self._lock = threading.Lock()
@@ -158,6 +172,9 @@ class RankRuntime(hub_grpc.RankControlServicer):
 
     # ---- the runtime's loop -----------------------------------------------------------------
     async def _start(self) -> None:
+        if self._guides is not None:
+            # The token table, before the rank says it is ready: never in a step (~0.3 s).
+            await asyncio.to_thread(self._guides.warm)
         self._server = grpc.aio.server()
         hub_grpc.add_RankControlServicer_to_server(self, self._server)
         self._server.add_insecure_port(self.control_address)
@@ -273,6 +290,19 @@ class RankRuntime(hub_grpc.RankControlServicer):
             self._reports.finished_sending.update(request.finished_sending)
             self._reports.finished_recving.update(request.finished_recving)
             self._reports.failed_recving.update(request.failed_recving)
+        return hub_pb2.HubAck()
+
+    async def Compile(
+        self, request: common_pb2.StructuredOutput, context: grpc.aio.ServicerContext
+    ) -> hub_pb2.HubAck:
+        if self._guides is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this rank samples no grammar")
+        assert self._guides is not None
+        try:
+            spec = structured_from_proto(request)
+            await asyncio.to_thread(self._guides.compile, spec)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return hub_pb2.HubAck()
 
     async def RetainPeers(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import Any
 
@@ -60,6 +61,9 @@ class RequestTable:
         )
         self.requests: dict[str, Request] = {}
         self.pinned: dict[str, Sequence] = {}
+        # Each add to vLLM is numbered: a request id may be added again (a retry, a resume),
+        # and the engine core's late messages of an earlier add must not be taken for it.
+        self._attempts = itertools.count(1)
         self.num_prompt_tokens_computed = 0
         self.num_prefix_hit_tokens = 0
 
@@ -75,7 +79,7 @@ class RequestTable:
         """``guide``: a guided request's matcher, made off the event loop
         (``GuideCompiler.guide_for``)."""
         seq = self._sequence(rid, prompt_ids, params, num_generated, guide)
-        kv_params = {"pdserve_rid": rid, "mode": mode.value}
+        kv_params = self._kv_params(rid, mode)
         self._submit(seq, seq.token_ids, params, mode, num_generated, kv_params)
         return self.requests[rid]
 
@@ -97,15 +101,11 @@ class RequestTable:
             rid, request.prompt_token_ids, request.params, request.num_generated_tokens, guide
         )
         seq.num_cached_tokens = 0  # imported KV is not a prefix hit
-        kv_params = {
-            "pdserve_rid": rid,
-            "mode": Mode.REMOTE.value,
-            "num_tokens": len(request.prompt_token_ids),
-            "num_blocks": num_blocks,
-        }
+        kv_params = self._kv_params(rid, Mode.REMOTE)
+        kv_params.update(num_tokens=len(request.prompt_token_ids), num_blocks=num_blocks)
         tokens = [*request.prompt_token_ids, request.first_token_id]
         offset = request.num_generated_tokens + 1
-        allocation = self._bridge.expect_allocation(rid)
+        allocation = self._bridge.expect_allocation(rid, kv_params["pdserve_attempt"])
         try:
             req = self._submit(seq, tokens, request.params, Mode.REMOTE, offset, kv_params)
         except BaseException:
@@ -137,7 +137,7 @@ class RequestTable:
         if req is None:
             return
         req.done = True
-        if self._bridge.is_pinned(rid):  # pinned, its output not delivered yet
+        if self._bridge.is_pinned(rid, req.attempt):  # pinned, its output not delivered yet
             self._bridge.release(rid)
         if req.paused:  # not in vLLM
             return
@@ -154,19 +154,20 @@ class RequestTable:
             return
         req.paused, req.mode = False, Mode.GENERATE
         seq = req.state.seq
-        kv_params = {"pdserve_rid": rid, "mode": Mode.GENERATE.value}
+        kv_params = self._kv_params(rid, Mode.GENERATE)
+        req.attempt = kv_params["pdserve_attempt"]
         eos = tuple(self._checkpoint.eos_token_ids)
         params = vllm_params(seq.params, Mode.GENERATE, seq.num_output_tokens, kv_params, eos)
         self._core.add(rid, list(seq.token_ids), params)
 
-    def pin_arrived(self, rid: str) -> None:
-        """The engine core's pin of ``rid``'s blocks reached the bridge: its held output goes
-        on; a pin no request wants any more (it was aborted, or failed) is released at once."""
+    def pin_arrived(self, rid: str, attempt: int) -> None:
+        """The engine core's pin of ``rid``'s add number ``attempt`` reached the bridge: its
+        held output goes on; a pin no request wants any more (it was aborted, or failed, or an
+        earlier add of the id) is released at once."""
         req = self.requests.get(rid)
-        if req is None or req.done:
-            if rid not in self.pinned:
-                with contextlib.suppress(KeyError):
-                    self._bridge.release(rid)
+        if req is None or req.done or req.attempt != attempt:
+            if self._bridge.is_pinned(rid, attempt):
+                self._bridge.release(rid)
             return
         if req.pending is not None:
             output, req.pending = req.pending, None
@@ -216,7 +217,7 @@ class RequestTable:
         if req is None or req.done or req.paused:
             return
         pinned = bool(output.kv_transfer_params and output.kv_transfer_params.get(PINNED_KEY))
-        if pinned and not self._bridge.is_pinned(rid):
+        if pinned and not self._bridge.is_pinned(rid, req.attempt):
             req.pending = output  # delivered once the pin is here (``pin_arrived``)
             return
         seq = req.state.seq
@@ -245,6 +246,10 @@ class RequestTable:
         if tokens or output.finished:
             self.accept(rid, req, tokens, vllm_finished=output.finished)
 
+    def _kv_params(self, rid: str, mode: Mode) -> dict[str, Any]:
+        """What the connector reads of one add (``vllm_engine/connector.py``)."""
+        return {"pdserve_rid": rid, "pdserve_attempt": next(self._attempts), "mode": mode.value}
+
     def _sequence(
         self,
         rid: str,
@@ -270,7 +275,7 @@ class RequestTable:
         kv_params: dict[str, Any],
     ) -> Request:
         state = RequestState.create(seq, self._tokenizer, self._checkpoint.eos_token_ids)
-        req = Request(state, mode)
+        req = Request(state, mode, kv_params["pdserve_attempt"])
         self._core.add(
             seq.request_id,
             tokens,

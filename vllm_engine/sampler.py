@@ -112,17 +112,23 @@ class _Row:
         return self.guide.masks((), 1)[0]
 
 
+def guide_compiler(vllm_config: VllmConfig) -> GuideCompiler:
+    """The process's grammar compiler for vLLM's model (``GuideCompiler.shared``): one per
+    rank process, which the rank's ``Compile`` fills (``vllm_engine/rank_runtime.py``) before
+    its sampler needs a grammar, and the worker's own when vLLM runs in the worker."""
+    model = vllm_config.model_config.model
+    eos = CheckpointInfo.from_dir(model).eos_token_ids
+    vocab = vllm_config.model_config.get_vocab_size()
+    return GuideCompiler.shared(Path(model), vocab, eos)
+
+
 class PdserveSampler(LogitsProcessor):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
         self._rows: dict[int, _Row] = {}
-        # Structured outputs: the process's compiler for this model (pdserve's side of the
-        # engine compiled each grammar before the request reached vLLM).
-        self._guides: GuideCompiler | None = None
-        if vllm_config is not None:
-            model = vllm_config.model_config.model
-            eos = CheckpointInfo.from_dir(model).eos_token_ids
-            vocab = vllm_config.model_config.get_vocab_size()
-            self._guides = GuideCompiler.shared(Path(model), vocab, eos)
+        # Structured outputs: the process's compiler for this model, where pdserve's side of
+        # the engine compiled each grammar before the request reached vLLM (in this process,
+        # or in a rank's, through the rank's Compile).
+        self._guides = guide_compiler(vllm_config) if vllm_config is not None else None
 
     def is_argmax_invariant(self) -> bool:
         return False  # it picks the token itself

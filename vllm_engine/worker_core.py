@@ -26,7 +26,7 @@ from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 from engine.serving_engine import run_until_dead
 from engine.threads import finish_in_thread, step_executor
 from vllm_engine.bridge import Bridge
-from vllm_engine.core_driver import CoreCallbacks, CoreDriver
+from vllm_engine.core_driver import CoreCallbacks, CoreDriver, refusal
 from vllm_engine.events import BufferingPublisher
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,10 @@ class WorkerCore(CoreDriver):
                 self._wakeup.set()
 
     def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
-        self._llm.add_request(rid, {"prompt_token_ids": prompt_token_ids}, params)
+        try:
+            self._llm.add_request(rid, {"prompt_token_ids": prompt_token_ids}, params)
+        except Exception as exc:  # its input checks, in this thread: nothing was added
+            raise refusal(rid, exc) from exc
 
     def abort(self, rids: list[str]) -> None:
         self._llm.abort_request(rids)

@@ -58,10 +58,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
 def _structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
     if not msg.HasField("structured"):
         return None
-    kind = _STRUCTURED_NAMES.get(msg.structured.kind)
+    return structured_from_proto(msg.structured)
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    kind = _STRUCTURED_NAMES.get(msg.kind)
     if kind is None:
-        raise ValueError(f"structured.kind {msg.structured.kind} is not a known kind")
-    return StructuredOutput(kind, msg.structured.spec, msg.structured.field or "structured")
+        raise ValueError(f"structured.kind {msg.kind} is not a known kind")
+    return StructuredOutput(kind, msg.spec, msg.field or "structured")
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import prefill_pb2 as pdserve_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/engine_hub.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x08\n\x06HubAck\"m\n\tRankHello\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontrol_address\x18\x03 \x01(\t\x12)\n\x06layout\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\"K\n\x0bHubCheckout\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\x12\x13\n\x0b\x63heckout_id\x18\x03 \x01(\t\"\x1e\n\tHubBlocks\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\"W\n\nCoreBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binternal_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\r\n\x05waits\x18\x04 \x01(\x08\"!\n\nHubCheckin\x12\x13\n\x0b\x63heckout_id\x18\x01 \x01(\t\"T\n\x07RankTls\x12\x11\n\tcert_file\x18\x01 \x01(\t\x12\x10\n\x08key_file\x18\x02 \x01(\t\x12\x0f\n\x07\x63\x61_file\x18\x03 \x01(\t\x12\x13\n\x0bserver_name\x18\x04 \x01(\t\"\xb0\x01\n\x0fStartRankSender\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x16\n\x0e\x61\x64vertise_host\x18\x04 \x01(\t\x12\x12\n\nmax_pull_s\x18\x05 \x01(\x01\x12 \n\x03tls\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.RankTls\x12\x11\n\tno_verify\x18\x07 \x01(\x08\x12\x0f\n\x07ucx_tls\x18\x08 \x01(\t\"$\n\x11RankSenderStarted\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"}\n\x11StartRankReceiver\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12 \n\x03tls\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.RankTls\x12\x11\n\tno_verify\x18\x04 \x01(\x08\x12\x0f\n\x07ucx_tls\x18\x05 \x01(\t\")\n\x0bTraceHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"|\n\x08RankPull\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12&\n\x05trace\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TraceHeader\x12\x0f\n\x07pull_id\x18\x04 \x01(\t\"^\n\nRankPulled\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x1d\n\nRankCancel\x12\x0f\n\x07pull_id\x18\x01 \x01(\t\"X\n\nRankReport\x12\x18\n\x10\x66inished_sending\x18\x01 \x03(\t\x12\x18\n\x10\x66inished_recving\x18\x02 \x03(\t\x12\x16\n\x0e\x66\x61iled_recving\x18\x03 \x03(\t\"!\n\tRankPeers\x12\x14\n\x0ckv_addresses\x18\x01 \x03(\t2\xa1\x02\n\tEngineHub\x12\x32\n\x05Hello\x12\x15.pdserve.v1.RankHello\x1a\x12.pdserve.v1.HubAck\x12:\n\x08\x43heckout\x12\x17.pdserve.v1.HubCheckout\x1a\x15.pdserve.v1.HubBlocks\x12\x35\n\x07\x43heckin\x12\x16.pdserve.v1.HubCheckin\x1a\x12.pdserve.v1.HubAck\x12\x37\n\tAllocated\x12\x16.pdserve.v1.CoreBlocks\x1a\x12.pdserve.v1.HubAck\x12\x34\n\x06Pinned\x12\x16.pdserve.v1.CoreBlocks\x1a\x12.pdserve.v1.HubAck2\xf8\x02\n\x0bRankControl\x12I\n\x0bStartSender\x12\x1b.pdserve.v1.StartRankSender\x1a\x1d.pdserve.v1.RankSenderStarted\x12\x42\n\rStartReceiver\x12\x1d.pdserve.v1.StartRankReceiver\x1a\x12.pdserve.v1.HubAck\x12\x34\n\x04Pull\x12\x14.pdserve.v1.RankPull\x1a\x16.pdserve.v1.RankPulled\x12\x34\n\x06\x43\x61ncel\x12\x16.pdserve.v1.RankCancel\x1a\x12.pdserve.v1.HubAck\x12\x34\n\x06Report\x12\x16.pdserve.v1.RankReport\x1a\x12.pdserve.v1.HubAck\x12\x38\n\x0bRetainPeers\x12\x15.pdserve.v1.RankPeers\x1a\x12.pdserve.v1.HubAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/engine_hub.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x08\n\x06HubAck\"m\n\tRankHello\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x17\n\x0f\x63ontrol_address\x18\x03 \x01(\t\x12)\n\x06layout\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\"K\n\x0bHubCheckout\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\x12\x13\n\x0b\x63heckout_id\x18\x03 \x01(\t\"\x1e\n\tHubBlocks\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\"h\n\nCoreBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0binternal_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\r\n\x05waits\x18\x04 \x01(\x08\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\x04\"!\n\nHubCheckin\x12\x13\n\x0b\x63heckout_id\x18\x01 \x01(\t\"T\n\x07RankTls\x12\x11\n\tcert_file\x18\x01 \x01(\t\x12\x10\n\x08key_file\x18\x02 \x01(\t\x12\x0f\n\x07\x63\x61_file\x18\x03 \x01(\t\x12\x13\n\x0bserver_name\x18\x04 \x01(\t\"\xb0\x01\n\x0fStartRankSender\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x16\n\x0e\x61\x64vertise_host\x18\x04 \x01(\t\x12\x12\n\nmax_pull_s\x18\x05 \x01(\x01\x12 \n\x03tls\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.RankTls\x12\x11\n\tno_verify\x18\x07 \x01(\x08\x12\x0f\n\x07ucx_tls\x18\x08 \x01(\t\"$\n\x11RankSenderStarted\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"}\n\x11StartRankReceiver\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12 \n\x03tls\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.RankTls\x12\x11\n\tno_verify\x18\x04 \x01(\x08\x12\x0f\n\x07ucx_tls\x18\x05 \x01(\t\")\n\x0bTraceHeader\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"|\n\x08RankPull\x12$\n\x06handle\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12&\n\x05trace\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.TraceHeader\x12\x0f\n\x07pull_id\x18\x04 \x01(\t\"^\n\nRankPulled\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12\x12\n\nduration_s\x18\x02 \x01(\x01\x12\x12\n\nerror_code\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x1d\n\nRankCancel\x12\x0f\n\x07pull_id\x18\x01 \x01(\t\"X\n\nRankReport\x12\x18\n\x10\x66inished_sending\x18\x01 \x03(\t\x12\x18\n\x10\x66inished_recving\x18\x02 \x03(\t\x12\x16\n\x0e\x66\x61iled_recving\x18\x03 \x03(\t\"!\n\tRankPeers\x12\x14\n\x0ckv_addresses\x18\x01 \x03(\t2\xa1\x02\n\tEngineHub\x12\x32\n\x05Hello\x12\x15.pdserve.v1.RankHello\x1a\x12.pdserve.v1.HubAck\x12:\n\x08\x43heckout\x12\x17.pdserve.v1.HubCheckout\x1a\x15.pdserve.v1.HubBlocks\x12\x35\n\x07\x43heckin\x12\x16.pdserve.v1.HubCheckin\x1a\x12.pdserve.v1.HubAck\x12\x37\n\tAllocated\x12\x16.pdserve.v1.CoreBlocks\x1a\x12.pdserve.v1.HubAck\x12\x34\n\x06Pinned\x12\x16.pdserve.v1.CoreBlocks\x1a\x12.pdserve.v1.HubAck2\xb5\x03\n\x0bRankControl\x12I\n\x0bStartSender\x12\x1b.pdserve.v1.StartRankSender\x1a\x1d.pdserve.v1.RankSenderStarted\x12\x42\n\rStartReceiver\x12\x1d.pdserve.v1.StartRankReceiver\x1a\x12.pdserve.v1.HubAck\x12\x34\n\x04Pull\x12\x14.pdserve.v1.RankPull\x1a\x16.pdserve.v1.RankPulled\x12\x34\n\x06\x43\x61ncel\x12\x16.pdserve.v1.RankCancel\x1a\x12.pdserve.v1.HubAck\x12\x34\n\x06Report\x12\x16.pdserve.v1.RankReport\x1a\x12.pdserve.v1.HubAck\x12\x38\n\x0bRetainPeers\x12\x15.pdserve.v1.RankPeers\x1a\x12.pdserve.v1.HubAck\x12;\n\x07\x43ompile\x12\x1c.pdserve.v1.StructuredOutput\x1a\x12.pdserve.v1.HubAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HUBBLOCKS']._serialized_start=292
   _globals['_HUBBLOCKS']._serialized_end=322
   _globals['_COREBLOCKS']._serialized_start=324
-  _globals['_COREBLOCKS']._serialized_end=411
-  _globals['_HUBCHECKIN']._serialized_start=413
-  _globals['_HUBCHECKIN']._serialized_end=446
-  _globals['_RANKTLS']._serialized_start=448
-  _globals['_RANKTLS']._serialized_end=532
-  _globals['_STARTRANKSENDER']._serialized_start=535
-  _globals['_STARTRANKSENDER']._serialized_end=711
-  _globals['_RANKSENDERSTARTED']._serialized_start=713
-  _globals['_RANKSENDERSTARTED']._serialized_end=749
-  _globals['_STARTRANKRECEIVER']._serialized_start=751
-  _globals['_STARTRANKRECEIVER']._serialized_end=876
-  _globals['_TRACEHEADER']._serialized_start=878
-  _globals['_TRACEHEADER']._serialized_end=919
-  _globals['_RANKPULL']._serialized_start=921
-  _globals['_RANKPULL']._serialized_end=1045
-  _globals['_RANKPULLED']._serialized_start=1047
-  _globals['_RANKPULLED']._serialized_end=1141
-  _globals['_RANKCANCEL']._serialized_start=1143
-  _globals['_RANKCANCEL']._serialized_end=1172
-  _globals['_RANKREPORT']._serialized_start=1174
-  _globals['_RANKREPORT']._serialized_end=1262
-  _globals['_RANKPEERS']._serialized_start=1264
-  _globals['_RANKPEERS']._serialized_end=1297
-  _globals['_ENGINEHUB']._serialized_start=1300
-  _globals['_ENGINEHUB']._serialized_end=1589
-  _globals['_RANKCONTROL']._serialized_start=1592
-  _globals['_RANKCONTROL']._serialized_end=1968
+  _globals['_COREBLOCKS']._serialized_end=428
+  _globals['_HUBCHECKIN']._serialized_start=430
+  _globals['_HUBCHECKIN']._serialized_end=463
+  _globals['_RANKTLS']._serialized_start=465
+  _globals['_RANKTLS']._serialized_end=549
+  _globals['_STARTRANKSENDER']._serialized_start=552
+  _globals['_STARTRANKSENDER']._serialized_end=728
+  _globals['_RANKSENDERSTARTED']._serialized_start=730
+  _globals['_RANKSENDERSTARTED']._serialized_end=766
+  _globals['_STARTRANKRECEIVER']._serialized_start=768
+  _globals['_STARTRANKRECEIVER']._serialized_end=893
+  _globals['_TRACEHEADER']._serialized_start=895
+  _globals['_TRACEHEADER']._serialized_end=936
+  _globals['_RANKPULL']._serialized_start=938
+  _globals['_RANKPULL']._serialized_end=1062
+  _globals['_RANKPULLED']._serialized_start=1064
+  _globals['_RANKPULLED']._serialized_end=1158
+  _globals['_RANKCANCEL']._serialized_start=1160
+  _globals['_RANKCANCEL']._serialized_end=1189
+  _globals['_RANKREPORT']._serialized_start=1191
+  _globals['_RANKREPORT']._serialized_end=1279
+  _globals['_RANKPEERS']._serialized_start=1281
+  _globals['_RANKPEERS']._serialized_end=1314
+  _globals['_ENGINEHUB']._serialized_start=1317
+  _globals['_ENGINEHUB']._serialized_end=1606
+  _globals['_RANKCONTROL']._serialized_start=1609
+  _globals['_RANKCONTROL']._serialized_end=2046
 # @@protoc_insertion_point(module_scope)

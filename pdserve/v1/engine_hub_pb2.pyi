@@ -122,12 +122,17 @@ class CoreBlocks(_message.Message):
     INTERNAL_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     WAITS_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """pdserve's"""
     internal_id: _builtins.str
     """vLLM's (what the ranks report it by)"""
     waits: _builtins.bool
     """Allocated: vLLM parked the request until told its load finished"""
+    attempt: _builtins.int
+    """Which add of request_id on this worker (its kv_transfer_params'): a late message of an
+    earlier attempt is told apart from the one awaited, and its blocks freed.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Allocated: -1 for a block vLLM's prefix cache holds"""
@@ -139,10 +144,11 @@ class CoreBlocks(_message.Message):
         internal_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         waits: _builtins.bool = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "internal_id", b"internal_id", "request_id", b"request_id", "waits", b"waits"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "block_ids", b"block_ids", "internal_id", b"internal_id", "request_id", b"request_id", "waits", b"waits"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import engine_hub_pb2 as pdserve_dot_v1_dot_engine__hub__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -339,6 +340,11 @@ class RankControlStub:
                 request_serializer=pdserve_dot_v1_dot_engine__hub__pb2.RankPeers.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
                 _registered_method=True)
+        self.Compile = channel.unary_unary(
+                '/pdserve.v1.RankControl/Compile',
+                request_serializer=pdserve_dot_v1_dot_common__pb2.StructuredOutput.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
+                _registered_method=True)
 
 
 class RankControlServicer:
@@ -387,6 +393,14 @@ class RankControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Compile(self, request, context):
+        """Compiles a grammar into the rank's cache (off vLLM's step), before its request is added:
+        the rank's sampler then finds it compiled. INVALID_ARGUMENT: the grammar does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RankControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -418,6 +432,11 @@ def add_RankControlServicer_to_server(servicer, server):
             'RetainPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.RetainPeers,
                     request_deserializer=pdserve_dot_v1_dot_engine__hub__pb2.RankPeers.FromString,
+                    response_serializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.SerializeToString,
+            ),
+            'Compile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compile,
+                    request_deserializer=pdserve_dot_v1_dot_common__pb2.StructuredOutput.FromString,
                     response_serializer=pdserve_dot_v1_dot_engine__hub__pb2.HubAck.SerializeToString,
             ),
     }
@@ -583,6 +602,33 @@ class RankControl:
             target,
             '/pdserve.v1.RankControl/RetainPeers',
             pdserve_dot_v1_dot_engine__hub__pb2.RankPeers.SerializeToString,
+            pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RankControl/Compile',
+            pdserve_dot_v1_dot_common__pb2.StructuredOutput.SerializeToString,
             pdserve_dot_v1_dot_engine__hub__pb2.HubAck.FromString,
             options,
             channel_credentials,

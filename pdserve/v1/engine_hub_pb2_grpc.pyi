@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from pdserve.v1 import common_pb2 as _common_pb2
 from pdserve.v1 import engine_hub_pb2 as _engine_hub_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -160,6 +161,10 @@ class RankControlStub:
     or schedules a request only once every rank has reported it.
     """
     RetainPeers: _grpc.UnaryUnaryMultiCallable[_engine_hub_pb2.RankPeers, _engine_hub_pb2.HubAck]
+    Compile: _grpc.UnaryUnaryMultiCallable[_common_pb2.StructuredOutput, _engine_hub_pb2.HubAck]
+    """Compiles a grammar into the rank's cache (off vLLM's step), before its request is added:
+    the rank's sampler then finds it compiled. INVALID_ARGUMENT: the grammar does not compile.
+    """
 
 @_typing.type_check_only
 class RankControlAsyncStub(RankControlStub):
@@ -181,6 +186,10 @@ class RankControlAsyncStub(RankControlStub):
     or schedules a request only once every rank has reported it.
     """
     RetainPeers: _aio.UnaryUnaryMultiCallable[_engine_hub_pb2.RankPeers, _engine_hub_pb2.HubAck]  # type: ignore[assignment]
+    Compile: _aio.UnaryUnaryMultiCallable[_common_pb2.StructuredOutput, _engine_hub_pb2.HubAck]  # type: ignore[assignment]
+    """Compiles a grammar into the rank's cache (off vLLM's step), before its request is added:
+    the rank's sampler then finds it compiled. INVALID_ARGUMENT: the grammar does not compile.
+    """
 
 class RankControlServicer(metaclass=_abc_1.ABCMeta):
     """Served by each rank; called by the front-end."""
@@ -235,5 +244,15 @@ class RankControlServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_hub_pb2.RankPeers,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_hub_pb2.HubAck, _abc.Awaitable[_engine_hub_pb2.HubAck]]: ...
+
+    @_abc_1.abstractmethod
+    def Compile(
+        self,
+        request: _common_pb2.StructuredOutput,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_hub_pb2.HubAck, _abc.Awaitable[_engine_hub_pb2.HubAck]]:
+        """Compiles a grammar into the rank's cache (off vLLM's step), before its request is added:
+        the rank's sampler then finds it compiled. INVALID_ARGUMENT: the grammar does not compile.
+        """
 
 def add_RankControlServicer_to_server(servicer: RankControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

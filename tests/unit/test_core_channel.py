@@ -36,9 +36,9 @@ def test_an_allocation_reaches_the_waiting_admission_and_its_load_is_reported() 
         async with _hub() as (bridge, _, channel):
             reported = asyncio.Event()
             bridge.on_report = reported.set
-            allocation = bridge.expect_allocation("r1")
+            allocation = bridge.expect_allocation("r1", 1)
             assert channel.should_load("r1")
-            channel.allocated("r1", "r1-vllm", [-1, 4, 5], waits=True)
+            channel.allocated("r1", 1, "r1-vllm", [-1, 4, 5], waits=True)
             assert not channel.should_load("r1")  # a preempted request recomputes
             async with asyncio.timeout(BOUND_S):
                 assert await allocation == [-1, 4, 5]
@@ -56,15 +56,16 @@ def test_an_allocation_reaches_the_waiting_admission_and_its_load_is_reported() 
 def test_a_pin_reaches_the_bridge_and_the_table_and_its_release_is_reported_once() -> None:
     async def run() -> None:
         async with _hub() as (bridge, hub, channel):
-            arrived: asyncio.Queue[str] = asyncio.Queue()
-            hub.on_pinned = arrived.put_nowait
-            channel.pin("p1", "p1-vllm", [7, 8])
+            arrived: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+            hub.on_pinned = lambda rid, attempt: arrived.put_nowait((rid, attempt))
+            channel.pin("p1", 4, "p1-vllm", [7, 8])
             async with asyncio.timeout(BOUND_S):
-                assert await arrived.get() == "p1"
-            assert bridge.is_pinned("p1") and bridge.pinned("p1") == [7, 8]
+                assert await arrived.get() == ("p1", 4)
+            assert bridge.is_pinned("p1", 4) and bridge.pinned("p1") == [7, 8]
+            assert not bridge.is_pinned("p1", 3)  # another add of the id
             bridge.release("p1")
             assert bridge.take_reports().finished_sending == {"p1-vllm"}
-            assert not bridge.is_pinned("p1")
+            assert not bridge.is_pinned("p1", 4)
 
     asyncio.run(run())
 
@@ -77,10 +78,10 @@ def test_an_allocation_that_comes_after_its_load_was_given_up_is_failed_at_once(
         async with _hub() as (bridge, _, channel):
             reported = asyncio.Event()
             bridge.on_report = reported.set
-            allocation = bridge.expect_allocation("r2")
+            allocation = bridge.expect_allocation("r2", 1)
             assert not bridge.load_finished("r2", ok=False)  # nothing allocated yet
             assert not reported.is_set()
-            channel.allocated("r2", "r2-vllm", [3], waits=True)
+            channel.allocated("r2", 1, "r2-vllm", [3], waits=True)
             async with asyncio.timeout(BOUND_S):
                 await reported.wait()
             reports = bridge.take_reports()
@@ -95,11 +96,35 @@ def test_an_allocation_with_nothing_to_load_is_not_reported() -> None:
 
     async def run() -> None:
         async with _hub() as (bridge, _, channel):
-            allocation = bridge.expect_allocation("r3")
-            channel.allocated("r3", "r3-vllm", [-1], waits=False)
+            allocation = bridge.expect_allocation("r3", 1)
+            channel.allocated("r3", 1, "r3-vllm", [-1], waits=False)
             async with asyncio.timeout(BOUND_S):
                 assert await allocation == [-1]
             assert not bridge.load_finished("r3", ok=True)
             assert bridge.take_reports().finished_recving == set()
+
+    asyncio.run(run())
+
+
+def test_a_late_allocation_of_an_earlier_add_of_the_id_is_not_taken_for_the_next() -> None:
+    """The id was added again (a retry on this worker) while the engine core's allocation of
+    the first add was still on its way: that one is failed at once (vLLM frees its blocks),
+    and the waiting admission gets its own add's blocks."""
+
+    async def run() -> None:
+        async with _hub() as (bridge, _, channel):
+            bridge.expect_allocation("r4", 1)
+            assert not bridge.load_finished("r4", ok=False)  # the first add was given up
+            bridge.forget("r4")
+            allocation = bridge.expect_allocation("r4", 2)
+            channel.allocated("r4", 1, "r4-first", [3, 4], waits=True)
+            channel.allocated("r4", 2, "r4-second", [5, 6], waits=True)
+            async with asyncio.timeout(BOUND_S):
+                assert await allocation == [5, 6]
+            reports = bridge.take_reports()
+            assert reports.finished_recving == {"r4-first"} == reports.failed_recving
+            assert bridge.num_loading == 1
+            assert bridge.load_finished("r4", ok=True)
+            assert bridge.take_reports().finished_recving == {"r4-second"}
 
     asyncio.run(run())

@@ -37,7 +37,7 @@ from tests.faults.faults_util import (
     stats,
 )
 from tests.services.harness import engine_config, failed_decode, start, wait_for
-from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
+from tests.vllm.conftest import BLOCK_SIZE, WORKER_ARGS, vllm_cluster
 from tests.vllm.vllm_util import (
     cancel_at_each_stage,
     colocated,
@@ -46,6 +46,7 @@ from tests.vllm.vllm_util import (
     through_router,
 )
 
+MAX_MODEL_LEN = int(WORKER_ARGS[WORKER_ARGS.index("--max-model-len") + 1])
 LEASE_S = 15.0  # expiry is tested; the router releases every lease it uses within ms
 # Shorter than, equal to, one past, and several blocks.
 LENGTHS = (5, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 7)
@@ -338,6 +339,13 @@ def test_requests_written_to_break_a_vllm_worker_are_refused_and_kill_nothing(
                     pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "bad_words has ids outside the vocabulary" in (err.value.details() or "")
+        # A prompt of max_model_len tokens passes pdserve's admission but not vLLM's (it
+        # wants a position for the output): refused alone, with the engine core in the worker
+        # as in a process of its own (tests/vllm/test_vllm_engine_core.py).
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await colocated(cluster.decode[0].address, _prompt(MAX_MODEL_LEN, 8), GREEDY, "full")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "vLLM refused request 'full'" in (err.value.details() or "")
         again = await through_router(cluster.address, _prompt(40, 7), GREEDY)
         assert len(again.token_ids) == GREEDY.max_tokens
 

@@ -135,7 +135,7 @@ def test_a_request_vllm_refuses_fails_alone_by_name(cluster: LocalCluster) -> No
 
 def test_kill_9_of_an_engine_core_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
     prompts = [_prompt(30 + 9 * i, 50 + i) for i in range(4)]
-    params = mixed_params(len(prompts), max_tokens=80, guided=False)
+    params = mixed_params(len(prompts), max_tokens=80)  # stream 3 guided
 
     async def run() -> None:
         references = [

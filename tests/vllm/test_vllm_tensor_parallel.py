@@ -210,7 +210,7 @@ def _ranks(pid: int) -> list[psutil.Process]:
 
 def test_kill_9_of_one_decode_rank_mid_stream_loses_no_stream(cluster: LocalCluster) -> None:
     prompts = [_prompt(30 + 11 * i, 40 + i) for i in range(4)]
-    params = mixed_params(len(prompts), max_tokens=80, guided=False)
+    params = mixed_params(len(prompts), max_tokens=80)  # stream 3 guided
 
     async def run() -> None:
         references = [
