@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check (< 10 min): Triton kernels on CUDA vs the torch path, the engine benchmark in
 # bf16 on CUDA, NIXL with VRAM caches, then the vLLM engine on CUDA (disaggregated, exact, and
-# against `vllm serve` and vLLM's own P/D; NIXL from VRAM; TP=2 -> TP=2 over NIXL on two GPUs).
+# against `vllm serve` and vLLM's own P/D; NIXL from VRAM; TP=2 -> TP=2 and unequal TP on two
+# GPUs).
 # Run from the repository root on an NVIDIA GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,9 @@ $VPY -m pytest -q tests/vllm/test_serving_engine_vllm.py tests/vllm/test_vllm_di
   tests/vllm/test_vllm_pieces.py "tests/vllm/test_vllm_tp_pairs.py::test_tensor_parallel_streams_equal_the_decode_workers_own_run[p1-d1-nixl]"
 SERVING="--dtypes bfloat16 --rates 2 --workloads random:256:64 --clients vllm,pdserve"
 $VPY benchmarks/serving.py --systems vllm-serve,vllm-colocated,vllm-1p1d,vllm-pd $SERVING
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # tensor parallelism: TP=2 -> TP=2 over NIXL
-  $VPY -m pytest -q tests/vllm/test_vllm_tp_pairs.py -k "p2-d2-nixl"
+# Tensor parallelism: TP=2 -> TP=2 over NIXL, and unequal TP both ways (CUDA pages cut by
+# heads: pdserve's connector asks vLLM for its LBHNC layout).
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  $VPY -m pytest -q tests/vllm/test_vllm_tp_pairs.py -k "p2-d2-nixl or p2-d1-nixl or p1-d2-grpc"
   $VPY benchmarks/serving.py --systems vllm-serve,vllm-1p1d-tp2 $SERVING
 fi

@@ -94,6 +94,15 @@ class PdserveConnector(KVConnectorBase_V1):
         self._num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
         self._block_size = vllm_config.cache_config.block_size
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Heads outermost in each block's page (vLLM's ``LBHNC``, as its own NIXL connector
+        asks): a rank's head range is then one run of each page, so engines of unequal tensor
+        parallelism exchange KV (``vllm_engine/kv_pages.py``). vLLM's CPU backend has only
+        this one; on CUDA it replaces FlashAttention's default (``LBNHC``), or vLLM drops it
+        with a warning for a backend that cannot read it, and unequal TP is refused by name."""
+        return "LBHNC"
+
     # ---- scheduler side (vLLM's step thread) ------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

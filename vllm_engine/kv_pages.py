@@ -1,24 +1,27 @@
 """vLLM's paged KV cache as pdserve's transfer backends see it (``engine.kv_pages``).
 
-vLLM keeps one tensor per attention layer. A block's *page* in a layer holds its keys and
-values: ``[num_kv_heads, block_size, 2 * head_dim]`` per block on vLLM's CPU backend (block
-outermost), ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer on the CUDA
-backends (keys, then values). Either way a page is ``2 * block_size * num_kv_heads * head_dim``
-elements: pdserve's slab ``(layer, 0)`` is its first half, slab ``(layer, 1)`` its second, in the
-page's own element order. The bytes are opaque; the layout's ``page_layout`` names the
-arrangement so that only an identical one ever receives them.
+vLLM keeps one tensor per attention layer: in vLLM 0.32 a ``[num_blocks, num_kv_heads,
+block_size, C]`` view (``C``: a head's keys and values of one token) of one allocation, strided
+as its KV cache layout says (its ``KVCacheLayout`` RFC). A block's *page* in a layer is its
+``num_kv_heads * block_size * C`` elements; in every layout pdserve moves, blocks are outermost
+and a page is one contiguous run, in the layout's own element order (``_page``). pdserve's slab
+``(layer, 0)`` is a page's first half, slab ``(layer, 1)`` its second. The bytes are opaque;
+the layout's ``page_layout`` names the arrangement (the page's dimensions in memory order) so
+that only an identical one ever receives them.
 
 Tensor parallelism of unequal sizes moves a range of a page's heads (``engine/kv_shards.py``).
-vLLM 0.32's per-layer cache is ``[num_blocks, num_kv_heads, block_size, C]`` logically (its
-``KVCacheLayout`` RFC); when it is so in memory too (block-major, heads outermost in a page: the
-CPU backend's), a head range is one run of each page, and ``VllmKVPages.heads`` views it as pages
-of their own. The arrangement's name reads ``BH``, not the head count, so that shards of engines
-of different ``tp_size`` name the same arrangement. Pages of another arrangement (the CUDA
-backends' keys-then-values) refuse a head range by name.
+When heads are outermost in a page (vLLM's ``LBHNC`` or ``BLHNC``; pdserve's connector asks for
+``LBHNC``, the CPU backend's only one), a head range is one run of each page, and
+``VllmKVPages.heads`` views it as pages of their own. The arrangement's name then reads ``BH``,
+not the head count, so that shards of engines of different ``tp_size`` name the same
+arrangement. Pages of another arrangement (``LBNHC``, FlashAttention's default, where a backend
+cannot read ``LBHNC``) carry their head count and order in their name (``B16x8x256/NHC``) and
+refuse a head range by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -36,44 +39,81 @@ def page_halves(
     tensor: torch.Tensor, num_blocks: int, num_kv_heads: int = 0
 ) -> tuple[torch.Tensor, str]:
     """A ``[num_blocks, 2, half_page]`` view of one layer's cache (writes through it land in
-    the cache), and the arrangement's name (``BH...`` when its pages are cut by heads, those of
-    ``num_kv_heads``)."""
-    shape = tuple(tensor.shape)
-    if tensor.is_contiguous() and shape[0] == num_blocks:  # block-major pages
-        dims = list(map(str, shape[1:]))
-        if _heads_outermost(shape, num_kv_heads):
-            dims[0] = "H"
-        return tensor.view(num_blocks, 2, -1), "B" + "x".join(dims)
-    if shape[:2] == (2, num_blocks) and tensor[0].is_contiguous() and tensor[1].is_contiguous():
-        keys, values = tensor[0].reshape(num_blocks, -1), tensor[1].reshape(num_blocks, -1)
-        if values.data_ptr() - keys.data_ptr() == keys.numel() * keys.element_size():
-            # keys then values: one [2, num_blocks, page/2] region
-            return tensor.view(2, num_blocks, -1).transpose(0, 1), "2xB" + "x".join(
-                map(str, shape[2:])
-            )
-    raise PageShapeError(
-        f"vLLM KV cache tensor of shape {shape} (stride {tensor.stride()}) for {num_blocks} "
-        "blocks: not one block-major page per block, nor keys-then-values of one"
+    the cache), and the arrangement's name: ``B`` and the page's dimensions in memory order,
+    ``H`` for the heads when they are outermost in the page (those of ``num_kv_heads``), and
+    the logical order after a ``/`` when it is not vLLM's ``[B, H, N, C]`` itself."""
+    order, block_stride, page = _page(tensor, num_blocks)
+    dims = [str(tensor.shape[d]) for d in order]
+    if tensor.dim() == 4 and order[0] == 1 and tensor.shape[1] == num_kv_heads:
+        dims[0] = "H"
+    name = "B" + "x".join(dims)
+    if order != sorted(order):
+        name += "/" + "".join(_LOGICAL[d] if tensor.dim() == 4 else str(d) for d in order)
+    halves = torch.as_strided(
+        tensor, (num_blocks, 2, page // 2), (block_stride, page // 2, 1), tensor.storage_offset()
     )
+    return halves, name
 
 
 def head_halves(tensor: torch.Tensor, num_blocks: int, first: int, count: int) -> torch.Tensor:
     """``page_halves`` of heads ``[first, first + count)`` only: each page's run of them."""
     shape = tuple(tensor.shape)
-    whole = len(shape) == 4 and first >= 0 and first + count <= shape[1]
-    if not (tensor.is_contiguous() and shape[0] == num_blocks and whole):
+    cut = False
+    if len(shape) == 4 and first >= 0 and first + count <= shape[1]:
+        with contextlib.suppress(PageShapeError):
+            order, block_stride, _ = _page(tensor, num_blocks)
+            cut = order[0] == 1
+    if not cut:
         raise PageShapeError(
             f"vLLM KV cache tensor of shape {shape} (stride {tensor.stride()}): its pages are "
-            "not cut by heads (block-major [num_blocks, heads, block_size, C] only), so KV "
-            "moves only between engines of the same tensor parallelism"
+            "not cut by heads (heads outermost in each block's page, vLLM's LBHNC or BLHNC "
+            "layout, only), so KV moves only between engines of the same tensor parallelism"
         )
     per_head = shape[2] * shape[3]
-    pages = tensor.view(num_blocks, -1)[:, first * per_head : (first + count) * per_head]
-    return pages.view(num_blocks, 2, -1)
+    run = torch.as_strided(
+        tensor,
+        (num_blocks, count * per_head),
+        (block_stride, 1),
+        tensor.storage_offset() + first * per_head,
+    )
+    return run.view(num_blocks, 2, -1)
 
 
-def _heads_outermost(shape: tuple[int, ...], num_kv_heads: int) -> bool:
-    return len(shape) == 4 and shape[1] == num_kv_heads
+# vLLM 0.32's logical axes of one layer's cache (its KVCacheLayout RFC): block, head, token,
+# content (a head's keys and values of one token).
+_LOGICAL = "BHNC"
+
+
+def _page(tensor: torch.Tensor, num_blocks: int) -> tuple[list[int], int, int]:
+    """The dimensions of a block's page in memory order (outermost first), the block stride
+    and the page size (elements), when blocks are outermost and each page is one contiguous
+    run; else ``PageShapeError`` naming the shape and strides."""
+    shape, stride = tuple(tensor.shape), tensor.stride()
+    order = _memory_order(shape, stride)
+    page, contiguous = 1, len(shape) >= 2 and shape[0] == num_blocks
+    for d in reversed(order):
+        if shape[d] > 1 and stride[d] != page:
+            contiguous = False
+        page *= shape[d]
+    if not contiguous or page % 2 or (num_blocks > 1 and stride[0] < page):
+        raise PageShapeError(
+            f"vLLM KV cache tensor of shape {shape} (stride {stride}) for {num_blocks} "
+            "blocks: not one contiguous page per block, blocks outermost"
+        )
+    return order, stride[0], page
+
+
+def _memory_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int]:
+    """The non-block dimensions outermost first by stride; one of size 1 (any stride) stays
+    just before the next dimension that follows it logically, so an arrangement that differs
+    only by where a size-1 dimension sits has one name."""
+    real = sorted((d for d in range(1, len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
+    order: list[int] = []
+    for d in real:
+        order += [u for u in range(1, d) if shape[u] == 1 and u not in order]
+        order.append(d)
+    order += [u for u in range(1, len(shape)) if u not in order]
+    return order
 
 
 def vllm_layout(kv_cache_config: Any, fingerprint: str, page_layout: str) -> KVCacheLayout:

@@ -76,10 +76,10 @@ def test_each_side_finds_the_shard_in_its_own_heads() -> None:
 
 def test_a_handle_is_refused_by_what_differs_besides_the_split() -> None:
     assert shard_mismatch(layout(1), layout(2, 1)) is None
-    other_page = dataclasses.replace(layout(1), page_layout="vllm-test/FLASH/2xB4x4x3")
+    other_page = dataclasses.replace(layout(1), page_layout="vllm-test/FLASH/B4x4x6/NHC")
     message = shard_mismatch(other_page, layout(2, 1))
     assert message is not None and message.startswith(
-        f"page_layout {PAGE} != vllm-test/FLASH/2xB4x4x3"
+        f"page_layout {PAGE} != vllm-test/FLASH/B4x4x6/NHC"
     )
 
 
@@ -109,7 +109,9 @@ def test_a_head_range_of_the_pages_reads_and_writes_those_heads_only() -> None:
 
 
 def test_pages_not_cut_by_heads_refuse_a_head_range_by_name() -> None:
-    cuda = [torch.zeros(2, 5, 4, HEADS, 3) for _ in range(2)]  # [2, blocks, block, heads, dim]
+    # vLLM's LBNHC layout (FlashAttention's default): [blocks, heads, block, 2 * dim] logically,
+    # tokens outside heads in memory.
+    cuda = [torch.zeros(5, 4, HEADS, 6).transpose(1, 2) for _ in range(2)]
     pages = VllmKVPages(cuda, dataclasses.replace(layout(1), page_layout="x"), 5)
     with pytest.raises(PageShapeError, match="not cut by heads"):
         pages.shard(dataclasses.replace(layout(2, 1), page_layout="x"))

@@ -161,8 +161,8 @@ def test_a_prefill_worker_pairs_only_with_decode_workers_that_can_take_its_shard
     early = plan(facts(prefill=(tp("p1", 1),), decode=unknown), config)
     assert early.decode == ("d1", "d2")
     assert plan(facts(prefill=(tp("p2", 2),), decode=unknown), config).unserved is Unserved.NO_PAIR
-    # Pages not cut by heads (CUDA's keys-then-values, whose name carries the head count):
+    # Pages not cut by heads (vLLM's LBNHC, whose name carries the head count and order):
     # unequal sizes never pair; equal ones do.
-    cuda = (tp("d1", 1, page="vllm/FA/2xB16x2x64"), tp("d2", 2, page="vllm/FA/2xB16x1x64"))
-    got = plan(facts(prefill=(tp("p2", 2, page="vllm/FA/2xB16x1x64"),), decode=cuda), config)
+    cuda = (tp("d1", 1, page="vllm/FA/B16x4x128/NHC"), tp("d2", 2, page="vllm/FA/B16x2x128/NHC"))
+    got = plan(facts(prefill=(tp("p2", 2, page="vllm/FA/B16x2x128/NHC"),), decode=cuda), config)
     assert got.decode == ("d2",)

@@ -1,12 +1,17 @@
-"""The vLLM engine's pieces, exact values: pages as slabs (both page arrangements, the skipped
+"""The vLLM engine's pieces, exact values: pages as slabs (every layout vLLM 0.32 can give a
+layer's cache, built by vLLM's own function; head ranges; the skipped
 blocks of a local prefix hit, the refusal of others), vLLM's KV events as pdserve's hashes, and
 the sampler inside vLLM (pdserve's seeded choice, whatever the batch row)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+from vllm.v1.kv_cache_layout import KVCacheLayout as VllmLayout
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from engine.block_hash import hash_blocks, root_hash
@@ -21,23 +26,36 @@ LAYOUT = KVCacheLayout("fp", "float32", 4, 2, 2, 3, page_layout="vllm-test")
 NUM_BLOCKS = 5
 
 
-def _cpu_layer() -> torch.Tensor:  # vLLM's CPU backend: [blocks, heads, block_size, 2 * head]
-    return torch.randn(NUM_BLOCKS, 2, 4, 6)
+def _layers(layout: str, num_layers: int = 2, heads: int = 2) -> list[torch.Tensor]:
+    """What vLLM 0.32 registers with a connector: one ``[B, H, N, C]`` view per layer of one
+    allocation, strided as ``layout`` says (``create_kv_cache_views``, vLLM's own), filled."""
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=heads, head_size=3, dtype=torch.float32)
+    order = VllmLayout[layout]
+    page = spec.page_size_bytes
+    # Layer-outermost: a layer is one region; block-outermost: a block holds every layer's.
+    strides = (page * NUM_BLOCKS, page) if order.is_layer_compact else (page, page * num_layers)
+    tensor = KVCacheTensor(
+        page * NUM_BLOCKS * num_layers, [f"l{i}" for i in range(num_layers)], *strides
+    )
+    raw = torch.randn(page * NUM_BLOCKS * num_layers // 4).view(torch.int8)
+    return create_kv_cache_views(raw, spec, NUM_BLOCKS, order, tensor)
 
 
-def _cuda_layer() -> torch.Tensor:  # the CUDA backends: [2, blocks, block_size, heads, head]
-    return torch.randn(2, NUM_BLOCKS, 4, 2, 3)
+LAYOUTS = ("LBHNC", "LBNHC", "BLHNC", "BLNHC")  # a layer's pages are contiguous in each
 
 
-@pytest.mark.parametrize("make_layer", [_cpu_layer, _cuda_layer])
-def test_slabs_are_the_halves_of_each_page_and_round_trip(make_layer) -> None:  # type: ignore[no-untyped-def]
-    layers = [make_layer(), make_layer()]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_slabs_are_the_halves_of_each_page_and_round_trip(layout: str) -> None:
+    layers = _layers(layout)
     pages = VllmKVPages(layers, LAYOUT, NUM_BLOCKS)
     data = pages.read_slabs(0, 4, [3, 1])
     assert data.shape == (4, 2, 4, 2, 3)
     halves = page_halves(layers[1], NUM_BLOCKS)[0]
-    assert torch.equal(data[3, 0].flatten(), halves[3, 1])  # layer 1, values, block 3
-    other = VllmKVPages([make_layer(), make_layer()], LAYOUT, NUM_BLOCKS)
+    assert torch.equal(data[3, 0].flatten(), halves[3, 1])  # layer 1, second half, block 3
+    page = data[2:, 0].flatten()  # layer 1, block 3: its page, in memory order
+    physical = layers[1][3] if "HN" in layout else layers[1][3].transpose(0, 1)
+    assert torch.equal(page, physical.flatten())
+    other = VllmKVPages(_layers(layout), LAYOUT, NUM_BLOCKS)
     other.write_slabs(0, [0, 4], data)
     assert torch.equal(other.read_slabs(0, 4, [0, 4]), data)
     # A local prefix hit's block is received, not written.
@@ -45,6 +63,24 @@ def test_slabs_are_the_halves_of_each_page_and_round_trip(make_layer) -> None:  
     other.write_slabs(0, [SKIP_BLOCK, 2], pages.read_slabs(0, 4, [1, 4]))
     assert torch.equal(other.read_slabs(0, 4, [2]), pages.read_slabs(0, 4, [4]))
     assert not torch.equal(before, other.read_slabs(0, 4, [2]))
+
+
+def test_each_layout_names_its_arrangement_and_only_heads_outermost_cut_by_heads() -> None:
+    names = {lay: page_halves(_layers(lay)[0], NUM_BLOCKS, 2)[1] for lay in LAYOUTS}
+    assert names == {
+        "LBHNC": "BHx4x6", "BLHNC": "BHx4x6", "LBNHC": "B4x2x6/NHC", "BLNHC": "B4x2x6/NHC"
+    }  # fmt: skip
+    # One head per rank: where it sits in the page is no difference.
+    assert page_halves(_layers("LBNHC", heads=1)[0], NUM_BLOCKS, 1)[1] == "BHx4x6"
+    for lay in ("LBHNC", "BLHNC"):  # a head range is each page's run of those heads
+        layer = _layers(lay)[1]
+        one = VllmKVPages(
+            [layer], dataclasses.replace(LAYOUT, num_layers=1, num_kv_heads=1), NUM_BLOCKS, 1
+        )
+        got = one.read_slabs(0, 2, [2]).flatten()
+        assert torch.equal(got, layer[2, 1].flatten())
+    with pytest.raises(PageShapeError, match="not cut by heads"):
+        VllmKVPages([_layers("LBNHC")[0]], LAYOUT, NUM_BLOCKS, first_head=1)
 
 
 def test_pages_it_cannot_split_are_refused_by_shape() -> None:
