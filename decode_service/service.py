@@ -20,6 +20,7 @@ from opentelemetry.trace import Span
 from decode_service.config import DecodeConfig
 from decode_service.peers import PeerDirectory
 from engine.outputs import PrefilledRequest, RequestUpdate
+from engine.request_error import RequestIdInUse
 from engine.serving_engine import EngineBuilder, EngineDeadError, NoRoomError
 from kvtransfer import (
     KVHandle,
@@ -144,6 +145,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         with self.in_flight():
             start = time.perf_counter()
             caller = tracing.worker_context(context.invocation_metadata())
+            holder = True  # the engine's request of this id is this call's
             try:
                 with tracing.span("decode_worker.admission", caller, start) as traced:
                     admission = asyncio.ensure_future(
@@ -170,6 +172,9 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                         transfer_s, num_blocks = admission.result()
                     except NoRoomError as exc:
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                    except RequestIdInUse as exc:  # another call's request holds the id
+                        holder = False
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     except ValueError as exc:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     admission_s = time.perf_counter() - start
@@ -209,8 +214,9 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
             finally:
                 # However this ends (finished, failed pull, client gone at any await), the
                 # request's blocks go back; a no-op when it already finished.
-                with contextlib.suppress(EngineDeadError):
-                    await self.engine.abort(prefilled.request_id)
+                if holder:
+                    with contextlib.suppress(EngineDeadError):
+                        await self.engine.abort(prefilled.request_id)
 
     async def PrefillAndDecode(
         self, request: decode_pb2.PrefillAndDecodeRequest, context: grpc.aio.ServicerContext

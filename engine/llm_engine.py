@@ -28,7 +28,7 @@ from engine.kv_events import CacheTier, KVEventLog
 from engine.loaded_model import LoadedModel
 from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
-from engine.request_error import RequestError
+from engine.request_error import RequestError, RequestIdInUse
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -118,7 +118,7 @@ class LLMEngine:
     def _check_new_request(self, request_id: str) -> None:
         """One namespace for ids at every stage."""
         if any(request_id in table for table in (self._requests, self.pinned, self._reserved)):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestIdInUse.of(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""

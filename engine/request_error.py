@@ -22,3 +22,13 @@ class OutsideGrammar(RequestError):
     """A token its grammar does not allow reached a guided request's output: the row it came
     from allowed nothing (a grammar's mask never allows it otherwise), so the caller names
     what ruled every token out (``engine/request_state.py``)."""
+
+
+class RequestIdInUse(ValueError):
+    """Admission refused: the request id names a request the engine holds (running, pinned or
+    reserved). INVALID_ARGUMENT; the request holding the id is not the refused call's, so the
+    caller must leave it alone (never abort the id it was refused)."""
+
+    @classmethod
+    def of(cls, request_id: str) -> RequestIdInUse:
+        return cls(f"request_id {request_id!r} is already in use")

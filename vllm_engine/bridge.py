@@ -81,7 +81,9 @@ class Bridge(CoreChannel):
         self._pinned: dict[str, _Pin] = {}
         # rid -> the attempt whose allocation is awaited, and its future
         self._waiting: dict[str, tuple[int, asyncio.Future[list[int]]]] = {}
-        self._loading: dict[str, str] = {}  # rid -> internal id, allocated, not yet filled
+        # rid -> attempt -> internal id: allocated, not yet filled (an earlier add of the id
+        # may still be filling when the next one is allocated: each is reported on its own)
+        self._loading: dict[str, dict[int, str]] = {}
         self._loaded: set[str] = set()  # rids whose load is over (never loaded again)
         self._sent: set[str] = set()
         self._received: set[str] = set()
@@ -101,13 +103,16 @@ class Bridge(CoreChannel):
     # ---- the connector (step thread) --------------------------------------------------------
     def pin(self, rid: str, attempt: int, internal_id: str, block_ids: list[int]) -> None:
         with self._lock:
-            earlier = self._pinned.get(rid)
-            if earlier is not None:  # never here (an earlier attempt's pin went at arrival)
-                logger.error("request %s: attempt %d pinned over %d", rid, attempt, earlier.attempt)
-                self._sent.add(earlier.internal_id)
-            self._pinned[rid] = _Pin(attempt, internal_id, block_ids)
+            held = self._pinned.get(rid)
+            pin = _Pin(attempt, internal_id, block_ids)
+            if held is not None:  # never here (an earlier add's pin goes as it arrives)
+                logger.error("request %s: pins of adds %d and %d", rid, attempt, held.attempt)
+                older, self._pinned[rid] = sorted((held, pin), key=lambda p: p.attempt)
+                self._sent.add(older.internal_id)  # the earlier add's: no lease reads it
+            else:
+                self._pinned[rid] = pin
             self.events += 1
-        if earlier is not None:
+        if held is not None:
             self._reported_now()
 
     def should_load(self, rid: str) -> bool:
@@ -128,7 +133,7 @@ class Bridge(CoreChannel):
             elif not stale:
                 del self._waiting[rid]
                 if waits:
-                    self._loading[rid] = internal_id
+                    self._loading.setdefault(rid, {})[attempt] = internal_id
                 else:
                     self._loaded.add(rid)
             self.events += 1
@@ -181,13 +186,18 @@ class Bridge(CoreChannel):
             self._sent.add(pin.internal_id)
         self._reported_now()
 
-    def load_finished(self, rid: str, ok: bool) -> bool:
-        """The fill of ``rid``'s blocks returned (``ok``) or failed; False when it held none
-        (not allocated yet, or already reported)."""
+    def load_finished(self, rid: str, attempt: int, ok: bool) -> bool:
+        """The fill of the blocks of ``rid``'s add number ``attempt`` returned (``ok``) or
+        failed; False when it held none (not allocated yet, or already reported)."""
         with self._lock:
-            # Its allocation may still come: stale then, and reported failed at once.
-            self._waiting.pop(rid, None)
-            internal_id = self._loading.pop(rid, None)
+            waiting = self._waiting.get(rid)
+            if waiting is not None and waiting[0] == attempt:
+                # Its allocation may still come: stale then, and reported failed at once.
+                del self._waiting[rid]
+            loading = self._loading.get(rid, {})
+            internal_id = loading.pop(attempt, None)
+            if not loading:
+                self._loading.pop(rid, None)
             self._loaded.add(rid)
             if internal_id is None:
                 return False
@@ -214,7 +224,7 @@ class Bridge(CoreChannel):
     @property
     def num_loading(self) -> int:
         with self._lock:
-            return len(self._loading)
+            return sum(map(len, self._loading.values()))
 
     @property
     def num_pinned(self) -> int:

@@ -207,33 +207,35 @@ class VllmEngine(ServingEngine, ShardedKV):
         self._faults.admitted(rid, ids)
         guide = await self._prepare_guide(request.params, ids[len(ids) - num_generated :])
         needed = self.blocks_for(len(request.prompt_token_ids))
-        allocation = await self._call(
+        req, allocation = await self._call(
             lambda: self._table.add_remote(
                 request, needed, self._core.num_free_blocks(), self.num_blocks, guide
             )
         )
+
+        def ours() -> bool:  # still this add (not aborted; the id not added again since)
+            return self._table.requests.get(rid) is req
+
         try:
             try:
                 block_ids = await asyncio.wait_for(allocation, ALLOCATION_TIMEOUT_S)
             except TimeoutError:  # others took the blocks first
                 raise NoRoomError.of(self.stats.num_free_blocks, self.num_blocks, needed) from None
-            if (admitted := self._table.requests.get(rid)) is None:
+            if not ours():
                 raise EngineDeadError(f"request {rid!r} was aborted while blocks were allocated")
-            admitted.filling = True
+            req.filling = True
             result = await fill(block_ids)
         except BaseException:
             # fill has stopped writing (its contract): vLLM frees the blocks at its next step.
-            if (req := self._table.requests.get(rid)) is not None:
-                req.filling = False
-            self._bridge.load_finished(rid, ok=False)
-            await self.abort(rid)
-            raise
-        self._bridge.load_finished(rid, ok=True)
-        req = self._table.requests.get(rid)
-        if req is not None:
             req.filling = False
-            if req.done:  # its first token ended it: vLLM frees the blocks it just got
-                await self._call(lambda: self._core.abort([rid]))
+            self._bridge.load_finished(rid, req.attempt, ok=False)
+            if ours():
+                await self.abort(rid)
+            raise
+        req.filling = False
+        self._bridge.load_finished(rid, req.attempt, ok=True)
+        if ours() and req.done:  # its first token ended it: vLLM frees the blocks it just got
+            await self._call(lambda: self._core.abort([rid]))
         return result
 
     def stream_prefilled(self, request: PrefilledRequest) -> AsyncGenerator[RequestUpdate, None]:
@@ -278,9 +280,12 @@ class VllmEngine(ServingEngine, ShardedKV):
         if self._hub is not None:  # the ranks sample in processes of their own
             try:
                 await self._hub.compile(params.structured)
-            except grpc.aio.AioRpcError as exc:  # a rank that does not answer: a dead engine
-                self._die(exc)
-                self._check_alive()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAVAILABLE:  # a rank is gone: so is vLLM
+                    self._die(exc)
+                    self._check_alive()
+                # Slow or refused there: a rank's sampler compiles what it lacks in its step.
+                logger.warning("ranks did not compile %s ahead: %s", params.structured.field, exc)
         return guide
 
     async def _stream(
@@ -329,7 +334,7 @@ class VllmEngine(ServingEngine, ShardedKV):
         """Every stream and the worker are told at once. A failure delivering one request's
         output is that request's: the last words name it alone (the others are bystanders);
         a step's failure, no one."""
-        logger.error("vLLM step failed; failing every request", exc_info=exc)
+        logger.error("vLLM failed; failing every request", exc_info=exc)
         self.error = exc
         delivering = self._delivering
         stepping = frozenset({delivering}) if delivering is not None else None

@@ -42,6 +42,7 @@ def page_halves(
     the cache), and the arrangement's name: ``B`` and the page's dimensions in memory order,
     ``H`` for the heads when they are outermost in the page (those of ``num_kv_heads``), and
     the logical order after a ``/`` when it is not vLLM's ``[B, H, N, C]`` itself."""
+    tensor = _manager_blocks(tensor, num_blocks)
     order, block_stride, page = _page(tensor, num_blocks)
     dims = [str(tensor.shape[d]) for d in order]
     if tensor.dim() == 4 and order[0] == 1 and tensor.shape[1] == num_kv_heads:
@@ -57,6 +58,7 @@ def page_halves(
 
 def head_halves(tensor: torch.Tensor, num_blocks: int, first: int, count: int) -> torch.Tensor:
     """``page_halves`` of heads ``[first, first + count)`` only: each page's run of them."""
+    tensor = _manager_blocks(tensor, num_blocks)
     shape = tuple(tensor.shape)
     cut = False
     if len(shape) == 4 and first >= 0 and first + count <= shape[1]:
@@ -84,6 +86,16 @@ def head_halves(tensor: torch.Tensor, num_blocks: int, first: int, count: int) -
 _LOGICAL = "BHNC"
 
 
+def _manager_blocks(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """vLLM splits each block into kernel blocks when its attention backend takes fewer tokens
+    per block (``group_kernel_blocks``): the block's kernel pages, one after the other, are its
+    page (``[num_blocks, ratio, H, N, C]``)."""
+    n = tensor.shape[0] if tensor.dim() else 0
+    if n > num_blocks > 0 and n % num_blocks == 0:
+        return tensor.unflatten(0, (num_blocks, n // num_blocks))
+    return tensor
+
+
 def _page(tensor: torch.Tensor, num_blocks: int) -> tuple[list[int], int, int]:
     """The dimensions of a block's page in memory order (outermost first), the block stride
     and the page size (elements), when blocks are outermost and each page is one contiguous
@@ -104,9 +116,10 @@ def _page(tensor: torch.Tensor, num_blocks: int) -> tuple[list[int], int, int]:
 
 
 def _memory_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int]:
-    """The non-block dimensions outermost first by stride; one of size 1 (any stride) stays
-    just before the next dimension that follows it logically, so an arrangement that differs
-    only by where a size-1 dimension sits has one name."""
+    """The non-block dimensions outermost first by stride. One of size 1 (any stride) goes
+    just before the first dimension, in that order, whose index is above its own (the end
+    when none is), so arrangements that differ only by where a size-1 dimension sits (the same
+    bytes) have one name."""
     real = sorted((d for d in range(1, len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
     order: list[int] = []
     for d in real:
@@ -114,6 +127,22 @@ def _memory_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int]:
         order.append(d)
     order += [u for u in range(1, len(shape)) if u not in order]
     return order
+
+
+def _regions(layers: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One flat tensor per allocation the layers lie in, from their first element to their
+    last: a NIXL agent registers contiguous tensors, and a layer of a strided layout (``LBNHC``,
+    or ``BLHNC``: every block holds each layer's page) is not one."""
+    spans: dict[int, tuple[torch.Tensor, int, int]] = {}
+    for t in layers:
+        lo = int(t.storage_offset())
+        hi = lo + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+        key = t.untyped_storage().data_ptr()
+        if key in spans:
+            _, held_lo, held_hi = spans[key]
+            lo, hi = min(lo, held_lo), max(hi, held_hi)
+        spans[key] = (t, lo, hi)
+    return tuple(torch.as_strided(t, (hi - lo,), (1,), lo) for t, lo, hi in spans.values())
 
 
 def vllm_layout(kv_cache_config: Any, fingerprint: str, page_layout: str) -> KVCacheLayout:
@@ -166,13 +195,14 @@ class VllmKVPages(KVPages):
 
     def spans(self) -> SlabSpans:
         """Each half page (a whole page's or a head range's) is contiguous: slab ``(layer,
-        kv)`` of block ``b`` is at the half's first byte plus ``b`` pages."""
+        kv)`` of block ``b`` is at the half's first byte plus ``b`` block strides. What an
+        agent registers is each allocation the layers lie in (``_regions``)."""
         itemsize = self._halves[0].element_size()
         bases = tuple(h[0, kv].data_ptr() for h in self._halves for kv in (0, 1))
         strides = tuple(h.stride(0) * itemsize for h in self._halves for _ in (0, 1))
         device = self._halves[0].device
         device_id = (device.index or 0) if device.type == "cuda" else 0
-        return SlabSpans(tuple(self._layers), bases, strides, device_id)
+        return SlabSpans(_regions(self._layers), bases, strides, device_id)
 
     def read_slabs(self, first: int, num_slabs: int, block_ids: list[int]) -> torch.Tensor:
         self.check_slabs(first, num_slabs)

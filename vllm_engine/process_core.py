@@ -181,7 +181,8 @@ class ProcessCore(CoreDriver):
                 except EngineDeadError:
                     raise
                 except Exception as exc:  # vLLM's input checks (VLLMValidationError, ...)
-                    self._refused(rid, exc)
+                    if self._current.get(rid) == number:  # else aborted, or added again
+                        self._refused(rid, exc)
                     continue
                 if self._current.get(rid) == number:  # not aborted while it was added
                     old = self._readers.pop(rid, None)

@@ -35,8 +35,9 @@ from vllm_engine.bridge import Bridge, Reports
 logger = logging.getLogger(__name__)
 
 RANK_CALL_TIMEOUT_S = 10.0
-# A grammar the front-end compiled within pdserve's limits compiles in a rank as fast; this
-# bound also covers a rank still warming its token table.
+# A grammar the front-end compiled within pdserve's limits compiles in a rank as fast (the
+# rank warmed its token table before it said hello); past this a rank busy stepping is left
+# to compile it in its step.
 COMPILE_TIMEOUT_S = 30.0
 _MAX_ENDED = 4096  # a command a rank does not answer in this is a dead engine
 
@@ -110,7 +111,8 @@ class RankHub(hub_grpc.EngineHubServicer):
     async def compile(self, spec: StructuredOutput) -> None:
         """Compiles a grammar in every rank (each off its step, in parallel), before its
         request is added: a rank's sampler then finds it compiled. ``ValueError`` when a rank
-        cannot compile it; any other failure is a rank that does not answer (a dead engine)."""
+        cannot compile it; ``grpc.aio.AioRpcError`` for any other failure (UNAVAILABLE: a rank
+        is gone)."""
         request = structured_to_proto(spec)
         try:
             await asyncio.gather(

@@ -27,7 +27,7 @@ from engine.admission import Admission
 from engine.checkpoint import CheckpointInfo
 from engine.guide import Guide, GuideCompiler
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
-from engine.request_error import RequestError
+from engine.request_error import RequestError, RequestIdInUse
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
@@ -90,7 +90,7 @@ class RequestTable:
         free: int,
         total: int,
         guide: Guide | None = None,
-    ) -> asyncio.Future[list[int]]:
+    ) -> tuple[Request, asyncio.Future[list[int]]]:
         """A request prefilled elsewhere, waiting for vLLM to allocate its blocks (the future)
         and for its pull; its first update (the first token) is queued already."""
         rid = request.request_id
@@ -105,18 +105,19 @@ class RequestTable:
         kv_params.update(num_tokens=len(request.prompt_token_ids), num_blocks=num_blocks)
         tokens = [*request.prompt_token_ids, request.first_token_id]
         offset = request.num_generated_tokens + 1
-        allocation = self._bridge.expect_allocation(rid, kv_params["pdserve_attempt"])
+        attempt = kv_params["pdserve_attempt"]
+        allocation = self._bridge.expect_allocation(rid, attempt)
         try:
             req = self._submit(seq, tokens, request.params, Mode.REMOTE, offset, kv_params)
         except BaseException:
-            self._bridge.load_finished(rid, ok=False)  # drops the wait: nothing was allocated
+            self._bridge.load_finished(rid, attempt, ok=False)  # drops the wait
             self._bridge.forget(rid)
             raise
         # Its first update, queued before vLLM can produce any (it waits for the pull); if it
         # ends the request, vLLM's copy is aborted once the pull is over.
         first = [(request.first_token_id, request.first_token_logprobs)]
         self.accept(rid, req, first, vllm_finished=False, abort_in_vllm=False)
-        return allocation
+        return req, allocation
 
     def export(self, request_id: str) -> PrefilledRequest:
         return PrefilledRequest.of_pinned(self.pinned[request_id], self._bridge.pinned(request_id))
@@ -142,7 +143,7 @@ class RequestTable:
         if req.paused:  # not in vLLM
             return
         if not req.filling:  # an allocated, unfilled request's blocks go at the next step
-            self._bridge.load_finished(rid, ok=False)
+            self._bridge.load_finished(rid, req.attempt, ok=False)
         self._core.abort([rid])
         self._bridge.forget(rid)
 
@@ -259,7 +260,7 @@ class RequestTable:
         guide: Guide | None = None,
     ) -> Sequence:
         if rid in self.requests or rid in self.pinned:
-            raise ValueError(f"request_id {rid!r} is already in use")
+            raise RequestIdInUse.of(rid)
         # pdserve's side follows the output too (a complete constraint ends the request here,
         # engine.request_state, as on the native engine); the masks are the logits
         # processor's (vllm_engine/sampler.py).

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from vllm import SamplingParams as VllmParams
 from vllm.distributed.kv_events import EventBatch
+from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
@@ -77,7 +78,8 @@ class WorkerCore(CoreDriver):
     def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
         try:
             self._llm.add_request(rid, {"prompt_token_ids": prompt_token_ids}, params)
-        except Exception as exc:  # its input checks, in this thread: nothing was added
+        except (ValueError, TypeError, VLLMClientError) as exc:  # its input checks
+            self._llm.abort_request([rid])  # whatever of it vLLM registered before refusing
             raise refusal(rid, exc) from exc
 
     def abort(self, rids: list[str]) -> None:

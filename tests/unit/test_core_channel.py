@@ -43,7 +43,7 @@ def test_an_allocation_reaches_the_waiting_admission_and_its_load_is_reported() 
             async with asyncio.timeout(BOUND_S):
                 assert await allocation == [-1, 4, 5]
             assert bridge.num_loading == 1
-            assert bridge.load_finished("r1", ok=True)
+            assert bridge.load_finished("r1", 1, ok=True)
             assert reported.is_set()
             reports = bridge.take_reports()
             assert reports.finished_recving == {"r1-vllm"} and not reports.failed_recving
@@ -79,7 +79,7 @@ def test_an_allocation_that_comes_after_its_load_was_given_up_is_failed_at_once(
             reported = asyncio.Event()
             bridge.on_report = reported.set
             allocation = bridge.expect_allocation("r2", 1)
-            assert not bridge.load_finished("r2", ok=False)  # nothing allocated yet
+            assert not bridge.load_finished("r2", 1, ok=False)  # nothing allocated yet
             assert not reported.is_set()
             channel.allocated("r2", 1, "r2-vllm", [3], waits=True)
             async with asyncio.timeout(BOUND_S):
@@ -100,7 +100,7 @@ def test_an_allocation_with_nothing_to_load_is_not_reported() -> None:
             channel.allocated("r3", 1, "r3-vllm", [-1], waits=False)
             async with asyncio.timeout(BOUND_S):
                 assert await allocation == [-1]
-            assert not bridge.load_finished("r3", ok=True)
+            assert not bridge.load_finished("r3", 1, ok=True)
             assert bridge.take_reports().finished_recving == set()
 
     asyncio.run(run())
@@ -114,7 +114,7 @@ def test_a_late_allocation_of_an_earlier_add_of_the_id_is_not_taken_for_the_next
     async def run() -> None:
         async with _hub() as (bridge, _, channel):
             bridge.expect_allocation("r4", 1)
-            assert not bridge.load_finished("r4", ok=False)  # the first add was given up
+            assert not bridge.load_finished("r4", 1, ok=False)  # the first add was given up
             bridge.forget("r4")
             allocation = bridge.expect_allocation("r4", 2)
             channel.allocated("r4", 1, "r4-first", [3, 4], waits=True)
@@ -124,7 +124,33 @@ def test_a_late_allocation_of_an_earlier_add_of_the_id_is_not_taken_for_the_next
             reports = bridge.take_reports()
             assert reports.finished_recving == {"r4-first"} == reports.failed_recving
             assert bridge.num_loading == 1
-            assert bridge.load_finished("r4", ok=True)
+            assert bridge.load_finished("r4", 2, ok=True)
             assert bridge.take_reports().finished_recving == {"r4-second"}
+
+    asyncio.run(run())
+
+
+def test_the_end_of_a_load_is_its_own_adds_whatever_the_order() -> None:
+    """An add of the id was aborted while its pull was writing (its end comes later), and the
+    id was added again meanwhile: each end reports its own add's blocks, never the other's."""
+
+    async def run() -> None:
+        async with _hub() as (bridge, _, channel):
+            first = bridge.expect_allocation("r5", 1)
+            channel.allocated("r5", 1, "r5-first", [3], waits=True)
+            async with asyncio.timeout(BOUND_S):
+                assert await first == [3]
+            second = bridge.expect_allocation("r5", 2)
+            channel.allocated("r5", 2, "r5-second", [4], waits=True)
+            async with asyncio.timeout(BOUND_S):
+                assert await second == [4]
+            assert bridge.num_loading == 2
+            assert bridge.load_finished("r5", 1, ok=True)  # the first pull stopped writing
+            assert bridge.take_reports().finished_recving == {"r5-first"}
+            assert bridge.num_loading == 1
+            assert not bridge.load_finished("r5", 1, ok=False)  # once
+            assert bridge.load_finished("r5", 2, ok=False)
+            reports = bridge.take_reports()
+            assert reports.finished_recving == {"r5-second"} == reports.failed_recving
 
     asyncio.run(run())

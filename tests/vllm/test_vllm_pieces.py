@@ -83,6 +83,32 @@ def test_each_layout_names_its_arrangement_and_only_heads_outermost_cut_by_heads
         VllmKVPages([_layers("LBNHC")[0]], LAYOUT, NUM_BLOCKS, first_head=1)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_what_nixl_registers_is_contiguous_and_holds_every_slab_where_the_spans_say(
+    layout: str,
+) -> None:
+    pages = VllmKVPages(_layers(layout), LAYOUT, NUM_BLOCKS)
+    spans = pages.spans()
+    (region,) = spans.tensors  # one allocation: one region, every layer's pages in it
+    assert region.is_contiguous()
+    raw, start = region.view(torch.uint8), region.data_ptr()
+    size = LAYOUT.slab_block_bytes
+    for slab, (base, stride) in enumerate(zip(spans.bases, spans.strides, strict=True)):
+        for block in range(NUM_BLOCKS):
+            offset = base + block * stride - start
+            assert offset >= 0 and offset + size <= raw.numel()
+            want = pages.read_slabs(slab, 1, [block]).contiguous().view(torch.uint8).flatten()
+            assert torch.equal(raw[offset : offset + size], want), (slab, block)
+
+
+def test_a_block_split_into_kernel_blocks_is_one_page_of_them() -> None:
+    """vLLM gives a backend that takes fewer tokens per block its blocks as kernel blocks, one
+    after the other (``[num_blocks * ratio, H, N / ratio, C]``): a page is a block's run."""
+    layer = torch.randn(2 * NUM_BLOCKS, 2, 2, 6)
+    halves, name = page_halves(layer, NUM_BLOCKS, 2)
+    assert name == "B2x2x2x6" and torch.equal(halves[3].flatten(), layer[6:8].flatten())
+
+
 def test_pages_it_cannot_split_are_refused_by_shape() -> None:
     with pytest.raises(PageShapeError, match=r"shape \(5, 4, 6\) \(stride \(6, 30, 1\)\)"):
         page_halves(torch.zeros(4, 5, 6).transpose(0, 1), NUM_BLOCKS)
