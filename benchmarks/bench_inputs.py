@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from app.make_model import make_model
 from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 from kvtransfer.base import BlockLeases
-from pdserve.app.make_model import make_model
 
 REPO = Path(__file__).resolve().parents[1]
 

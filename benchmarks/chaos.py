@@ -38,13 +38,13 @@ import psutil
 from bench_inputs import ensure_model  # sibling module
 from chaos_scenarios import Fault, Schedule
 
+from app.bench.stats import RequestRecord, percentile, summarize
+from app.client import router_channel
+from app.embedded_redis import EmbeddedRedis
+from app.local_cluster import ClusterConfig, LocalCluster
+from app.settings.flags import field_default
 from engine import LLM, SamplingParams
 from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
-from pdserve.app.bench.stats import RequestRecord, percentile, summarize
-from pdserve.app.client import router_channel
-from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
-from pdserve.app.settings.flags import field_default
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc

@@ -20,8 +20,8 @@ from typing import Any
 
 from chaos_scenarios import Fault, Schedule  # sibling module
 
-from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import LocalCluster
+from app.embedded_redis import EmbeddedRedis
+from app.local_cluster import LocalCluster
 
 
 def hostile_http(

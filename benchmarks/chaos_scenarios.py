@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.app.client import router_channel
-from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import Component, LocalCluster
-from pdserve.app.settings.flags import field_default
+from app.client import router_channel
+from app.embedded_redis import EmbeddedRedis
+from app.local_cluster import Component, LocalCluster
+from app.settings.flags import field_default
 from pdserve.common.role import Role
 from pdserve.common.server import ServerConfig
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -6,7 +6,7 @@ One invocation runs the same workload (synthetic prompts, Poisson arrivals, same
 engine (vLLM-style); (b) disaggregated: 1 prefill + 1 decode worker; (c) planned: what
 ``pdserve plan`` recommends for the top rate from a profile of this machine (at most
 ``--plan-max-workers`` workers; ``--no-plan`` skips it). Measured at the client
-(``pdserve.app.bench``): TTFT p90, TPOT p90, goodput (requests/s within both SLOs).
+(``app.bench``): TTFT p90, TPOT p90, goodput (requests/s within both SLOs).
 
 Writes the table and a plot to docs/benchmarks.md and docs/benchmarks/disagg_vs_colocated.png
 (``--quick``: a smoke run that writes them to --out instead), and ends with one JSON line.
@@ -26,12 +26,12 @@ from typing import Any
 
 from bench_inputs import REPO, ensure_model  # sibling module
 
-from pdserve.app.bench import workload
-from pdserve.app.bench.report import phase_table
-from pdserve.app.bench.runner import LoadConfig, run_load
-from pdserve.app.bench.stats import summarize
-from pdserve.app.capacity.simulator import ClusterShape
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.bench import workload
+from app.bench.report import phase_table
+from app.bench.runner import LoadConfig, run_load
+from app.bench.stats import summarize
+from app.capacity.simulator import ClusterShape
+from app.local_cluster import ClusterConfig, LocalCluster
 from router.phases import RequestPhase
 
 
@@ -78,10 +78,10 @@ def plan(args: argparse.Namespace, model: Path) -> tuple[ClusterShape, list[dict
     its serving overheads calibrated on a 1:1 cluster, then the search."""
     import torch
 
-    from pdserve.app.capacity.calibration import calibrate
-    from pdserve.app.capacity.planner import recommend, search
-    from pdserve.app.capacity.profiler import QUICK, ProfilePlan, engine_config
-    from pdserve.app.capacity.profiler import measure as profile_engine
+    from app.capacity.calibration import calibrate
+    from app.capacity.planner import recommend, search
+    from app.capacity.profiler import QUICK, ProfilePlan, engine_config
+    from app.capacity.profiler import measure as profile_engine
 
     torch.set_num_threads(args.threads)
     sizes = QUICK if args.quick else ProfilePlan((16, 64, 256, 512), (1, 2, 4, 8, 16), (128, 320))

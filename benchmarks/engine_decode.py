@@ -1,7 +1,7 @@
 """Decode and prefill throughput: pdserve engine vs HF transformers vs a GEMM roofline (CPU).
 
 Every number comes from one process and one checkpoint (random-init Llama, float32, built with
-``pdserve.app.make_model`` into ``models/bench-llama-<size>`` when missing):
+``app.make_model`` into ``models/bench-llama-<size>`` when missing):
 
 - Decode tok/s (engine and HF alike): ``batch * (N - 1) / (t(max_tokens=N) - t(max_tokens=1))``
   with 64-token random prompts and greedy, EOS-free generation. ``t(1)`` is the prefill plus the

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from bench_inputs import FixedLeases  # sibling module
 
+from app.bench.workload import OPEN_ENDED_QUESTIONS
 from engine import LLM, SamplingParams
 from engine.diagnostics import teacher_forced_agreement
 from engine.kv_cache import KVCache
 from engine.kv_layout import KVCacheDtype
 from kvtransfer.base import KVHandle
 from kvtransfer.grpc_stream import GrpcKVReceiver, GrpcKVSender
-from pdserve.app.bench.workload import OPEN_ENDED_QUESTIONS
 
 OUTPUT_ALLOWANCE = 64  # tokens each sequence of the capacity count may generate
 # Untimed pulls first: the first few of a process run at up to twice the steady time (fresh

@@ -23,10 +23,10 @@ from typing import Any
 
 from bench_inputs import REPO, make_prompts  # sibling module
 
+from app.fetch_model import fetch_model
+from app.make_model import make_model
 from engine import LLM, SamplingParams
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
-from pdserve.app.fetch_model import fetch_model
-from pdserve.app.make_model import make_model
 
 QUICK_KV_BYTES = 32 << 20
 # (prompts, max_tokens) -> seconds

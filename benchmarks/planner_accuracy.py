@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from bench_inputs import ensure_model  # sibling module
 
-from pdserve.app.bench import workload
-from pdserve.app.bench.runner import LoadConfig, run_load
-from pdserve.app.bench.stats import Summary, summarize
-from pdserve.app.capacity.calibration import calibrate
-from pdserve.app.capacity.profile import Profile
-from pdserve.app.capacity.profiler import QUICK, ProfilePlan, engine_config, measure
-from pdserve.app.capacity.simulator import ClusterShape, RouterModel, Simulator
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.bench import workload
+from app.bench.runner import LoadConfig, run_load
+from app.bench.stats import Summary, summarize
+from app.capacity.calibration import calibrate
+from app.capacity.profile import Profile
+from app.capacity.profiler import QUICK, ProfilePlan, engine_config, measure
+from app.capacity.simulator import ClusterShape, RouterModel, Simulator
+from app.local_cluster import ClusterConfig, LocalCluster
 
 GOAL_P90 = 0.2
 SEED = 1  # the arrival draws, real and simulated

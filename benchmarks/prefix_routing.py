@@ -26,11 +26,11 @@ from typing import Any
 
 from bench_inputs import ensure_model  # sibling module
 
+from app.client import GenerateResult, generate, router_channel
+from app.embedded_redis import EmbeddedRedis
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine.block_hash import hash_blocks, root_hash
 from engine.kv_events import CacheTier, KVEvents
-from pdserve.app.client import GenerateResult, generate, router_channel
-from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc

@@ -33,8 +33,8 @@ from servers import (
 )
 from servers import warm_up as warm
 
-from pdserve.app.fetch_model import fetch_model
-from pdserve.app.make_model import make_model
+from app.fetch_model import fetch_model
+from app.make_model import make_model
 
 CLIENTS = ("vllm", "pdserve")
 METRICS = ("req_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")

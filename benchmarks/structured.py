@@ -242,11 +242,11 @@ def main() -> None:
     model = args.model or (REPO / "models" / "bench-llama-tiny" if args.quick else CHAT_MODEL)
     if not (model / "config.json").is_file():
         if args.quick:
-            from pdserve.app.make_model import make_model
+            from app.make_model import make_model
 
             make_model(model, arch="llama", size="tiny", seed=0)
         else:
-            from pdserve.app.fetch_model import fetch_model
+            from app.fetch_model import fetch_model
 
             fetch_model("smollm2", model)
     tpot = [

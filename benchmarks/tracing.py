@@ -21,10 +21,10 @@ from typing import Any
 from bench_inputs import REPO, ensure_model, make_prompts  # sibling modules
 from frontends import cpu_s
 
-from pdserve.app.bench.runner import LoadConfig, run_load
-from pdserve.app.bench.stats import RequestRecord, summarize
-from pdserve.app.bench.workload import BenchRequest
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.bench.runner import LoadConfig, run_load
+from app.bench.stats import RequestRecord, summarize
+from app.bench.workload import BenchRequest
+from app.local_cluster import ClusterConfig, LocalCluster
 from router.phases import RequestPhase
 from router.request_trace import RequestTrace
 

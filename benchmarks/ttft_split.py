@@ -14,9 +14,9 @@ from typing import Any
 
 from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
 
+from app.client import GenerateResult, generate, router_channel
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.client import GenerateResult, generate, router_channel
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 BLOCK_SIZE = 16

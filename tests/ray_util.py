@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from pdserve.app.ray_deploy.objects import live_objects
+from app.ray_deploy.objects import live_objects
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """The vLLM engine behind pdserve's serving contract (``engine/serving_engine.py``).
 
-Only ``pdserve.app``'s component builder imports this package; it alone imports vLLM, and only
+Only ``app``'s component builder imports this package; it alone imports vLLM, and only
 once a worker builds its engine (``vllm_engine.builder``): ``require_vllm`` first refuses a
 missing install with the command that installs it. What maps to vLLM, what is refused and why:
 docs/engines.md.

@@ -1,5 +1,5 @@
 """Builds the vLLM engine for a worker service (an ``EngineBuilder``, given by
-``pdserve.app.components``): vLLM's engine core in this process (``WorkerCore``) or in one of its
+``app.components``): vLLM's engine core in this process (``WorkerCore``) or in one of its
 own (``ProcessCore``, through vLLM's ``AsyncLLM``), with pdserve's connector, sampler and event
 publisher plugged in (``vllm_engine.args``); when ranks or the engine core run in processes of
 their own, the hub they dial first (``vllm_engine/rank_hub.py``)."""

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class WorkerService(Service):
     """A service around one engine, which it reaches only through ``ServingEngine``.
     Subclasses add their RPCs. ``build_engine``: given by the component builder
-    (``pdserve.app.components``) for the config's engine backend; the native engine when
+    (``app.components``) for the config's engine backend; the native engine when
     None."""
 
     role: Role
@@ -50,7 +50,7 @@ class WorkerService(Service):
             if engine_config.backend is not EngineBackend.NATIVE:
                 raise ValueError(
                     f"the {engine_config.backend.value} engine is built by "
-                    "pdserve.app.components.build_service"
+                    "app.components.build_service"
                 )
             from engine.async_engine import build_native_engine
 

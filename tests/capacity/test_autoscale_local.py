@@ -19,12 +19,12 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from app.capacity.autoscaler import Autoscaler
+from app.capacity.load_meter import page_gauges, scrape, totals
+from app.capacity.profile import DECODE_FEATURES, LinearFit
+from app.capacity.scale_target import LocalTarget, pool_pressure_of
+from app.capacity.scaling import Bounds, Reason, ScalingPolicy
 from engine import SamplingParams
-from pdserve.app.capacity.autoscaler import Autoscaler
-from pdserve.app.capacity.load_meter import page_gauges, scrape, totals
-from pdserve.app.capacity.profile import DECODE_FEATURES, LinearFit
-from pdserve.app.capacity.scale_target import LocalTarget, pool_pressure_of
-from pdserve.app.capacity.scaling import Bounds, Reason, ScalingPolicy
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.role import Role
 from pdserve.v1 import router_pb2
@@ -66,7 +66,7 @@ def _decisions(reason: Reason) -> float:
 
 def test_the_decode_pool_grows_under_load_and_drains_when_it_falls(llama_dir: Path) -> None:
     command = [
-        sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir), "--port", "0",
+        sys.executable, "-m", "app", "up", "--model", str(llama_dir), "--port", "0",
         "--control-port", "0", "--decode-args", "--max-num-seqs 1",
         "--router-args", "--local-prefill-tokens 0",
     ]  # fmt: skip

@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdserve.app.capacity import profile as profile_io
+from app.capacity import profile as profile_io
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=600
     )
 
 

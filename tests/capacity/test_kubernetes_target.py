@@ -19,15 +19,15 @@ from prometheus_client import REGISTRY
 kubernetes = pytest.importorskip("kubernetes")
 from kubernetes import client  # noqa: E402
 
-from pdserve.app.capacity.autoscaler import Autoscaler  # noqa: E402
-from pdserve.app.capacity.load_meter import Totals  # noqa: E402
-from pdserve.app.capacity.scale_target import (  # noqa: E402
+from app.capacity.autoscaler import Autoscaler  # noqa: E402
+from app.capacity.load_meter import Totals  # noqa: E402
+from app.capacity.scale_target import (  # noqa: E402
     DELETION_COST,
     VICTIM_COST,
     KubernetesTarget,
     PoolRef,
 )
-from pdserve.app.capacity.scaling import Reason, ScalingPolicy  # noqa: E402
+from app.capacity.scaling import Reason, ScalingPolicy  # noqa: E402
 from pdserve.common.role import Role  # noqa: E402
 from tests.capacity.test_scaling import PROFILE  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.app.capacity.load_meter import (
+from app.capacity.load_meter import (
     Gauges,
     PoolPressure,
     Totals,

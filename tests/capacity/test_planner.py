@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.app.bench.workload import BenchRequest
-from pdserve.app.capacity import profile as profile_io
-from pdserve.app.capacity.planner import (
+from app.bench.workload import BenchRequest
+from app.capacity import profile as profile_io
+from app.capacity.planner import (
     Candidate,
     candidate_shapes,
     helm_values,
     recommend,
     search,
 )
-from pdserve.app.capacity.profile import PREFILL_FEATURES, LinearFit, StepShape, fit_linear
-from pdserve.app.capacity.simulator import ClusterShape, poisson_arrivals
+from app.capacity.profile import PREFILL_FEATURES, LinearFit, StepShape, fit_linear
+from app.capacity.simulator import ClusterShape, poisson_arrivals
 from tests.capacity.test_simulator import constant_profile
 
 
@@ -105,7 +105,7 @@ def test_fits_recover_known_lines_and_profiles_round_trip(tmp_path: Path) -> Non
 def test_the_planner_core_imports_no_io_and_no_torch() -> None:
     code = (
         "import sys\n"
-        "import pdserve.app.capacity.planner, pdserve.app.capacity.simulator\n"
+        "import app.capacity.planner, app.capacity.simulator\n"
         "heavy = {'torch', 'numpy', 'grpc', 'redis', 'ray'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )
@@ -113,8 +113,8 @@ def test_the_planner_core_imports_no_io_and_no_torch() -> None:
 
 
 def test_calibration_sets_the_serving_overheads_from_idle_requests() -> None:
-    from pdserve.app.bench.stats import RequestRecord, summarize
-    from pdserve.app.capacity.calibration import calibrate
+    from app.bench.stats import RequestRecord, summarize
+    from app.capacity.calibration import calibrate
 
     profile = constant_profile(prefill_s=0.1, decode_s=0.01)
     rng = random.Random(5)
@@ -132,8 +132,8 @@ def test_calibration_sets_the_serving_overheads_from_idle_requests() -> None:
 
 
 def test_calibration_scales_the_prefill_to_what_the_prefill_workers_measured() -> None:
-    from pdserve.app.bench.stats import RequestRecord, summarize
-    from pdserve.app.capacity.calibration import calibrate, prefill_scale
+    from app.bench.stats import RequestRecord, summarize
+    from app.capacity.calibration import calibrate, prefill_scale
 
     profile = dataclasses.replace(
         constant_profile(prefill_s=0.01, decode_s=0.01),

@@ -20,9 +20,9 @@ from prometheus_client import REGISTRY
 
 pytest.importorskip("kubernetes")
 
-from pdserve.app.capacity.autoscaler import Autoscaler
-from pdserve.app.capacity.load_meter import SAMPLES
-from pdserve.app.capacity.prometheus_meter import (
+from app.capacity.autoscaler import Autoscaler
+from app.capacity.load_meter import SAMPLES
+from app.capacity.prometheus_meter import (
     PoolJobs,
     PrometheusError,
     PrometheusMeter,
@@ -32,8 +32,8 @@ from pdserve.app.capacity.prometheus_meter import (
     scalar,
     vector,
 )
-from pdserve.app.capacity.scale_target import KubernetesTarget
-from pdserve.app.capacity.scaling import (
+from app.capacity.scale_target import KubernetesTarget
+from app.capacity.scaling import (
     Reason,
     ScalingPolicy,
     Signal,

@@ -1,4 +1,4 @@
-"""The autoscaler's arithmetic and policy, with exact values (pdserve/app/capacity/scaling.py)."""
+"""The autoscaler's arithmetic and policy, with exact values (app/capacity/scaling.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from pdserve.app.capacity.profile import DECODE_FEATURES, PREFILL_FEATURES, LinearFit
-from pdserve.app.capacity.scaling import (
+from app.capacity.profile import DECODE_FEATURES, PREFILL_FEATURES, LinearFit
+from app.capacity.scaling import (
     Bounds,
     Corrections,
     Load,

@@ -7,16 +7,16 @@ import random
 
 import pytest
 
-from pdserve.app.bench.stats import summarize
-from pdserve.app.bench.workload import BenchRequest
-from pdserve.app.capacity.profile import (
+from app.bench.stats import summarize
+from app.bench.workload import BenchRequest
+from app.capacity.profile import (
     DECODE_FEATURES,
     PREFILL_FEATURES,
     TRANSFER_FEATURES,
     LinearFit,
     Profile,
 )
-from pdserve.app.capacity.simulator import (
+from app.capacity.simulator import (
     ClusterShape,
     RouterModel,
     Simulator,

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
+from app import settings
+from app.embedded_redis import DISABLED_COMMANDS
+from app.settings.flags import PEER_TOKEN_ENV, REDIS_PASSWORD_ENV
 from engine.kv_layout import KVCacheDtype
-from pdserve.app import settings
-from pdserve.app.embedded_redis import DISABLED_COMMANDS
-from pdserve.app.settings.flags import PEER_TOKEN_ENV, REDIS_PASSWORD_ENV
 from pdserve.common.role import Role
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,7 +163,7 @@ def test_probes_drain_hook_and_security_context(helm: str) -> None:
 
 def _flags(role: str) -> set[str]:
     """Env names of every flag `pdserve <role>` accepts (settings.env_name)."""
-    from pdserve.app.cli import build_parser
+    from app.cli import build_parser
 
     sub = next(
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)

@@ -70,7 +70,7 @@ def test_the_planner_gets_a_role_limited_to_what_it_uses(helm: str) -> None:
 
 
 def test_the_planners_arguments_are_flags_of_pdserve_autoscale(helm: str) -> None:
-    from pdserve.app.cli import build_parser
+    from app.cli import build_parser
 
     spec = find(render(helm, "-f", VALUES), "Deployment", "rel-pdserve-planner")["spec"]
     args = spec["template"]["spec"]["containers"][0]["args"]
@@ -106,7 +106,6 @@ def test_the_planner_is_refused_next_to_another_autoscaler_or_without_a_profile(
 
 
 def _exported() -> set[str]:
-    import pdserve.app.capacity.autoscaler
     import pdserve.common.metrics  # noqa: F401
 
     names = set()

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from app import settings
 from engine.config import EngineBackend, VllmEngineCore, VllmOptions
-from pdserve.app import settings
 from pdserve.common.role import Role
 from tests.deploy.test_helm_chart import (
     CHART,
@@ -168,8 +168,8 @@ def test_ray_mode_runs_the_vllm_image_and_ray_up_passes_the_engine_on(
     for name, value in env(job).items():
         if isinstance(value, str):
             monkeypatch.setenv(name, value)
-    from pdserve.app.cli import build_parser
-    from pdserve.app.ray_deploy.commands import _deployment_spec
+    from app.cli import build_parser
+    from app.ray_deploy.commands import _deployment_spec
 
     spec = _deployment_spec(build_parser().parse_args(job["args"]))
     assert spec.num_gpus_per_worker == 0.5  # TP 1: a GPU may be shared (gpuMemoryUtilization)

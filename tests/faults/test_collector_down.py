@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.local_cluster import LocalCluster
 from tests.faults.faults_util import requests_for, run_streams
 from tests.services.otlp_receiver import OtlpReceiver, traced_cluster
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 from redis.exceptions import AuthenticationError, ResponseError
 
-from pdserve.app.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis, redacted
+from app.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis, redacted
 from pdserve.cluster.registry import Registry
 from pdserve.v1 import common_pb2, router_pb2
 from tests.integration.cluster_util import generate_many, start_up

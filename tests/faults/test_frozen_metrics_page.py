@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 
-from pdserve.app.capacity.load_meter import gauges_at, reachable_gauges
+from app.capacity.load_meter import gauges_at, reachable_gauges
 from pdserve.common.metrics_server import start_metrics_server
 
 # A worker's metrics page in a process of its own, with a value this process does not have.

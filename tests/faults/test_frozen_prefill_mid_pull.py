@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from tests.faults.faults_util import (
     compare,
     metric,

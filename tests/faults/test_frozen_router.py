@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.local_cluster import ClusterConfig, LocalCluster
 from tests.faults.faults_util import (
     mixed_params,
     requests_for,

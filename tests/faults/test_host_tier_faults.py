@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from app.embedded_redis import EmbeddedRedis
 from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
-from pdserve.app.embedded_redis import EmbeddedRedis
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from tests.faults.faults_util import metric, stats, survivors_hold_nothing
 from tests.services.harness import wait_for
 

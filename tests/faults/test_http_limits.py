@@ -29,8 +29,8 @@ import grpc
 import httpx2
 import pytest
 
-from pdserve.app.client import router_channel
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.client import router_channel
+from app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.faults.faults_util import metric, stats
 from tests.services.harness import wait_for

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from tests.faults.faults_util import compare, metric, requests_for, run_streams
 from tests.services.harness import wait_for
 

@@ -32,7 +32,7 @@ def _closed_port() -> str:
 def _pdserve(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", *args],
+        [sys.executable, "-m", "app", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -68,7 +68,7 @@ def _up_without_an_address(llama_dir: Path, ray_tmp: Path) -> None:
     (ray_tmp / "ray").mkdir(parents=True)
     (ray_tmp / "ray" / "ray_current_cluster").write_text(_closed_port())
     env = {**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""}
-    command = [sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir)]
+    command = [sys.executable, "-m", "app", "up", "--model", str(llama_dir)]
     command += ["--port", "0", "--kv-backend", "ray", "--router-args", "--local-prefill-tokens 0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     watchdog = threading.Timer(180.0, process.kill)  # a hang fails the test, it does not stay

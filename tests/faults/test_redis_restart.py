@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from app.embedded_redis import EmbeddedRedis
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM
-from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.cluster.registry import Registry
 from tests.faults.faults_util import (
     compare,

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.app.client import router_channel
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.client import router_channel
+from app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.services.harness import wait_for
 
@@ -78,7 +78,7 @@ async def _not_serving(address: str) -> bool:
 def _second_router(cluster: LocalCluster, log: Path) -> tuple[subprocess.Popen[str], str]:
     cfg = cluster.config
     assert cfg.redis_url
-    command = [sys.executable, "-m", "pdserve.cli", "router", "--model", cfg.model]
+    command = [sys.executable, "-m", "app", "router", "--model", cfg.model]
     command += ["--port", "0", "--redis", cfg.redis_url, "--redis-namespace", cfg.redis_namespace]
     command += ["--drain-timeout-s", "120", "--local-prefill-tokens", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)

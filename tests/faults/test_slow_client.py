@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from tests.faults.faults_util import metric, stats, survivors_hold_nothing

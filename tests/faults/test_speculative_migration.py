@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import LocalCluster
 from engine import LLM
-from pdserve.app.local_cluster import LocalCluster
 from tests.faults.faults_util import kill_a_decode_worker_mid_stream, metric, two_decode_workers
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import LocalCluster
 from engine import LLM
-from pdserve.app.local_cluster import LocalCluster
 from tests.faults.faults_util import (
     compare,
     metric,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import Component, LocalCluster
 from engine import LLM
-from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.role import Role
 from tests.faults.faults_util import (
     compare,

@@ -1,7 +1,7 @@
 """``pdserve up``'s processes: each named for what it is; a terminal's Ctrl-C (SIGINT to the
 whole foreground group) drains the workers, then stops the router, then Redis, each exiting 0,
 with an in-flight stream completed; a ``pdserve up`` killed with SIGKILL leaves no component
-behind (each follows its lifeline, ``pdserve/app/supervised.py``)."""
+behind (each follows its lifeline, ``app/supervised.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from pdserve.app.client import router_channel
+from app.client import router_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import start_up
 from tests.services.harness import wait_for

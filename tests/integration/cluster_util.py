@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdserve.app.client import GenerateResult, generate, router_channel
-from pdserve.app.local_cluster import LocalCluster
+from app.client import GenerateResult, generate, router_channel
+from app.local_cluster import LocalCluster
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
 T = TypeVar("T")
@@ -56,7 +56,7 @@ def start_up(
     """Runs ``pdserve up FLAGS`` and returns the process and the router address it announced.
     ``seen``: gets every line printed up to the ready line. ``terminal``: in a process group
     of its own, as a shell's foreground job (a Ctrl-C is ``os.killpg(pid, SIGINT)``)."""
-    command = [sys.executable, "-m", "pdserve.cli", "up", *flags]
+    command = [sys.executable, "-m", "app", "up", *flags]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, text=True, process_group=0 if terminal else None
     )

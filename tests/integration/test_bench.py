@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2
 from tests.integration.cluster_util import generate_many, run
 
@@ -38,7 +38,7 @@ def _bench(router: str, out: Path, *flags: str) -> subprocess.CompletedProcess[s
     command = [
         sys.executable,
         "-m",
-        "pdserve.cli",
+        "app",
         "bench",
         "--router",
         router,

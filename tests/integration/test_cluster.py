@@ -19,9 +19,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from app.client import generate, router_channel
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.client import generate, router_channel
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.integration.cluster_util import generate_many, nothing_held, run, worker_stats
@@ -221,7 +221,7 @@ def test_generate_cli_prints_json_and_reports_prefix_hits(cluster: LocalCluster)
     sampling = common_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first = run(generate_many(cluster.address, [_request(prompt, sampling)]))[0]
     command = [
-        sys.executable, "-m", "pdserve.cli", "generate", "--router", cluster.address,
+        sys.executable, "-m", "app", "generate", "--router", cluster.address,
         "--prompt-token-ids", ",".join(map(str, prompt)), "--max-tokens", "6",
         "--temperature", "0", "--ignore-eos", "--json",
     ]  # fmt: skip

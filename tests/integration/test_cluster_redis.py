@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from app.client import router_channel
+from app.embedded_redis import EmbeddedRedis
+from app.local_cluster import ClusterConfig as LocalClusterConfig
+from app.local_cluster import Component, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.client import router_channel
-from pdserve.app.embedded_redis import EmbeddedRedis
-from pdserve.app.local_cluster import ClusterConfig as LocalClusterConfig
-from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
@@ -58,7 +58,7 @@ def _served(component: Component) -> int:
 
 
 def _cli(*args: str) -> str:
-    command = [sys.executable, "-m", "pdserve.cli", *args]
+    command = [sys.executable, "-m", "app", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
 
 

@@ -17,10 +17,10 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.capacity.profile import save
+from app.cluster_control import serve_control
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import SamplingParams
-from pdserve.app.capacity.profile import save
-from pdserve.app.cluster_control import serve_control
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from tests.capacity.test_simulator import constant_profile
 from tests.faults.faults_util import requests_for, run_streams
 
@@ -59,7 +59,6 @@ def exported(text: str) -> dict[str, set[str]]:
 def declared(name: str) -> set[str]:
     """The label names a metric is defined with (the code those processes run), for families
     the page lists without samples (a reason no request has had yet)."""
-    import pdserve.app.capacity.autoscaler
     import pdserve.common.metrics  # noqa: F401
 
     collector = REGISTRY._names_to_collectors.get(name)  # type: ignore[attr-defined]
@@ -102,7 +101,7 @@ def test_every_dashboard_query_reads_metrics_a_running_cluster_exports(
             "--host 127.0.0.1 --metrics-port 0"
         )
         autoscale = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", *flags.split()],
+            [sys.executable, "-m", "app", *flags.split()],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -16,9 +16,9 @@ import openai
 import pydantic
 import pytest
 
+from app.local_cluster import LocalCluster
 from engine import LLM, SamplingParams
 from engine.structured_output import MAX_SPEC_BYTES, StructuredKind, StructuredOutput
-from pdserve.app.local_cluster import LocalCluster
 from tests.integration.test_real_model import hf_prompt
 from tests.services.harness import openai_cluster
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.app.client import router_channel
+from app.client import router_channel
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import start_up
 

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 def _start(model: Path, port: int, kv_port: int) -> subprocess.Popen[str]:
     command = [
-        sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(model),
+        sys.executable, "-m", "app", "prefill", "--model", str(model),
         "--port", str(port), "--kv-port", str(kv_port), "--kv-backend", "nixl",
         "--num-blocks", "128",
     ]  # fmt: skip

@@ -39,7 +39,7 @@ def test_up_with_nixl_matches_one_engine(llama_dir: Path, make_llm: Callable[...
         for p in prompts
     ]
     command = [
-        sys.executable, "-m", "pdserve.cli", "up", "--model", str(llama_dir), "--port", "0",
+        sys.executable, "-m", "app", "up", "--model", str(llama_dir), "--port", "0",
         "--kv-backend", "nixl", "--router-args", "--local-prefill-tokens 0",
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 
 API_KEY = "sk-test-openai"
 MODEL_NAME = "tiny-chat"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.app.local_cluster import LocalCluster
+from app.local_cluster import LocalCluster
 from tests.openai.conftest import API_KEY
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_bench_through_the_openai_api(http_cluster: LocalCluster, tmp_path: Path) -> None:
     command = [
-        sys.executable, "-m", "pdserve.cli", "bench", "--http", http_cluster.http_url,
+        sys.executable, "-m", "app", "bench", "--http", http_cluster.http_url,
         "--workload", "synthetic", "--concurrency", "2", "--num-requests", "4",
         "--input-len", "20", "--output-len", "5", "--out", str(tmp_path),
     ]  # fmt: skip
@@ -35,7 +35,7 @@ def test_bench_through_the_openai_api(http_cluster: LocalCluster, tmp_path: Path
 
 
 def test_bench_refuses_a_v1_url_and_both_frontends(http_cluster: LocalCluster) -> None:
-    base = [sys.executable, "-m", "pdserve.cli", "bench", "--concurrency", "1"]
+    base = [sys.executable, "-m", "app", "bench", "--concurrency", "1"]
     with_v1 = subprocess.run(
         [*base, "--http", f"{http_cluster.http_url}/v1"], capture_output=True, text=True, timeout=60
     )

@@ -17,7 +17,7 @@ from typing import Any
 import httpx2
 import pytest
 
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.local_cluster import ClusterConfig, LocalCluster
 from tests.faults.faults_util import metric, survivors_hold_nothing
 from tests.openai.conftest import API_KEY, MODEL_NAME
 from tests.services.harness import wait_for

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.app.local_cluster import LocalCluster
+from app.local_cluster import LocalCluster
 from tests.engine.hf_reference import hf_logits, load_hf
 from tests.services.harness import openai_cluster
 

@@ -13,9 +13,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from app.local_cluster import LocalCluster
 from engine import LLM, SamplingParams
 from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
-from pdserve.app.local_cluster import LocalCluster
 from router.openai.bad_words import bad_words_ids
 from tests.openai.conftest import API_KEY, MODEL_NAME
 

@@ -14,10 +14,10 @@ import grpc
 import pytest
 import ray
 
+from app.client import GenerateResult, generate, router_channel
+from app.ray_deploy import deployment
+from app.ray_deploy.service_actor import ServiceInfo
 from engine import LLM, SamplingParams
-from pdserve.app.client import GenerateResult, generate, router_channel
-from pdserve.app.ray_deploy import deployment
-from pdserve.app.ray_deploy.service_actor import ServiceInfo
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import generate_many, run
@@ -30,7 +30,7 @@ LONG = common_pb2.SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True
 
 
 def _cli(address: str, namespace: str, *args: str) -> str:
-    command = [sys.executable, "-m", "pdserve.cli", "ray", *args]
+    command = [sys.executable, "-m", "app", "ray", *args]
     command += ["--address", address, "--namespace", namespace]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -146,7 +146,7 @@ def test_killed_decode_actor_streams_migrate_and_it_is_restarted(
     back = _worker(namespace, victim.name)
     assert back.worker_id != victim.worker_id  # a new process registers under a new id
 
-    command = [sys.executable, "-m", "pdserve.cli", "status"]
+    command = [sys.executable, "-m", "app", "status"]
     command += ["--redis", deployment.redis_url(namespace)]
 
     async def status_shows_only_the_new_id() -> bool:
@@ -199,7 +199,7 @@ def test_up_with_a_bad_model_path_says_so_and_leaves_nothing(
     ray_address: str, tmp_path: Path
 ) -> None:
     name = f"pdserve-{uuid.uuid4().hex[:8]}"
-    command = [sys.executable, "-m", "pdserve.cli", "ray", "up", "--address", ray_address]
+    command = [sys.executable, "-m", "app", "ray", "up", "--address", ray_address]
     command += ["--namespace", name, "--model", str(tmp_path / "nothing"), "--port", "0"]
     command += ["--num-cpus-per-worker", "0"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -219,10 +219,10 @@ def test_up_with_a_bad_model_path_says_so_and_leaves_nothing(
 
 
 def test_the_autoscaler_resizes_a_ray_deployment(namespace: str) -> None:
-    from pdserve.app.capacity.autoscaler import Autoscaler
-    from pdserve.app.capacity.load_meter import scrape, totals
-    from pdserve.app.capacity.scale_target import RayTarget
-    from pdserve.app.capacity.scaling import Reason
+    from app.capacity.autoscaler import Autoscaler
+    from app.capacity.load_meter import scrape, totals
+    from app.capacity.scale_target import RayTarget
+    from app.capacity.scaling import Reason
     from tests.capacity.test_autoscale_local import POLICY, PROFILE
     from tests.capacity.test_autoscale_local import _request as request
 

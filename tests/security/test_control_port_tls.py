@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.app.capacity.scale_target import LocalTarget
-from pdserve.app.cluster_control import serve_control
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.capacity.scale_target import LocalTarget
+from app.cluster_control import serve_control
+from app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.common.role import Role
 from pdserve.common.tls import TlsConfig
 from tests.security.tls_util import make_pki

@@ -16,9 +16,9 @@ import grpc
 import httpx2
 import pytest
 
+from app.client import generate, router_channel
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine import LLM, SamplingParams
-from pdserve.app.client import generate, router_channel
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import (
     common_pb2,

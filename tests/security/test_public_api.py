@@ -15,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2
 from tests.faults.faults_util import survivors_hold_nothing
 from tests.services.harness import wait_for

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
+from app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.faults.faults_util import survivors_hold_nothing
 from tests.services.harness import wait_for

@@ -11,12 +11,12 @@ from typing import Any
 
 import grpc
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from decode_service.config import DecodeConfig
 from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_layout import KVCacheDtype
 from engine.sampling_params import SamplingParams
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

@@ -17,7 +17,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
-from pdserve.app.local_cluster import ClusterConfig
+from app.local_cluster import ClusterConfig
 
 
 @dataclass(frozen=True)

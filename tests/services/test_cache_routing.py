@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 
+from app.client import generate
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
-from pdserve.app.client import generate
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 
+from app.client import generate
 from engine import LLM, SamplingParams
-from pdserve.app.client import generate
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 
+from app.client import generate
 from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
-from pdserve.app.client import generate
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex

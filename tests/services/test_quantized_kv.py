@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 
+from app.client import generate
 from engine import LLM, SamplingParams
 from engine.kv_layout import KVCacheDtype
-from pdserve.app.client import generate
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc

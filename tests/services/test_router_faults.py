@@ -15,8 +15,8 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from app.client import generate
 from engine import LLM, SamplingParams
-from pdserve.app.client import generate
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.common.convert import sampling_to_proto

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pdserve.app.bench.stats import RequestRecord, percentile, summarize
-from pdserve.app.bench.workload import BenchRequest, shared_prefix, synthetic
+from app.bench.stats import RequestRecord, percentile, summarize
+from app.bench.workload import BenchRequest, shared_prefix, synthetic
 
 
 def test_percentile_interpolates_linearly_between_ranks() -> None:

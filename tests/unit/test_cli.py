@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.app.cli import main
+from app.cli import main
 from pdserve.common.role import Role
 
 
@@ -48,7 +48,7 @@ def test_errors_are_reported_without_traceback(tmp_path: Path, capsys) -> None:
 
 
 def test_every_serving_flag_reads_its_environment_variable(monkeypatch) -> None:
-    from pdserve.app.cli import build_parser
+    from app.cli import build_parser
 
     monkeypatch.setenv("PDSERVE_LEASE_S", "7.5")
     monkeypatch.setenv("PDSERVE_MODEL", "/models/x")
@@ -64,10 +64,10 @@ def test_every_serving_flag_reads_its_environment_variable(monkeypatch) -> None:
 
 
 def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -> None:
-    from pdserve.app import settings
-    from pdserve.app.cli import build_parser
-    from pdserve.app.ray_deploy.commands import _deployment_spec
-    from pdserve.app.up_command import cluster_config
+    from app import settings
+    from app.cli import build_parser
+    from app.ray_deploy.commands import _deployment_spec
+    from app.up_command import cluster_config
 
     flags = ["--speculative-method", "draft", "--spec-draft-model", "/d"]
     flags += ["--num-speculative-tokens", "5"]
@@ -89,9 +89,9 @@ def test_up_and_ray_up_pass_speculation_to_every_decode_worker(tmp_path: Path) -
 
 def _up_configs(*flags: str) -> dict[str, Any]:
     """The configs ``pdserve up --model /m FLAGS`` gives its prefill, decode and router."""
-    from pdserve.app import settings
-    from pdserve.app.cli import build_parser
-    from pdserve.app.up_command import cluster_config
+    from app import settings
+    from app.cli import build_parser
+    from app.up_command import cluster_config
 
     args = build_parser().parse_args(["up", "--model", "/m", *flags])
     args.redis_url = "redis://127.0.0.1:1"  # what `pdserve up` sets once Redis is up
@@ -113,9 +113,9 @@ def test_up_passes_the_host_tier_to_every_worker() -> None:
 
 def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
     """The router computes the workers' fingerprint itself: it must get the same dtype."""
+    from app.cli import build_parser
+    from app.ray_deploy.commands import _deployment_spec
     from engine.kv_layout import KVCacheDtype
-    from pdserve.app.cli import build_parser
-    from pdserve.app.ray_deploy.commands import _deployment_spec
 
     configs = _up_configs("--kv-cache-dtype", "int8")
     for role in ("prefill", "decode"):
@@ -132,8 +132,8 @@ def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
 
 
 def test_up_and_ray_up_trace_every_component_to_one_collector() -> None:
-    from pdserve.app.cli import build_parser
-    from pdserve.app.ray_deploy.commands import _deployment_spec
+    from app.cli import build_parser
+    from app.ray_deploy.commands import _deployment_spec
     from pdserve.common.tracing import TracingConfig
 
     traced = ("--otlp-endpoint", "http://collector:4317", "--trace-sample-ratio", "0.25")

@@ -1,12 +1,12 @@
-"""How ``pdserve up`` shares the machine's cores (``pdserve/app/cpu_share.py``), exact values."""
+"""How ``pdserve up`` shares the machine's cores (``app/cpu_share.py``), exact values."""
 
 from __future__ import annotations
 
 import pytest
 
+from app.cpu_share import CoreShare, rank_cores, worker_threads
+from app.settings import parse_service_flags
 from engine.config import EngineBackend
-from pdserve.app.cpu_share import CoreShare, rank_cores, worker_threads
-from pdserve.app.settings import parse_service_flags
 from pdserve.common.role import Role
 from router.config import RouterConfig
 

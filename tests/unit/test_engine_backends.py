@@ -73,8 +73,8 @@ def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
 def test_tensor_parallel_vllm_workers_go_to_both_pools() -> None:
     """Each rank moves its own shard (``vllm_engine/rank_transfer.py``): prefill and decode
     workers both take the flag."""
-    from pdserve.app.cli import build_parser
-    from pdserve.app.up_command import cluster_config
+    from app.cli import build_parser
+    from app.up_command import cluster_config
 
     flags = ["up", "--model", "/m", "--engine", "vllm", "--tensor-parallel-size", "2"]
     args = build_parser().parse_args(flags)
@@ -87,9 +87,9 @@ def test_tensor_parallel_vllm_workers_go_to_both_pools() -> None:
 def test_with_no_block_size_given_every_component_takes_the_engines_default() -> None:
     """vLLM's CPU attention takes multiples of 32 only: `pdserve up --engine vllm` with no
     other flag starts (it used to exit 2 on vLLM's "No common block size for 16")."""
-    from pdserve.app.cli import build_parser
-    from pdserve.app.settings import parse_service_flags
-    from pdserve.app.up_command import cluster_config
+    from app.cli import build_parser
+    from app.settings import parse_service_flags
+    from app.up_command import cluster_config
 
     assert block_size_for(None, VLLM) == 32 and block_size_for(None, NATIVE) == 16
     assert block_size_for(64, VLLM) == 64
@@ -107,8 +107,8 @@ def test_with_no_block_size_given_every_component_takes_the_engines_default() ->
 
 
 def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
-    from pdserve.app.cli import build_parser
-    from pdserve.app.ray_deploy.commands import _deployment_spec
+    from app.cli import build_parser
+    from app.ray_deploy.commands import _deployment_spec
 
     argv = ["ray", "up", "--model", "/m", "--engine", "vllm", "--kv-backend", "grpc"]
     spec = _deployment_spec(build_parser().parse_args([*argv, "--num-gpus-per-worker", "1"]))
@@ -127,7 +127,7 @@ def test_a_missing_vllm_is_refused_at_start_with_its_install_command(
 ) -> None:
     model = str(model_factory("llama"))
     done = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", command, "--model", model, "--engine", "vllm"],
+        [sys.executable, "-m", "app", command, "--model", model, "--engine", "vllm"],
         capture_output=True,
         text=True,
         timeout=120,

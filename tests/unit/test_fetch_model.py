@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from app.fetch_model import MARKER, MODELS, FetchError, convert_gguf, fetch_model
+from app.make_model import CHAT_TEMPLATE
 from engine import LLM, SamplingParams
-from pdserve.app.fetch_model import MARKER, MODELS, FetchError, convert_gguf, fetch_model
-from pdserve.app.make_model import CHAT_TEMPLATE
 
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:

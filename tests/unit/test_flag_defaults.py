@@ -8,6 +8,9 @@ import dataclasses
 
 import pytest
 
+from app import settings
+from app.settings.router import add_router_flags, router_config
+from app.settings.workers import add_decode_flags, decode_config
 from decode_service.config import DecodeConfig
 from engine.config import (
     CacheConfig,
@@ -16,9 +19,6 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
 )
-from pdserve.app import settings
-from pdserve.app.settings.router import add_router_flags, router_config
-from pdserve.app.settings.workers import add_decode_flags, decode_config
 from pdserve.common.role import Role
 from pdserve.common.server import ServerConfig
 from prefill_service.config import PrefillConfig

@@ -1,7 +1,7 @@
 """Architecture rules that code review alone would let slip.
 
-Packages are nodes (each top-level package, and each subpackage of ``pdserve``; modules right
-under ``pdserve/`` form the ``pdserve`` node, the ``python -m pdserve.cli`` entry point).
+Packages are nodes (each top-level package, and each subpackage of ``pdserve``, the runtime
+base: modules right under ``pdserve/`` form the ``pdserve`` node).
 ``LAYERS`` is the one table of allowed imports; docs/architecture.md shows the same table and a
 test below keeps the two equal. Every import counts, inside functions too; only ``if
 TYPE_CHECKING:`` blocks are exempt (they never run).
@@ -55,7 +55,7 @@ LAYERS: dict[str, frozenset[str]] = {
         }
     ),
     "router": frozenset({"engine", "pdserve.common", "pdserve.v1", "pdserve.cluster"}),
-    "pdserve.app": frozenset(
+    "app": frozenset(
         {
             "engine",
             "pdserve.common",
@@ -69,7 +69,8 @@ LAYERS: dict[str, frozenset[str]] = {
             "vllm_engine",
         }
     ),
-    "pdserve": frozenset({"pdserve.app"}),
+    # The runtime base's root (its subpackages are nodes of their own): nothing of ours.
+    "pdserve": frozenset(),
 }
 SERVICES = ("prefill_service", "decode_service", "router")
 
@@ -95,17 +96,17 @@ PURE_CORE = [
     "prefill_service.lease_table",
     "router.policy",
     # The capacity planner's core runs the engine's scheduler with no model, and no I/O.
-    "pdserve.app.capacity.profile",
-    "pdserve.app.capacity.sim_worker",
-    "pdserve.app.capacity.simulator",
-    "pdserve.app.capacity.planner",
-    "pdserve.app.capacity.scaling",
-    "pdserve.app.capacity.calibration",
+    "app.capacity.profile",
+    "app.capacity.sim_worker",
+    "app.capacity.simulator",
+    "app.capacity.planner",
+    "app.capacity.scaling",
+    "app.capacity.calibration",
     # The router process tokenizes and relays; it must not pay for torch (nor its CLI path).
     "router.service",
     "router.openai.app",  # the HTTP API runs in the router process
-    "pdserve.app.settings",
-    "pdserve.app.cli",
+    "app.settings",
+    "app.cli",
 ]
 
 
@@ -266,10 +267,10 @@ def _graph(edges: dict[tuple[str, str], list[str]]) -> dict[str, set[str]]:
 @pytest.mark.parametrize(
     ("importer", "forbidden"),
     [
-        ("pdserve.common", {"kvtransfer", "pdserve.app", *SERVICES}),
+        ("pdserve.common", {"kvtransfer", "app", *SERVICES}),
         ("engine", set(LAYERS) - {"engine"}),
         *((service, {"vllm_engine"}) for service in (*SERVICES, "pdserve.worker")),
-        *((service, {"pdserve.app"}) for service in SERVICES),
+        *((service, {"app"}) for service in SERVICES),
     ],
 )
 def test_named_rules(importer: str, forbidden: set[str]) -> None:
@@ -283,14 +284,14 @@ def test_the_checker_sees_what_it_must() -> None:
     tree = ast.parse(
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    import router.service\n"
-        "def f():\n    from pdserve.app import settings\n"
+        "def f():\n    from app import settings\n"
         "from . import convert\n"
     )
     found = {m for m, _ in _imports(tree, "pdserve.common")}
-    assert "pdserve.app.settings" in found and "pdserve.common.convert" in found
+    assert "app.settings" in found and "pdserve.common.convert" in found
     assert "router.service" not in found
-    assert node_of("pdserve.app.ray_deploy.spec") == "pdserve.app"
-    assert node_of("pdserve.cli") == "pdserve" and node_of("grpc") is None
+    assert node_of("app.ray_deploy.spec") == "app"
+    assert node_of("pdserve.v1.common_pb2") == "pdserve.v1" and node_of("grpc") is None
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     graph = _module_graph()
     assert "router.request_core" in graph["router.service"]
@@ -341,6 +342,8 @@ ENGINE_CONTRACT = frozenset(
         "engine.kv_layout",
         "engine.kv_events",
         "engine.block_hash",
+        # The errors a request's stream or admission raises (its own, a taken request id).
+        "engine.request_error",
     }
 )
 _DEFAULT_ENGINE = ("pdserve/worker/service.py", "engine.async_engine")
@@ -358,3 +361,21 @@ def test_services_reach_an_engine_only_through_its_contract() -> None:
                 if (str(rel), imported) != _DEFAULT_ENGINE:
                     wrong.append(f"{rel}:{line} imports {imported}")
     assert wrong == []
+
+
+def foreign_owners_of_our_names() -> dict[str, list[str]]:
+    """Our top-level import names (the card's folders are the import names: docs/
+    architecture.md, "Packages and names") that an installed distribution other than pdserve
+    also provides: such a clash would shadow one of the two."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    return {
+        name: sorted(set(owners[name]) - {"pdserve"})
+        for name in _packages()
+        if set(owners.get(name, ())) - {"pdserve"}
+    }
+
+
+def test_no_installed_distribution_provides_one_of_our_top_level_names() -> None:
+    assert foreign_owners_of_our_names() == {}

@@ -1,4 +1,4 @@
-"""pdserve.app.make_model: tiny random checkpoints must load, round-trip and be reproducible."""
+"""app.make_model: tiny random checkpoints must load, round-trip and be reproducible."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.app.make_model import (
+from app.make_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     PAD_TOKEN,

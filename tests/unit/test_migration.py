@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from app.local_cluster import restart_delay_s
 from engine.sampling_params import SamplingParams
-from pdserve.app.local_cluster import restart_delay_s
 from router.migration import Continuation, Finished, attempt_id, continue_request
 from router.policy import is_stalled
 

@@ -71,7 +71,7 @@ def test_without_nixl_a_worker_refuses_at_start_with_the_install_command(tmp_pat
     # NIXL made unimportable; the model does not even exist: the backend is refused first.
     code = (
         "import sys; sys.modules['nixl_cu12'] = None\n"
-        "from pdserve.app.cli import main\n"
+        "from app.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     command = [sys.executable, "-c", code, "prefill", "--kv-backend", "nixl"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from app.ray_deploy.spec import EMBEDDED_REDIS_URL, deployment_spec
 from decode_service.config import DecodeConfig
-from pdserve.app.ray_deploy.spec import EMBEDDED_REDIS_URL, deployment_spec
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.app import settings
+from app import settings
 from pdserve.common.auth import ApiKeys, bearer
 from pdserve.common.server import ServerConfig
 from pdserve.common.tls import TlsConfig, is_loopback

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pdserve.app import settings
+from app import settings
 from pdserve.common.role import Role
 
 REDIS = ["--redis", "redis://127.0.0.1:6399/0", "--redis-namespace", "ns"]
@@ -113,7 +113,7 @@ def test_a_child_refuses_a_bad_config_on_stdin_and_exits_non_zero() -> None:
     raw = _decode_json()
     raw["config"]["engine"] = 1  # type: ignore[index]
     child = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "serve-config"],
+        [sys.executable, "-m", "app", "serve-config"],
         input=json.dumps(raw),
         capture_output=True,
         text=True,

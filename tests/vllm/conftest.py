@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from app.local_cluster import ClusterConfig, LocalCluster
 from engine.config import DEFAULT_BLOCK_SIZES, EngineBackend
-from pdserve.app.local_cluster import ClusterConfig, LocalCluster
 
 # vLLM's CPU attention: block_size a multiple of 32, the vllm engine's default block size (no
 # --block-size flag: every cluster here starts on the default). A small KV budget per worker (the

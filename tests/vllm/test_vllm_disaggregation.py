@@ -23,11 +23,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from app.local_cluster import Component, LocalCluster
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineBackend
 from engine.fingerprint import engine_fingerprint
 from engine.sampling_params import SamplingParams
-from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

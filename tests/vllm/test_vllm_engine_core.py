@@ -24,8 +24,8 @@ import grpc
 import psutil
 import pytest
 
+from app.local_cluster import Component, LocalCluster
 from engine.sampling_params import SamplingParams
-from pdserve.app.local_cluster import Component, LocalCluster
 from tests.faults.faults_util import (
     kill_the_busiest_decode_worker,
     mixed_params,

@@ -95,11 +95,11 @@ def test_pdserve_profile_measures_a_vllm_worker(
     import subprocess
     import sys
 
-    from pdserve.app.capacity import profile as profile_io
+    from app.capacity import profile as profile_io
 
     out = tmp_path / "profile.json"
     flags = "--engine vllm --enforce-eager --quick --num-blocks 64"  # its default block size
-    command = [sys.executable, "-m", "pdserve.cli", "profile", "--model", str(vllm_model("llama"))]
+    command = [sys.executable, "-m", "app", "profile", "--model", str(vllm_model("llama"))]
     command += [*flags.split(), "--max-num-seqs", "4", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -311,3 +311,9 @@ def test_model_runner_v2_is_refused_by_the_variable_that_chooses_it(
     config = EngineArgs(model=str(vllm_model("llama")), block_size=32).create_engine_config()
     assert not config.use_v2_model_runner
     check_model_runner(config.use_v2_model_runner)
+
+
+def test_nothing_in_vllms_environment_provides_one_of_our_top_level_names() -> None:
+    from tests.unit.test_layering import foreign_owners_of_our_names
+
+    assert foreign_owners_of_our_names() == {}

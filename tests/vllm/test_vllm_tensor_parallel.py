@@ -27,8 +27,8 @@ import grpc
 import psutil
 import pytest
 
+from app.local_cluster import Component, LocalCluster
 from engine.sampling_params import SamplingParams
-from pdserve.app.local_cluster import Component, LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.faults.faults_util import (

@@ -15,7 +15,7 @@ shard lies in the sender's (``KVPages.spans``).
 - A handle of a tensor parallelism the decode worker cannot map is refused by name.
 
 vLLM's CPU build runs TP=2 here with the cores named (this box has one NUMA node): the local
-cluster names them (``pdserve/app/cpu_share.py``).
+cluster names them (``app/cpu_share.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from app.local_cluster import LocalCluster
 from engine.sampling_params import SamplingParams
-from pdserve.app.local_cluster import LocalCluster
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from tests.faults.faults_util import stats

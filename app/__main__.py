@@ -1,0 +1,10 @@
+"""``python -m app``: the ``pdserve`` command (``app/cli.py``), as a module."""
+
+from __future__ import annotations
+
+import sys
+
+from app.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
