@@ -121,7 +121,8 @@ def _template_in_config(out: Path, template: Any) -> None:
 
 def verify(out: Path) -> None:
     """The directory loads as the engine and the router load it, and generates a token."""
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
+    from native_engine import LLM
     from router.openai.chat_template import ChatTemplate
 
     if ChatTemplate.from_dir(out) is None:

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from app.make_model import make_model
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.outputs import RequestOutput
 from kvtransfer.base import BlockLeases
+from native_engine import LLM
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ mixed into the load: each must get its named refusal or a strict-JSON answer, no
 lost, /health's p99 is reported).
 
 The same seeded workload also runs without faults, in the same invocation: the baseline. Every
-completed stream is compared token for token with one engine (``engine.LLM``); a difference at
-a logit near-tie (<= 1e-4) is counted apart, anything else is a failure. Reported per
+completed stream is compared token for token with one engine (``native_engine.LLM``); a
+difference at a logit near-tie (<= 1e-4) is counted apart, anything else is a failure. Reported per
 scenario: requests, completed identical / near-tie, failed, hung (no end within --hang-s),
 migrations (router counter), time from each fault to the router's reaction, leaked blocks on
 the workers afterwards, the router's peak RSS, client-side TTFT/TPOT p50/p99. Goal: 0 failed,
@@ -43,8 +43,9 @@ from app.client import router_channel
 from app.embedded_redis import EmbeddedRedis
 from app.local_cluster import ClusterConfig, LocalCluster
 from app.settings.flags import field_default
-from engine import LLM, SamplingParams
-from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
+from engine import SamplingParams
+from native_engine import LLM
+from native_engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc

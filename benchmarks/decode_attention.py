@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from engine.attention import decode_gather_inputs, paged_decode_attention_torch
 from engine.dtypes import ModelDtype
-from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
-from engine.kv_cache import LayerCache
+from native_engine.attention import decode_gather_inputs, paged_decode_attention_torch
+from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+from native_engine.kv_cache import LayerCache
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DTYPES = (ModelDtype.FLOAT32, ModelDtype.BFLOAT16)

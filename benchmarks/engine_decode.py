@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.dtypes import DTYPE_NAMES, ModelDtype
-from engine.models.linear import Linear
+from native_engine import LLM
+from native_engine.models.linear import Linear
 
 BLOCK_SIZE = 16
 FULL = {

@@ -24,12 +24,13 @@ import torch
 from bench_inputs import FixedLeases  # sibling module
 
 from app.bench.workload import OPEN_ENDED_QUESTIONS
-from engine import LLM, SamplingParams
-from engine.diagnostics import teacher_forced_agreement
-from engine.kv_cache import KVCache
+from engine import SamplingParams
 from engine.kv_layout import KVCacheDtype
 from kvtransfer.base import KVHandle
 from kvtransfer.grpc_stream import GrpcKVReceiver, GrpcKVSender
+from native_engine import LLM
+from native_engine.diagnostics import teacher_forced_agreement
+from native_engine.kv_cache import KVCache
 
 OUTPUT_ALLOWANCE = 64  # tokens each sequence of the capacity count may generate
 # Untimed pulls first: the first few of a process run at up to twice the steady time (fresh

@@ -27,7 +27,8 @@ from typing import Any
 from bench_inputs import REPO, ensure_model  # sibling modules
 from kv_dtypes import measure_dtypes
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 
 CHAT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 

@@ -46,10 +46,10 @@ from nixl_transfer import measure_nixl, serve
 from ray_transfer import RAY_GOAL, measure_ray
 from ttft_split import measure_ttft
 
-from engine.kv_cache import KVCache, KVCacheLayout
 from kvtransfer.base import KVHandle
 from kvtransfer.codec import DEFAULT_CHUNK_BYTES
 from kvtransfer.grpc_stream import GrpcKVReceiver, GrpcKVSender
+from native_engine.kv_cache import KVCache, KVCacheLayout
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

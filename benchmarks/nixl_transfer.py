@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import KVCache
+from native_engine.kv_cache import KVCache
 
 MIB = 1 << 20
 

@@ -25,8 +25,9 @@ from bench_inputs import REPO, make_prompts  # sibling module
 
 from app.fetch_model import fetch_model
 from app.make_model import make_model
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
+from native_engine import LLM
 
 QUICK_KV_BYTES = 32 << 20
 # (prompts, max_tokens) -> seconds

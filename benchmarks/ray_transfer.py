@@ -23,9 +23,9 @@ import numpy as np
 import ray
 import torch
 
-from engine.kv_cache import KVCache
 from kvtransfer.base import BlockLeases, KVHandle
 from kvtransfer.ray_object_store import RayKVReceiver, RayKVSender
+from native_engine.kv_cache import KVCache
 
 RAY_GOAL = 0.8  # Ray backend throughput / raw put+get throughput, at least
 

@@ -29,7 +29,8 @@ from typing import Any
 
 from bench_inputs import REPO, decode_phase, ensure_model  # sibling module
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 
 CHAT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 _WORDS = [

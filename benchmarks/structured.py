@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from bench_inputs import REPO, decode_phase  # sibling module
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.structured_output import StructuredKind, StructuredOutput
+from native_engine import LLM
 
 CHAT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 LIST_SCHEMA = {

@@ -16,7 +16,8 @@ from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
 
 from app.client import GenerateResult, generate, router_channel
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 BLOCK_SIZE = 16

@@ -55,7 +55,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
     role = Role.DECODE
     name = "pdserve.v1.DecodeWorker"
 
-    def __init__(self, config: DecodeConfig, build_engine: EngineBuilder | None = None) -> None:
+    def __init__(self, config: DecodeConfig, build_engine: EngineBuilder) -> None:
         super().__init__(
             config.engine,
             config.redis,

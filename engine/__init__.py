@@ -1,7 +1,11 @@
-"""pdserve engine: paged-KV decoder-only Transformer (no grpc/ray/redis imports).
+"""pdserve's engine contract and its vocabulary: what every engine serves (``serving_engine``:
+``ServingEngine``, docs/engines.md), the data it speaks in (sampling parameters, outputs, KV
+layout and pages, block hashes and events, the model's description), and the rules both
+engines share (stop rules, the seeded choice, logits processing, grammars). No grpc, ray or
+redis; the engines themselves are ``native_engine`` and ``vllm_engine``.
 
-The public names load lazily so that torch-free modules (``engine.block_hash``, the scheduler,
-the block manager) can be imported by the router without paying for torch.
+The public names load lazily so that torch-free modules (``engine.block_hash``, the sampling
+parameters) can be imported by the router without paying for torch.
 """
 
 from __future__ import annotations
@@ -10,8 +14,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
-    "LLMEngine": "engine.llm_engine",
     "CacheConfig": "engine.config",
     "EngineConfig": "engine.config",
     "SchedulerConfig": "engine.config",
@@ -24,17 +26,13 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
     from engine.outputs import EngineStats, PrefilledRequest, RequestOutput, RequestUpdate
     from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "LLM",
     "CacheConfig",
     "EngineConfig",
     "EngineStats",
-    "LLMEngine",
     "PrefilledRequest",
     "RequestOutput",
     "RequestUpdate",

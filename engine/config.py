@@ -39,7 +39,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host-memory tier for evicted prefix blocks (0: off); needs prefix caching.
     host_cache_gib: float = 0.0
-    # How keys and values are stored (engine/kv_quant.py): the model's dtype, or int8 / fp8
+    # How keys and values are stored (native_engine/kv_quant.py): the model's dtype, or int8 / fp8
     # codes with a float32 scale per token and kv head (about half the bytes of bf16).
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 

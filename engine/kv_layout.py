@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from engine.dtypes import ModelDtype
 
-# What a slab's bytes mean in the native engine's cache (``engine.kv_cache``); another engine
+# What a slab's bytes mean in the native engine's cache (``native_engine.kv_cache``); another engine
 # names its own arrangement (the vLLM engine: "vllm-<version>/<attention backend>/<layout>").
 NATIVE_PAGE_LAYOUT = "pdserve"
 SCALE_BYTES = 4  # float32

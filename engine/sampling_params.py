@@ -28,7 +28,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (of the raw model logits)
     # Top-n logprobs per prompt token after the first (each token's own logprob always): the
-    # worker that prefills computes them (engine/prompt_logprobs.py); None: none, no cost.
+    # worker that prefills computes them (native_engine/prompt_logprobs.py); None: none, no cost.
     prompt_logprobs: int | None = None
     # Logit processing (engine/sampler.py ``processed_logits``), on every path that samples:
     # penalties count the output (and, for repetition, the prompt) of the request so far,

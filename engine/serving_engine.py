@@ -2,7 +2,7 @@
 
 ``prefill_service``, ``decode_service`` and ``pdserve.worker`` (and the cluster ``Membership``)
 call an engine only through ``ServingEngine``. Two engines implement it: the native one
-(``engine.async_engine.AsyncEngine``, the exact reference and the CPU default) and vLLM
+(``native_engine.async_engine.AsyncEngine``, the exact reference and the CPU default) and vLLM
 (``vllm_engine.engine.VllmEngine``). Every method is called on the worker's event loop; none
 blocks it.
 

@@ -22,8 +22,8 @@ from kvtransfer.base import (
 )
 
 if TYPE_CHECKING:
-    from engine.kv_cache import KVCache
     from engine.kv_pages import KVPages
+    from native_engine.kv_cache import KVCache
     from pdserve.common.tls import TlsConfig
 
 
@@ -193,7 +193,7 @@ def check_engine(backend: str, engine: EngineBackend) -> None:
 
 
 def _native_cache(backend: str, cache: KVPages) -> KVCache:
-    from engine.kv_cache import KVCache
+    from native_engine.kv_cache import KVCache
 
     if not isinstance(cache, KVCache):
         raise ValueError(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from engine.kv_cache import KVCache
 from engine.kv_pages import KVPages
+from native_engine.kv_cache import KVCache
 
 
 def block_digest(pages: KVPages, block_ids: list[int]) -> bytes:

@@ -31,7 +31,6 @@ import xxhash
 from ray.exceptions import RayError
 
 from engine.dtypes import torch_dtype
-from engine.kv_cache import KVCache, KVCacheLayout
 from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     BlockLeases,
@@ -43,6 +42,7 @@ from kvtransfer.base import (
     TransferStats,
 )
 from kvtransfer.ray_mailbox import ExportReply, LayerRange, PullTicket, spawn_mailbox
+from native_engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.common.tracing import TraceContext
 
 logger = logging.getLogger(__name__)

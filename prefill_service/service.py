@@ -36,7 +36,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     role = Role.PREFILL
     name = "pdserve.v1.PrefillWorker"
 
-    def __init__(self, config: PrefillConfig, build_engine: EngineBuilder | None = None) -> None:
+    def __init__(self, config: PrefillConfig, build_engine: EngineBuilder) -> None:
         super().__init__(config.engine, config.redis, config.worker_id, build_engine=build_engine)
         self.config = config
         self.leases = LeaseManager(config.lease_s)

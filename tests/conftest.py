@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from app.make_model import make_model
-from engine import LLM
+from native_engine import LLM
 from tests.services.otlp_receiver import OtlpReceiver
 
 # tests/vllm run in the environment that has vLLM (`make test-vllm`, .venv-vllm); elsewhere the

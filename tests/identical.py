@@ -4,9 +4,10 @@ reason; a first difference is accepted only where the reference's own choice was
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
-from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
+from engine import SamplingParams
 from engine.outputs import RequestOutput
+from native_engine import LLM
+from native_engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
 
 
 def same_or_near_tie(

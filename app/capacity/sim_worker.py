@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from app.capacity.profile import Profile, StepShape
 from engine.block_hash import BlockHash
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from native_engine.block_manager import BlockManager
+from native_engine.scheduler import ScheduledSeq, Scheduler
 
 # The token every simulated step samples: its value matters to nothing but block hashes.
 SIM_TOKEN_ID = 17

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineBackend, EngineConfig
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineBuilder, EngineDeadError, EngineHooks, ServingEngine
@@ -30,9 +30,8 @@ logger = logging.getLogger(__name__)
 
 class WorkerService(Service):
     """A service around one engine, which it reaches only through ``ServingEngine``.
-    Subclasses add their RPCs. ``build_engine``: given by the component builder
-    (``app.components``) for the config's engine backend; the native engine when
-    None."""
+    Subclasses add their RPCs. ``build_engine``: the engine the config's backend names, given
+    by the component builder (``app.components.engine_builder``); the shell knows no engine."""
 
     role: Role
 
@@ -44,17 +43,8 @@ class WorkerService(Service):
         *,
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         heartbeat_s: float | None = None,
-        build_engine: EngineBuilder | None = None,
+        build_engine: EngineBuilder,
     ) -> None:
-        if build_engine is None:
-            if engine_config.backend is not EngineBackend.NATIVE:
-                raise ValueError(
-                    f"the {engine_config.backend.value} engine is built by "
-                    "app.components.build_service"
-                )
-            from engine.async_engine import build_native_engine
-
-            build_engine = build_native_engine
         self._build_engine = build_engine
         self.trace_name = f"pdserve-{self.role.value}"  # continues the router's traces
         self.engine_config = engine_config

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import LLM, PrefilledRequest, SamplingParams
+from engine import PrefilledRequest, SamplingParams
 from engine.kv_layout import KVCacheDtype
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer import (
     BACKENDS,
@@ -30,6 +29,8 @@ from kvtransfer import (
     make_receiver,
 )
 from kvtransfer.wire import handle_from_proto
+from native_engine import LLM
+from native_engine.llm_engine import LLMEngine
 from pdserve.common import tracing
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.tracing import TracingConfig

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from engine.block_hash import hash_blocks, root_hash
-from engine.block_manager import BlockManager
 from engine.kv_events import CacheTier, KVEvents
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from native_engine.block_manager import BlockManager
 from pdserve.cluster.prefix_index import ANY_TIER, InMemoryPrefixIndex, PrefixHits, PrefixIndex
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import build_native_engine
 from engine.config import CacheConfig, EngineConfig
 from engine.serving_engine import EngineHooks
+from native_engine.async_engine import build_native_engine
 from tests.contract.serving_engine_suite import CASES, Case
 
 

@@ -8,10 +8,11 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from native_engine import LLM
+from native_engine.async_engine import AsyncEngine
+from native_engine.llm_engine import LLMEngine
 from tests.services.harness import wait_for
 
 PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

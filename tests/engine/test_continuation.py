@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine import SamplingParams
 from engine.outputs import RequestOutput
 from engine.structured_output import StructuredKind, StructuredOutput
+from native_engine import LLM
+from native_engine.llm_engine import LLMEngine
 from tests.engine.test_disaggregation_hooks import _decode
 
 BAD = [[t] for t in range(3, 300, 7)] + [[a, a + 1] for a in range(20, 60)]
@@ -139,7 +140,7 @@ def test_the_near_tie_check_reproduces_the_sampler(
 ) -> None:
     """At every checked position of a run, the diagnostic picks the token the run picked, with
     a positive margin, greedy and seeded: it measures the sampler's own decision."""
-    from engine.diagnostics import sampler_choice
+    from native_engine.diagnostics import sampler_choice
 
     llm = make_llm(llama_dir)
     for params in PARAMS:

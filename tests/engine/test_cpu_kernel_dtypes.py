@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import decode_gather_inputs, paged_decode_attention_torch
-from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
-from engine.kv_cache import LayerCache
+from native_engine.attention import decode_gather_inputs, paged_decode_attention_torch
+from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+from native_engine.kv_cache import LayerCache
 
 BLOCK_SIZE = 16
 LENS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]

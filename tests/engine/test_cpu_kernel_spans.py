@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
 from tests.engine.test_cpu_kernel_dtypes import BLOCK_SIZE, _exact
 
 LENS = [1, 3 * BLOCK_SIZE + 5, 61 * BLOCK_SIZE + 7, BLOCK_SIZE]

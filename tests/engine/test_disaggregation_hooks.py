@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, PrefilledRequest, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine import PrefilledRequest, SamplingParams
 from engine.outputs import RequestOutput
+from native_engine import LLM
+from native_engine.llm_engine import LLMEngine
 
 
 def _prefill(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> PrefilledRequest:
@@ -120,7 +121,8 @@ def test_seeded_sampling_is_identical_in_another_process(
     here = make_llm(llama_dir).generate([prompt], params)[0].token_ids
     code = (
         "import json, sys\n"
-        "from engine import LLM, SamplingParams\n"
+        "from native_engine import LLM\n"
+        "from engine import SamplingParams\n"
         f"llm = LLM({str(llama_dir)!r})\n"
         "p = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=99, ignore_eos=True)\n"
         f"print(json.dumps(llm.generate([{prompt!r}], p)[0].token_ids))\n"

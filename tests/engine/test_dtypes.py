@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine import SamplingParams
 from engine.sequence import Sequence
+from native_engine import LLM
+from native_engine.scheduler import ScheduledSeq
 from tests.engine.hf_reference import hf_logits, load_hf
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine import LLM, PrefilledRequest, SamplingParams
-from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+from engine import PrefilledRequest, SamplingParams
 from engine.sampler import Sampler, SampleRequest
+from native_engine import LLM
+from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.structured_output import (
     MAX_CHOICES,
     MAX_SCHEMA_DEPTH,
@@ -22,6 +22,7 @@ from engine.structured_output import (
     StructuredKind,
     StructuredOutput,
 )
+from native_engine import LLM
 from tests.identical import compare_outputs
 
 WORDS = StructuredOutput(StructuredKind.REGEX, "[a-z ,.]+", "guided_regex")

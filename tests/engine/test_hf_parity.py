@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.engine.hf_reference import assert_greedy_matches_but_for_ties, hf_greedy, load_hf
 
 BLOCK_SIZE = 16

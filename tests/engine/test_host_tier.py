@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.identical import compare_outputs
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 
 
 def test_step_is_idle_while_pinned_blocks_fill_the_cache(

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine import SamplingParams
 from engine.sequence import Sequence
+from native_engine import LLM
+from native_engine.scheduler import ScheduledSeq
 from tests.engine.hf_reference import hf_logits, load_hf
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.config import CacheConfig
-from engine.diagnostics import first_difference, teacher_forced_agreement
 from engine.fingerprint import fingerprint_of
-from engine.kernels import triton_available
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
-from engine.kv_quant import codebook, dequantize, quantize, slot_positions, store_quantized
+from native_engine import LLM
+from native_engine.diagnostics import first_difference, teacher_forced_agreement
+from native_engine.kernels import triton_available
+from native_engine.kv_quant import codebook, dequantize, quantize, slot_positions, store_quantized
 from pdserve.common.convert import layout_from_proto, layout_to_proto, remote_layout_mismatch
 from tests.identical import compare_outputs
 
@@ -192,10 +193,10 @@ def test_the_three_decode_kernels_read_the_same_codes(kind: KVCacheDtype) -> Non
     """Kernel level: random K/V stored as codes, decode attention of a GQA batch with ragged
     context lengths through the torch path, the C++ kernel and the Triton kernel, against
     full-precision attention over the dequantized cache (the same values)."""
-    from engine.attention import decode_gather_inputs, paged_decode_attention_torch
-    from engine.kernels import paged_decode_attention
-    from engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
-    from engine.kv_cache import KVCache
+    from native_engine.attention import decode_gather_inputs, paged_decode_attention_torch
+    from native_engine.kernels import paged_decode_attention
+    from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+    from native_engine.kv_cache import KVCache
 
     gen = torch.Generator().manual_seed(1)
     layout = KVCacheLayout("fp", "float32", 8, 1, 2, 16, kind)

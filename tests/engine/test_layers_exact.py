@@ -9,7 +9,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from engine.model_config import RopeConfig
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from native_engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.sampler import Sampler, SampleRequest, processed_logits
+from native_engine import LLM
 
 RAW = torch.tensor([[1.0, -2.0, 3.0, 0.5], [1.0, -2.0, 3.0, 0.5]])
 NEG = float("-inf")

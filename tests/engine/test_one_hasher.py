@@ -7,9 +7,10 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
+from native_engine import LLM
 
 
 def test_router_hashes_equal_engine_kv_events(

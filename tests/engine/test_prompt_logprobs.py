@@ -1,4 +1,4 @@
-"""Prompt logprobs (engine/prompt_logprobs.py) equal HF transformers' log-softmax over the
+"""Prompt logprobs (native_engine/prompt_logprobs.py) equal HF transformers' log-softmax over the
 prompt within 1e-4, whether the prefill runs whole or in chunks, with a prefix-cache hit
 available (it is not taken) or after one, and cost nothing when not asked for."""
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.engine.hf_reference import hf_logits, load_hf
 
 PROMPT = [(37 * i + 11) % 1000 + 3 for i in range(45)]

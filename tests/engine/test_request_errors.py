@@ -16,15 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig
 from engine.guide import Guide
-from engine.llm_engine import LLMEngine
 from engine.request_error import RequestError
 from engine.request_state import RequestState
 from engine.sequence import Sequence
 from engine.structured_output import StructuredKind, StructuredOutput
+from native_engine import LLM
+from native_engine.async_engine import AsyncEngine
+from native_engine.llm_engine import LLMEngine
 
 SEVEN_EIGHT = StructuredOutput(StructuredKind.REGEX, "78", "guided_regex")
 PROMPTS = [[5, 6, 7, 8], list(range(40, 60)), [9, 9, 9]]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.engine.hf_reference import hf_logits, load_hf
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, RequestOutput, SamplingParams
+from engine import RequestOutput, SamplingParams
 from engine.block_hash import hash_blocks
+from native_engine import LLM
 from tests.identical import compare_outputs
 
 _RNG = random.Random(7)
@@ -25,7 +26,7 @@ PARAMS = [
     SamplingParams(max_tokens=24, temperature=1.0, top_k=20, seed=12, ignore_eos=True),
     SamplingParams(max_tokens=19, temperature=0.0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),  # never speculates
-    # Each verified row counts the guesses before it as output (engine/model_runner.py).
+    # Each verified row counts the guesses before it as output (native_engine/model_runner.py).
     SamplingParams(
         max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.4
     ),

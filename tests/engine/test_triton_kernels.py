@@ -13,8 +13,8 @@ import pytest
 import torch
 import triton  # noqa: F401  - a dev dependency: a missing triton must fail, not skip
 
-import engine.kernels as kernels
-from engine.kernels import paged_decode_attention, store_kv
+import native_engine.kernels as kernels
+from native_engine.kernels import paged_decode_attention, store_kv
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOLS = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}

@@ -15,9 +15,10 @@ import grpc
 
 from app.client import router_channel
 from app.local_cluster import ClusterConfig, Component, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.outputs import RequestOutput
 from engine.structured_output import StructuredKind, StructuredOutput
+from native_engine import LLM
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.faults.faults_util import requests_for, run_streams
 from tests.services.otlp_receiver import OtlpReceiver, traced_cluster
 

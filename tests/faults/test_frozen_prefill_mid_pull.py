@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.faults.faults_util import (
     compare,
     metric,

@@ -19,6 +19,7 @@ from app.embedded_redis import EmbeddedRedis
 from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
+from native_engine.async_engine import build_native_engine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
@@ -54,7 +55,7 @@ def test_redis_restarted_empty_gets_the_host_tier_republished(
 ) -> None:
     async def scenario() -> None:
         config = RedisConfig(url=redis.url, namespace="host-tier", ttl_s=2.0, heartbeat_s=0.2)
-        service = PrefillService(_tiered_config(llama_dir, config))
+        service = PrefillService(_tiered_config(llama_dir, config), build_native_engine)
         server = await start(service)
         rng = random.Random(1)
         prefix = [rng.randrange(3, 1024) for _ in range(4 * BS)]
@@ -84,7 +85,7 @@ def test_redis_restarted_empty_gets_the_host_tier_republished(
 
 def test_a_client_gone_while_its_prompt_loads_frees_every_block(llama_dir: Path) -> None:
     async def scenario() -> None:
-        service = PrefillService(_tiered_config(llama_dir, None))
+        service = PrefillService(_tiered_config(llama_dir, None), build_native_engine)
         server = await start(service)
         rng = random.Random(2)
         prefix = [rng.randrange(3, 1024) for _ in range(6 * BS)]

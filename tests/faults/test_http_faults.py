@@ -17,7 +17,8 @@ import httpx2
 import pytest
 
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.faults.faults_util import metric, stats, survivors_hold_nothing
 from tests.services.harness import wait_for
 

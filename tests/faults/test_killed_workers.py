@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import ClusterConfig, Component, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.faults.faults_util import (
     compare,
     kill_a_decode_worker_mid_stream,

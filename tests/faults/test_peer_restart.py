@@ -15,10 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine import LLM
-from engine.llm_engine import LLMEngine
 from kvtransfer import KVTransferError, ReceiverOptions, TransferErrorCode, make_receiver
 from kvtransfer.wire import handle_from_proto
+from native_engine import LLM
+from native_engine.llm_engine import LLMEngine
 from pdserve.common.channels import ChannelPool
 from pdserve.common.server import ServiceServer
 from tests.contract.test_kvtransfer_contract import (

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.faults.faults_util import compare, metric, requests_for, run_streams
 from tests.services.harness import wait_for
 

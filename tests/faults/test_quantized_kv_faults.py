@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import LocalCluster
-from engine import LLM
+from native_engine import LLM
 from tests.faults.faults_util import kill_a_decode_worker_mid_stream, metric, two_decode_workers
 
 pytestmark = pytest.mark.slow

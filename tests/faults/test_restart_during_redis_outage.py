@@ -13,7 +13,7 @@ import pytest
 
 from app.embedded_redis import EmbeddedRedis
 from app.local_cluster import ClusterConfig, Component, LocalCluster
-from engine import LLM
+from native_engine import LLM
 from tests.faults.faults_util import (
     compare,
     metric,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import LocalCluster
-from engine import LLM
+from native_engine import LLM
 from tests.faults.faults_util import (
     compare,
     metric,

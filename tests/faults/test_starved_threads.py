@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.threads import TRANSFER_THREADS, transfer_executor
+from native_engine import LLM
+from native_engine.async_engine import AsyncEngine
+from native_engine.llm_engine import LLMEngine
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

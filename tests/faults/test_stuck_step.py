@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import Component, LocalCluster
-from engine import LLM
+from native_engine import LLM
 from pdserve.common.role import Role
 from tests.faults.faults_util import (
     compare,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from tests.faults.faults_util import kill_the_busiest_decode_worker
 from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan, traced_cluster
 

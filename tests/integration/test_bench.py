@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.v1 import common_pb2, router_pb2
 from tests.integration.cluster_util import generate_many, run
 

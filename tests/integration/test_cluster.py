@@ -21,7 +21,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from app.client import generate, router_channel
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tests.engine.hf_reference import hf_greedy, load_hf
 from tests.integration.cluster_util import generate_many, nothing_held, run, worker_stats

@@ -17,7 +17,8 @@ from app.client import router_channel
 from app.embedded_redis import EmbeddedRedis
 from app.local_cluster import ClusterConfig as LocalClusterConfig
 from app.local_cluster import Component, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.bench.workload import OPEN_ENDED_QUESTIONS
 from app.local_cluster import LocalCluster
-from engine import LLM, SamplingParams
-from engine.diagnostics import teacher_forced_agreement
+from engine import SamplingParams
 from engine.tokenizer import Tokenizer
+from native_engine import LLM
+from native_engine.diagnostics import teacher_forced_agreement
 from router.openai.chat_template import ChatTemplate
 from tests.engine.hf_reference import assert_greedy_matches_but_for_ties, load_hf
 from tests.services.harness import openai_cluster

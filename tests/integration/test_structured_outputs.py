@@ -17,8 +17,9 @@ import pydantic
 import pytest
 
 from app.local_cluster import LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.structured_output import MAX_SPEC_BYTES, StructuredKind, StructuredOutput
+from native_engine import LLM
 from tests.integration.test_real_model import hf_prompt
 from tests.services.harness import openai_cluster
 

@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from engine.kv_cache import KVCache
 from engine.kv_layout import KVCacheLayout
 from kvtransfer.nixl_agent import NixlAgent, load_nixl
+from native_engine.kv_cache import KVCache
 
 
 def test_an_idle_agent_does_not_spin_a_core() -> None:

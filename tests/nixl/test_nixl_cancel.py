@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine import PrefilledRequest, SamplingParams
-from engine.llm_engine import LLMEngine
 from kvtransfer.nixl_receiver import NixlKVReceiver
 from kvtransfer.wire import handle_from_proto
+from native_engine.llm_engine import LLMEngine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2
 from tests.services.harness import (

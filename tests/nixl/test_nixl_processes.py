@@ -18,10 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine import LLM, PrefilledRequest, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine import PrefilledRequest, SamplingParams
 from kvtransfer import KVTransferError, ReceiverOptions, TransferErrorCode, make_receiver
 from kvtransfer.wire import handle_from_proto
+from native_engine import LLM
+from native_engine.llm_engine import LLMEngine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from tests.contract.test_kvtransfer_contract import _finish

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import router_pb2
 from tests.integration.cluster_util import generate_many, run

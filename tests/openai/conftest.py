@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM
+from native_engine import LLM
 
 API_KEY = "sk-test-openai"
 MODEL_NAME = "tiny-chat"

@@ -14,8 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from app.local_cluster import LocalCluster
-from engine import LLM, SamplingParams
-from engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
+from engine import SamplingParams
+from native_engine import LLM
+from native_engine.diagnostics import NEAR_TIE, first_difference, sampler_choice
 from router.openai.bad_words import bad_words_ids
 from tests.openai.conftest import API_KEY, MODEL_NAME
 

@@ -16,11 +16,11 @@ import pytest
 import ray
 
 from app.ray_deploy.objects import live_objects
-from engine.llm_engine import LLMEngine
 from kvtransfer import KVHandle, KVReceiver, ReceiverOptions, make_receiver
 from kvtransfer.ray_mailbox import LayerRange
 from kvtransfer.ray_object_store import Payload, RayKVSender
 from kvtransfer.wire import handle_from_proto
+from native_engine.llm_engine import LLMEngine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
 from prefill_service.lease_manager import LeaseManager

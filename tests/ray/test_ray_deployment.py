@@ -17,7 +17,8 @@ import ray
 from app.client import GenerateResult, generate, router_channel
 from app.ray_deploy import deployment
 from app.ray_deploy.service_actor import ServiceInfo
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.integration.cluster_util import generate_many, run

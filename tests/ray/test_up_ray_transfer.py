@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.v1 import common_pb2, router_pb2
 from tests.integration.cluster_util import generate_many, run, start_up
 from tests.ray_util import no_new_objects

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from native_engine.async_engine import build_native_engine
 from pdserve.common.channels import ChannelPool
 from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.common.tls import TlsConfig
@@ -93,7 +94,7 @@ def test_router_worker_stubs_follow_the_pool_across_a_renewal(
 
     async def run() -> None:
         config = PrefillConfig(engine=engine_config(llama_dir), server=ServerConfig(tls=tls))
-        server = ServiceServer(PrefillService(config), config.server)
+        server = ServiceServer(PrefillService(config, build_native_engine), config.server)
         await server.start()
         await server.ready()
         pool = WorkerPool(prefill=(server.address,), tls=tls)

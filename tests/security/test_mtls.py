@@ -18,7 +18,8 @@ import pytest
 
 from app.client import generate, router_channel
 from app.local_cluster import ClusterConfig, LocalCluster
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import (
     common_pb2,

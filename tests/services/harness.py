@@ -17,6 +17,7 @@ from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_layout import KVCacheDtype
 from engine.sampling_params import SamplingParams
+from native_engine.async_engine import build_native_engine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -62,7 +63,7 @@ async def start_prefill(
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_dtype=kv_cache_dtype,
     )
-    service = PrefillService(PrefillConfig(engine=engine, **kwargs))  # type: ignore[arg-type]
+    service = PrefillService(PrefillConfig(engine=engine, **kwargs), build_native_engine)  # type: ignore[arg-type]
     return service, await start(service)
 
 
@@ -81,7 +82,7 @@ async def start_decode(
         prefill_peers=prefill_peers,
         **kwargs,  # type: ignore[arg-type]
     )
-    service = DecodeService(config)
+    service = DecodeService(config, build_native_engine)
     return service, await start(service)
 
 

@@ -17,6 +17,7 @@ from app.client import generate
 from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
+from native_engine.async_engine import build_native_engine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
@@ -35,7 +36,7 @@ async def _scenario(llama_dir: Path, redis_url: str) -> None:
     redis = RedisConfig(url=redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
     small = engine_config(llama_dir, num_blocks=12)  # 192 tokens on the device
     tiered = dataclasses.replace(small, cache=dataclasses.replace(small.cache, host_cache_gib=0.05))
-    service_a = PrefillService(PrefillConfig(engine=tiered, redis=redis))
+    service_a = PrefillService(PrefillConfig(engine=tiered, redis=redis), build_native_engine)
     server_a = await start(service_a)
     service_b, server_b = await start_prefill(llama_dir, redis=redis)
     _, decode_server = await start_decode(llama_dir, redis=redis)

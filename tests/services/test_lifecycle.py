@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import SamplingParams
+from native_engine.async_engine import build_native_engine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.v1 import prefill_pb2
@@ -41,7 +42,9 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
     )
 
     async def run() -> None:
-        service = PrefillService(PrefillConfig(engine=engine_config(llama_dir)))
+        service = PrefillService(
+            PrefillConfig(engine=engine_config(llama_dir)), build_native_engine
+        )
         server = ServiceServer(service, ServerConfig(port=0, drain_timeout_s=30))
         await server.start()
         assert await _health(server.address) == not_serving
@@ -85,7 +88,9 @@ def test_a_dead_engine_turns_the_worker_not_serving_and_stops_it(llama_dir: Path
     from pdserve.common.server import serve
 
     async def run() -> None:
-        service = PrefillService(PrefillConfig(engine=engine_config(llama_dir)))
+        service = PrefillService(
+            PrefillConfig(engine=engine_config(llama_dir)), build_native_engine
+        )
         ready: asyncio.Queue[str] = asyncio.Queue()
 
         def on_event(event: str, address: str) -> None:

@@ -13,8 +13,9 @@ from pathlib import Path
 import grpc
 
 from app.client import generate
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.kv_layout import KVCacheDtype
+from native_engine import LLM
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from app.client import GenerateResult, generate
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.service import RouterService

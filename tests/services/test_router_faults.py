@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from app.client import generate
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.registry import WorkerRecord
 from pdserve.common.convert import sampling_to_proto

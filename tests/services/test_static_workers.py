@@ -15,7 +15,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from app.client import generate
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 from pdserve.v1 import common_pb2, decode_pb2, router_pb2, router_pb2_grpc
 from router.config import RouterConfig
 from router.policy import RoutingPolicy

@@ -1,4 +1,5 @@
-"""engine/block_manager.py: exact block ids, free counts, ref counts, prefix cache and LRU order."""
+"""native_engine/block_manager.py: exact block ids, free counts, ref counts, prefix cache and LRU
+order."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from collections.abc import Sequence as Seq
 import pytest
 
 from engine.block_hash import BlockHash, root_hash
-from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from native_engine.block_manager import BlockManager
 
 BS = 4
 ROOT = root_hash("test-model/float32/bs4")

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from app.fetch_model import MARKER, MODELS, FetchError, convert_gguf, fetch_model
 from app.make_model import CHAT_TEMPLATE
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from native_engine import LLM
 
 
 def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:

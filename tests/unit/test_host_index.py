@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from engine.block_hash import root_hash
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.host_index import HostIndex
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from native_engine.block_manager import BlockManager
+from native_engine.host_index import HostIndex
+from native_engine.scheduler import Scheduler
 
 ROOT = root_hash("test-model/float32/bs4")
 

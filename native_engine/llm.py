@@ -13,9 +13,9 @@ from engine.config import (
     SpeculativeConfig,
 )
 from engine.kv_layout import KVCacheDtype
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from native_engine.llm_engine import LLMEngine
 
 
 class LLM:

@@ -28,10 +28,8 @@ from engine.block_hash import BlockHash
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
 from engine.fault_injection import FaultInjection
 from engine.guide import Guide
-from engine.kv_cache import KVCache
 from engine.kv_events import CacheTier, KVEvents
 from engine.kv_layout import KVCacheLayout
-from engine.llm_engine import LLMEngine
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import (
@@ -45,6 +43,8 @@ from engine.serving_engine import (
 )
 from engine.step_progress import StepProgress
 from engine.threads import finish_in_thread, step_executor
+from native_engine.kv_cache import KVCache
+from native_engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sequence import Sequence, SequenceStatus
+from native_engine.block_manager import BlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class ScheduledSeq:
     seq: Sequence
     # Tokens run this step: uncomputed ones of ``seq.token_ids``, then ``spec_token_ids``.
     num_new_tokens: int
-    # Proposed continuation to verify (speculative decoding; ``engine/speculator.py``): every
+    # Proposed continuation to verify (speculative decoding; ``native_engine/speculator.py``): every
     # one of these positions samples, and only the agreeing prefix is kept.
     spec_token_ids: tuple[int, ...] = ()
 

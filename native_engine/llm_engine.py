@@ -19,21 +19,21 @@ import time
 from concurrent.futures import Future
 
 from engine.block_hash import BlockHash
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.guide import Guide
-from engine.host_loads import HostLoads
-from engine.host_tier import make_host_tier
 from engine.kv_events import CacheTier, KVEventLog
-from engine.loaded_model import LoadedModel
-from engine.model_runner import SeqSamples
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.request_error import RequestError, RequestIdInUse
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
-from engine.speculator import draft_block_bytes, make_speculator
+from native_engine.block_manager import BlockManager
+from native_engine.host_loads import HostLoads
+from native_engine.host_tier import make_host_tier
+from native_engine.loaded_model import LoadedModel
+from native_engine.model_runner import SeqSamples
+from native_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from native_engine.speculator import draft_block_bytes, make_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class LLMEngine:
         if self.host_loads is not None:
             self.host_loads.store_freed()
 
-    # ---- what an async driver (engine/async_engine.py) calls between steps ------------------
+    # ---- what an async driver (native_engine/async_engine.py) calls between steps -----------
     def take_copy_wait(self) -> Future[None] | None:
         """The copy the next step waits for, once (None: none)."""
         copy, self.copy_wait = self.copy_wait, None

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import RopeConfig, RopeScalingType
-from engine.models.linear import Linear
+from native_engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):

@@ -22,7 +22,7 @@ def triton_available() -> bool:
 def _require_triton() -> None:
     if not triton_available():
         raise RuntimeError(
-            "engine.kernels needs the 'triton' package (pip install triton); "
+            "native_engine.kernels needs the 'triton' package (pip install triton); "
             "it is not installed in this environment"
         )
 
@@ -38,7 +38,7 @@ def store_kv(
     `[num_blocks, block_size, num_kv_heads, head_dim]` at flat slots `slot_mapping`
     (`block_id * block_size + offset`); slot -1 skips the token. See `kv_store.store_kv`."""
     _require_triton()
-    from engine.kernels.kv_store import store_kv as impl
+    from native_engine.kernels.kv_store import store_kv as impl
 
     impl(key, value, k_cache, v_cache, slot_mapping)
 
@@ -57,10 +57,10 @@ def paged_decode_attention(
     """Decode attention of query `[num_seqs, num_q_heads, head_dim]` over each sequence's
     first `context_lens[s]` cached tokens, found via `block_tables`; GQA-aware. Returns
     `[num_seqs, num_q_heads, head_dim]` in query's dtype. A quantized cache passes uint8 codes
-    with their scales and codebook (see `engine.kv_quant`). See
+    with their scales and codebook (see `native_engine.kv_quant`). See
     `decode_attention.paged_decode_attention`."""
     _require_triton()
-    from engine.kernels.decode_attention import paged_decode_attention as impl
+    from native_engine.kernels.decode_attention import paged_decode_attention as impl
 
     return impl(
         query, k_cache, v_cache, block_tables, context_lens, scale, k_scales, v_scales, codebook

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.loaded_model import LoadedModel
-from engine.proposer import ProposalRequest, Proposer
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from native_engine.block_manager import BlockManager
+from native_engine.loaded_model import LoadedModel
+from native_engine.proposer import ProposalRequest, Proposer
+from native_engine.scheduler import ScheduledSeq
 
 
 @dataclasses.dataclass(eq=False)

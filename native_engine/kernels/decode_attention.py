@@ -7,8 +7,8 @@ time and keeps an online (flash-decoding style) softmax in fp32.
 
 A quantized cache (uint8 codes plus float32 scales per token and kv head) is decoded as it is
 loaded: `codebook[code] * scale`, rounded to the query's dtype, the values the torch path and
-the CPU kernel read (`engine.kv_quant`), so fp8 codes need no native fp8 type (the interpreter
-has none).
+the CPU kernel read (`native_engine.kv_quant`), so fp8 codes need no native fp8 type (the
+interpreter has none).
 
 The dot products use broadcast-multiply + `tl.sum` instead of `tl.dot`: decode tiles are far
 below the 16x16 minimum of `tl.dot`, and it keeps the kernel exact under TRITON_INTERPRET.

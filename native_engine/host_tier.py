@@ -26,8 +26,8 @@ import torch
 
 from engine.block_hash import BlockHash
 from engine.config import CacheConfig
-from engine.host_index import HostIndex
-from engine.kv_cache import KVCache
+from native_engine.host_index import HostIndex
+from native_engine.kv_cache import KVCache
 
 
 class HostTier:

@@ -1,7 +1,7 @@
 """Which full blocks the host-memory tier holds, and where (pure Python, no torch).
 
 A fixed number of host slots, keyed by block hash, least recently used first out. The engine's
-host tier (``engine/host_tier.py``) copies the bytes; this decides which slot. KV events of
+host tier (``native_engine/host_tier.py``) copies the bytes; this decides which slot. KV events of
 this tier are recorded apart from the device cache's, so a cluster index can tell them apart.
 """
 

@@ -1,7 +1,7 @@
 """Where speculative tokens come from: the interface every proposer implements.
 
 Who calls what, and who frees what:
-- ``Speculator`` (``engine/speculator.py``) is the only caller. Each engine step, after the
+- ``Speculator`` (``native_engine/speculator.py``) is the only caller. Each engine step, after the
   scheduler ran and before the model does, it calls ``propose`` once with the decoding requests
   it wants to speculate for, and verifies whatever comes back; a proposal is only a guess, so a
   proposer may return fewer tokens than asked (or none) and may be wrong at no cost but speed.

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.llm_engine import LLMEngine
 from engine.sampler import (
     SampleRequest,
     filtered_probs,
@@ -21,9 +20,10 @@ from engine.sampler import (
     seeded_noise,
 )
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.token_bans import min_tokens_ids
+from native_engine.llm_engine import LLMEngine
+from native_engine.scheduler import ScheduledSeq
 
 NEAR_TIE = 1e-4
 

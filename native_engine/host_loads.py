@@ -1,5 +1,5 @@
 """The engine's side of the host tier: the copy work it owes each step, and the requests
-whose prefix is being copied in (``engine/host_tier.py`` owns the copies themselves).
+whose prefix is being copied in (``native_engine/host_tier.py`` owns the copies themselves).
 
 ``LLMEngine`` calls ``sync`` before anything may overwrite a block (a model step, a KV
 receiver's writes), ``start`` with the scheduler's new loads, ``finish`` at the start of every
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from concurrent.futures import Future
 
-from engine.block_manager import BlockManager
-from engine.host_tier import HostTier
-from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from native_engine.block_manager import BlockManager
+from native_engine.host_tier import HostTier
+from native_engine.scheduler import Scheduler
 
 
 class HostLoads:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import LlamaFamilyForCausalLM
-from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprobs
+from native_engine.models.llama import LlamaFamilyForCausalLM
+from native_engine.scheduler import ScheduledSeq
 
 ROWS_PER_SLICE = 256  # positions turned into logits at a time: [256, vocab] fp32
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.fingerprint import checkpoint_files
 from engine.model_config import ModelConfig
-from engine.models.llama import LlamaFamilyForCausalLM
+from native_engine.models.llama import LlamaFamilyForCausalLM
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from array import array
 
-from engine.proposer import ProposalRequest, Proposer
+from native_engine.proposer import ProposalRequest, Proposer
 
 _ITEM = array("i").itemsize  # token ids < 2**31
 

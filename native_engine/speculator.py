@@ -1,9 +1,10 @@
 """Speculative decoding inside the engine step: propose, verify exactly, roll back.
 
 Per step (``LLMEngine.step``), after the scheduler and before the model:
-1. ``plan``: for each decoding request that speculates (``engine/spec_policy.py``), the proposer
-   guesses up to k next tokens; the request's step becomes the last token plus the guesses (a
-   short multi-token extend through the paged-KV prefill path), with slots for all of them.
+1. ``plan``: for each decoding request that speculates (``native_engine/spec_policy.py``), the
+   proposer guesses up to k next tokens; the request's step becomes the last token plus the
+   guesses (a short multi-token extend through the paged-KV prefill path), with slots for all
+   of them.
    Guesses never preempt anything: a request whose extra slots do not fit verifies fewer.
 2. The runner samples every position with the request's own sampler at its output index.
 3. ``accept``: a guess is kept iff it is the token the sampler chose there; the kept prefix and
@@ -20,16 +21,16 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpecMethod, SpeculativeConfig
 from engine.kv_layout import KVCacheLayout
 from engine.model_config import ModelConfig
-from engine.model_runner import SeqSamples
-from engine.ngram_proposer import NgramProposer
-from engine.proposer import ProposalRequest, Proposer
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.spec_policy import AcceptanceState, batch_speculates, num_to_propose
+from native_engine.block_manager import BlockManager
+from native_engine.model_runner import SeqSamples
+from native_engine.ngram_proposer import NgramProposer
+from native_engine.proposer import ProposalRequest, Proposer
+from native_engine.scheduler import ScheduledSeq
+from native_engine.spec_policy import AcceptanceState, batch_speculates, num_to_propose
 
 
 class Speculator:
@@ -174,7 +175,9 @@ def make_speculator(
     if spec.method is SpecMethod.NGRAM:
         proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
     else:
-        from engine.draft_proposer import DraftProposer  # loads a second model: only if asked
+        from native_engine.draft_proposer import (
+            DraftProposer,  # loads a second model: only if asked
+        )
 
         assert spec.draft_model is not None
         draft_config = dataclasses.replace(

@@ -20,9 +20,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
-from engine.host_index import HostIndex
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
+from native_engine.host_index import HostIndex
 
 
 @dataclass
@@ -51,7 +51,7 @@ class BlockManager:
         self._cached: dict[BlockHash, int] = {}
         self.num_evicted_blocks = 0
         self.kv_events = KVEventLog()
-        # The host tier (``engine/host_tier.py``): which hashes it holds, and the copy work
+        # The host tier (``native_engine/host_tier.py``): which hashes it holds, and the copy work
         # the engine owes it: blocks that became cached-free (to store) and blocks handed
         # out again (whose pending stores must finish before anything overwrites them).
         self.host_index = host_index

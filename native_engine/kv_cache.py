@@ -16,7 +16,7 @@ import torch
 from engine.dtypes import torch_dtype
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from engine.kv_pages import KVPages, SlabSpans
-from engine.kv_quant import codebook
+from native_engine.kv_quant import codebook
 
 __all__ = ["KVCache", "KVCacheLayout", "LayerCache"]
 

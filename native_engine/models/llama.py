@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.kv_cache import LayerCache
 from engine.model_config import ModelConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
-from engine.models.linear import Linear
+from native_engine.attention import AttentionMetadata, paged_attention
+from native_engine.kv_cache import LayerCache
+from native_engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from native_engine.models.linear import Linear
 
 
 class Attention(nn.Module):

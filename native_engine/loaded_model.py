@@ -17,12 +17,12 @@ from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, AttentionBackend, EngineCo
 from engine.dtypes import torch_dtype
 from engine.fingerprint import fingerprint_of
 from engine.guide import GuideCompiler
-from engine.kernels.cpu import load_cpu_kernels
-from engine.kv_cache import KVCache, KVCacheLayout
-from engine.loader import build_model
 from engine.model_config import ModelConfig
-from engine.model_runner import ModelRunner
 from engine.tokenizer import Tokenizer
+from native_engine.kernels.cpu import load_cpu_kernels
+from native_engine.kv_cache import KVCache, KVCacheLayout
+from native_engine.loader import build_model
+from native_engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

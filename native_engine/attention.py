@@ -4,13 +4,13 @@ Tokens of one step are flattened: every prefill sequence's new tokens first, the
 decode sequence. K/V of the new tokens are written into the cache (by ``slot_mapping``) before
 attention, so a sequence's keys are always read from the cache, never from a side buffer.
 
-The torch path runs anywhere; on CUDA the Triton kernels in ``engine.kernels`` replace the KV store
-and the decode attention (prefill stays on ``scaled_dot_product_attention``).
+The torch path runs anywhere; on CUDA the Triton kernels in ``native_engine.kernels`` replace
+the KV store and the decode attention (prefill stays on ``scaled_dot_product_attention``).
 
-A quantized cache (``engine.kv_quant``) is written by one torch store on every backend, and every
-attention (prefill included) reads the keys and values back from the cache: a token attends to
-the same dequantized K/V whether its context was computed in this chunk, an earlier one, or
-another worker, so chunking, prefix hits and transfers never change a result.
+A quantized cache (``native_engine.kv_quant``) is written by one torch store on every backend,
+and every attention (prefill included) reads the keys and values back from the cache: a token
+attends to the same dequantized K/V whether its context was computed in this chunk, an earlier
+one, or another worker, so chunking, prefix hits and transfers never change a result.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import AttentionBackend
-from engine.kv_cache import LayerCache
-from engine.kv_quant import dequantize, store_quantized
+from native_engine.kv_cache import LayerCache
+from native_engine.kv_quant import dequantize, store_quantized
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def paged_attention(
             cache.kind,
         )
     elif meta.backend is AttentionBackend.TRITON:
-        from engine.kernels import store_kv
+        from native_engine.kernels import store_kv
 
         store_kv(key, value, cache.k, cache.v, meta.slot_mapping)
     else:
@@ -208,9 +208,9 @@ def _decode_attention(
     if meta.backend is not AttentionBackend.TORCH:
         # The two kernels take the same arguments (codes with scales when quantized).
         if meta.backend is AttentionBackend.TRITON:
-            from engine.kernels import paged_decode_attention as kernel
+            from native_engine.kernels import paged_decode_attention as kernel
         else:
-            from engine.kernels.cpu import paged_decode_attention_cpu as kernel
+            from native_engine.kernels.cpu import paged_decode_attention_cpu as kernel
         return kernel(
             query,
             cache.k,

@@ -3,7 +3,7 @@
 Per-step host work is the enemy of decode throughput, so inputs are built with a handful of
 list operations and one tensor conversion each; the logits are computed only for the rows that
 sample: the last token of sequences whose known tokens are all computed after this step, and
-every row of a verified one (its last token and each guess: ``engine/speculator.py``).
+every row of a verified one (its last token and each guess: ``native_engine/speculator.py``).
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import prompt_logprobs
-from engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
 from engine.config import AttentionBackend
 from engine.guide import next_masks
-from engine.kv_cache import KVCache
-from engine.kv_quant import slot_positions
-from engine.models.llama import LlamaFamilyForCausalLM
 from engine.sampler import Sampler, SampleRequest
-from engine.scheduler import ScheduledSeq
 from engine.sequence import TokenLogprobs
 from engine.token_bans import min_tokens_ids
+from native_engine import prompt_logprobs
+from native_engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
+from native_engine.kv_cache import KVCache
+from native_engine.kv_quant import slot_positions
+from native_engine.models.llama import LlamaFamilyForCausalLM
+from native_engine.scheduler import ScheduledSeq
 
 
 @dataclass(frozen=True)
