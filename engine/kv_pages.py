@@ -106,6 +106,17 @@ class KVPages(ABC):
             raise ValueError(f"slabs [{first}, {first + num_slabs}) out of range [0, {total})")
 
 
+class DenseKVPages(KVPages):
+    """Pages held in one tensor ``[num_layers, 2, num_blocks, *layout.slab_shape]`` of
+    ``layout.storage_dtype`` (the native engine's cache, ``native_engine.kv_cache``): what a
+    backend that copies whole layer ranges at once (Ray's object store) and the in-place
+    digest read. ``words``: the same tensor as block copies move it (int32 words when the
+    cache is quantized)."""
+
+    tensor: torch.Tensor
+    words: torch.Tensor
+
+
 def check_kv(kv: int) -> None:
     if kv not in (0, 1):
         raise ValueError(f"kv must be 0 (keys) or 1 (values), got {kv}")

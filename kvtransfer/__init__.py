@@ -22,8 +22,7 @@ from kvtransfer.base import (
 )
 
 if TYPE_CHECKING:
-    from engine.kv_pages import KVPages
-    from native_engine.kv_cache import KVCache
+    from engine.kv_pages import DenseKVPages, KVPages
     from pdserve.common.tls import TlsConfig
 
 
@@ -107,13 +106,13 @@ def _local_receiver(cache: KVPages, o: ReceiverOptions) -> KVReceiver:
 def _ray_sender(cache: KVPages, leases: BlockLeases, o: SenderOptions) -> KVSender:
     from kvtransfer.ray_object_store import RayKVSender
 
-    return RayKVSender(_native_cache("ray", cache), leases)
+    return RayKVSender(_dense_pages("ray", cache), leases)
 
 
 def _ray_receiver(cache: KVPages, o: ReceiverOptions) -> KVReceiver:
     from kvtransfer.ray_object_store import RayKVReceiver
 
-    return RayKVReceiver(_native_cache("ray", cache), o.timeout_s)
+    return RayKVReceiver(_dense_pages("ray", cache), o.timeout_s)
 
 
 def _nixl_sender(cache: KVPages, leases: BlockLeases, o: SenderOptions) -> KVSender:
@@ -192,10 +191,10 @@ def check_engine(backend: str, engine: EngineBackend) -> None:
         )
 
 
-def _native_cache(backend: str, cache: KVPages) -> KVCache:
-    from native_engine.kv_cache import KVCache
+def _dense_pages(backend: str, cache: KVPages) -> DenseKVPages:
+    from engine.kv_pages import DenseKVPages
 
-    if not isinstance(cache, KVCache):
+    if not isinstance(cache, DenseKVPages):
         raise ValueError(
             f"kv_backend {backend!r} needs the native engine's KV cache; this engine's KV moves "
             f"with {' or '.join(PAGED_BACKENDS)}"

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from engine.kv_pages import KVPages
-from native_engine.kv_cache import KVCache
+from engine.kv_pages import DenseKVPages, KVPages
 
 
 def block_digest(pages: KVPages, block_ids: list[int]) -> bytes:
@@ -22,11 +21,11 @@ def block_digest(pages: KVPages, block_ids: list[int]) -> bytes:
     CPU; other pages' are read a slab at a time)."""
     state = xxhash.xxh3_128()
     layout = pages.layout
-    in_place = isinstance(pages, KVCache) and pages.tensor.device.type == "cpu"
+    in_place = isinstance(pages, DenseKVPages) and pages.tensor.device.type == "cpu"
     for layer in range(layout.num_layers):
         for kv in (0, 1):
             if in_place:
-                assert isinstance(pages, KVCache)
+                assert isinstance(pages, DenseKVPages)
                 slab = pages.tensor[layer, kv]
                 for block in block_ids:
                     state.update(slab[block].view(torch.uint8).numpy().data)

@@ -31,6 +31,8 @@ import xxhash
 from ray.exceptions import RayError
 
 from engine.dtypes import torch_dtype
+from engine.kv_layout import KVCacheLayout
+from engine.kv_pages import DenseKVPages
 from engine.threads import finish_in_thread, transfer_executor
 from kvtransfer.base import (
     BlockLeases,
@@ -42,7 +44,6 @@ from kvtransfer.base import (
     TransferStats,
 )
 from kvtransfer.ray_mailbox import ExportReply, LayerRange, PullTicket, spawn_mailbox
-from native_engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.common.tracing import TraceContext
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ def _require_ray() -> None:
 
 class RayKVSender(KVSender):
     backend = "ray"
-    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
+    cache: DenseKVPages  # pages in one tensor: the native engine's (kvtransfer.PAGED_BACKENDS)
 
-    def __init__(self, cache: KVCache, leases: BlockLeases) -> None:
+    def __init__(self, cache: DenseKVPages, leases: BlockLeases) -> None:
         super().__init__(cache, leases)
         self._name = f"pdserve-kv-{uuid.uuid4().hex[:12]}"
         self._namespace = ""
@@ -224,9 +225,9 @@ class RayKVSender(KVSender):
 
 class RayKVReceiver(KVReceiver):
     backend = "ray"
-    cache: KVCache  # the native engine's one tensor (kvtransfer.PAGED_BACKENDS)
+    cache: DenseKVPages  # pages in one tensor: the native engine's (kvtransfer.PAGED_BACKENDS)
 
-    def __init__(self, cache: KVCache, timeout_s: float = 60.0) -> None:
+    def __init__(self, cache: DenseKVPages, timeout_s: float = 60.0) -> None:
         super().__init__(cache)
         _require_ray()
         self.timeout_s = timeout_s

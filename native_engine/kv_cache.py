@@ -15,7 +15,7 @@ import torch
 
 from engine.dtypes import torch_dtype
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
-from engine.kv_pages import KVPages, SlabSpans
+from engine.kv_pages import DenseKVPages, SlabSpans
 from native_engine.kv_quant import codebook
 
 __all__ = ["KVCache", "KVCacheLayout", "LayerCache"]
@@ -37,8 +37,8 @@ class LayerCache:
         return self.kind.quantized
 
 
-class KVCache(KVPages):
-    """The native engine's cache: every layer's blocks in one tensor (``KVPages`` for the
+class KVCache(DenseKVPages):
+    """The native engine's cache: every layer's blocks in one tensor (``DenseKVPages`` for the
     transfer backends; NIXL registers the tensor whole)."""
 
     def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> None:

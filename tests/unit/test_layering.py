@@ -30,8 +30,7 @@ LAYERS: dict[str, frozenset[str]] = {
     # The native engine behind the engine contract: the contract only.
     "native_engine": frozenset({"engine"}),
     "pdserve.common": frozenset({"engine", "pdserve.v1"}),
-    # Its Ray object store and digests read the native engine's one cache tensor.
-    "kvtransfer": frozenset({"engine", "native_engine", "pdserve.common", "pdserve.v1"}),
+    "kvtransfer": frozenset({"engine", "pdserve.common", "pdserve.v1"}),
     # The vLLM engine behind the engine contract (its ranks move their own KV shards): only
     # the component builder imports it.
     "vllm_engine": frozenset({"engine", "pdserve.common", "pdserve.v1", "kvtransfer"}),
@@ -382,3 +381,32 @@ def foreign_owners_of_our_names() -> dict[str, list[str]]:
 
 def test_no_installed_distribution_provides_one_of_our_top_level_names() -> None:
     assert foreign_owners_of_our_names() == {}
+
+
+def _drawn_floors() -> dict[str, int]:
+    """docs/architecture.md's drawing of the house: each top-level folder -> its floor."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    drawing = text.split("\n## Floors\n", 1)[1].split("```", 2)[1]
+    floors: dict[str, int] = {}
+    for line in drawing.splitlines():
+        if match := re.match(r"floor (\d+) (.*)", line):
+            for folder in re.findall(r"(\w+)/", match.group(2).split(" — ")[0]):
+                assert folder not in floors, f"{folder}/ is drawn twice"
+                floors[folder] = int(match.group(1))
+    return floors
+
+
+def test_the_folders_are_the_floors_drawn_and_no_import_goes_up_or_across() -> None:
+    """Read top-down, the drawing is the LAYERS table: every package of ours is on one floor,
+    and a node imports only nodes in its own folder (a folder's own order: LAYERS) or on a
+    floor below."""
+    floors = _drawn_floors()
+    assert set(floors) == set(_packages())
+    wrong = [
+        f"{node} -> {dep}"
+        for node, deps in LAYERS.items()
+        for dep in deps
+        if node.split(".")[0] != dep.split(".")[0]
+        and floors[dep.split(".")[0]] >= floors[node.split(".")[0]]
+    ]
+    assert wrong == []
