@@ -42,8 +42,8 @@ from vllm.v1.request import RequestStatus
 from vllm_engine.bridge import Bridge, find_bridge
 from vllm_engine.core_channel import CoreChannel, HubChannel
 from vllm_engine.kv_pages import SKIP_BLOCK, VllmKVPages, page_halves, vllm_layout
-from vllm_engine.outputs import PINNED_KEY, Mode
 from vllm_engine.rank_runtime import RankRuntime
+from vllm_engine.request import PINNED_KEY, Mode
 from vllm_engine.sampler import guide_compiler
 
 if TYPE_CHECKING:

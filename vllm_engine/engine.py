@@ -11,7 +11,7 @@ request's text, stop conditions and lengths (``engine.request_state``), so a req
 every engine, and on every path, where the native engine ends it. A request whose reader is
 slow is paused at ``max_buffered_tokens`` waiting, as on the native engine: it leaves vLLM
 (seat and blocks) until its reader takes half, then goes on as a continuation
-(``vllm_engine/requests.py``).
+(``vllm_engine/request_table.py``).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ from vllm_engine.bridge import Bridge
 from vllm_engine.core_driver import CoreCallbacks, CoreDriver, refusal
 from vllm_engine.events import CachedBlocks
 from vllm_engine.kv_pages import VllmKVPages
-from vllm_engine.outputs import Mode, Request
 from vllm_engine.rank_hub import RankHub
 from vllm_engine.rank_transfer import RankKVReceiver, RankKVSender
-from vllm_engine.requests import RequestTable
+from vllm_engine.request import Mode, Request
+from vllm_engine.request_table import RequestTable
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

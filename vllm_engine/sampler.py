@@ -95,7 +95,7 @@ class _Row:
     def _allowed(self) -> torch.Tensor | None:
         """The grammar's mask after every token vLLM has produced for the request. A token
         the grammar refuses (its row allowed nothing) is the request's error, which pdserve's
-        side raises on the same token (``vllm_engine/requests.py``) and which must never
+        side raises on the same token (``vllm_engine/request_table.py``) and which must never
         raise inside vLLM's step: the row goes on unconstrained until the request is gone."""
         if self.guide is None:
             return None

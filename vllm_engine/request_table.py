@@ -36,7 +36,7 @@ from engine.step_progress import StepProgress
 from engine.tokenizer import Tokenizer
 from vllm_engine.bridge import Bridge
 from vllm_engine.core_driver import CoreDriver
-from vllm_engine.outputs import PINNED_KEY, Mode, Request, positions, token_logprobs, vllm_params
+from vllm_engine.request import PINNED_KEY, Mode, Request, positions, token_logprobs, vllm_params
 
 logger = logging.getLogger(__name__)
 
