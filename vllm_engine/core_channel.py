@@ -83,9 +83,12 @@ class HubChannel(CoreChannel):
     ) -> None:
         self._loading.add(rid)
         blocks = hub_pb2.CoreBlocks(
-            request_id=rid, attempt=attempt, internal_id=internal_id, block_ids=block_ids,
+            request_id=rid,
+            attempt=attempt,
+            internal_id=internal_id,
+            block_ids=block_ids,
             waits=waits,
-        )  # fmt: skip
+        )
         self._outbox.put(("Allocated", blocks))
 
     def pin(self, rid: str, attempt: int, internal_id: str, block_ids: list[int]) -> None:

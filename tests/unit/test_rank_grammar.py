@@ -31,9 +31,16 @@ VOCAB, EOS = 1024, (2,)
 
 def _pages(tp_rank: int) -> VllmKVPages:
     layout = KVCacheLayout(
-        "fp", "float32", 4, 1, 1, 8, page_layout="vllm-test/CPU_ATTN/BHx8x8",
-        tp_size=2, tp_rank=tp_rank,
-    )  # fmt: skip
+        model_fingerprint="fp",
+        dtype="float32",
+        block_size=4,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=8,
+        page_layout="vllm-test/CPU_ATTN/BHx8x8",
+        tp_size=2,
+        tp_rank=tp_rank,
+    )
     return VllmKVPages([torch.zeros(2, 1, 8, 8)], layout, 2)
 
 

@@ -67,9 +67,13 @@ def test_slabs_are_the_halves_of_each_page_and_round_trip(layout: str) -> None:
 
 def test_each_layout_names_its_arrangement_and_only_heads_outermost_cut_by_heads() -> None:
     names = {lay: page_halves(_layers(lay)[0], NUM_BLOCKS, 2)[1] for lay in LAYOUTS}
+    heads_outermost, tokens_outermost = "BHx4x6", "B4x2x6/NHC"
     assert names == {
-        "LBHNC": "BHx4x6", "BLHNC": "BHx4x6", "LBNHC": "B4x2x6/NHC", "BLNHC": "B4x2x6/NHC"
-    }  # fmt: skip
+        "LBHNC": heads_outermost,
+        "BLHNC": heads_outermost,
+        "LBNHC": tokens_outermost,
+        "BLNHC": tokens_outermost,
+    }
     # One head per rank: where it sits in the page is no difference.
     assert page_halves(_layers("LBNHC", heads=1)[0], NUM_BLOCKS, 1)[1] == "BHx4x6"
     for lay in ("LBHNC", "BLHNC"):  # a head range is each page's run of those heads
