@@ -1,4 +1,5 @@
-"""What a request must pass to enter an engine, and the ``Sequence`` it becomes there: one rule
+"""What a request must pass to enter an engine, and the ``Sequence`` it becomes there (of the
+engine's own kind: the native engine's ``PagedSequence``, the vLLM engine's plain one): one rule
 for every engine behind the serving contract (the native ``LLMEngine``; the vLLM engine's
 request table, which keeps pdserve's side of each request).
 
@@ -14,12 +15,15 @@ async engine makes the matcher off the event loop and passes it in).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.guide import Guide, GuideCompiler
 from engine.prompt import validate_prompt, validate_sampling, validate_token_ids
 from engine.sampling_params import SamplingParams, check_continuation
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
+
+S = TypeVar("S", bound=Sequence)
 
 
 @dataclass(frozen=True)
@@ -32,15 +36,15 @@ class Admission:
 
     def sequence(
         self,
+        kind: type[S],
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
         num_generated: int = 0,
         *,
-        prefill_only: bool = False,
         guide: Guide | None = None,
-    ) -> Sequence:
-        """The request as a sequence of this engine: ``prompt`` (text or ids) whose last
+    ) -> S:
+        """The request as a ``kind`` of this engine: ``prompt`` (text or ids) whose last
         ``num_generated`` ids are earlier output (a continuation). ``guide``: the matcher
         ``prepare_guide`` made; made here when None. Raises ValueError naming the field."""
         self.check_params(params)
@@ -48,7 +52,7 @@ class Admission:
         if num_generated:
             check_continuation(len(token_ids), num_generated, params, self.max_model_len)
         own_prompt = token_ids[: len(token_ids) - num_generated]
-        seq = Sequence(request_id, own_prompt, params, token_ids, prefill_only=prefill_only)
+        seq = kind(request_id, own_prompt, params, token_ids)
         if params.structured is not None:
             seq.guide = guide or self.prepare_guide(params, seq.output_token_ids)
         return seq

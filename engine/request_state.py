@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestUpdate
@@ -20,10 +21,13 @@ from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# The engine's own kind of sequence (the native engine's ``PagedSequence``).
+S = TypeVar("S", bound=Sequence)
+
 
 @dataclass(eq=False)
-class RequestState:
-    seq: Sequence
+class RequestState(Generic[S]):
+    seq: S
     detokenizer: IncrementalDetokenizer | None
     reported_cached: bool = False
     reported_prompt_logprobs: bool = False
@@ -36,8 +40,8 @@ class RequestState:
 
     @classmethod
     def create(
-        cls, seq: Sequence, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]
-    ) -> RequestState:
+        cls, seq: S, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]
+    ) -> RequestState[S]:
         detokenizer = (
             IncrementalDetokenizer.for_sequence(tokenizer, seq, eos_token_ids)
             if tokenizer is not None

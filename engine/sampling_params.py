@@ -30,7 +30,7 @@ class SamplingParams:
     # Top-n logprobs per prompt token after the first (each token's own logprob always): the
     # worker that prefills computes them (native_engine/prompt_logprobs.py); None: none, no cost.
     prompt_logprobs: int | None = None
-    # Logit processing (engine/sampler.py ``processed_logits``), on every path that samples:
+    # Logit processing (engine/sampling.py ``processed_logits``), on every path that samples:
     # penalties count the output (and, for repetition, the prompt) of the request so far,
     # earlier output carried by a continuation included.
     presence_penalty: float = 0.0  # subtracted once from every token already in the output

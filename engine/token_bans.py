@@ -5,7 +5,7 @@ Two parameters ban tokens outright (``-inf`` logits): ``bad_words`` (a word's la
 wherever the output ends with the rest of it; always, for a one-token word) and ``min_tokens``
 (its stop ids and, unless ``ignore_eos``, EOS, while fewer tokens are out). A grammar (guided
 decoding) allows some tokens at each position. One rule, two users: the sampler masks what
-``banned_ids`` names (``engine/sampler.py``), and a request's output refuses a token among them
+``banned_ids`` names (``engine/sampling.py``), and a request's output refuses a token among them
 (``engine/request_state.py``). A sampler only picks such a token when its row had no token left
 at all (every token the grammar allows is banned): that is the request's error
 (``RequestError``, named by ``no_token_message``), never the engine's. Before admission,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEventLog
-from engine.sequence import Sequence
 from native_engine.host_index import HostIndex
+from native_engine.paged_sequence import PagedSequence
 
 
 @dataclass
@@ -86,7 +86,7 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: PagedSequence) -> list[int]:
         """Prefix-cache hits for a sequence about to be admitted.
 
         At least one token is always left to compute: its logits produce the next token.
@@ -96,7 +96,7 @@ class BlockManager:
             return []
         return self.find_cached_prefix(seq.block_hashes, (seq.num_tokens - 1) // self.block_size)
 
-    def host_prefix(self, seq: Sequence, num_device_hits: int) -> list[int]:
+    def host_prefix(self, seq: PagedSequence, num_device_hits: int) -> list[int]:
         """Host-tier slots of the blocks right after ``num_device_hits`` device hits, as far
         as the host tier holds them (leaving a token to compute, as ``cached_prefix`` does)."""
         if self.host_index is None or seq.needs_prompt_logprobs:
@@ -116,7 +116,7 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()
+        self, seq: PagedSequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``seq``, after ``cached_block_ids``.
 
@@ -160,7 +160,7 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def register_computed_blocks(self, seq: Sequence) -> list[BlockHash]:
+    def register_computed_blocks(self, seq: PagedSequence) -> list[BlockHash]:
         """Publish the sequence's newly completed full blocks to the prefix cache.
 
         Returns the hashes newly stored (the KV events a cluster index consumes).
@@ -189,7 +189,7 @@ class BlockManager:
             "num_cached_blocks": self.num_cached_blocks,
         }
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: PagedSequence) -> None:
         """Drop the sequence's references. Tail blocks are queued for eviction before the head
         (heads are the prefixes other requests share); unhashed blocks are reused first."""
         for block_id in reversed(seq.block_table):
@@ -206,7 +206,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
-    def trim(self, seq: Sequence, num_tokens: int) -> None:
+    def trim(self, seq: PagedSequence, num_tokens: int) -> None:
         """Give back the tail blocks ``seq`` holds beyond its first ``num_tokens`` tokens
         (speculative slots of rejected tokens). Such blocks were allocated for this step only:
         never hashed, never shared."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import (
+from engine.sampling import (
     SampleRequest,
     filtered_probs,
     guided_logits,
@@ -20,9 +20,9 @@ from engine.sampler import (
     seeded_noise,
 )
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from engine.token_bans import min_tokens_ids
 from native_engine.llm_engine import LLMEngine
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import ScheduledSeq
 
 NEAR_TIE = 1e-4
@@ -66,7 +66,7 @@ def sequence_logits(
     """The logits after every position of ``token_ids``, from one prefill through the engine's
     own cache (so a quantized cache's reads are in them). Uses free blocks of ``engine`` and
     gives them back."""
-    seq = Sequence("diagnostics", token_ids, params or SamplingParams(max_tokens=1))
+    seq = PagedSequence("diagnostics", token_ids, params or SamplingParams(max_tokens=1))
     if not engine.block_manager.allocate_slots(seq, len(token_ids)):
         raise RuntimeError("no free KV blocks for the diagnostic forward pass")
     engine.sync_host_tier()  # pending host-tier copies of these blocks finish first

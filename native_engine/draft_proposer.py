@@ -20,16 +20,16 @@ from __future__ import annotations
 import dataclasses
 
 from engine.config import EngineConfig
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
 from native_engine.loaded_model import LoadedModel
+from native_engine.paged_sequence import PagedSequence
 from native_engine.proposer import ProposalRequest, Proposer
 from native_engine.scheduler import ScheduledSeq
 
 
 @dataclasses.dataclass(eq=False)
 class _Draft:
-    seq: Sequence  # the target's tokens up to ``num_synced``, then this draft's guesses
+    seq: PagedSequence  # the target's tokens up to ``num_synced``, then this draft's guesses
     num_synced: int
 
 
@@ -52,7 +52,7 @@ class DraftProposer(Proposer):
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
         budget = self.max_chunk_tokens
         first: list[ScheduledSeq] = []
-        proposing: list[tuple[int, Sequence, int]] = []  # index, draft sequence, k
+        proposing: list[tuple[int, PagedSequence, int]] = []  # index, draft sequence, k
         wanted = {r.seq.request_id for r in requests}
         for i, request in enumerate(requests):
             draft = self._sync(request.seq)
@@ -83,7 +83,7 @@ class DraftProposer(Proposer):
             proposals[i] = seq.token_ids[self._drafts[seq.request_id].num_synced :]
         return proposals
 
-    def _allocate(self, draft: Sequence, chunk: int, k: int, keep: set[str]) -> int:
+    def _allocate(self, draft: PagedSequence, chunk: int, k: int, keep: set[str]) -> int:
         """Slots for the catch-up ``chunk`` and the ``k - 1`` guesses fed back in; when the
         draft cache is short, the drafts of requests not proposing now (preempted, paused,
         sitting out: they catch up again later) make room first, then fewer guesses are
@@ -105,14 +105,14 @@ class DraftProposer(Proposer):
         for result in results:
             result.scheduled.seq.token_ids.append(result.token_ids[0])
 
-    def _sync(self, target: Sequence) -> Sequence:
+    def _sync(self, target: PagedSequence) -> PagedSequence:
         """The draft sequence of ``target``, its tokens made the target's: the KV of guesses
         the target did not accept is dropped."""
         draft = self._drafts.get(target.request_id)
         if draft is None:
             # Logprobs are the target's to report; the draft only needs its choices.
             params = dataclasses.replace(target.params, logprobs=None)
-            seq = Sequence(
+            seq = PagedSequence(
                 target.request_id, list(target.prompt_token_ids), params, list(target.token_ids)
             )
             self._drafts[target.request_id] = _Draft(seq, target.num_tokens)

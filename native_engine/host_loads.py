@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from concurrent.futures import Future
 
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
 from native_engine.host_tier import HostTier
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import Scheduler
 
 
@@ -23,8 +23,8 @@ class HostLoads:
         self.tier = tier
         self.block_manager = block_manager
         self.scheduler = scheduler
-        self.loading: dict[str, tuple[Sequence, Future[None]]] = {}
-        self.abandoned: list[tuple[Sequence, Future[None]]] = []  # freed once their copy lands
+        self.loading: dict[str, tuple[PagedSequence, Future[None]]] = {}
+        self.abandoned: list[tuple[PagedSequence, Future[None]]] = []  # freed once their copy lands
 
     def sync(self, protected: Collection[int] = ()) -> None:
         """Copies blocks that became cached-free to the host tier, then waits for pending
@@ -36,7 +36,7 @@ class HostLoads:
         """Queues the copies of blocks that became cached-free (none waits)."""
         self.tier.store(self.block_manager.drain_to_store(), protected)
 
-    def start(self, loads: list[tuple[Sequence, list[tuple[int, int]]]]) -> None:
+    def start(self, loads: list[tuple[PagedSequence, list[tuple[int, int]]]]) -> None:
         if not loads:
             return
         # Pending stores into the loads' target blocks finish first (they run before the

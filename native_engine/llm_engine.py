@@ -26,12 +26,13 @@ from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.request_error import RequestError, RequestIdInUse
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from engine.sequence import SequenceStatus, TokenLogprobs
 from native_engine.block_manager import BlockManager
 from native_engine.host_loads import HostLoads
 from native_engine.host_tier import make_host_tier
 from native_engine.loaded_model import LoadedModel
 from native_engine.model_runner import SeqSamples
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from native_engine.speculator import draft_block_bytes, make_speculator
 
@@ -68,9 +69,9 @@ class LLMEngine:
         self.speculator = make_speculator(
             config, self.block_manager, self.model_config.vocab_size, self.max_model_len
         )
-        self._requests: dict[str, RequestState] = {}
-        self.pinned: dict[str, Sequence] = {}
-        self._reserved: dict[str, RequestState] = {}
+        self._requests: dict[str, RequestState[PagedSequence]] = {}
+        self.pinned: dict[str, PagedSequence] = {}
+        self._reserved: dict[str, RequestState[PagedSequence]] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens_computed = 0
         self.num_prefix_hit_tokens = 0
@@ -102,13 +103,9 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._check_new_request(request_id)
         seq = self.admission.sequence(
-            request_id,
-            prompt,
-            params,
-            num_generated_tokens,
-            prefill_only=prefill_only,
-            guide=guide,
+            PagedSequence, request_id, prompt, params, num_generated_tokens, guide=guide
         )
+        seq.prefill_only = prefill_only
         seq.wants_prompt_logprobs = params.prompt_logprobs is not None and not num_generated_tokens
         self._hash(seq)
         self._requests[request_id] = self._state(seq)
@@ -270,7 +267,7 @@ class LLMEngine:
             self.host_loads.sync()
 
     def _append_tokens(
-        self, req: RequestState, tokens: list[tuple[int, TokenLogprobs | None]]
+        self, req: RequestState[PagedSequence], tokens: list[tuple[int, TokenLogprobs | None]]
     ) -> RequestUpdate | None:
         """Appends one step's tokens (several when guesses were accepted), stopping at the
         first that ends the request exactly as if they had come one step at a time."""
@@ -289,12 +286,12 @@ class LLMEngine:
             return self._pin(req)
         return req.flush(None)
 
-    def _fail(self, req: RequestState, message: str) -> RequestUpdate:
+    def _fail(self, req: RequestState[PagedSequence], message: str) -> RequestUpdate:
         """Ends a request its own parameters failed (a ``RequestError`` from its tokens); its
         blocks go back."""
         return self._finish(req, req.fail(message))
 
-    def _finish(self, req: RequestState, status: SequenceStatus) -> RequestUpdate:
+    def _finish(self, req: RequestState[PagedSequence], status: SequenceStatus) -> RequestUpdate:
         seq = req.seq
         status = req.finish(status)
         self.scheduler.remove(seq)
@@ -310,17 +307,17 @@ class LLMEngine:
             self.block_manager.free(seq)
         return req.flush(status.finish_reason, prefilled=pinned)
 
-    def _pin(self, req: RequestState) -> RequestUpdate:
+    def _pin(self, req: RequestState[PagedSequence]) -> RequestUpdate:
         seq = req.seq
         self.scheduler.remove(seq)
         del self._requests[seq.request_id]
         self.pinned[seq.request_id] = seq
         return req.flush(None, prefilled=True)
 
-    def _state(self, seq: Sequence) -> RequestState:
+    def _state(self, seq: PagedSequence) -> RequestState[PagedSequence]:
         return RequestState.create(seq, self.tokenizer, self.model_config.eos_token_ids)
 
-    def _hash(self, seq: Sequence) -> None:
+    def _hash(self, seq: PagedSequence) -> None:
         if self.config.cache.enable_prefix_caching:
             seq.update_block_hashes(self.loaded.root_hash, self.block_size)
 
@@ -345,6 +342,7 @@ class LLMEngine:
         self._check_new_request(request.request_id)
         self.admission.validate_token_ids([request.first_token_id], "first_token_id")
         seq = self.admission.sequence(
+            PagedSequence,
             request.request_id,
             request.prompt_token_ids,
             request.params,

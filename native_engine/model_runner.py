@@ -14,7 +14,8 @@ import torch
 
 from engine.config import AttentionBackend
 from engine.guide import next_masks
-from engine.sampler import Sampler, SampleRequest
+from engine.sampling import SampleRequest
+from native_engine.sampler import Sampler
 from engine.sequence import TokenLogprobs
 from engine.token_bans import min_tokens_ids
 from native_engine import prompt_logprobs

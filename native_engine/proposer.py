@@ -17,12 +17,13 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from native_engine.paged_sequence import PagedSequence
 
 
 @dataclass(frozen=True)
 class ProposalRequest:
-    seq: Sequence  # the target's sequence: every token of it is known, all but the last computed
+    # The target's sequence: every token of it is known, all but the last computed.
+    seq: PagedSequence
     max_tokens: int  # at most this many proposed tokens
 
 

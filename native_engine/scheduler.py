@@ -24,15 +24,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import SequenceStatus
 from native_engine.block_manager import BlockManager
+from native_engine.paged_sequence import PagedSequence
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    seq: Sequence
+    seq: PagedSequence
     # Tokens run this step: uncomputed ones of ``seq.token_ids``, then ``spec_token_ids``.
     num_new_tokens: int
     # Proposed continuation to verify (speculative decoding; ``native_engine/speculator.py``): every
@@ -55,14 +56,14 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[PagedSequence] = field(default_factory=list)
     # Admitted with a host-tier hit: (sequence, [(host slot, device block), ...]) to copy in;
     # the sequence waits in ``loading`` until the engine calls ``loaded``.
-    loads: list[tuple[Sequence, list[tuple[int, int]]]] = field(default_factory=list)
+    loads: list[tuple[PagedSequence, list[tuple[int, int]]]] = field(default_factory=list)
     # Sequences that can never fit in the cache; finished with reason "length".
-    dropped: list[Sequence] = field(default_factory=list)
+    dropped: list[PagedSequence] = field(default_factory=list)
     # Paused sequences past max_paused_requests or max_pause_s: blocks given back, still paused.
-    released: list[Sequence] = field(default_factory=list)
+    released: list[PagedSequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -77,29 +78,29 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.ready: deque[Sequence] = deque()  # KV in the cache, waiting for a seat
-        self.paused: list[Sequence] = []  # no seat, not scheduled; oldest pause first
+        self.waiting: deque[PagedSequence] = deque()
+        self.running: list[PagedSequence] = []
+        self.ready: deque[PagedSequence] = deque()  # KV in the cache, waiting for a seat
+        self.paused: list[PagedSequence] = []  # no seat, not scheduled; oldest pause first
         self._paused_at: dict[str, float] = {}  # request id -> when it paused
-        self.loading: list[Sequence] = []  # blocks being copied in from the host tier
+        self.loading: list[PagedSequence] = []  # blocks being copied in from the host tier
         self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.ready or self.loading)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: PagedSequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_ready(self, seq: Sequence) -> None:
+    def add_ready(self, seq: PagedSequence) -> None:
         """A sequence whose blocks are allocated and filled (imported KV): it joins the running
         batch when a seat is free, ahead of waiting sequences (it already holds its blocks)."""
         seq.status = SequenceStatus.RUNNING
         self.ready.append(seq)
 
-    def pause(self, seq: Sequence, now: float = 0.0) -> bool:
+    def pause(self, seq: PagedSequence, now: float = 0.0) -> bool:
         """Takes a running (or ready) sequence out of scheduling, keeping its blocks for now
         (``now``: the clock ``schedule`` is given). False when it holds no seat to give up
         (waiting: it produces nothing until admitted anyway)."""
@@ -113,12 +114,12 @@ class Scheduler:
         self._paused_at[seq.request_id] = now
         return True
 
-    def loaded(self, seq: Sequence) -> None:
+    def loaded(self, seq: PagedSequence) -> None:
         """Its host-tier blocks are in the device cache: it takes a seat like imported KV."""
         self.loading.remove(seq)
         self.ready.append(seq)
 
-    def resume(self, seq: Sequence) -> None:
+    def resume(self, seq: PagedSequence) -> None:
         """Back to scheduling: with its blocks, for a seat; without (it gave them back), to
         the front of the waiting queue, to be recomputed."""
         if seq in self.paused:
@@ -182,7 +183,7 @@ class Scheduler:
         return out
 
     def _admit_loading(
-        self, seq: Sequence, hits: list[int], out: SchedulerOutput, now: float
+        self, seq: PagedSequence, hits: list[int], out: SchedulerOutput, now: float
     ) -> bool:
         """A prefix that continues in the host tier: blocks for it are taken now and filled by
         copies, and ``seq`` waits in ``loading`` (no seat, no tokens of this step) until they
@@ -206,7 +207,7 @@ class Scheduler:
         out.loads.append((seq, list(zip(slots, seq.block_table[first:], strict=False))))
         return True
 
-    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: PagedSequence, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for ``seq``, preempting as needed: first the newest ``ready`` sequence
         (it holds blocks but no seat, and may never get one while they are short: seats wait
         for blocks that it holds), then from the back of ``running``.
@@ -241,7 +242,7 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
         }
 
-    def _paused_holders(self) -> list[Sequence]:
+    def _paused_holders(self) -> list[PagedSequence]:
         """Paused sequences that still hold blocks, oldest pause first."""
         return [s for s in self.paused if s.block_table]
 
@@ -253,17 +254,17 @@ class Scheduler:
                 self._release_paused(seq)
                 out.released.append(seq)
 
-    def _release_paused(self, seq: Sequence) -> None:
+    def _release_paused(self, seq: PagedSequence) -> None:
         """A paused sequence gives its blocks back; it stays paused (recomputed on resume)."""
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.num_preemptions += 1
 
-    def _never_fits(self, seq: Sequence) -> bool:
+    def _never_fits(self, seq: PagedSequence) -> bool:
         """Even an empty cache could not hold this sequence's next step."""
         return self.block_manager.blocks_needed(seq.num_tokens) > self.block_manager.num_blocks
 
-    def remove(self, seq: Sequence) -> None:
+    def remove(self, seq: PagedSequence) -> None:
         """Stop scheduling a sequence; the caller owns freeing (or pinning) its blocks."""
         self._paused_at.pop(seq.request_id, None)
         for queue in (self.running, self.waiting, self.ready, self.paused, self.loading):

@@ -24,10 +24,10 @@ from pathlib import Path
 from engine.config import EngineConfig, SpecMethod, SpeculativeConfig
 from engine.kv_layout import KVCacheLayout
 from engine.model_config import ModelConfig
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
 from native_engine.model_runner import SeqSamples
 from native_engine.ngram_proposer import NgramProposer
+from native_engine.paged_sequence import PagedSequence
 from native_engine.proposer import ProposalRequest, Proposer
 from native_engine.scheduler import ScheduledSeq
 from native_engine.spec_policy import AcceptanceState, batch_speculates, num_to_propose
@@ -92,7 +92,7 @@ class Speculator:
                 self.block_manager.trim(seq, seq.num_computed_tokens + 1)
         return planned
 
-    def _fit(self, seq: Sequence, num_tokens: int) -> int:
+    def _fit(self, seq: PagedSequence, num_tokens: int) -> int:
         """Slots for up to ``num_tokens`` guesses after the last token: new blocks if free,
         else what the sequence's last block has left (never a preemption). Returns how many."""
         if num_tokens <= 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ from vllm.sampling_params import RequestOutputKind
 from engine.outputs import RequestUpdate
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
+from engine.sequence import Sequence, TokenLogprobs
 from vllm_engine.sampler import EXTRA_ARGS_KEY, sampling_extra_args
 
 # The key vLLM passes on to the connector (``Request.kv_transfer_params``).
@@ -38,7 +38,7 @@ class Mode(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    state: RequestState
+    state: RequestState[Sequence]
     mode: Mode
     attempt: int  # its add's number (``RequestTable``; a resume adds it again)
     queue: asyncio.Queue[RequestUpdate | Exception] = field(default_factory=asyncio.Queue)
@@ -99,7 +99,7 @@ def token_logprobs(
     )
 
 
-def positions(logprobs: Sequence[dict[int, Logprob] | None] | None, n: int) -> list[Any]:
+def positions(logprobs: Seq[dict[int, Logprob] | None] | None, n: int) -> list[Any]:
     """One logprobs entry per new token (None when none were asked for)."""
     if logprobs is None:
         return [None] * n

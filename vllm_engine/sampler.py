@@ -1,5 +1,5 @@
 """pdserve's sampler inside vLLM: a logits processor that picks each token with pdserve's
-stateless seeded sampler (``engine.sampler``: the noise is a function of (seed, output index)
+stateless seeded sampler (``engine.sampling``: the noise is a function of (seed, output index)
 alone), pdserve's logit processing (penalties, logit_bias, min_tokens: a function of the
 request's own tokens) and its grammar's mask (structured outputs: the matcher is advanced by
 every token vLLM produced for the request), and leaves vLLM only that token to choose.
@@ -28,7 +28,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from engine.checkpoint import CheckpointInfo
 from engine.guide import Guide, GuideCompiler
 from engine.request_error import RequestError
-from engine.sampler import SampleRequest, seeded_choice
+from engine.sampling import SampleRequest, seeded_choice
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredKind, StructuredOutput
 from engine.token_bans import min_tokens_ids

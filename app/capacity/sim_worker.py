@@ -17,8 +17,9 @@ from app.capacity.profile import Profile, StepShape
 from engine.block_hash import BlockHash
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import SequenceStatus
 from native_engine.block_manager import BlockManager
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import ScheduledSeq, Scheduler
 
 # The token every simulated step samples: its value matters to nothing but block hashes.
@@ -39,13 +40,13 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class StepResult:
-    seq: Sequence
+    seq: PagedSequence
     outcome: Outcome
 
 
-def new_sequence(request_id: str, prompt: list[int], output_len: int) -> Sequence:
+def new_sequence(request_id: str, prompt: list[int], output_len: int) -> PagedSequence:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    return Sequence(request_id, list(prompt), params)
+    return PagedSequence(request_id, list(prompt), params)
 
 
 class SimWorker:
@@ -61,29 +62,29 @@ class SimWorker:
         self._scheduled: list[ScheduledSeq] = []
         self.num_steps = 0
 
-    def _hash(self, seq: Sequence) -> None:
+    def _hash(self, seq: PagedSequence) -> None:
         seq.update_block_hashes(self.root, self.profile.block_size)
 
     # ---- requests ------------------------------------------------------------------------
-    def add(self, seq: Sequence, prefill_only: bool) -> None:
+    def add(self, seq: PagedSequence, prefill_only: bool) -> None:
         seq.prefill_only = prefill_only
         self._hash(seq)
         self.scheduler.add(seq)
 
-    def cached_tokens(self, seq: Sequence) -> int:
+    def cached_tokens(self, seq: PagedSequence) -> int:
         """What this worker's prefix cache would serve of the prompt (the router's index
         view, exact): never the last token, which must be computed."""
         self._hash(seq)
         return len(self.block_manager.cached_prefix(seq)) * self.profile.block_size
 
-    def reserve(self, seq: Sequence) -> bool:
+    def reserve(self, seq: PagedSequence) -> bool:
         """Decode side: blocks for a prefilled prompt (``LLMEngine.reserve_prefilled``)."""
         if not self.block_manager.allocate_slots(seq, seq.num_tokens):
             return False
         seq.num_cached_tokens = 0
         return True
 
-    def start_prefilled(self, seq: Sequence) -> Outcome:
+    def start_prefilled(self, seq: PagedSequence) -> Outcome:
         """The KV arrived: the request joins the batch with its first token appended."""
         seq.num_computed_tokens = seq.num_tokens
         self._hash(seq)
@@ -97,7 +98,7 @@ class SimWorker:
         self.scheduler.add_ready(seq)
         return Outcome.TOKEN
 
-    def free_pinned(self, seq: Sequence) -> None:
+    def free_pinned(self, seq: PagedSequence) -> None:
         self.block_manager.free(seq)
 
     # ---- steps ---------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class SimWorker:
         self.busy = False
         return results
 
-    def _append(self, seq: Sequence) -> Outcome:
+    def _append(self, seq: PagedSequence) -> Outcome:
         seq.token_ids.append(SIM_TOKEN_ID)
         self._hash(seq)
         if seq.num_output_tokens >= seq.params.max_tokens:

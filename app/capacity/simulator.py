@@ -26,7 +26,8 @@ from app.bench.workload import BenchRequest, poisson_arrivals
 from app.capacity.profile import Profile
 from app.capacity.sim_worker import Outcome, Role, SimWorker, StepResult, new_sequence
 from engine.block_hash import root_hash
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import SequenceStatus
+from native_engine.paged_sequence import PagedSequence
 from router.policy import WorkerLoad, rank_cache_aware, rank_decode, rank_prefill
 
 __all__ = ["ClusterShape", "RouterModel", "SimResult", "Simulator", "poisson_arrivals"]
@@ -69,10 +70,10 @@ class RouterModel:
 @dataclass
 class _Request:
     record: RequestRecord
-    seq: Sequence  # where it is prefilled (or all of it, when one worker does both)
+    seq: PagedSequence  # where it is prefilled (or all of it, when one worker does both)
     prefill: SimWorker | None = None
     decode: SimWorker | None = None
-    decode_seq: Sequence | None = None  # the decode worker's own, for a prefilled request
+    decode_seq: PagedSequence | None = None  # the decode worker's own, for a prefilled request
 
 
 @dataclass
@@ -213,7 +214,7 @@ class Simulator:
         worker.add(seq, prefill_only=True)
         self._wake(worker)
 
-    def _local_prefill(self, seq: Sequence) -> SimWorker | None:
+    def _local_prefill(self, seq: PagedSequence) -> SimWorker | None:
         """The router's conditional disaggregation (``router/dispatch.py``): among the ranked
         decode workers the one caching most of the prompt, when fewer than
         ``local_prefill_tokens`` of it are uncached there."""
@@ -228,7 +229,7 @@ class Simulator:
         best = max(ranked, key=lambda w: cached[w.name])  # ties: the ranked order
         return best if seq.num_tokens - cached[best.name] < threshold else None
 
-    def _pick_decode(self, seq: Sequence) -> SimWorker:
+    def _pick_decode(self, seq: PagedSequence) -> SimWorker:
         order = rank_decode(self._loads(self.decode), seq.num_tokens, self._turn)
         if not order:  # no worker could ever hold it: the least loaded drops it as "length"
             return self.decode[0]

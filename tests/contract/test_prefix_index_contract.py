@@ -13,8 +13,8 @@ import pytest
 from engine.block_hash import hash_blocks, root_hash
 from engine.kv_events import CacheTier, KVEvents
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
+from native_engine.paged_sequence import PagedSequence
 from pdserve.cluster.prefix_index import ANY_TIER, InMemoryPrefixIndex, PrefixHits, PrefixIndex
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 
@@ -115,7 +115,7 @@ def test_index_tracks_a_real_block_manager_exactly(make_index: Callable[[], Pref
             worker = rng.choice(list(managers))
             bm = managers[worker]
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(6))]
-            seq = Sequence(f"r{step}", tokens, SamplingParams())
+            seq = PagedSequence(f"r{step}", tokens, SamplingParams())
             seq.update_block_hashes(ROOT, BS)
             hits = bm.cached_prefix(seq)
             if bm.allocate_slots(seq, seq.num_tokens - len(hits) * BS, hits):

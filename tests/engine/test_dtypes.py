@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.sequence import Sequence
 from native_engine import LLM
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import ScheduledSeq
 from tests.engine.hf_reference import hf_logits, load_hf
 
@@ -37,7 +37,7 @@ def test_half_precision_logits_close_to_hf(
     assert engine.loaded.model.embed_tokens.dtype == torch_dtype
     rng = random.Random(6)
     prompt = [rng.randrange(3, 1000) for _ in range(37)]
-    seq = Sequence("probe", prompt, SamplingParams())
+    seq = PagedSequence("probe", prompt, SamplingParams())
     assert engine.block_manager.allocate_slots(seq, len(prompt))
     _, logits = engine.runner.forward_logits([ScheduledSeq(seq, len(prompt))])
     engine.block_manager.free(seq)

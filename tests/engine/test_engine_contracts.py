@@ -12,7 +12,8 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine import PrefilledRequest, SamplingParams
-from engine.sampler import Sampler, SampleRequest
+from engine.sampling import SampleRequest
+from native_engine.sampler import Sampler
 from native_engine import LLM
 from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.sequence import Sequence
 from native_engine import LLM
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import ScheduledSeq
 from tests.engine.hf_reference import hf_logits, load_hf
 
@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 def _run_chunks(llm: LLM, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Logits of every position, computing the sequence `chunk` tokens per step."""
     engine = llm.engine
-    seq = Sequence("logits-probe", token_ids, SamplingParams())
+    seq = PagedSequence("logits-probe", token_ids, SamplingParams())
     rows: list[torch.Tensor] = []
     while seq.num_computed_tokens < len(token_ids):
         n = min(chunk, len(token_ids) - seq.num_computed_tokens)

@@ -1,4 +1,4 @@
-"""Logit processing before sampling (``engine/sampler.py`` ``processed_logits``): exact values
+"""Logit processing before sampling (``engine/sampling.py`` ``processed_logits``): exact values
 for each of min_tokens, logit_bias and the three penalties, HF's repetition penalty matched,
 rows without any untouched, logprobs still of the raw logits, and the bad values refused by
 name. Exactness across continuation (migration), P/D and speculation: the engine suites
@@ -15,7 +15,8 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine import SamplingParams
-from engine.sampler import Sampler, SampleRequest, processed_logits
+from engine.sampling import SampleRequest, processed_logits
+from native_engine.sampler import Sampler
 from native_engine import LLM
 
 RAW = torch.tensor([[1.0, -2.0, 3.0, 0.5], [1.0, -2.0, 3.0, 0.5]])

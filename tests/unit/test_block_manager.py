@@ -9,20 +9,22 @@ import pytest
 
 from engine.block_hash import BlockHash, root_hash
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
+from native_engine.paged_sequence import PagedSequence
 
 BS = 4
 ROOT = root_hash("test-model/float32/bs4")
 
 
-def make_seq(request_id: str, token_ids: Seq[int]) -> Sequence:
-    seq = Sequence(request_id, list(token_ids), SamplingParams())
+def make_seq(request_id: str, token_ids: Seq[int]) -> PagedSequence:
+    seq = PagedSequence(request_id, list(token_ids), SamplingParams())
     seq.update_block_hashes(ROOT, BS)
     return seq
 
 
-def prefill(bm: BlockManager, seq: Sequence, cached_block_ids: Seq[int] = ()) -> list[BlockHash]:
+def prefill(
+    bm: BlockManager, seq: PagedSequence, cached_block_ids: Seq[int] = ()
+) -> list[BlockHash]:
     """Allocate, 'compute' every remaining token and publish the full blocks."""
     num_new = seq.num_tokens - seq.num_computed_tokens - len(cached_block_ids) * bm.block_size
     assert bm.allocate_slots(seq, num_new, cached_block_ids)
@@ -281,7 +283,7 @@ def test_unaligned_chunked_prefill_publishes_every_full_block() -> None:
 
 def test_register_waits_for_block_hashes() -> None:
     bm = BlockManager(8, BS, True)
-    a = Sequence("a", list(range(8)), SamplingParams())  # hashes not computed yet
+    a = PagedSequence("a", list(range(8)), SamplingParams())  # hashes not computed yet
     assert bm.allocate_slots(a, 8)
     a.num_computed_tokens = 8
     assert bm.register_computed_blocks(a) == []

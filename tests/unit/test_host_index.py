@@ -8,9 +8,9 @@ import pytest
 from engine.block_hash import root_hash
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
 from native_engine.host_index import HostIndex
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import Scheduler
 
 ROOT = root_hash("test-model/float32/bs4")
@@ -31,8 +31,8 @@ def test_slots_are_lru_by_hash_and_events_name_the_tier_changes() -> None:
         HostIndex(0)
 
 
-def _seq(request_id: str, tokens: list[int]) -> Sequence:
-    seq = Sequence(request_id, tokens, SamplingParams())
+def _seq(request_id: str, tokens: list[int]) -> PagedSequence:
+    seq = PagedSequence(request_id, tokens, SamplingParams())
     seq.update_block_hashes(ROOT, 4)
     return seq
 

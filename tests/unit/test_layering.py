@@ -82,6 +82,7 @@ PURE_CORE = [
     "native_engine.block_manager",
     "native_engine.scheduler",
     "engine.sequence",
+    "native_engine.paged_sequence",
     "engine.sampling_params",
     "engine.config",
     "engine.model_config",

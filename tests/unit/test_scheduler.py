@@ -12,8 +12,9 @@ from collections.abc import Sequence as Seq
 from engine.block_hash import root_hash
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import SequenceStatus
 from native_engine.block_manager import BlockManager
+from native_engine.paged_sequence import PagedSequence
 from native_engine.scheduler import Scheduler, SchedulerOutput
 
 BS = 4
@@ -33,8 +34,8 @@ def make_scheduler(
     return Scheduler(config, BlockManager(num_blocks, BS, enable_prefix_caching))
 
 
-def make_seq(request_id: str, token_ids: Seq[int]) -> Sequence:
-    seq = Sequence(request_id, list(token_ids), SamplingParams())
+def make_seq(request_id: str, token_ids: Seq[int]) -> PagedSequence:
+    seq = PagedSequence(request_id, list(token_ids), SamplingParams())
     seq.update_block_hashes(ROOT, BS)
     return seq
 
@@ -69,11 +70,11 @@ def batch(out: SchedulerOutput) -> list[tuple[str, int]]:
     return [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled]
 
 
-def ids(seqs: Seq[Sequence]) -> list[str]:
+def ids(seqs: Seq[PagedSequence]) -> list[str]:
     return [s.request_id for s in seqs]
 
 
-def finish(sched: Scheduler, seq: Sequence) -> None:
+def finish(sched: Scheduler, seq: PagedSequence) -> None:
     seq.status = SequenceStatus.FINISHED_STOPPED
     sched.remove(seq)
     sched.block_manager.free(seq)
@@ -443,7 +444,7 @@ def test_remove_running_and_waiting() -> None:
     sched.block_manager.check_no_leaks()
 
 
-def _imported(sched: Scheduler, request_id: str, base: int) -> Sequence:
+def _imported(sched: Scheduler, request_id: str, base: int) -> PagedSequence:
     """A sequence whose 6-token prompt KV arrived from elsewhere, with its first token."""
     seq = make_seq(request_id, prompt(base, 6))
     assert sched.block_manager.allocate_slots(seq, 6)

@@ -7,9 +7,9 @@ import pytest
 
 from engine.config import SpecMethod, SpeculativeConfig
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 from native_engine.block_manager import BlockManager
 from native_engine.ngram_proposer import NgramProposer, ngram_lookup
+from native_engine.paged_sequence import PagedSequence
 from native_engine.proposer import ProposalRequest
 from native_engine.spec_policy import (
     MAX_BACKOFF_STEPS,
@@ -38,7 +38,7 @@ def test_ngram_lookup(
 
 
 def test_ngram_proposer_reads_prompt_and_output() -> None:
-    seq = Sequence("r", [10, 11, 12, 13], SamplingParams(), [10, 11, 12, 13, 99, 10, 11])
+    seq = PagedSequence("r", [10, 11, 12, 13], SamplingParams(), [10, 11, 12, 13, 99, 10, 11])
     proposer = NgramProposer(2, 3)
     assert proposer.propose([ProposalRequest(seq, 3), ProposalRequest(seq, 1)]) == [
         [12, 13, 99],
@@ -117,14 +117,14 @@ def test_a_draft_method_needs_its_model() -> None:
 
 def test_trim_returns_the_speculative_tail_blocks_first_in_line() -> None:
     bm = BlockManager(8, 4, enable_prefix_caching=True)
-    seq = Sequence("r", [1, 2, 3, 4, 5], SamplingParams())
+    seq = PagedSequence("r", [1, 2, 3, 4, 5], SamplingParams())
     assert bm.allocate_slots(seq, 5)  # blocks 0, 1
     seq.num_computed_tokens = 4  # one token left to compute, then 4 guesses: 9 slots
     assert bm.allocate_slots(seq, 5)
     assert seq.block_table == [0, 1, 2] and bm.num_free_blocks == 5
     bm.trim(seq, 6)  # 1 guess accepted: 6 tokens computed, 2 blocks kept
     assert seq.block_table == [0, 1] and bm.num_free_blocks == 6
-    other = Sequence("s", [9], SamplingParams())
+    other = PagedSequence("s", [9], SamplingParams())
     assert bm.allocate_slots(other, 1)
     assert other.block_table == [2]  # the trimmed block is first in line again
     bm.trim(seq, 8)
@@ -148,7 +148,7 @@ def test_the_incremental_proposer_finds_what_a_plain_scan_finds() -> None:
     proposer = NgramProposer(1, 3)
     for trial in range(20):
         alphabet = [rng.choice([1, 256, 257, 65536, 65537, 2**24 + 1]) for _ in range(4)]
-        seq = Sequence(f"r{trial}", [rng.choice(alphabet)], SamplingParams())
+        seq = PagedSequence(f"r{trial}", [rng.choice(alphabet)], SamplingParams())
         for _ in range(60):
             seq.token_ids.append(rng.choice(alphabet))
             (got,) = proposer.propose([ProposalRequest(seq, 3)])

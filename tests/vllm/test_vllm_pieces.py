@@ -16,7 +16,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from engine.block_hash import hash_blocks, root_hash
 from engine.kv_layout import KVCacheLayout
-from engine.sampler import SampleRequest, filtered_probs, processed_logits, seeded_noise
+from engine.sampling import SampleRequest, filtered_probs, processed_logits, seeded_noise
 from engine.sampling_params import SamplingParams
 from vllm_engine.events import CachedBlocks
 from vllm_engine.kv_pages import SKIP_BLOCK, PageShapeError, VllmKVPages, page_halves

@@ -1,5 +1,7 @@
-"""Batched sampling: logit processing (min_tokens, logit_bias, penalties), greedy,
-temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""The sampling rule every engine follows: logit processing (bad_words, min_tokens,
+logit_bias, penalties), a grammar's mask, temperature, min-p, top-k, top-p, and the seeded
+choice. The native engine's batched ``Sampler`` (``native_engine/sampler.py``) and the vLLM
+engine's logits processor (``vllm_engine/sampler.py``) both choose through it.
 
 Sampling uses the exponential race: token = argmax(p / q) with q ~ Exp(1) i.i.d., which draws
 from p exactly. A seeded request's noise comes from a generator seeded by (seed, output index)
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprobs
 from engine.token_bans import banned_ids
 
 _MASK64 = (1 << 64) - 1
@@ -43,74 +44,6 @@ class SampleRequest:
     # Guided decoding (``params.structured``): ``[vocab]`` bool, the tokens its grammar
     # allows at this row (engine/guide.py); None: no constraint.
     allowed: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-
-
-class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device = device
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(seed)
-
-    def __call__(
-        self, logits: torch.Tensor, requests: list[SampleRequest]
-    ) -> SamplerOutput:  # logits: [num_requests, vocab] fp32
-        # Logprobs are the raw model distribution's (vLLM's default, raw_logprobs), before the
-        # grammar's mask and any logit processing, as the vLLM backend's are (its processor
-        # runs after vLLM took them): every engine reports the same, always finite, values.
-        processed = processed_logits(guided_logits(logits, requests), requests)
-        if all(r.params.greedy for r in requests):
-            token_ids = processed.argmax(dim=-1)
-        else:
-            token_ids = self._sample(processed, requests)
-        ids = token_ids.tolist()
-        return SamplerOutput(ids, self._logprobs(logits, token_ids, ids, requests))
-
-    def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
-        probs = filtered_probs(logits, requests)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self._generator)
-        for row, r in enumerate(requests):
-            if r.params.seed is not None and not r.params.greedy:
-                noise[row] = seeded_noise(probs.shape[-1], logits.device, r)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
-
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor,
-        token_ids: torch.Tensor,
-        ids: list[int],
-        requests: list[SampleRequest],
-    ) -> list[TokenLogprobs | None]:
-        wanted = [r.params.logprobs for r in requests]
-        if all(n is None for n in wanted):
-            return [None] * len(requests)
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.gather(1, token_ids[:, None]).squeeze(1).tolist()
-        max_n = max(n or 0 for n in wanted)
-        top_vals, top_ids = logp.topk(max_n, dim=-1) if max_n else (logp[:, :0], logp[:, :0])
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.long().tolist()
-        out: list[TokenLogprobs | None] = []
-        for row, n in enumerate(wanted):
-            if n is None:
-                out.append(None)
-                continue
-            out.append(
-                TokenLogprobs(
-                    token_id=ids[row],
-                    logprob=chosen[row],
-                    top_token_ids=tuple(top_ids_l[row][:n]),
-                    top_logprobs=tuple(top_vals_l[row][:n]),
-                )
-            )
-        return out
 
 
 def guided_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
@@ -169,7 +102,7 @@ def processed_logits(logits: torch.Tensor, requests: list[SampleRequest]) -> tor
 def seeded_choice(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
     """Each row's token where every sampling row is seeded (another engine's processor: no
     generator of its own): after logit processing, a greedy row's argmax, a sampling row's
-    exponential race with its seeded noise, as ``Sampler`` chooses."""
+    exponential race with its seeded noise, as the native ``Sampler`` chooses."""
     processed = processed_logits(guided_logits(logits, requests), requests)
     greedy = [r.params.greedy for r in requests]
     if all(greedy):
