@@ -8,8 +8,9 @@ work without completing a step. Workers report it in their stats (the router sto
 a worker stalled for its ``stall_timeout_s`` and migrates its streams) and fail their
 liveness health past ``engine_stall_s`` (``pdserve/worker/service.py``).
 
-Both engine loops (``native_engine/async_engine.py``, ``vllm_engine/engine.py``) own one; only their
-loop writes it, anything on the event loop reads it.
+Every engine's loop owns one (``engine/step_loop.py``, and vLLM's own-process engine core's
+driver, ``vllm_engine/process_core.py``); only that loop writes it, anything on the event loop
+reads it.
 """
 
 from __future__ import annotations

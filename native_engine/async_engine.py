@@ -1,16 +1,10 @@
-"""The native engine as the services drive it: one ``LLMEngine`` stepped from asyncio, behind the
-``ServingEngine`` contract (``engine/serving_engine.py``).
+"""The native engine as the services drive it: one ``LLMEngine`` stepped from asyncio
+(``engine/step_loop.py``), behind the ``ServingEngine`` contract (``engine/serving_engine.py``).
 
-The engine is not thread-safe. Steps run in a worker thread so the event loop keeps serving RPCs;
-every other engine call runs on the event loop while no step is in flight (one lock, FIFO).
 KV reads and writes for transfers touch only pinned or reserved blocks, which no step reads or
-writes, so transfers use ``kv_cache`` from their own threads without the lock.
-
-Output is bounded per request: a request whose consumer stops reading is paused in the engine
-(blocks kept, no seat, not scheduled) once ``max_buffered_tokens`` wait in its queue, and
-resumed when half of them are taken. With ``heartbeat_s``, a request that produced nothing for
-that long yields an empty update, so that a reader can tell a quiet request (queued for a seat,
-a long chunked prefill) from a stalled process.
+writes, so transfers use ``kv_cache`` from their own threads without the loop's lock. Each
+request's output waits in its ``UpdateQueue`` (``engine/update_queue.py``: the bound, the
+heartbeats); a paused request keeps its blocks in the engine, with no seat.
 """
 
 from __future__ import annotations
@@ -19,7 +13,6 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -39,10 +32,10 @@ from engine.serving_engine import (
     NoRoomError,
     ServingEngine,
     raise_on_error,
-    run_until_dead,
 )
+from engine.step_loop import StepLoop, Stepping
 from engine.step_progress import StepProgress
-from engine.threads import finish_in_thread, step_executor
+from engine.update_queue import UpdateQueue
 from native_engine.kv_cache import KVCache
 from native_engine.llm_engine import LLMEngine
 
@@ -52,15 +45,6 @@ T = TypeVar("T")
 
 
 __all__ = ["AsyncEngine", "EngineDeadError", "build_native_engine"]
-
-
-@dataclass
-class _Stream:
-    """One request's updates on their way to its consumer."""
-
-    queue: asyncio.Queue[RequestUpdate | EngineDeadError] = field(default_factory=asyncio.Queue)
-    num_buffered_tokens: int = 0  # in the queue, not yet taken
-    paused: bool = False
 
 
 class AsyncEngine(ServingEngine):
@@ -84,20 +68,23 @@ class AsyncEngine(ServingEngine):
         self.max_buffered_tokens = max_buffered_tokens
         self.heartbeat_s = heartbeat_s
         self._faults = faults or FaultInjection()  # tests only (engine/fault_injection.py)
-        self._lock = asyncio.Lock()
-        self._wakeup = asyncio.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._step_thread = step_executor()  # steps never wait for a shared pool's thread
+        self._streams: dict[str, UpdateQueue] = {}
         self.error: BaseException | None = None
-        self._in_step = False  # a step runs: what fails now, fails in it
         self.collect_kv_events = False  # set by a worker that publishes to a prefix index
         self._kv_events: list[KVEvents] = []
         # Refreshed after every step and every call: stats RPCs must not wait behind a long
         # step (a 2k-token prefill can take seconds), or routers think the worker is dead.
         self.stats: EngineStats = engine.stats()
-        self.progress = StepProgress()
-        engine.wait_for_copies_in_step = False  # _run waits for them, outside the lock
+        stepping = Stepping(
+            has_work=engine.has_unfinished_requests,
+            step=self._step,
+            deliver=self._deliver,
+            refresh=self._refresh_stats,
+            before_step=self._wait_for_copy,
+        )
+        self._loop = StepLoop(stepping, "engine-loop", StepProgress())
+        self.progress = self._loop.progress
+        engine.wait_for_copies_in_step = False  # the loop waits for them, outside the lock
 
     # ---- what the model is (fixed once loaded) ---------------------------------------------
     @property
@@ -138,13 +125,10 @@ class AsyncEngine(ServingEngine):
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._loop.start(self._die)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._step_thread.shutdown(wait=False)
+        await self._loop.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(
@@ -211,14 +195,12 @@ class AsyncEngine(ServingEngine):
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs a (fast) engine call between steps."""
         self._check_alive()
-        async with self._lock:
+
+        def checked() -> T:
             self._check_alive()  # the engine may have died while we waited for the lock
-            try:
-                return fn()
-            finally:
-                self._refresh_stats()
-                # What the call freed or added may let a stalled scheduler move again.
-                self._wakeup.set()
+            return fn()
+
+        return await self._loop.call(checked)
 
     def _refresh_stats(self) -> None:
         self.stats = self._engine.stats()
@@ -251,15 +233,14 @@ class AsyncEngine(ServingEngine):
         aborts the request. Raises ``RequestError`` when the request's own parameters end it."""
         self._check_alive()
         guide = await self._prepare_guide(params, earlier or []) if params else None
-        stream = _Stream()
-        async with self._lock:
-            self._check_alive()
-            try:
-                first = admit(guide)
-            finally:
-                self._refresh_stats()
+        stream = UpdateQueue()
+
+        def admitted() -> RequestUpdate | None:
+            first = admit(guide)
             self._streams[request_id] = stream
-        self._wakeup.set()
+            return first
+
+        first = await self.call(admitted)
         done = False
         try:
             if first is not None:
@@ -276,16 +257,9 @@ class AsyncEngine(ServingEngine):
                 # Shielded inside abort: a second cancellation must not skip freeing the blocks.
                 await self.abort(request_id)
 
-    async def _next(self, request_id: str, stream: _Stream) -> RequestUpdate:
-        try:
-            async with asyncio.timeout(self.heartbeat_s):
-                item = await stream.queue.get()
-        except TimeoutError:  # nothing new: an empty update tells the reader we are alive
-            return RequestUpdate(request_id, [], "", [], None)
-        if isinstance(item, BaseException):
-            raise item
-        stream.num_buffered_tokens -= len(item.new_token_ids)
-        if stream.paused and stream.num_buffered_tokens <= self.max_buffered_tokens // 2:
+    async def _next(self, request_id: str, stream: UpdateQueue) -> RequestUpdate:
+        item = await stream.take(request_id, self.heartbeat_s)
+        if stream.wants_resume(self.max_buffered_tokens):
             stream.paused = False
             await self.call(lambda: self._engine.resume(request_id))
         return item
@@ -315,45 +289,24 @@ class AsyncEngine(ServingEngine):
             evidence = FaultEvidence.BYSTANDER
             raise EngineDeadError(f"engine step failed: {self.error!r}", evidence)
 
-    async def _run(self) -> None:
-        """Steps while there is work, until the engine dies (``run_until_dead``)."""
-        await run_until_dead(self._iterate, self._die)
-
     def _die(self, exc: BaseException) -> None:
         """Every stream and the worker are told at once, with the engine's last words on each
         request: whether the step that failed held it."""
         logger.error("engine step failed; failing every request", exc_info=exc)
         self.error = exc
-        stepping = self._engine.stepping if self._in_step else None
+        stepping = self._engine.stepping if self._loop.in_step else None
         for request_id, stream in self._streams.items():
-            stream.queue.put_nowait(EngineDeadError.of_step(exc, request_id, stepping))
+            stream.fail(EngineDeadError.of_step(exc, request_id, stepping))
         if self._on_dead is not None:
             self._on_dead(exc)
 
-    async def _iterate(self) -> None:
-        engine = self._engine
-        await self._wakeup.wait()
-        self.progress.working()
-        copy = engine.take_copy_wait()
-        if copy is not None:  # a host-tier copy gates the next step
-            # The lock is free: calls go on meanwhile. A failed copy fails the next step
-            # (which reads the future), the path every engine failure takes.
+    async def _wait_for_copy(self) -> None:
+        """A host-tier copy gates the next step. The lock is free: calls go on meanwhile. A
+        failed copy fails the next step (which reads the future), the path every engine
+        failure takes."""
+        copy = self._engine.take_copy_wait()
+        if copy is not None:
             await asyncio.wait([asyncio.wrap_future(copy)])
-        async with self._lock:
-            if not engine.has_unfinished_requests():
-                self._wakeup.clear()
-                self.progress.progressed(stepped=False)
-                return
-            self._in_step = True
-            updates = await finish_in_thread(self._step, executor=self._step_thread)
-            self._in_step = False
-            self.progress.progressed(stepped=True)
-            self._deliver(updates)
-            self._refresh_stats()
-            if engine.last_step_idle:
-                # Nothing could be scheduled (no free blocks, everything paused): wait for a
-                # call to change that instead of spinning.
-                self._wakeup.clear()
 
     def _step(self) -> list[RequestUpdate]:
         """One engine step (in the step thread)."""
@@ -361,20 +314,20 @@ class AsyncEngine(ServingEngine):
         number = self.progress.num_steps + 1
         return self._faults.around_step(number, engine.step, lambda: engine.stepping)
 
-    def _deliver(self, updates: list[RequestUpdate]) -> None:
+    def _deliver(self, updates: list[RequestUpdate]) -> bool:
         """Queues each update for its consumer (under the lock, right after the step), and
         pauses a request whose consumer has let ``max_buffered_tokens`` pile up: one step adds
         at most 1 + k tokens per request (k: speculative tokens, 0 without speculation), so its
-        queue never holds more than the bound + k."""
+        queue never holds more than the bound + k. True: the step scheduled nothing."""
         for update in updates:
             stream = self._streams.get(update.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(update)
-            stream.num_buffered_tokens += len(update.new_token_ids)
-            full = stream.num_buffered_tokens >= self.max_buffered_tokens
+            stream.put(update)
+            full = stream.full(self.max_buffered_tokens)
             if full and not stream.paused and not update.finished:
                 stream.paused = self._engine.pause(update.request_id)
+        return self._engine.last_step_idle
 
 
 async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> AsyncEngine:

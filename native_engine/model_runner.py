@@ -15,7 +15,6 @@ import torch
 from engine.config import AttentionBackend
 from engine.guide import next_masks
 from engine.sampling import SampleRequest
-from native_engine.sampler import Sampler
 from engine.sequence import TokenLogprobs
 from engine.token_bans import min_tokens_ids
 from native_engine import prompt_logprobs
@@ -23,6 +22,7 @@ from native_engine.attention import AttentionMetadata, PrefillSpan, decode_gathe
 from native_engine.kv_cache import KVCache
 from native_engine.kv_quant import slot_positions
 from native_engine.models.llama import LlamaFamilyForCausalLM
+from native_engine.sampler import Sampler
 from native_engine.scheduler import ScheduledSeq
 
 

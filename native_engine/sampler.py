@@ -9,7 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import SampleRequest, filtered_probs, guided_logits, processed_logits, seeded_noise
+from engine.sampling import (
+    SampleRequest,
+    filtered_probs,
+    guided_logits,
+    processed_logits,
+    seeded_noise,
+)
 from engine.sequence import TokenLogprobs
 
 

@@ -160,7 +160,7 @@ class VllmEngine(ServingEngine, ShardedKV):
 
     @property
     def num_buffered_tokens(self) -> int:
-        return sum(r.num_buffered_tokens for r in self._table.requests.values())
+        return sum(r.out.num_buffered_tokens for r in self._table.requests.values())
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -316,16 +316,9 @@ class VllmEngine(ServingEngine, ShardedKV):
                 await self.abort(rid)
 
     async def _next(self, req: Request) -> RequestUpdate:
-        try:
-            async with asyncio.timeout(self._hooks.heartbeat_s):
-                item = await req.queue.get()
-        except TimeoutError:  # nothing new: an empty update tells the reader we are alive
-            return RequestUpdate(req.state.seq.request_id, [], "", [], None)
-        if isinstance(item, BaseException):
-            raise item
-        req.num_buffered_tokens -= len(item.new_token_ids)
-        if req.paused and req.num_buffered_tokens <= self._table.max_buffered_tokens // 2:
-            rid = req.state.seq.request_id
+        rid = req.state.seq.request_id
+        item = await req.out.take(rid, self._hooks.heartbeat_s)
+        if req.out.wants_resume(self._table.max_buffered_tokens):
             await self._call(lambda: self._table.resume(rid))
         return item
 
@@ -339,7 +332,7 @@ class VllmEngine(ServingEngine, ShardedKV):
         delivering = self._delivering
         stepping = frozenset({delivering}) if delivering is not None else None
         for rid, req in self._table.requests.items():
-            req.queue.put_nowait(EngineDeadError.of_step(exc, rid, stepping))
+            req.out.fail(EngineDeadError.of_step(exc, rid, stepping))
         if self._hooks.on_dead is not None:
             self._hooks.on_dead(exc)
 
@@ -363,7 +356,7 @@ class VllmEngine(ServingEngine, ShardedKV):
         error = refusal(rid, exc)
         self._bridge.refuse(rid, error)
         if (req := self._table.requests.get(rid)) is not None:
-            req.queue.put_nowait(error)
+            req.out.fail(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

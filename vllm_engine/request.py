@@ -4,7 +4,6 @@ turned into pdserve's tokens and logprobs (``engine.request_state`` decides what
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -15,10 +14,10 @@ from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 
-from engine.outputs import RequestUpdate
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprobs
+from engine.update_queue import UpdateQueue
 from vllm_engine.sampler import EXTRA_ARGS_KEY, sampling_extra_args
 
 # The key vLLM passes on to the connector (``Request.kv_transfer_params``).
@@ -41,14 +40,13 @@ class Request:
     state: RequestState[Sequence]
     mode: Mode
     attempt: int  # its add's number (``RequestTable``; a resume adds it again)
-    queue: asyncio.Queue[RequestUpdate | Exception] = field(default_factory=asyncio.Queue)
-    num_buffered_tokens: int = 0
+    # Its updates to its stream; ``out.paused``: its reader let the bound pile up, so it is
+    # not in vLLM now (seat and blocks given back), its state kept here until
+    # ``RequestTable.resume`` re-adds it as a continuation.
+    out: UpdateQueue = field(default_factory=UpdateQueue)
     counted: bool = False  # its prompt tokens are in the engine's counters
     filling: bool = False  # REMOTE: the pull is writing its blocks
     done: bool = False  # pdserve ended it; whatever vLLM still says is dropped
-    # Its reader let the bound pile up: not in vLLM now (seat and blocks given back), its
-    # state kept here until ``RequestTable.resume`` re-adds it as a continuation.
-    paused: bool = False
     # PREFILL: its last output, held until the engine core's pin of its blocks is here (an
     # engine core in a process of its own says it over another channel).
     pending: RequestOutput | None = None

@@ -140,7 +140,7 @@ class RequestTable:
         req.done = True
         if self._bridge.is_pinned(rid, req.attempt):  # pinned, its output not delivered yet
             self._bridge.release(rid)
-        if req.paused:  # not in vLLM
+        if req.out.paused:  # not in vLLM
             return
         if not req.filling:  # an allocated, unfilled request's blocks go at the next step
             self._bridge.load_finished(rid, req.attempt, ok=False)
@@ -151,9 +151,9 @@ class RequestTable:
         """A paused request's reader took half its queue: it goes on in vLLM, a continuation
         of everything it output (a no-op when it is not paused)."""
         req = self.requests.get(rid)
-        if req is None or not req.paused or req.done:
+        if req is None or not req.out.paused or req.done:
             return
-        req.paused, req.mode = False, Mode.GENERATE
+        req.out.paused, req.mode = False, Mode.GENERATE
         seq = req.state.seq
         kv_params = self._kv_params(rid, Mode.GENERATE)
         req.attempt = kv_params["pdserve_attempt"]
@@ -176,7 +176,7 @@ class RequestTable:
 
     @property
     def num_paused(self) -> int:
-        return sum(r.paused for r in self.requests.values())
+        return sum(r.out.paused for r in self.requests.values())
 
     def stats(
         self,
@@ -204,10 +204,10 @@ class RequestTable:
 
     def _pause_if_unread(self, rid: str, req: Request) -> None:
         """Its reader let ``max_buffered_tokens`` pile up: out of vLLM until ``resume``."""
-        busy = req.done or req.paused or req.filling or req.mode is Mode.PREFILL
-        if busy or req.num_buffered_tokens < self.max_buffered_tokens:
+        busy = req.done or req.out.paused or req.filling or req.mode is Mode.PREFILL
+        if busy or not req.out.full(self.max_buffered_tokens):
             return
-        req.paused = True
+        req.out.paused = True
         self._core.abort([rid])
         self._bridge.forget(rid)
 
@@ -215,7 +215,7 @@ class RequestTable:
         """One step's output of one request."""
         rid = output.request_id
         req = self.requests.get(rid)
-        if req is None or req.done or req.paused:
+        if req is None or req.done or req.out.paused:
             return
         pinned = bool(output.kv_transfer_params and output.kv_transfer_params.get(PINNED_KEY))
         if pinned and not self._bridge.is_pinned(rid, req.attempt):
@@ -325,8 +325,7 @@ class RequestTable:
             update = state.flush(status.finish_reason)
         else:
             update = state.flush(None)
-        req.queue.put_nowait(update)
-        req.num_buffered_tokens += len(update.new_token_ids)
+        req.out.put(update)
         self._pause_if_unread(rid, req)
 
     def _pin(self, rid: str, req: Request, status: SequenceStatus | None) -> RequestUpdate:

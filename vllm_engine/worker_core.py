@@ -1,10 +1,10 @@
 """vLLM's engine core in the worker's process (``VllmEngineCore.WORKER``; the contract is
 ``vllm_engine/core_driver.py``).
 
-Its steps run in a worker thread so the event loop keeps serving; every other call into vLLM
-runs on the event loop while no step is in flight (one lock), exactly as the native
-``AsyncEngine`` does. Its one rank runs here too (``--engine-core worker`` is refused with
-tensor parallelism): both halves of the connector reach the engine's ``Bridge`` in memory.
+It is stepped by the loop the native ``AsyncEngine`` is stepped by (``engine/step_loop.py``):
+steps in a thread of their own, every other call into vLLM between steps. Its one rank runs
+here too (``--engine-core worker`` is refused with tensor parallelism): both halves of the
+connector reach the engine's ``Bridge`` in memory.
 
 The vLLM internals this relies on (``docs/engines.md``, checked by
 ``tests/vllm/test_vllm_pieces.py``): the in-process engine core behind ``LLMEngine``, its
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import TypeVar
 
 from vllm import SamplingParams as VllmParams
@@ -24,8 +25,7 @@ from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine
 
-from engine.serving_engine import run_until_dead
-from engine.threads import finish_in_thread, step_executor
+from engine.step_loop import StepLoop, Stepping
 from vllm_engine.bridge import Bridge
 from vllm_engine.core_driver import CoreCallbacks, CoreDriver, refusal
 from vllm_engine.events import BufferingPublisher
@@ -43,37 +43,28 @@ class WorkerCore(CoreDriver):
         self._pool = self._scheduler.kv_cache_manager.block_pool
         self._publisher = BufferingPublisher()
         self._scheduler.kv_event_publisher = self._publisher
-        self._lock = asyncio.Lock()
-        self._wakeup = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._step_thread = step_executor()  # steps never wait for a shared pool's thread
         self._callbacks: CoreCallbacks | None = None
+        self._events_before_step = 0
+        stepping = Stepping(
+            has_work=self._has_work, step=self._step, deliver=self._deliver, refresh=self._refresh
+        )
+        self._loop = StepLoop(stepping, "vllm-engine-loop", self.progress)
 
     def start(self, callbacks: CoreCallbacks) -> None:
         self._callbacks = callbacks
         loop = asyncio.get_running_loop()
 
         def wake() -> None:  # a report (a lease ended, a pull stopped) is work for a step
-            loop.call_soon_threadsafe(self._wakeup.set)
+            loop.call_soon_threadsafe(self._loop.wake)
 
         self._bridge.on_report = wake
-        self._task = asyncio.create_task(
-            run_until_dead(self._iterate, callbacks.die), name="vllm-engine-loop"
-        )
+        self._loop.start(callbacks.die)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._step_thread.shutdown(wait=False)
+        await self._loop.close()
 
     async def call(self, fn: Callable[[], T]) -> T:
-        async with self._lock:
-            try:
-                return fn()
-            finally:
-                self._refresh()
-                self._wakeup.set()
+        return await self._loop.call(fn)
 
     def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
         try:
@@ -100,30 +91,22 @@ class WorkerCore(CoreDriver):
         return self._publisher.take()
 
     # ---- the loop ---------------------------------------------------------------------------
-    def _has_work(self) -> bool:
+    def _has_work(self) -> bool:  # right before a step, under the loop's lock
+        self._events_before_step = self._bridge.events
         running, waiting = self.counts()
         return running + waiting > self._bridge.num_loading or self._bridge.has_reports()
 
-    async def _iterate(self) -> None:
+    def _step(self) -> Seq[object]:  # in the loop's step thread
+        return self._llm.step()
+
+    def _deliver(self, outputs: Seq[object]) -> bool:
+        """True: nothing could be scheduled and nothing moved (no report arrived meanwhile):
+        the loop waits for a call to change that."""
         assert self._callbacks is not None
-        await self._wakeup.wait()
-        self.progress.working()
-        async with self._lock:
-            if not self._has_work():
-                self._wakeup.clear()
-                self.progress.progressed(stepped=False)
-                return
-            events = self._bridge.events
-            outputs = await finish_in_thread(self._llm.step, executor=self._step_thread)
-            self._callbacks.deliver([o for o in outputs if isinstance(o, RequestOutput)])
-            # Only once its outputs are delivered has a step completed: a delivery that
-            # hangs or fails must not pass for progress (the stall clock, /livez).
-            self.progress.progressed(stepped=True)
-            self._refresh()
-            idle = not outputs and not self._scheduler.running
-            if idle and events == self._bridge.events and not self._bridge.has_reports():
-                # Nothing could be scheduled, nothing moved: wait for a call to change that.
-                self._wakeup.clear()
+        self._callbacks.deliver([o for o in outputs if isinstance(o, RequestOutput)])
+        idle = not outputs and not self._scheduler.running
+        moved = self._events_before_step != self._bridge.events or self._bridge.has_reports()
+        return idle and not moved
 
     def _refresh(self) -> None:
         if self._callbacks is not None:
