@@ -13,6 +13,20 @@ MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 MAX_BAD_WORDS = 128  # token sequences
 MAX_BAD_WORD_TOKENS = 32
 _MIN_TEMPERATURE = 1e-5
+# What pdserve's wire carries (proto/pdserve/v1/common.proto): every value a request is built
+# with fits, so no frontend's request fails later, where its worker calls serialise it.
+MAX_INT32 = (1 << 31) - 1  # max_tokens, top_k
+MAX_TOKEN_ID = (1 << 32) - 1  # every token id
+MAX_SEED = (1 << 64) - 1
+
+
+class InvalidField(ValueError):
+    """A value a request carries is refused; ``field`` names it (as the message does), for a
+    frontend that reports the field apart (the OpenAI API's ``param``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -45,53 +59,66 @@ class SamplingParams:
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=1, maximum=MAX_INT32)
         if not _is_real(self.temperature) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise InvalidField(
+                "temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check_int("top_k", self.top_k, minimum=-1)
+            raise InvalidField("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, minimum=-1, maximum=MAX_INT32)
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidField("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
+            _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}")
+                raise InvalidField(
+                    "logprobs", f"logprobs must be <= {MAX_LOGPROBS}, got {self.logprobs}"
+                )
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
             if self.prompt_logprobs > MAX_LOGPROBS:
-                raise ValueError(
-                    f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}"
+                raise InvalidField(
+                    "prompt_logprobs",
+                    f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {self.prompt_logprobs}",
                 )
         stop = (
             () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         )
         if not isinstance(stop, list | tuple) or any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+            raise InvalidField(
+                "stop", f"stop must be a list of non-empty strings, got {self.stop!r}"
+            )
         stop_ids = () if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(stop_ids, list | tuple):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {stop_ids!r}")
+            raise InvalidField(
+                "stop_token_ids", f"stop_token_ids must be a list of ints, got {stop_ids!r}"
+            )
         for token_id in stop_ids:
-            _check_int("stop_token_ids", token_id, minimum=0)
+            _check_int("stop_token_ids", token_id, minimum=0, maximum=MAX_TOKEN_ID)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(
-                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                raise InvalidField(
+                    name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
                 )
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
-            raise ValueError(
-                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            raise InvalidField(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
             )
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            raise InvalidField(
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             )
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
-            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+            raise InvalidField(
+                "structured", f"structured must be a StructuredOutput, got {self.structured!r}"
+            )
         bias = _logit_bias(self.logit_bias)
         object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
         # Normalised to tuples so the object stays immutable and hashable.
@@ -141,19 +168,22 @@ def check_continuation(
     prompt; it must be one that could still have produced a token. Errors name the field."""
     _check_int("num_generated_tokens", num_generated_tokens, minimum=0)
     if num_generated_tokens >= num_tokens:
-        raise ValueError(
+        raise InvalidField(
+            "num_generated_tokens",
             f"num_generated_tokens ({num_generated_tokens}) must be < the {num_tokens} "
-            "prompt_token_ids it is part of"
+            "prompt_token_ids it is part of",
         )
     if num_generated_tokens >= params.max_tokens:
-        raise ValueError(
+        raise InvalidField(
+            "num_generated_tokens",
             f"num_generated_tokens ({num_generated_tokens}) must be < max_tokens "
-            f"({params.max_tokens}): that request is already finished"
+            f"({params.max_tokens}): that request is already finished",
         )
     if num_generated_tokens and num_tokens >= max_model_len:
-        raise ValueError(
+        raise InvalidField(
+            "prompt_token_ids",
             f"prompt_token_ids has {num_tokens} tokens with num_generated_tokens > 0: at "
-            f"max_model_len {max_model_len} that request is already finished"
+            f"max_model_len {max_model_len} that request is already finished",
         )
 
 
@@ -165,15 +195,21 @@ def _logit_bias(
         return ()
     pairs = list(value.items()) if isinstance(value, dict) else list(value)
     if len(pairs) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias has {len(pairs)} entries, more than {MAX_LOGIT_BIAS}")
+        raise InvalidField(
+            "logit_bias", f"logit_bias has {len(pairs)} entries, more than {MAX_LOGIT_BIAS}"
+        )
     out: dict[int, float] = {}
     for pair in pairs:
         if not isinstance(pair, tuple | list) or len(pair) != 2:
-            raise ValueError(f"logit_bias entries must be (token id, bias), got {pair!r}")
+            raise InvalidField(
+                "logit_bias", f"logit_bias entries must be (token id, bias), got {pair!r}"
+            )
         token_id, bias = pair
-        _check_int("logit_bias token id", token_id, minimum=0)
+        _check_int("logit_bias token id", token_id, minimum=0, maximum=MAX_TOKEN_ID)
         if not _is_real(bias) or not -100 <= bias <= 100:
-            raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+            raise InvalidField(
+                "logit_bias", f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}"
+            )
         out[token_id] = float(bias)
     return tuple(sorted(out.items()))
 
@@ -184,13 +220,17 @@ def _bad_words(
     if value is None:
         return ()
     if not isinstance(value, list | tuple) or len(value) > MAX_BAD_WORDS:
-        raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} token sequences")
+        raise InvalidField(
+            "bad_words", f"bad_words must be a list of at most {MAX_BAD_WORDS} token sequences"
+        )
     out = []
     for word in value:
         if not isinstance(word, list | tuple) or not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
-            raise ValueError(f"bad_words entries must be 1 to {MAX_BAD_WORD_TOKENS} token ids")
+            raise InvalidField(
+                "bad_words", f"bad_words entries must be 1 to {MAX_BAD_WORD_TOKENS} token ids"
+            )
         for token_id in word:
-            _check_int("bad_words token id", token_id, minimum=0)
+            _check_int("bad_words token id", token_id, minimum=0, maximum=MAX_TOKEN_ID)
         out.append(tuple(word))
     return tuple(out)
 
@@ -199,8 +239,10 @@ def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidField(name.split()[0], f"{name} must be an integer, got {value!r}")
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidField(name.split()[0], f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidField(name.split()[0], f"{name} must be <= {maximum}, got {value}")

@@ -1,6 +1,6 @@
 """One try at a request on the workers, and what it reports besides tokens.
 
-An attempt (``router/generation.py``) is an async stream of token chunks for the client and
+An attempt (``router/generation.py``) is an async stream of ``Chunk``s for the client and
 typed facts for the request's final message: ``Prefilled``, ``Transferred``, ``CacheHits`` and,
 last, ``Ended``. It mutates nothing shared; the request folds the facts of its attempts into a
 ``Report`` (``Report.add``, pure). An attempt that loses its worker raises ``WorkerLost`` (the
@@ -13,15 +13,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.v1 import common_pb2
 from router.migration import Continuation
-
-FinishReason: TypeAlias = common_pb2.FinishReason.ValueType
+from router.result import Chunk
 
 
 @dataclass(frozen=True)
 class Attempt:
-    """What one try asks for: its id on the workers, the continuation, whom to avoid."""
+    """What one try asks for: its id on the workers, the continuation, whom to avoid, and the
+    request's sampling as its worker calls carry it (serialised once per request)."""
 
     request_id: str
     continuation: Continuation
@@ -58,14 +58,15 @@ class CacheHits:
 
 @dataclass(frozen=True)
 class Ended:
-    """The attempt's last event: how the request ended, and whether a decode worker
-    prefilled it locally (its address) or it was disaggregated (empty)."""
+    """The attempt's last event: how the request ended ("stop", "length"; None: the worker
+    said nothing of it), and whether a decode worker prefilled it locally (its address) or it
+    was disaggregated (empty)."""
 
-    finish_reason: FinishReason
+    finish_reason: str | None
     local_worker: str = ""
 
 
-AttemptEvent = router_pb2.GenerateResponse | Prefilled | Transferred | CacheHits | Ended
+AttemptEvent: TypeAlias = Chunk | Prefilled | Transferred | CacheHits | Ended
 
 
 class TurnedAway(Exception):
@@ -76,7 +77,7 @@ class TurnedAway(Exception):
 class Report:
     """A request's facts over all its attempts, for its final message."""
 
-    finish_reason: FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED
+    finish_reason: str | None = None
     cached_tokens: int = 0
     prefill_s: float = 0.0
     transfer_s: float = 0.0

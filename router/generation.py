@@ -15,10 +15,9 @@ from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
-from engine.sampling_params import SamplingParams
 from pdserve.common import metrics
-from pdserve.common.convert import finish_reason_to_proto, sampling_to_proto
-from pdserve.v1 import common_pb2, decode_pb2, router_pb2
+from pdserve.common.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
+from pdserve.v1 import common_pb2, decode_pb2
 from router.attempt import (
     Attempt,
     AttemptEvent,
@@ -37,7 +36,9 @@ from router.output_stream import OutputStream
 from router.phases import RequestPhase
 from router.plan import Route
 from router.quarantine import POISON_STRIKES, Quarantine, request_digest
+from router.request import Request
 from router.request_trace import RequestTrace
+from router.result import Chunk, Result
 from router.worker_errors import WorkerError, WorkerLost, event, failure, stalled
 from router.worker_pool import Worker, WorkerPool
 
@@ -59,40 +60,25 @@ class Generation:
         self.quarantine = Quarantine(config.quarantine_s)
 
     async def generate(
-        self,
-        request_id: str,
-        client_id: str,
-        caller: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        out: OutputStream,
-    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        """One request, validated, as the client sees it: token chunks, then the final message.
+        self, request_id: str, request: Request, out: OutputStream
+    ) -> AsyncGenerator[Result, None]:
+        """One request, validated, as the client sees it: token chunks, then the final result.
         A worker that fails mid-flight is replaced (``router/migration.py``) up to
         ``migration_limit`` times, invisibly to the client; a request that keeps losing
         workers (or that a worker's last words name as its killer) is quarantined
-        (``router/quarantine.py``: ``caller``'s, with this prompt and sampling). Its phases and
+        (``router/quarantine.py``: its caller's, with this prompt and sampling). Its phases and
         trace: ``router/request_trace.py``. Raises ``WorkerError``."""
         trace = RequestTrace(request_id, out.start_s, self.config.colocated)
-        digest = request_digest(caller, prompt_ids, params)
+        digest = request_digest(request.caller, list(request.prompt_token_ids), request.params)
         try:
-            async for response in self._generate(
-                request_id, client_id, digest, prompt_ids, params, out, trace
-            ):
-                yield response
+            async for result in self._generate(request_id, request, digest, out, trace):
+                yield result
         finally:
             trace.finish()  # a no-op after the final message; else an error or the client gone
 
     async def _generate(
-        self,
-        request_id: str,
-        client_id: str,
-        digest: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        out: OutputStream,
-        trace: RequestTrace,
-    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        self, request_id: str, request: Request, digest: str, out: OutputStream, trace: RequestTrace
+    ) -> AsyncGenerator[Result, None]:
         if self.quarantine.quarantined(digest):
             metrics.QUARANTINED.labels("refused").inc()
             raise WorkerError(
@@ -100,7 +86,8 @@ class Generation:
                 "request quarantined: workers died running this prompt with these sampling "
                 f"parameters; refused for quarantine_s={self.config.quarantine_s:g}",
             )
-        sampling = sampling_to_proto(params)
+        prompt_ids, params = list(request.prompt_token_ids), request.params
+        sampling = sampling_to_proto(params)  # the worker calls', once
         report = Report()
         avoid: set[str] = set()  # workers this request failed on
         migrations = 0
@@ -114,12 +101,12 @@ class Generation:
                 out.stopped,
             )
             if isinstance(step, Finished):  # what the client has already ends the request
-                report = report.add(Ended(finish_reason_to_proto(step.reason)))
+                report = report.add(Ended(step.reason))
                 break
             attempt = Attempt(attempt_id(request_id, migrations), step, sampling, frozenset(avoid))
             try:
                 async for event in self._attempt(attempt, out, trace):
-                    if isinstance(event, router_pb2.GenerateResponse):
+                    if isinstance(event, Chunk):
                         yield event
                     else:
                         report = report.add(event)
@@ -153,11 +140,11 @@ class Generation:
                 await self.pool.wait_healthy(
                     needs_prefill=not self.config.colocated, timeout_s=self.config.stall_timeout_s
                 )
-        if report.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        if report.finish_reason is None:
             raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended without a finish")
         tail = out.tail()
         if tail:
-            yield router_pb2.GenerateResponse(chunk=router_pb2.TokenChunk(text=tail))
+            yield Chunk([], tail)
         trace.finish(
             {
                 "pdserve.ttft_s": out.ttft_s,
@@ -167,7 +154,7 @@ class Generation:
             }
         )
         final = out.final(
-            client_id,
+            request.client_id,
             report.finish_reason,
             report.cached_tokens,
             report.prefill_s,
@@ -180,7 +167,7 @@ class Generation:
         metrics.PROMPT_TOKENS.observe(out.num_prompt_tokens)
         metrics.OUTPUT_TOKENS.observe(out.num_output_tokens)
         metrics.PREFIX_HIT_TOKENS.inc(report.cached_tokens)
-        metrics.REQUESTS.labels(final.final.finish_reason).inc()
+        metrics.REQUESTS.labels(final.finish_reason).inc()
         logger.info(
             "request_id=%s finished (%s%s): %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
             request_id,
@@ -272,21 +259,22 @@ class Generation:
         cached = prefilled.num_cached_tokens if attempt.of_the_client_prompt else 0
         yield Prefilled(time.perf_counter() - start, cached)
         first_logprobs = (
-            [prefilled.first_token_logprobs] if prefilled.HasField("first_token_logprobs") else []
+            [logprobs_from_proto(prefilled.first_token_logprobs)]
+            if prefilled.HasField("first_token_logprobs")
+            else []
         )
         leased = prefilled.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
         admitted = False
         try:
-            first = out.chunk(
-                [prefilled.first_token_id], first_logprobs, list(prefilled.prompt_logprobs)
-            )
+            prompt_logprobs = [logprobs_from_proto(lp) for lp in prefilled.prompt_logprobs]
+            first = out.chunk([prefilled.first_token_id], first_logprobs, prompt_logprobs)
             then = RequestPhase.DECODE_ADMISSION if leased else RequestPhase.DECODE
             sent_s = out.last_token_s or time.perf_counter()
             trace.prefilled(sent_s, prefilled.queue_s, prefilled.compute_s, then)
             trace.count("host_cached_tokens", prefilled.num_host_cached_tokens)
             yield first
             if not leased:  # the first token ended it
-                yield Ended(prefilled.finish_reason)
+                yield Ended(finish_reason_from_proto(prefilled.finish_reason))
                 return
             decode_request = decode_pb2.DecodeRequest(
                 request_id=attempt.request_id,
@@ -358,19 +346,21 @@ class Generation:
         """Relays a worker's token stream to the client (heartbeats are not relayed), then
         ``Ended``. ``local``: the attempt the worker prefilled itself, whose cache hits count
         when they are of the client's prompt."""
-        finish_reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_UNSPECIFIED
+        finish_reason: str | None = None
         hits = host_hits = 0
         async for message in self.dispatch.relay(call, worker):
             if message.token_ids:
                 chunk = out.chunk(
-                    list(message.token_ids), list(message.logprobs), list(message.prompt_logprobs)
+                    list(message.token_ids),
+                    [logprobs_from_proto(lp) for lp in message.logprobs],
+                    [logprobs_from_proto(lp) for lp in message.prompt_logprobs],
                 )
                 if trace.clock.current is RequestPhase.LOCAL_PREFILL:  # its first token
                     trace.enter(RequestPhase.DECODE, out.last_token_s)
                 yield chunk
             hits = max(hits, message.num_cached_tokens)
             host_hits = max(host_hits, message.num_host_cached_tokens)  # sent with every one
-            finish_reason = message.finish_reason
+            finish_reason = finish_reason_from_proto(message.finish_reason)
             trace.count("spec_proposed_tokens", message.num_spec_proposed_tokens)
             trace.count("spec_accepted_tokens", message.num_spec_accepted_tokens)
         trace.count("host_cached_tokens", host_hits)

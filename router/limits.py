@@ -9,12 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from google.protobuf import empty_pb2
-from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
-
-from engine.sampling_params import MAX_LOGPROBS
-from pdserve.v1 import router_pb2
+from router.request import Request
 
 
 @dataclass(frozen=True)
@@ -131,18 +126,16 @@ def _over(field: str, what: str, value: int, limit_name: str, limit: int) -> str
     return f"{field} has {value} {what}, more than {flag} ({limit})"
 
 
-def check_request(
-    request: router_pb2.GenerateRequest, limits: RequestLimits, max_model_len: int
-) -> None:
+def check_request(request: Request, limits: RequestLimits, max_model_len: int) -> None:
     """Raises ValueError naming the field and the limit. Counts and bytes only."""
-    request_id_bytes = len(request.request_id.encode())
+    request_id_bytes = len(request.client_id.encode())
     if request_id_bytes > limits.max_request_id_bytes:
         name = "max_request_id_bytes"
         raise ValueError(
             _over("request_id", "bytes", request_id_bytes, name, limits.max_request_id_bytes)
         )
-    check_request_id(request.request_id)
-    if request.HasField("prompt"):
+    check_request_id(request.client_id)
+    if request.prompt is not None:
         prompt_bytes = len(request.prompt.encode())
         if prompt_bytes > limits.max_prompt_bytes:
             limit = limits.max_prompt_bytes
@@ -152,61 +145,16 @@ def check_request(
         raise ValueError(
             f"prompt_token_ids has {num_ids} tokens, more than max_model_len {max_model_len}"
         )
-    sampling = request.sampling
-    if len(sampling.stop) > limits.max_stop_strings:
+    stops = request.params.stop_strings
+    if len(stops) > limits.max_stop_strings:
         name, limit = "max_stop_strings", limits.max_stop_strings
-        raise ValueError(_over("stop", "strings", len(sampling.stop), name, limit))
-    for i, stop in enumerate(sampling.stop):
+        raise ValueError(_over("stop", "strings", len(stops), name, limit))
+    for i, stop in enumerate(stops):
         stop_bytes = len(stop.encode())
         if stop_bytes > limits.max_stop_string_bytes:
             name, limit = "max_stop_string_bytes", limits.max_stop_string_bytes
             raise ValueError(_over(f"stop[{i}]", "bytes", stop_bytes, name, limit))
-    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+    stop_ids = request.params.stop_ids
+    if len(stop_ids) > limits.max_stop_token_ids:
         name, limit = "max_stop_token_ids", limits.max_stop_token_ids
-        raise ValueError(_over("stop_token_ids", "ids", len(sampling.stop_token_ids), name, limit))
-    if sampling.HasField("logprobs") and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}")
-
-
-# The string fields of a GenerateRequest, by field number (nested: sampling.stop).
-_STRINGS = {1: "prompt", 4: "request_id"}
-_SAMPLING, _STOP = 3, 7
-
-
-def invalid_utf8_field(data: bytes) -> str | None:
-    """The name of the first string field of a serialized GenerateRequest that is not valid
-    UTF-8 (protobuf's parser only says that something is), or None."""
-
-    def fields_of(raw: bytes) -> UnknownFieldSet | None:
-        holder = empty_pb2.Empty()
-        try:
-            holder.ParseFromString(raw)
-        except DecodeError:
-            return None
-        return UnknownFieldSet(holder)
-
-    top = fields_of(data)
-    if top is None:
-        return None
-    stops = 0
-    for f in iter(top):  # iter(): the stub lacks __iter__ (it has __getitem__)
-        if f.field_number in _STRINGS and not _is_utf8(f.data):
-            return _STRINGS[f.field_number]
-        if f.field_number == _SAMPLING and isinstance(f.data, bytes):
-            inner = fields_of(f.data)
-            for g in iter(inner) if inner is not None else ():
-                if g.field_number == _STOP:
-                    if not _is_utf8(g.data):
-                        return f"stop[{stops}]"
-                    stops += 1
-    return None
-
-
-def _is_utf8(value: object) -> bool:
-    if not isinstance(value, bytes):
-        return True
-    try:
-        value.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+        raise ValueError(_over("stop_token_ids", "ids", len(stop_ids), name, limit))

@@ -1,4 +1,5 @@
-"""Turns a request's token ids into client chunks: incremental text, usage, timings.
+"""Turns a request's token ids into its results (``router/result.py``): incremental text, usage,
+timings.
 
 It is also the router's record of what the client has: ``output_token_ids`` are the tokens
 relayed so far, the ones a migrated request continues from. The detokenizer and its stop-string
@@ -10,32 +11,27 @@ from __future__ import annotations
 import time
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
 from pdserve.common import metrics
-from pdserve.common.convert import finish_reason_from_proto
-from pdserve.v1 import common_pb2, router_pb2
+from router.request import Request
+from router.result import Chunk, Final
 
 
 class OutputStream:
     def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        eos_token_ids: tuple[int, ...],
-        start_s: float,
+        self, tokenizer: Tokenizer | None, request: Request, eos_token_ids: tuple[int, ...]
     ) -> None:
-        self.params = params
+        self.params = params = request.params
         self._eos_token_ids = eos_token_ids
         self._detokenizer = (
-            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop_strings)
+            IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids), params.stop_strings)
             if tokenizer is not None
             else None
         )
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_prompt_tokens = request.num_prompt_tokens
         self.output_token_ids: list[int] = []
-        self.start_s = start_s
+        self.start_s = request.start_s
         self.first_token_s: float | None = None
         self.last_token_s: float | None = None
         self._migrated_at_s: float | None = None  # last token before a migration
@@ -43,9 +39,9 @@ class OutputStream:
     def chunk(
         self,
         token_ids: list[int],
-        logprobs: list[common_pb2.TokenLogprobs],
-        prompt_logprobs: list[common_pb2.TokenLogprobs] | None = None,
-    ) -> router_pb2.GenerateResponse:
+        logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs] | None = None,
+    ) -> Chunk:
         """``prompt_logprobs``: the worker's, with the first token (the client's prompt)."""
         text = ""
         for token_id in token_ids:
@@ -63,11 +59,7 @@ class OutputStream:
                 metrics.MIGRATION_ADDED_S.observe(now - self._migrated_at_s)
                 self._migrated_at_s = None
         self.output_token_ids.extend(token_ids)
-        return router_pb2.GenerateResponse(
-            chunk=router_pb2.TokenChunk(
-                token_ids=token_ids, text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs
-            )
-        )
+        return Chunk(token_ids, text, logprobs, prompt_logprobs or [])
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,37 +91,27 @@ class OutputStream:
     def final(
         self,
         request_id: str,
-        finish_reason: common_pb2.FinishReason.ValueType,
+        finish_reason: str,
         num_cached_tokens: int,
         prefill_s: float,
         transfer_s: float,
         num_migrations: int = 0,
         phases: dict[str, float] | None = None,
-    ) -> router_pb2.GenerateResponse:
-        """The final message; ``phases``: seconds by phase (``router/phases.py``)."""
-        if (
-            self._detokenizer is not None
-            and self._detokenizer.stopped
-            and finish_reason_from_proto(finish_reason) == "length"
-        ):
+    ) -> Final:
+        """The final result; ``phases``: seconds by phase (``router/phases.py``)."""
+        if self.stopped and finish_reason == "length":
             # The stop string completed inside the held-back tail (the engine does the same).
-            finish_reason = common_pb2.FINISH_REASON_STOP
-        return router_pb2.GenerateResponse(
-            final=router_pb2.GenerateFinal(
-                request_id=request_id,
-                finish_reason=finish_reason,
-                usage=router_pb2.Usage(
-                    prompt_tokens=self.num_prompt_tokens,
-                    completion_tokens=self.num_output_tokens,
-                    cached_tokens=num_cached_tokens,
-                ),
-                timings=router_pb2.Timings(
-                    ttft_s=self.ttft_s,
-                    mean_tpot_s=self.mean_tpot_s,
-                    prefill_s=prefill_s,
-                    transfer_s=transfer_s,
-                    phases=phases,
-                ),
-                num_migrations=num_migrations,
-            )
+            finish_reason = "stop"
+        return Final(
+            request_id=request_id,
+            finish_reason=finish_reason,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_output_tokens,
+            cached_tokens=num_cached_tokens,
+            ttft_s=self.ttft_s,
+            mean_tpot_s=self.mean_tpot_s,
+            prefill_s=prefill_s,
+            transfer_s=transfer_s,
+            num_migrations=num_migrations,
+            phases=phases or {},
         )

@@ -6,17 +6,16 @@ once and ``max_queued_tokenizations`` waiting; past that, RESOURCE_EXHAUSTED."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import TypeVar
 
 from engine.prompt import validate_prompt, validate_sampling
-from engine.sampling_params import SamplingParams
 from engine.threads import finish_in_thread
 from engine.tokenizer import Tokenizer
 from pdserve.common import metrics
-from pdserve.common.convert import sampling_from_proto
-from pdserve.v1 import router_pb2
 from router.limits import RequestLimits, check_request
+from router.request import Request
 
 T = TypeVar("T")
 
@@ -40,34 +39,34 @@ class PromptReader:
         self._slots = asyncio.Semaphore(limits.max_concurrent_tokenizations)
         self._queued = 0
 
-    async def read(
-        self,
-        request: router_pb2.GenerateRequest,
-        max_model_len: int,
-        add_special_tokens: bool = True,
-    ) -> tuple[list[int], SamplingParams]:
-        """Raises ValueError (INVALID_ARGUMENT, naming the field) or ``Overloaded``.
-        ``add_special_tokens=False``: a rendered chat template (it wrote its own)."""
+    async def read(self, request: Request, max_model_len: int) -> Request:
+        """``request`` with its prompt as validated ids. Raises ValueError (INVALID_ARGUMENT,
+        naming the field) or ``Overloaded``."""
         check_request(request, self.limits, max_model_len)
-        has_text, has_ids = request.HasField("prompt"), len(request.prompt_token_ids) > 0
+        has_text, has_ids = request.prompt is not None, len(request.prompt_token_ids) > 0
         if has_text == has_ids:
             raise ValueError("set exactly one of prompt and prompt_token_ids")
-        params = sampling_from_proto(request.sampling)
-        validate_sampling(params, self.vocab_size, self.eos_token_ids)
+        validate_sampling(request.params, self.vocab_size, self.eos_token_ids)
         if has_ids:
-            prompt_ids = list(request.prompt_token_ids)
-            return validate_prompt(prompt_ids, None, self.vocab_size, max_model_len), params
-        if self.tokenizer is None or not request.prompt:
+            ids = validate_prompt(
+                list(request.prompt_token_ids), None, self.vocab_size, max_model_len
+            )
+            return dataclasses.replace(request, prompt_token_ids=tuple(ids))
+        text = request.prompt
+        assert text is not None
+        if self.tokenizer is None or not text:
             # validate_prompt names the problem (no tokenizer, empty prompt).
-            return validate_prompt(request.prompt, self.tokenizer, self.vocab_size, 1), params
+            validate_prompt(text, self.tokenizer, self.vocab_size, 1)
         tokenizer, vocab_size = self.tokenizer, self.vocab_size
+        assert tokenizer is not None
 
         def tokenize() -> list[int]:
             # Checked in the thread too: the ids of a 2 MiB prompt take a while to scan.
-            ids = tokenizer.encode(request.prompt, add_special_tokens)
+            ids = tokenizer.encode(text, request.add_special_tokens)
             return validate_prompt(ids, None, vocab_size, max_model_len, "prompt")
 
-        return await self.in_thread(tokenize), params
+        ids = await self.in_thread(tokenize)
+        return dataclasses.replace(request, prompt_token_ids=tuple(ids))
 
     async def in_thread(self, work: Callable[[], T]) -> T:
         """``work`` (a tokenization, a chat template's rendering) in a thread, at most

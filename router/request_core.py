@@ -20,17 +20,17 @@ from typing import Protocol
 
 from engine.checkpoint import CheckpointInfo
 from engine.fingerprint import engine_fingerprint
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pdserve.common import metrics
 from pdserve.common.auth import ApiKeys
-from pdserve.v1 import router_pb2
 from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.generation import Generation
 from router.output_stream import OutputStream
 from router.prompts import Overloaded, PromptReader
+from router.request import Request
+from router.result import Result
 from router.worker_errors import WorkerError
 from router.worker_pool import WorkerPool
 
@@ -142,16 +142,12 @@ class RequestCore:
         request may carry even then)."""
         return self.pool.max_model_len or self.checkpoint.max_position_embeddings
 
-    async def read(
-        self, request: router_pb2.GenerateRequest, add_special_tokens: bool = True
-    ) -> tuple[list[int], SamplingParams]:
-        """The request's validated prompt ids and sampling. Raises ValueError
-        (INVALID_ARGUMENT), ``ResourceError`` or ``Overloaded`` (RESOURCE_EXHAUSTED)."""
-        prompt_ids, params = await self.prompts.read(
-            request, self.max_model_len, add_special_tokens
-        )
-        self.check_capacity(len(prompt_ids))
-        return prompt_ids, params
+    async def read(self, request: Request) -> Request:
+        """``request`` validated, its prompt as ids. Raises ValueError (INVALID_ARGUMENT),
+        ``ResourceError`` or ``Overloaded`` (RESOURCE_EXHAUSTED)."""
+        read = await self.prompts.read(request, self.max_model_len)
+        self.check_capacity(read.num_prompt_tokens)
+        return read
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """A prompt no worker of a needed pool could ever hold is refused before any work."""
@@ -191,24 +187,13 @@ class RequestCore:
         self._inflight -= 1
         metrics.ROUTER_INFLIGHT.dec()
 
-    async def responses(
-        self,
-        client_id: str,
-        caller: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        start_s: float,
-    ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
-        """One validated request's stream under a request id unique on the workers even if
-        clients reuse theirs. Every frontend's (inside its ``track``); ``caller``: ``caller``'s."""
-        request_id = f"{client_id}-{uuid.uuid4().hex[:8]}"
-        out = OutputStream(
-            self.tokenizer, prompt_ids, params, self.checkpoint.eos_token_ids, start_s
-        )
+    async def responses(self, request: Request) -> AsyncGenerator[Result, None]:
+        """One request's results (``read`` validated it) under a request id unique on the
+        workers even if clients reuse theirs. Every frontend's (inside its ``track``)."""
+        request_id = f"{request.client_id}-{uuid.uuid4().hex[:8]}"
+        out = OutputStream(self.tokenizer, request, self.checkpoint.eos_token_ids)
         try:
-            stream = self.generation.generate(
-                request_id, client_id, caller, prompt_ids, params, out
-            )
+            stream = self.generation.generate(request_id, request, out)
             async with contextlib.aclosing(stream):
                 async for response in stream:
                     yield response

@@ -15,7 +15,6 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -27,7 +26,7 @@ from pdserve.v1 import router_pb2
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.generation import Generation
-from router.limits import invalid_utf8_field
+from router.grpc_wire import Unparsable, parse_request, request_from_proto, result_to_proto
 from router.prompts import Overloaded
 from router.request_core import RequestCore, ResourceError
 from router.worker_errors import WorkerError
@@ -39,25 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PARSE_IN_THREAD_BYTES = 64 << 10
-
-
-@dataclass(frozen=True)
-class Unparsable:
-    """A request body protobuf could not parse; ``Generate`` refuses it by name."""
-
-    message: str
-
-
-def parse_request(data: bytes) -> router_pb2.GenerateRequest | Unparsable:
-    """The request deserializer: a body that does not parse becomes a named INVALID_ARGUMENT
-    (gRPC's own answer would be UNKNOWN)."""
-    try:
-        return router_pb2.GenerateRequest.FromString(data)
-    except Exception:  # protobuf's DecodeError, or worse: nothing of it may escape
-        field = invalid_utf8_field(data)
-        if field is not None:
-            return Unparsable(f"{field} is not valid UTF-8")
-        return Unparsable("the request is not a valid pdserve.v1.GenerateRequest")
 
 
 # HTTP connections allowed beyond --max-concurrent-requests (keep-alives between requests).
@@ -162,22 +142,22 @@ class RouterService(Service):
             metrics.REQUEST_ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.message)
         assert isinstance(parsed, router_pb2.GenerateRequest)
+        client_id = parsed.request_id or uuid.uuid4().hex
+        caller = core.caller(authorization, context.peer())
         try:
-            prompt_ids, params = await core.read(parsed)
+            request = await core.read(request_from_proto(parsed, client_id, caller, start_s))
         except (ResourceError, Overloaded) as exc:
             metrics.REQUEST_ERRORS.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             metrics.REQUEST_ERRORS.labels("INVALID_ARGUMENT").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        client_id = parsed.request_id or uuid.uuid4().hex
-        caller = core.caller(authorization, context.peer())
-        stream = core.responses(client_id, caller, prompt_ids, params, start_s)
+        stream = core.responses(request)
         try:
             async with contextlib.aclosing(stream):
-                async for response in stream:
+                async for result in stream:
                     async with asyncio.timeout(self.config.client_idle_timeout_s):
-                        await context.write(response)
+                        await context.write(result_to_proto(result))
         except TimeoutError:
             metrics.CLIENT_IDLE_CANCELS.inc()
             logger.warning(

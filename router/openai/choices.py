@@ -15,9 +15,9 @@ import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
-from pdserve.v1 import router_pb2
+from router.request import Request
 from router.request_core import RequestCore
+from router.result import Result
 
 _QUEUED_PER_CHOICE = 4
 
@@ -25,35 +25,30 @@ _QUEUED_PER_CHOICE = 4
 @dataclass(frozen=True)
 class Choice:
     index: int
-    prompt_index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: Request  # read (``RequestCore.read``): its prompt as ids, its own seed
 
 
 async def merged(
-    core: RequestCore, client_id: str, caller: str, choices: list[Choice], start_s: float
-) -> AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]:
-    """(choice index, response) until every choice sent its final. Raises the first
-    choice's error (``WorkerError``), after cancelling the others. ``caller``:
-    ``RequestCore.caller``'s."""
+    core: RequestCore, choices: list[Choice]
+) -> AsyncGenerator[tuple[int, Result], None]:
+    """(choice index, result) until every choice sent its final. Raises the first
+    choice's error (``WorkerError``), after cancelling the others."""
     if len(choices) == 1:  # the common case: no task, no queue
         only = choices[0]
-        stream = core.responses(client_id, caller, only.prompt_token_ids, only.params, start_s)
+        stream = core.responses(only.request)
         async with contextlib.aclosing(stream):
-            async for response in stream:
-                yield only.index, response
+            async for result in stream:
+                yield only.index, result
         return
-    Item = tuple[int, router_pb2.GenerateResponse | BaseException | None]
+    Item = tuple[int, Result | BaseException | None]
     queue: asyncio.Queue[Item] = asyncio.Queue(_QUEUED_PER_CHOICE * len(choices))
 
     async def run(choice: Choice) -> None:
-        stream = core.responses(
-            f"{client_id}-{choice.index}", caller, choice.prompt_token_ids, choice.params, start_s
-        )
+        stream = core.responses(choice.request)
         try:
             async with contextlib.aclosing(stream):
-                async for response in stream:
-                    await queue.put((choice.index, response))
+                async for result in stream:
+                    await queue.put((choice.index, result))
         except Exception as exc:
             await queue.put((choice.index, exc))
             return

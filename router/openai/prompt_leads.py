@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 
-from pdserve.v1 import common_pb2, router_pb2
+from engine.sequence import TokenLogprobs
 from router.openai.responses import ChoiceOutput, Envelope, Kind, TokenText, prompt_chunk
 from router.openai.sse import event
+from router.result import Chunk, Result
 
 # A prompt longer than this is built and encoded in a thread.
 _IN_THREAD_PROMPT_TOKENS = 256
@@ -25,7 +26,7 @@ _IN_THREAD_PROMPT_TOKENS = 256
 
 def share_prompt_logprobs(outputs: Sequence[ChoiceOutput]) -> None:
     """Every choice of a prompt gets the logprobs its first choice computed."""
-    computed: dict[int, list[common_pb2.TokenLogprobs]] = {}
+    computed: dict[int, list[TokenLogprobs]] = {}
     for c in outputs:
         computed.setdefault(c.prompt_index, c.prompt_logprobs)
     for c in outputs:
@@ -52,31 +53,29 @@ class PromptLeads:
         for c in outputs:
             self._first.setdefault(c.prompt_index, c.index)
         self._known: set[int] = set()  # prompts whose logprobs are here
-        self._held: dict[int, list[tuple[int, router_pb2.GenerateResponse]]] = {}
+        self._held: dict[int, list[tuple[int, Result]]] = {}
         self._opened: set[int] = set()
 
     async def ready(
-        self, stream: AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]
-    ) -> AsyncGenerator[tuple[int, router_pb2.GenerateResponse], None]:
+        self, stream: AsyncGenerator[tuple[int, Result], None]
+    ) -> AsyncGenerator[tuple[int, Result], None]:
         """``stream``'s responses, each once its choice's prompt logprobs are known."""
-        async for index, response in stream:
+        async for index, result in stream:
             if not self.wanted:
-                yield index, response
+                yield index, result
                 continue
             p = self._outputs[index].prompt_index
             if p in self._known:
-                yield index, response
+                yield index, result
             elif index != self._first[p]:
-                self._held.setdefault(p, []).append((index, response))
+                self._held.setdefault(p, []).append((index, result))
             else:
-                computed = (
-                    list(response.chunk.prompt_logprobs) if response.HasField("chunk") else []
-                )
+                computed = list(result.prompt_logprobs) if isinstance(result, Chunk) else []
                 for c in self._outputs:
                     if c.prompt_index == p:
                         c.prompt_logprobs = computed
                 self._known.add(p)
-                yield index, response
+                yield index, result
                 for held in self._held.pop(p, []):
                     yield held
 

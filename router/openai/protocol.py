@@ -17,11 +17,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from engine.sampling_params import (
+    MAX_INT32,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    InvalidField,
+    SamplingParams,
+)
 from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
-from pdserve.common.convert import structured_to_proto
-from pdserve.v1 import common_pb2
 from router.openai.chat_template import ChatTemplate
 from router.openai.control_text import check_control_text
 from router.openai.invalid_parameter import InvalidParameter
@@ -110,11 +114,13 @@ class Prompt:
 @dataclass(frozen=True)
 class Plan:
     """What a request asks for. ``sampling`` has no seed: choice i of a seeded request uses
-    ``seed + i`` (vLLM v1's rule), so ``n`` choices differ and reproduce."""
+    ``seed + i`` (vLLM v1's rule), so ``n`` choices differ and reproduce; with
+    ``fill_context``, its ``max_tokens`` is ``MAX_INT32`` until the serving layer knows the
+    prompt's length."""
 
     prompts: tuple[Prompt, ...]
     n: int
-    sampling: common_pb2.SamplingParams
+    sampling: SamplingParams
     seed: int | None
     stream: bool
     include_usage: bool
@@ -137,35 +143,37 @@ def _refuse_unsupported(body: _Sampling) -> None:
         raise InvalidParameter("stream_options", "stream_options needs stream: true")
 
 
-def _sampling(body: _Sampling, max_tokens: int | None) -> common_pb2.SamplingParams:
-    """Only what was given is set: the engine's defaults (and SamplingParams' own validation,
-    which names each field) apply to the rest."""
-    msg = common_pb2.SamplingParams(ignore_eos=bool(body.ignore_eos))
-    given = {"max_tokens": max_tokens, **{n: getattr(body, n) for n in _NUMBERS}}
-    for name, value in given.items():
-        if value is not None:
-            try:
-                setattr(msg, name, value)
-            except (ValueError, TypeError):  # past the wire type's range
-                raise InvalidParameter(name, f"{name} is out of range: {value}") from None
+def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Only what was given is set: the engine's defaults apply to the rest, and its own
+    validation names each field (``max_tokens`` None: to be filled, ``Plan``)."""
+    given: dict[str, Any] = {n: getattr(body, n) for n in _NUMBERS if getattr(body, n) is not None}
     if isinstance(body.stop, str):
-        msg.stop.append(body.stop)
+        given["stop"] = (body.stop,)
     elif body.stop:
-        msg.stop.extend(body.stop)
+        given["stop"] = tuple(body.stop)
     if body.stop_token_ids:
-        msg.stop_token_ids.extend(_ids("stop_token_ids", body.stop_token_ids))
+        given["stop_token_ids"] = _ids("stop_token_ids", body.stop_token_ids)
     if body.logit_bias:
-        msg.logit_bias.update(_logit_bias(body.logit_bias))
-    structured = structured_output(
+        given["logit_bias"] = _logit_bias(body.logit_bias)
+    if body.prompt_logprobs is not None:
+        given["prompt_logprobs"] = body.prompt_logprobs
+    constraint = structured_output(
         body.response_format,
         body.structured_outputs,
         body.guided_json,
         body.guided_regex,
         body.guided_choice,
     )
-    if structured is not None:
-        msg.structured.CopyFrom(structured_to_proto(structured))
-    return msg
+    try:
+        return SamplingParams(
+            max_tokens=MAX_INT32 if max_tokens is None else max_tokens,
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            structured=constraint,
+            **given,
+        )
+    except InvalidField as exc:
+        raise InvalidParameter(exc.field, str(exc)) from None
 
 
 _NUMBERS = (
@@ -228,12 +236,8 @@ def _plan(
     n = body.n or 1
     _check_choices(len(prompts), n, max_choices)
     _check_seed(body.seed, n)
-    sampling = _sampling(body, max_tokens)
-    if logprobs is not None:
-        sampling.logprobs = logprobs
     _check_logprobs("prompt_logprobs", body.prompt_logprobs)
-    if body.prompt_logprobs is not None:
-        sampling.prompt_logprobs = body.prompt_logprobs
+    sampling = _sampling(body, max_tokens, logprobs)
     options = body.stream_options
     return Plan(
         prompts=prompts,
@@ -330,15 +334,15 @@ def chat_plan(
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
     plan = _plan(body, (prompt,), max_tokens, logprobs, max_choices)
-    if tools is not None:
-        if plan.sampling.HasField("structured"):
-            raise InvalidParameter(
-                "tool_choice",
-                f"tool_choice {body.tool_choice!r} leaves no room for another "
-                f"output constraint ({plan.sampling.structured.field})",
-            )
-        plan.sampling.structured.CopyFrom(structured_to_proto(tools))
-    return plan
+    if tools is None:
+        return plan
+    if plan.sampling.structured is not None:
+        raise InvalidParameter(
+            "tool_choice",
+            f"tool_choice {body.tool_choice!r} leaves no room for another "
+            f"output constraint ({plan.sampling.structured.field})",
+        )
+    return dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, structured=tools))
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:
@@ -366,5 +370,6 @@ def completion_plan(body: CompletionRequest, max_choices: int) -> Plan:
     plan = _plan(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)
     if body.echo and body.logprobs is not None:  # the prompt's entries lead the list
         wanted = max(body.logprobs, body.prompt_logprobs or 0)
-        plan.sampling.prompt_logprobs = wanted
+        sampling = dataclasses.replace(plan.sampling, prompt_logprobs=wanted)
+        plan = dataclasses.replace(plan, sampling=sampling)
     return dataclasses.replace(plan, echo=bool(body.echo))

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.sequence import TokenLogprobs
 from engine.tokenizer import Tokenizer
-from pdserve.v1 import common_pb2
 from router.openai.tools import NO_TOOLS, ToolMode, ToolPlan
 
 
@@ -63,14 +63,14 @@ class ChoiceOutput:
     # Text as it arrives, joined once at the end: appending to one string is quadratic.
     pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     num_tokens: int = 0  # generated so far (streamed or not)
     text_offset: int = 0  # completions logprobs: where the next token's text starts
     prompt_text: str | None = None  # as the client sent it (None: token ids)
     # Prompt token i + 1's logprobs at i (``prompt_logprobs``, or ``echo`` with logprobs).
-    prompt_logprobs: list[common_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # From the final message: the router's TTFT and where the time went (router/phases.py).
     ttft_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
@@ -119,12 +119,12 @@ def finite(logprob: float) -> float:
     return 0.0 if logprob > 0 else LOGPROB_FLOOR
 
 
-def _top(entry: common_pb2.TokenLogprobs, text: TokenText) -> list[tuple[str, float]]:
+def _top(entry: TokenLogprobs, text: TokenText) -> list[tuple[str, float]]:
     pairs = zip(entry.top_token_ids, entry.top_logprobs, strict=False)
     return [(text(t), finite(lp)) for t, lp in pairs]
 
 
-def chat_logprobs(entries: Sequence[common_pb2.TokenLogprobs], text: TokenText) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[TokenLogprobs], text: TokenText) -> dict[str, Any]:
     def one(token: str, logprob: float) -> dict[str, Any]:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
@@ -140,7 +140,7 @@ def chat_logprobs(entries: Sequence[common_pb2.TokenLogprobs], text: TokenText) 
 
 
 def completion_logprobs(
-    entries: Sequence[common_pb2.TokenLogprobs], text: TokenText, choice: ChoiceOutput
+    entries: Sequence[TokenLogprobs], text: TokenText, choice: ChoiceOutput
 ) -> dict[str, Any]:
     """The legacy format: parallel lists, offsets into the choice's text (advanced here)."""
     tokens, offsets = [], []
@@ -169,7 +169,7 @@ def echo_text(choice: ChoiceOutput, text: TokenText) -> str:
 def echo_logprobs(choice: ChoiceOutput, text: TokenText) -> dict[str, Any]:
     """The prompt's part of a completions logprobs list (``echo``): its first token has none
     (nothing comes before it), each later one the worker's logprob."""
-    entries: list[common_pb2.TokenLogprobs | None] = [None, *choice.prompt_logprobs]
+    entries: list[TokenLogprobs | None] = [None, *choice.prompt_logprobs]
     entries += [None] * (len(choice.prompt_token_ids) - len(entries))
     tokens, offsets = [], []
     for token_id in choice.prompt_token_ids:
@@ -208,7 +208,7 @@ def vllm_prompt_logprobs(choice: ChoiceOutput, text: TokenText) -> list[Any]:
 
 def _logprobs(
     kind: Kind,
-    entries: Sequence[common_pb2.TokenLogprobs],
+    entries: Sequence[TokenLogprobs],
     text: TokenText,
     choice: ChoiceOutput,
 ) -> dict[str, Any]:
@@ -283,7 +283,7 @@ def chunk_body(
     choice: ChoiceOutput,
     text: str,
     token_ids: Sequence[int],
-    entries: Sequence[common_pb2.TokenLogprobs],
+    entries: Sequence[TokenLogprobs],
     token_text: TokenText,
     *,
     first: bool = False,

@@ -4,9 +4,10 @@ same limits, tokenization off the loop, capacity checks, migration and metrics).
 
 A request runs in four steps: parse the body into a ``Plan`` (``protocol.py``); render the chat
 template (in a thread: a template is code, and messages can be megabytes); read each prompt as
-the gRPC API reads one; run the choices (``choices.py``). A streamed response waits for its
-first token before answering 200, so refusals that come from the workers (no room, no worker)
-still get their HTTP status; after that, an error is a ``data: {"error": ...}`` event.
+the gRPC API reads one (a ``Request``: ``router/request.py``); run the choices
+(``choices.py``). A streamed response waits for its first token before answering 200, so
+refusals that come from the workers (no room, no worker) still get their HTTP status; after
+that, an error is a ``data: {"error": ...}`` event.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from typing import Any, TypeVar
 
 from starlette.types import Receive
 
-from pdserve.common.convert import finish_reason_from_proto
-from pdserve.v1 import common_pb2, router_pb2
 from router.limits import check_output, prompt_bytes
 from router.openai import errors
 from router.openai.bad_words import bad_words_ids
@@ -57,7 +56,9 @@ from router.openai.responses import (
 from router.openai.sse import DONE, disconnected, event
 from router.openai.tool_parsers import ToolStream, detect_parser
 from router.openai.tools import NO_TOOLS, ToolPlan, template_messages, tool_plan
+from router.request import Request
 from router.request_core import RequestCore, ResourceError
+from router.result import Chunk, Final, Result
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -108,8 +109,6 @@ class Prepared:
     choices: list[Choice]
     outputs: list[ChoiceOutput]
     client_id: str
-    caller: str  # RequestCore.caller's
-    start_s: float
     tools: ToolPlan = NO_TOOLS
 
 
@@ -173,20 +172,26 @@ class OpenAIServing:
         add_special_tokens: bool = True,
     ) -> Prepared:
         limits = self.core.config.limits
+        sampling = plan.sampling
         if plan.bad_words:
             ids = bad_words_ids(list(plan.bad_words), self.core.tokenizer)
-            plan.sampling.bad_words.extend(common_pb2.TokenIds(token_ids=w) for w in ids)
+            sampling = dataclasses.replace(sampling, bad_words=ids)
         choices: list[Choice] = []
         outputs: list[ChoiceOutput] = []
         for p, prompt in enumerate(plan.prompts):
-            request = router_pb2.GenerateRequest(sampling=plan.sampling, request_id=client_id)
-            if prompt.text is not None:
-                request.prompt = prompt.text
-            else:
-                request.prompt_token_ids.extend(prompt.token_ids)
-            prompt_ids, params = await self.core.read(request, add_special_tokens)
+            asked = Request(
+                client_id,
+                sampling,
+                caller,
+                start_s,
+                prompt.text,
+                prompt.token_ids,
+                add_special_tokens=add_special_tokens,
+            )
+            read = await self.core.read(asked)
+            params = read.params
             if plan.fill_context:
-                room = max(1, self.core.max_model_len - len(prompt_ids))
+                room = max(1, self.core.max_model_len - read.num_prompt_tokens)
                 params = dataclasses.replace(params, max_tokens=room)
             for i in range(plan.n):
                 index = p * plan.n + i
@@ -197,17 +202,21 @@ class OpenAIServing:
                 choice_params = dataclasses.replace(
                     params, seed=seed, prompt_logprobs=params.prompt_logprobs if first else None
                 )
-                choices.append(Choice(index, p, prompt_ids, choice_params))
+                # Each choice is a request of its own on the workers (its own id in logs).
+                choice_id = client_id if plan.num_choices == 1 else f"{client_id}-{index}"
+                request = dataclasses.replace(read, client_id=choice_id, params=choice_params)
+                choices.append(Choice(index, request))
+                prompt_ids = list(read.prompt_token_ids)
                 outputs.append(ChoiceOutput(index, p, prompt_ids, prompt_text=prompt.text))
         repeated = prompt_bytes(
-            [len(c.prompt_token_ids) for c in choices],
+            [c.request.num_prompt_tokens for c in choices],
             plan.echo,
             plan.logprobs,
             plan.prompt_logprobs,
         )
         # Bounded before any work: a whole response is held until its last token; what each
         # choice repeats of its prompt is one piece even when streamed.
-        generated = [] if plan.stream else [c.params.max_tokens for c in choices]
+        generated = [] if plan.stream else [c.request.params.max_tokens for c in choices]
         try:
             check_output(generated, plan.logprobs, limits, repeated)
         except ValueError as exc:
@@ -222,11 +231,10 @@ class OpenAIServing:
             echo=plan.echo,
             prompt_logprobs=plan.prompt_logprobs is not None,
         )
-        return Prepared(plan, env, choices, outputs, client_id, caller, start_s)
+        return Prepared(plan, env, choices, outputs, client_id)
 
-    def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Any], None]:
-        p = prepared
-        return merged(self.core, p.client_id, p.caller, p.choices, p.start_s)
+    def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Result], None]:
+        return merged(self.core, prepared.choices)
 
     async def collect(self, prepared: Prepared) -> bytes:
         """A whole (non-streamed) response, as JSON. Raises what the choices raise. A large
@@ -260,8 +268,8 @@ class OpenAIServing:
     async def _events(
         self,
         prepared: Prepared,
-        stream: AsyncGenerator[tuple[int, Any], None],
-        first: tuple[int, Any] | None,
+        stream: AsyncGenerator[tuple[int, Result], None],
+        first: tuple[int, Result] | None,
     ) -> AsyncGenerator[bytes, None]:
         env, outputs, plan = prepared.env, prepared.outputs, prepared.plan
         text = self.token_text
@@ -278,17 +286,16 @@ class OpenAIServing:
                     for c in outputs:
                         body = chunk_body(env, c, "", [], [], text, first=True, include_usage=usage)
                         yield event(body)
-                async for index, response in prompts.ready(_prepend(first, stream)):
+                async for index, chunk in prompts.ready(_prepend(first, stream)):
                     c = outputs[index]
-                    _count(c, response)
+                    _count(c, chunk)
                     reader = readers[index]
                     if prompts.opens(index):
                         yield await prompt_event(env, c, text, usage)
-                    if response.HasField("final"):
+                    if isinstance(chunk, Final):
                         for body in _final_chunks(env, c, reader, prepared.tools, text, usage):
                             yield event(body)
                         continue
-                    chunk = response.chunk
                     piece = chunk.text if reader is None else reader.feed(chunk.text)
                     # Tokens without text yet (a partial UTF-8 character, held back) make a
                     # chunk only when the client asked to see tokens.
@@ -345,35 +352,34 @@ def _final_chunks(
 
 
 async def _prepend(
-    first: tuple[int, Any] | None, stream: AsyncGenerator[tuple[int, Any], None]
-) -> AsyncGenerator[tuple[int, Any], None]:
+    first: tuple[int, Result] | None, stream: AsyncGenerator[tuple[int, Result], None]
+) -> AsyncGenerator[tuple[int, Result], None]:
     if first is not None:
         yield first
     async for item in stream:
         yield item
 
 
-def _record(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
+def _record(choice: ChoiceOutput, result: Result) -> None:
     """A non-streamed choice keeps everything: its response is built at the end."""
-    if response.HasField("chunk"):
-        choice.prompt_logprobs.extend(response.chunk.prompt_logprobs)
-        choice.pieces.append(response.chunk.text)
-        choice.token_ids.extend(response.chunk.token_ids)
-        choice.logprobs.extend(response.chunk.logprobs)
-    _count(choice, response)
+    if isinstance(result, Chunk):
+        choice.prompt_logprobs.extend(result.prompt_logprobs)
+        choice.pieces.append(result.text)
+        choice.token_ids.extend(result.token_ids)
+        choice.logprobs.extend(result.logprobs)
+    _count(choice, result)
 
 
-def _count(choice: ChoiceOutput, response: router_pb2.GenerateResponse) -> None:
+def _count(choice: ChoiceOutput, result: Result) -> None:
     """A streamed choice keeps counts only: what it sent is gone (a long stream with
     logprobs would otherwise grow without bound)."""
-    if response.HasField("chunk"):
-        choice.num_tokens += len(response.chunk.token_ids)
+    if isinstance(result, Chunk):
+        choice.num_tokens += len(result.token_ids)
     else:
-        final = response.final
-        choice.finish_reason = finish_reason_from_proto(final.finish_reason)
-        choice.num_cached_tokens = final.usage.cached_tokens
-        choice.ttft_s = final.timings.ttft_s
-        choice.phases_s = dict(final.timings.phases)
+        choice.finish_reason = result.finish_reason
+        choice.num_cached_tokens = result.cached_tokens
+        choice.ttft_s = result.ttft_s
+        choice.phases_s = dict(result.phases)
 
 
 def new_client_id(header: str | None) -> str:

@@ -13,9 +13,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine import PrefilledRequest, SamplingParams
 from engine.sampling import SampleRequest
-from native_engine.sampler import Sampler
 from native_engine import LLM
 from native_engine.kernels.cpu import load_cpu_kernels, paged_decode_attention_cpu
+from native_engine.sampler import Sampler
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

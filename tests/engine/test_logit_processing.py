@@ -16,8 +16,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine import SamplingParams
 from engine.sampling import SampleRequest, processed_logits
-from native_engine.sampler import Sampler
 from native_engine import LLM
+from native_engine.sampler import Sampler
 
 RAW = torch.tensor([[1.0, -2.0, 3.0, 0.5], [1.0, -2.0, 3.0, 0.5]])
 NEG = float("-inf")

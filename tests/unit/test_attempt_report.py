@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-from pdserve.v1 import common_pb2
 from router.attempt import CacheHits, Ended, Prefilled, Report, Transferred
 
 
 def test_a_disaggregated_attempt_reports_its_prefill_transfer_and_finish() -> None:
     report = Report()
-    for event in (Prefilled(0.25, 32), Transferred(0.5), Ended(common_pb2.FINISH_REASON_STOP)):
+    for event in (Prefilled(0.25, 32), Transferred(0.5), Ended("stop")):
         report = report.add(event)
-    assert report == Report(common_pb2.FINISH_REASON_STOP, 32, 0.25, 0.5, "")
+    assert report == Report("stop", 32, 0.25, 0.5, "")
 
 
 def test_a_migrated_request_adds_times_and_keeps_the_client_prompts_cache_hits() -> None:
     first = Report().add(Prefilled(0.25, 48)).add(Transferred(0.5))  # then its worker was lost
     # The continuation's prefill reports no cache hits of the client's prompt (0).
     second = first.add(Prefilled(0.125, 0)).add(Transferred(0.25))
-    final = second.add(Ended(common_pb2.FINISH_REASON_LENGTH))
-    assert final == Report(common_pb2.FINISH_REASON_LENGTH, 48, 0.375, 0.75, "")
+    final = second.add(Ended("length"))
+    assert final == Report("length", 48, 0.375, 0.75, "")
 
 
 def test_a_local_attempt_names_its_worker_and_reports_its_cache_hits() -> None:
-    report = Report().add(CacheHits(16)).add(Ended(common_pb2.FINISH_REASON_STOP, "w:1"))
-    assert report == Report(common_pb2.FINISH_REASON_STOP, 16, 0.0, 0.0, "w:1")
+    report = Report().add(CacheHits(16)).add(Ended("stop", "w:1"))
+    assert report == Report("stop", 16, 0.0, 0.0, "w:1")
 
 
 def test_report_is_a_value_adding_returns_a_new_one() -> None:

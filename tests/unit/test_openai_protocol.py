@@ -10,7 +10,8 @@ import grpc
 import pydantic
 import pytest
 
-from pdserve.v1 import common_pb2
+from engine.sampling_params import MAX_INT32, SamplingParams
+from engine.sequence import TokenLogprobs
 from router.openai import errors
 from router.openai.protocol import (
     ChatCompletionRequest,
@@ -51,7 +52,7 @@ def test_a_completion_plan_sets_only_what_was_given() -> None:
     )
     assert plan.prompts == (Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,)))
     assert plan.num_choices == 6 and plan.seed == 5 and not plan.fill_context
-    expected = common_pb2.SamplingParams(max_tokens=16, temperature=0.5, top_k=4, stop=["x"])
+    expected = SamplingParams(max_tokens=16, temperature=0.5, top_k=4, stop=["x"])
     assert plan.sampling == expected  # OpenAI's default of 16 tokens; no seed inside
     assert plan.logprobs is None and not plan.stream and not plan.include_usage
 
@@ -76,7 +77,7 @@ def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
     plan = chat_plan(chat(logprobs=True, top_logprobs=3), Prompt(text="rendered"), 64)
     assert plan.prompts == (Prompt(text="rendered"),) and plan.fill_context
     assert plan.logprobs == 3 and plan.sampling.logprobs == 3
-    assert not plan.sampling.HasField("max_tokens")
+    assert plan.sampling.max_tokens == MAX_INT32  # the serving layer fills the context
     capped = chat_plan(chat(max_completion_tokens=7, max_tokens=99), Prompt(text="r"), 64)
     assert capped.sampling.max_tokens == 7 and not capped.fill_context
     assert chat_plan(chat(logprobs=True), Prompt(text="r"), 64).logprobs == 0
@@ -222,10 +223,8 @@ def test_the_error_map() -> None:
 
 
 ENTRIES = [
-    common_pb2.TokenLogprobs(
-        token_id=1, logprob=-0.5, top_token_ids=[1, 2], top_logprobs=[-0.5, -1.5]
-    ),
-    common_pb2.TokenLogprobs(token_id=2, logprob=-0.25, top_token_ids=[2], top_logprobs=[-0.25]),
+    TokenLogprobs(token_id=1, logprob=-0.5, top_token_ids=(1, 2), top_logprobs=(-0.5, -1.5)),
+    TokenLogprobs(token_id=2, logprob=-0.25, top_token_ids=(2,), top_logprobs=(-0.25,)),
 ]
 
 

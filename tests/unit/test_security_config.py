@@ -12,11 +12,14 @@ from pathlib import Path
 import pytest
 
 from app import settings
+from engine.sampling_params import SamplingParams
 from pdserve.common.auth import ApiKeys, bearer
 from pdserve.common.server import ServerConfig
 from pdserve.common.tls import TlsConfig, is_loopback
 from pdserve.v1 import common_pb2, router_pb2
-from router.limits import RequestLimits, check_request, invalid_utf8_field
+from router.grpc_wire import invalid_utf8_field
+from router.limits import RequestLimits, check_request
+from router.request import Request
 
 
 def test_plaintext_binds_loopback_only_unless_insecure() -> None:
@@ -73,10 +76,14 @@ def test_api_keys_are_checked_by_digest_and_reread_when_the_file_changes(tmp_pat
 def test_limits_are_checked_by_count_and_bytes_before_anything() -> None:
     limits = RequestLimits(max_prompt_bytes=10, max_stop_strings=2, max_request_bytes=100)
     sampling = common_pb2.SamplingParams(stop=["a", "b", "c"])
+
+    def request(prompt: str, params: SamplingParams) -> Request:
+        return Request("r", params, caller="host:127.0.0.1", start_s=0.0, prompt=prompt)
+
     with pytest.raises(ValueError, match=r"stop has 3 strings, more than --max-stop-strings \(2\)"):
-        check_request(router_pb2.GenerateRequest(prompt="ok", sampling=sampling), limits, 64)
+        check_request(request("ok", SamplingParams(stop=["a", "b", "c"])), limits, 64)
     with pytest.raises(ValueError, match=r"prompt has 12 bytes, more than --max-prompt-bytes"):
-        check_request(router_pb2.GenerateRequest(prompt="\u00e9" * 6), limits, 64)
+        check_request(request("\u00e9" * 6, SamplingParams()), limits, 64)
     with pytest.raises(ValueError, match=r"max_prompt_bytes .* must be <= max_request_bytes"):
         RequestLimits(max_prompt_bytes=10, max_request_bytes=5)
     wire = router_pb2.GenerateRequest(prompt="ok", sampling=sampling).SerializeToString()
