@@ -162,7 +162,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                         while not (
                             await asyncio.wait({admission}, timeout=self.config.heartbeat_s)
                         )[0]:
-                            yield decode_pb2.DecodeResponse()
+                            yield HEARTBEAT
                     except BaseException:
                         # The pull stops and waits until it stopped writing; the engine frees.
                         admission.cancel()
@@ -183,7 +183,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                         allocate_s = max(admission_s - transfer_s, 0.0)
                         tracing.record("decode_worker.allocate", traced, start, start + allocate_s)
                 yield decode_pb2.DecodeResponse(
-                    admitted=True, transfer_s=admission_s, kv_pull_s=transfer_s
+                    admitted=decode_pb2.Admitted(transfer_s=admission_s, kv_pull_s=transfer_s)
                 )
                 logger.info(
                     "request_id=%s admitted: %d blocks pulled in %.1f ms",
@@ -195,18 +195,10 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 first = True
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
-                        token_ids, logprobs = update.new_token_ids, update.new_logprobs
-                        if first:
-                            # The router already has the first token (from the prefill worker).
-                            token_ids, logprobs, first = token_ids[1:], logprobs[1:], False
-                        yield _with_speculation(
-                            decode_pb2.DecodeResponse(
-                                token_ids=token_ids,
-                                logprobs=[logprobs_to_proto(lp) for lp in logprobs],
-                                finish_reason=finish_reason_to_proto(update.finish_reason),
-                            ),
-                            update,
-                        )
+                        skip = 1 if first else 0  # the router has the prefill worker's token
+                        first = first and not update.new_token_ids
+                        for event in events_of(update, skip, with_prompt=False):
+                            yield event
             except ValueError as exc:  # the request's own failure (engine/request_error.py)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
@@ -228,7 +220,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         self.inject_faults(request.request_id, prompt)
         with self.in_flight():
             # Queued: the scheduler takes it like any other.
-            yield decode_pb2.DecodeResponse(queued=True)
+            yield decode_pb2.DecodeResponse(queued=decode_pb2.Queued())
             try:
                 stream = self.engine.generate(
                     request.request_id,
@@ -238,19 +230,8 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 )
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
-                        yield _with_speculation(
-                            decode_pb2.DecodeResponse(
-                                token_ids=update.new_token_ids,
-                                logprobs=[logprobs_to_proto(lp) for lp in update.new_logprobs],
-                                finish_reason=finish_reason_to_proto(update.finish_reason),
-                                num_cached_tokens=update.num_cached_tokens,
-                                num_host_cached_tokens=update.num_host_cached_tokens,
-                                prompt_logprobs=[
-                                    logprobs_to_proto(lp) for lp in update.prompt_logprobs
-                                ],
-                            ),
-                            update,
-                        )
+                        for event in events_of(update, 0, with_prompt=True):
+                            yield event
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
@@ -310,11 +291,31 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         return stats.duration_s, len(block_ids)
 
 
-def _with_speculation(
-    message: decode_pb2.DecodeResponse, update: RequestUpdate
-) -> decode_pb2.DecodeResponse:
-    """A finishing message carries the request's speculation counts (for traces)."""
+HEARTBEAT = decode_pb2.DecodeResponse(heartbeat=decode_pb2.Heartbeat())
+
+
+def events_of(
+    update: RequestUpdate, skip: int, with_prompt: bool
+) -> list[decode_pb2.DecodeResponse]:
+    """An engine update as stream events: its tokens (but the first ``skip``), then its finish;
+    an update with neither is a heartbeat. ``with_prompt``: PrefillAndDecode's, whose tokens
+    carry the prompt's logprobs and cache hits (a Decode's prompt was prefilled elsewhere)."""
+    events = []
+    token_ids, logprobs = update.new_token_ids[skip:], update.new_logprobs[skip:]
+    if token_ids:
+        tokens = decode_pb2.Tokens(
+            token_ids=token_ids, logprobs=[logprobs_to_proto(lp) for lp in logprobs]
+        )
+        if with_prompt:
+            tokens.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in update.prompt_logprobs)
+            tokens.num_cached_tokens = update.num_cached_tokens
+            tokens.num_host_cached_tokens = update.num_host_cached_tokens
+        events.append(decode_pb2.DecodeResponse(tokens=tokens))
     if update.finished:
-        message.num_spec_proposed_tokens = update.num_spec_proposed_tokens
-        message.num_spec_accepted_tokens = update.num_spec_accepted_tokens
-    return message
+        finished = decode_pb2.Finished(
+            reason=finish_reason_to_proto(update.finish_reason),
+            num_spec_proposed_tokens=update.num_spec_proposed_tokens,
+            num_spec_accepted_tokens=update.num_spec_accepted_tokens,
+        )
+        events.append(decode_pb2.DecodeResponse(finished=finished))
+    return events or [HEARTBEAT]

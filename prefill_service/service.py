@@ -121,7 +121,6 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 request_id=request_id,
                 first_token_id=exported.first_token_id,
                 num_cached_tokens=last.num_cached_tokens,
-                finish_reason=finish_reason_to_proto(last.finish_reason),
                 prompt_logprobs=[logprobs_to_proto(lp) for lp in last.prompt_logprobs],
                 queue_s=queue_s,
                 compute_s=compute_s,
@@ -144,6 +143,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             if last.finished:
                 # The first token ended the request: nothing to decode, nothing to lease.
                 await self.leases.end(request_id, None)
+                response.finished = finish_reason_to_proto(last.finish_reason)
                 return response
             assert self._sender is not None
             handle = self._sender.handle(
@@ -153,7 +153,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 token,
                 prompt_digest(exported.prompt_token_ids),
             )
-            response.handle.CopyFrom(handle_to_proto(handle))
+            response.lease.CopyFrom(handle_to_proto(handle))
             return response
 
     async def Release(

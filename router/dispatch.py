@@ -152,6 +152,12 @@ class Dispatcher:
                 what = f"prefill worker {worker.address}"
                 try:
                     response = await self._unless_lost(call, worker)
+                    if response.WhichOneof("outcome") is None:
+                        raise WorkerError(
+                            grpc.StatusCode.INTERNAL,
+                            f"prefill worker {worker.address} answered neither a lease nor a "
+                            "finish",
+                        )
                     self.count_prefix(num_prompt_tokens, predicted, response.num_cached_tokens)
                     return worker, response
                 # Given up on (an error, a stall, the client gone), the call is cancelled: the
@@ -199,7 +205,7 @@ class Dispatcher:
         placement: Placement,
         avoid: frozenset[str] = frozenset(),
         metadata: Metadata = (),
-    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, decode_pb2.DecodeResponse]:
+    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, decode_pb2.Admitted]:
         """A decode worker that admitted the request and pulled its KV (its first message),
         tried in the plan's order first. Retries while every worker is full, renewing the
         lease, up to admission_timeout_s, re-ranked each time. ``WorkerLost`` when the handle
@@ -257,7 +263,7 @@ class Dispatcher:
         worker: Worker,
         prefill_worker: Worker,
         metadata: Metadata,
-    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, decode_pb2.DecodeResponse] | None:
+    ) -> tuple[grpc.aio.UnaryStreamCall, Worker, decode_pb2.Admitted] | None:
         """One decode worker's answer: admitted (its call, after the KV pull), None when it is
         full or turned the request away (try another), ``WorkerLost`` when the handle may be
         spent (re-prefill), else the client's error. Heartbeats come during the pull; each
@@ -273,8 +279,8 @@ class Dispatcher:
                 if message == grpc.aio.EOF:
                     raise WorkerError(grpc.StatusCode.INTERNAL, "decode stream ended at once")
                 assert isinstance(message, decode_pb2.DecodeResponse)
-                if message.admitted:
-                    return call, worker, message
+                if message.WhichOneof("event") == "admitted":
+                    return call, worker, message.admitted
         except TimeoutError:
             call.cancel()
             raise stalled(worker, "admission silent for stall_timeout_s", Phase.ADMISSION) from None
@@ -347,8 +353,8 @@ class Dispatcher:
                         return
                     assert isinstance(message, decode_pb2.DecodeResponse)
                     yield message
-                    if message.finish_reason:
-                        return  # finished: a break before EOF changes nothing
+                    if message.WhichOneof("event") == "finished":
+                        return  # a break before EOF changes nothing
             except grpc.aio.AioRpcError as exc:
                 verdict = classify(Phase.STREAM, event(exc))
                 raise failure(exc, worker, f"decode worker {worker.address}", verdict) from None

@@ -17,7 +17,7 @@ import grpc
 
 from pdserve.common import metrics
 from pdserve.common.convert import finish_reason_from_proto, logprobs_from_proto, sampling_to_proto
-from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.v1 import decode_pb2
 from router.attempt import (
     Attempt,
     AttemptEvent,
@@ -263,7 +263,7 @@ class Generation:
             if prefilled.HasField("first_token_logprobs")
             else []
         )
-        leased = prefilled.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        leased = prefilled.WhichOneof("outcome") == "lease"
         admitted = False
         try:
             prompt_logprobs = [logprobs_from_proto(lp) for lp in prefilled.prompt_logprobs]
@@ -274,30 +274,30 @@ class Generation:
             trace.count("host_cached_tokens", prefilled.num_host_cached_tokens)
             yield first
             if not leased:  # the first token ended it
-                yield Ended(finish_reason_from_proto(prefilled.finish_reason))
+                yield Ended(finish_reason_from_proto(prefilled.finished))
                 return
             decode_request = decode_pb2.DecodeRequest(
                 request_id=attempt.request_id,
                 prompt_token_ids=prompt_ids,
                 sampling=attempt.sampling,
                 first_token_id=prefilled.first_token_id,
-                handle=prefilled.handle,
+                handle=prefilled.lease,
                 prefill_address=prefill_worker.address,
                 num_generated_tokens=num_generated,
             )
             if prefilled.HasField("first_token_logprobs"):
                 decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
-            call, decode_worker, message = await self.dispatch.admit(
+            call, decode_worker, admission = await self.dispatch.admit(
                 decode_request, prefill_worker, placement, attempt.avoid, trace.metadata()
             )
             admitted = True  # the decode worker now owns ending the lease
-            trace.admitted(message.kv_pull_s)
-            yield Transferred(message.transfer_s)
+            trace.admitted(admission.kv_pull_s)
+            yield Transferred(admission.transfer_s)
             async for event in self._relay(call, decode_worker, out, None, trace):
                 yield event
         finally:
             if leased and not admitted:
-                token = prefilled.handle.lease_token
+                token = prefilled.lease.lease_token
                 self.dispatch.release_later(prefill_worker, attempt.request_id, token)
 
     async def _local(
@@ -349,20 +349,24 @@ class Generation:
         finish_reason: str | None = None
         hits = host_hits = 0
         async for message in self.dispatch.relay(call, worker):
-            if message.token_ids:
+            kind = message.WhichOneof("event")
+            if kind == "tokens":
+                tokens = message.tokens
                 chunk = out.chunk(
-                    list(message.token_ids),
-                    [logprobs_from_proto(lp) for lp in message.logprobs],
-                    [logprobs_from_proto(lp) for lp in message.prompt_logprobs],
+                    list(tokens.token_ids),
+                    [logprobs_from_proto(lp) for lp in tokens.logprobs],
+                    [logprobs_from_proto(lp) for lp in tokens.prompt_logprobs],
                 )
                 if trace.clock.current is RequestPhase.LOCAL_PREFILL:  # its first token
                     trace.enter(RequestPhase.DECODE, out.last_token_s)
                 yield chunk
-            hits = max(hits, message.num_cached_tokens)
-            host_hits = max(host_hits, message.num_host_cached_tokens)  # sent with every one
-            finish_reason = finish_reason_from_proto(message.finish_reason)
-            trace.count("spec_proposed_tokens", message.num_spec_proposed_tokens)
-            trace.count("spec_accepted_tokens", message.num_spec_accepted_tokens)
+                hits = max(hits, tokens.num_cached_tokens)
+                host_hits = max(host_hits, tokens.num_host_cached_tokens)
+            elif kind == "finished":
+                finished = message.finished
+                finish_reason = finish_reason_from_proto(finished.reason)
+                trace.count("spec_proposed_tokens", finished.num_spec_proposed_tokens)
+                trace.count("spec_accepted_tokens", finished.num_spec_accepted_tokens)
         trace.count("host_cached_tokens", host_hits)
         if local is not None and local.of_the_client_prompt:
             yield CacheHits(hits)

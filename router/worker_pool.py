@@ -19,6 +19,7 @@ from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import layout_from_proto
 from pdserve.common.role import Role
 from pdserve.common.tls import TlsConfig
+from pdserve.common.wire_version import WIRE_VERSION
 from pdserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from router.policy import (
     RoutingPolicy,
@@ -35,12 +36,19 @@ _STATS_TIMEOUT_S = 2.0
 __all__ = ["Worker", "WorkerPool"]
 
 
-def layout_refusal(
-    fingerprint: str, block_size: int, want_fingerprint: str, want_block_size: int
+def worker_refusal(
+    wire_version: int,
+    fingerprint: str,
+    block_size: int,
+    want_fingerprint: str,
+    want_block_size: int,
 ) -> str | None:
-    """Why a worker cannot serve this router's requests (its KV blocks hold another model, or
-    are cut at another size), or None. The one rule for registry records and for the stats of
-    static workers, whose addresses come from the command line and name no model."""
+    """Why a worker cannot serve this router's requests (it speaks another internal wire, its
+    KV blocks hold another model, or are cut at another size), or None. The one rule for
+    registry records and for the stats of static workers, whose addresses come from the
+    command line and name no model."""
+    if wire_version != WIRE_VERSION:
+        return f"it speaks wire version {wire_version}, this router {WIRE_VERSION}"
     if fingerprint == want_fingerprint and block_size == want_block_size:
         return None
     return (
@@ -65,7 +73,7 @@ class Worker:
     num_stats_timeouts: int = 0  # in a row
     # A call to it just failed or stalled: no new work until its next stats call answers.
     suspected: bool = False
-    # Its stats name another model or block size (``layout_refusal``): never routable.
+    # Its stats name another model or block size (``worker_refusal``): never routable.
     refused: str = ""
     departed: bool = False  # gone from the pool (its channel closes once nothing is in flight)
     # Set while the worker is unhealthy: calls in flight to it give up (and are retried).
@@ -165,7 +173,13 @@ class Worker:
         except ValueError:  # refused below by its fingerprint, or unreadable: pairs with none
             self.kv_layout = None
         refused = (
-            layout_refusal(layout.model_fingerprint, layout.block_size, fingerprint, block_size)
+            worker_refusal(
+                self.stats.wire_version,
+                layout.model_fingerprint,
+                layout.block_size,
+                fingerprint,
+                block_size,
+            )
             or ""
         )
         if refused and refused != self.refused:
@@ -233,8 +247,12 @@ class WorkerPool:
         seen: set[str] = set()
         for record in records:
             pool = self.pools[record.role]
-            refused = layout_refusal(
-                record.model_fingerprint, record.block_size, fingerprint, block_size
+            refused = worker_refusal(
+                record.wire_version,
+                record.model_fingerprint,
+                record.block_size,
+                fingerprint,
+                block_size,
             )
             if refused is not None:
                 self._refuse(record, refused)

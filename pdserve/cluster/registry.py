@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 
 from pdserve.cluster.config import DEFAULT_TTL_S, connect
 from pdserve.common.role import Role
+from pdserve.common.wire_version import WIRE_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class WorkerRecord:
     num_cached_blocks: int = 0
     kv_address: str = ""  # a prefill worker's KV sender: decode workers pull only from these
     heartbeat_unix_s: float = 0.0
+    # Its internal wire's (pdserve/common/wire_version.py); a record without one is older: 0.
+    wire_version: int = WIRE_VERSION
 
     def to_redis(self) -> dict[str, str]:
         out = {k: str(v) for k, v in asdict(self).items()}
@@ -51,6 +54,7 @@ class WorkerRecord:
         """Raises ValueError on a malformed record (named field)."""
         values = {k.decode(): v.decode() for k, v in raw.items()}
         kwargs: dict[str, object] = {}
+        values.setdefault("wire_version", "0")  # a worker from before versions were sent
         for f in fields(cls):
             if f.name not in values:
                 raise ValueError(f"worker record lacks {f.name}")

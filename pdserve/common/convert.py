@@ -12,6 +12,7 @@ from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprobs
 from engine.structured_output import StructuredKind, StructuredOutput
+from pdserve.common.wire_version import WIRE_VERSION
 from pdserve.v1 import common_pb2
 
 _FINISH_REASONS = {
@@ -185,6 +186,7 @@ def stats_to_proto(
         draining=draining,
         layout=layout_to_proto(layout),
         engine_stalled_s=engine_stalled_s,
+        wire_version=WIRE_VERSION,
     )
 
 

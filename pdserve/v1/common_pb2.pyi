@@ -128,7 +128,7 @@ class SamplingParams(_message.Message):
     logprobs: _builtins.int
     """Top-n logprobs per generated token; unset: none."""
     presence_penalty: _builtins.float
-    """Logit processing (engine/sampler.py processed_logits); unset: none."""
+    """Logit processing (engine/sampling.py processed_logits); unset: none."""
     frequency_penalty: _builtins.float
     repetition_penalty: _builtins.float
     min_tokens: _builtins.int
@@ -395,6 +395,7 @@ class WorkerStats(_message.Message):
     NUM_PAUSED_FIELD_NUMBER: _builtins.int
     KV_ADDRESS_FIELD_NUMBER: _builtins.int
     ENGINE_STALLED_S_FIELD_NUMBER: _builtins.int
+    WIRE_VERSION_FIELD_NUMBER: _builtins.int
     num_waiting: _builtins.int
     num_running: _builtins.int
     num_pinned: _builtins.int
@@ -417,6 +418,10 @@ class WorkerStats(_message.Message):
     measured when this answer was made: a step blocked outside the GIL (a hung device sync)
     stops this, not the heartbeats (engine/step_progress.py).
     """
+    wire_version: _builtins.int
+    """The internal wire's version (pdserve/common/wire_version.py): a router refuses, by name,
+    a worker that speaks another (0: one from before versions were sent).
+    """
     @_builtins.property
     def layout(self) -> Global___KVCacheLayout: ...
     def __init__(
@@ -438,10 +443,11 @@ class WorkerStats(_message.Message):
         num_paused: _builtins.int = ...,
         kv_address: _builtins.str = ...,
         engine_stalled_s: _builtins.float = ...,
+        wire_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "engine_stalled_s", b"engine_stalled_s", "kv_address", b"kv_address", "layout", b"layout", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_inflight", b"num_inflight", "num_paused", b"num_paused", "num_pinned", b"num_pinned", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens_computed", b"num_prompt_tokens_computed", "num_running", b"num_running", "num_waiting", b"num_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "draining", b"draining", "engine_stalled_s", b"engine_stalled_s", "kv_address", b"kv_address", "layout", b"layout", "max_model_len", b"max_model_len", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_inflight", b"num_inflight", "num_paused", b"num_paused", "num_pinned", b"num_pinned", "num_prefix_hit_tokens", b"num_prefix_hit_tokens", "num_prompt_tokens_computed", b"num_prompt_tokens_computed", "num_running", b"num_running", "num_waiting", b"num_waiting", "wire_version", b"wire_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -108,75 +108,179 @@ Global___PrefillAndDecodeRequest: _TypeAlias = PrefillAndDecodeRequest  # noqa: 
 
 @_typing.final
 class DecodeResponse(_message.Message):
+    """One event of a decode stream (Decode and PrefillAndDecode), in the order a worker sends
+    them: Decode: heartbeats while the KV arrives, admitted, then tokens and heartbeats, then
+    finished. PrefillAndDecode: queued, then tokens and heartbeats, then finished. The router's
+    attempt reads them as its own events (router/attempt.py); a stream that ends without
+    finished was cut.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    ADMITTED_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeat(self) -> Global___Heartbeat:
+        """Alive, with nothing new for a while (a KV pull, queued for a seat, a long chunked
+        prefill).
+        """
+
+    @_builtins.property
+    def admitted(self) -> Global___Admitted:
+        """Decode only"""
+
+    @_builtins.property
+    def queued(self) -> Global___Queued:
+        """PrefillAndDecode only"""
+
+    @_builtins.property
+    def tokens(self) -> Global___Tokens: ...
+    @_builtins.property
+    def finished(self) -> Global___Finished: ...
+    def __init__(
+        self,
+        *,
+        heartbeat: Global___Heartbeat | None = ...,
+        admitted: Global___Admitted | None = ...,
+        queued: Global___Queued | None = ...,
+        tokens: Global___Tokens | None = ...,
+        finished: Global___Finished | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "event", b"event", "finished", b"finished", "heartbeat", b"heartbeat", "queued", b"queued", "tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "event", b"event", "finished", b"finished", "heartbeat", b"heartbeat", "queued", b"queued", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["heartbeat", "admitted", "queued", "tokens", "finished"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___DecodeResponse: _TypeAlias = DecodeResponse  # noqa: Y015
+
+@_typing.final
+class Heartbeat(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
+
+@_typing.final
+class Admitted(_message.Message):
+    """Decode: the prompt's KV is in blocks of this worker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_S_FIELD_NUMBER: _builtins.int
+    KV_PULL_S_FIELD_NUMBER: _builtins.int
+    transfer_s: _builtins.float
+    """the whole admission, as this worker saw it"""
+    kv_pull_s: _builtins.float
+    """the KV pull itself"""
+    def __init__(
+        self,
+        *,
+        transfer_s: _builtins.float = ...,
+        kv_pull_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_pull_s", b"kv_pull_s", "transfer_s", b"transfer_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Admitted: _TypeAlias = Admitted  # noqa: Y015
+
+@_typing.final
+class Queued(_message.Message):
+    """PrefillAndDecode: the worker took the request into its scheduler's queue (nothing is
+    allocated yet).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Queued: _TypeAlias = Queued  # noqa: Y015
+
+@_typing.final
+class Tokens(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
-    FINISH_REASON_FIELD_NUMBER: _builtins.int
-    TRANSFER_S_FIELD_NUMBER: _builtins.int
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    ADMITTED_FIELD_NUMBER: _builtins.int
-    QUEUED_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
-    KV_PULL_S_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    NUM_SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
-    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
-    finish_reason: _common_pb2.FinishReason.ValueType
-    transfer_s: _builtins.float
     num_cached_tokens: _builtins.int
-    """PrefillAndDecode: prompt tokens this worker served from its cache"""
-    admitted: _builtins.bool
-    """Decode only"""
-    queued: _builtins.bool
-    """PrefillAndDecode only"""
-    kv_pull_s: _builtins.float
-    """Decode, on the admitted message: how long the KV pull itself took (transfer_s is the
-    whole admission as this worker saw it).
+    """PrefillAndDecode: prompt tokens this worker served from its cache, and of them those
+    loaded from its host tier.
     """
     num_host_cached_tokens: _builtins.int
-    """For traces. PrefillAndDecode, with num_cached_tokens: prompt tokens loaded from the host
-    tier. With the finish reason: this worker's speculation for the request (guesses
-    verified, guesses kept).
-    """
-    num_spec_proposed_tokens: _builtins.int
-    num_spec_accepted_tokens: _builtins.int
     @_builtins.property
-    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Decode: the message with admitted set (once the KV is pulled into blocks of this worker)
-        carries the transfer time and no tokens. PrefillAndDecode: the first message has queued
-        set (the worker took the request into its scheduler's queue; nothing is allocated yet) and
-        no tokens. Any other message with no tokens and no finish reason is a heartbeat: the
-        request is alive but produced nothing for a while (a KV pull, queued for a seat, a long
-        chunked prefill).
-        """
-
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]: ...
     @_builtins.property
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
-        """PrefillAndDecode with sampling.prompt_logprobs: on the message with the first token."""
+        """PrefillAndDecode with sampling.prompt_logprobs: with the first token."""
 
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
-        finish_reason: _common_pb2.FinishReason.ValueType = ...,
-        transfer_s: _builtins.float = ...,
-        num_cached_tokens: _builtins.int = ...,
-        admitted: _builtins.bool = ...,
-        queued: _builtins.bool = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
-        kv_pull_s: _builtins.float = ...,
+        num_cached_tokens: _builtins.int = ...,
         num_host_cached_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tokens: _TypeAlias = Tokens  # noqa: Y015
+
+@_typing.final
+class Finished(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    NUM_SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    reason: _common_pb2.FinishReason.ValueType
+    """never UNSPECIFIED"""
+    num_spec_proposed_tokens: _builtins.int
+    """For traces: this worker's speculation for the request (guesses verified, guesses kept)."""
+    num_spec_accepted_tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        reason: _common_pb2.FinishReason.ValueType = ...,
         num_spec_proposed_tokens: _builtins.int = ...,
         num_spec_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "finish_reason", b"finish_reason", "kv_pull_s", b"kv_pull_s", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_spec_accepted_tokens", b"num_spec_accepted_tokens", "num_spec_proposed_tokens", b"num_spec_proposed_tokens", "prompt_logprobs", b"prompt_logprobs", "queued", b"queued", "token_ids", b"token_ids", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_spec_accepted_tokens", b"num_spec_accepted_tokens", "num_spec_proposed_tokens", b"num_spec_proposed_tokens", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___DecodeResponse: _TypeAlias = DecodeResponse  # noqa: Y015
+Global___Finished: _TypeAlias = Finished  # noqa: Y015

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\"\xbc\x01\n\x08KVHandle\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12)\n\x06layout\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x13\n\x0blease_token\x18\x07 \x01(\t\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\"\xe0\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12$\n\x06handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x1e\n\x16num_host_cached_tokens\x18\n \x01(\r\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"<\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"6\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x32\xa6\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x8a\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\"\xbc\x01\n\x08KVHandle\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12)\n\x06layout\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x13\n\x0blease_token\x18\x07 \x01(\t\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\"\xe9\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12,\n\x08\x66inished\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReasonH\x00\x12%\n\x05lease\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x1e\n\x16num_host_cached_tokens\x18\n \x01(\rB\t\n\x07outcome\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"<\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"6\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x32\xa6\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHANDLE']._serialized_start=207
   _globals['_KVHANDLE']._serialized_end=395
   _globals['_PREFILLRESPONSE']._serialized_start=398
-  _globals['_PREFILLRESPONSE']._serialized_end=750
-  _globals['_RELEASEREQUEST']._serialized_start=752
-  _globals['_RELEASEREQUEST']._serialized_end=809
-  _globals['_RELEASERESPONSE']._serialized_start=811
-  _globals['_RELEASERESPONSE']._serialized_end=846
-  _globals['_RENEWLEASEREQUEST']._serialized_start=848
-  _globals['_RENEWLEASEREQUEST']._serialized_end=908
-  _globals['_RENEWLEASERESPONSE']._serialized_start=910
-  _globals['_RENEWLEASERESPONSE']._serialized_end=964
-  _globals['_PREFILLWORKER']._serialized_start=967
-  _globals['_PREFILLWORKER']._serialized_end=1261
+  _globals['_PREFILLRESPONSE']._serialized_end=759
+  _globals['_RELEASEREQUEST']._serialized_start=761
+  _globals['_RELEASEREQUEST']._serialized_end=818
+  _globals['_RELEASERESPONSE']._serialized_start=820
+  _globals['_RELEASERESPONSE']._serialized_end=855
+  _globals['_RENEWLEASEREQUEST']._serialized_start=857
+  _globals['_RENEWLEASEREQUEST']._serialized_end=917
+  _globals['_RENEWLEASERESPONSE']._serialized_start=919
+  _globals['_RENEWLEASERESPONSE']._serialized_end=973
+  _globals['_PREFILLWORKER']._serialized_start=976
+  _globals['_PREFILLWORKER']._serialized_end=1270
 # @@protoc_insertion_point(module_scope)

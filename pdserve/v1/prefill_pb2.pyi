@@ -114,8 +114,8 @@ class PrefillResponse(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    FINISH_REASON_FIELD_NUMBER: _builtins.int
-    HANDLE_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     QUEUE_S_FIELD_NUMBER: _builtins.int
     COMPUTE_S_FIELD_NUMBER: _builtins.int
@@ -123,8 +123,8 @@ class PrefillResponse(_message.Message):
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
-    finish_reason: _common_pb2.FinishReason.ValueType
-    """Set when the first token already ends the request; then no blocks are leased."""
+    finished: _common_pb2.FinishReason.ValueType
+    """never UNSPECIFIED"""
     queue_s: _builtins.float
     """Where the call's time went on this worker (router/phases.py): received -> the engine's
     first step with the request (0 when the engine does not say), then -> the first token.
@@ -137,9 +137,7 @@ class PrefillResponse(_message.Message):
         """set when sampling.logprobs is set"""
 
     @_builtins.property
-    def handle(self) -> Global___KVHandle:
-        """set when finish_reason is UNSPECIFIED"""
-
+    def lease(self) -> Global___KVHandle: ...
     @_builtins.property
     def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]:
         """sampling.prompt_logprobs: prompt token i + 1's logprobs at i (the client's prompt only)."""
@@ -151,18 +149,20 @@ class PrefillResponse(_message.Message):
         first_token_id: _builtins.int = ...,
         first_token_logprobs: _common_pb2.TokenLogprobs | None = ...,
         num_cached_tokens: _builtins.int = ...,
-        finish_reason: _common_pb2.FinishReason.ValueType = ...,
-        handle: Global___KVHandle | None = ...,
+        finished: _common_pb2.FinishReason.ValueType = ...,
+        lease: Global___KVHandle | None = ...,
         prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprobs] | None = ...,
         queue_s: _builtins.float = ...,
         compute_s: _builtins.float = ...,
         num_host_cached_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_token_logprobs", b"first_token_logprobs", "handle", b"handle"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "outcome", b"outcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "handle", b"handle", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "outcome", b"outcome", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["finished", "lease"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
 
 Global___PrefillResponse: _TypeAlias = PrefillResponse  # noqa: Y015
 

@@ -71,7 +71,7 @@ async def _prefill(
 async def _release(stub: Any, response: prefill_pb2.PrefillResponse) -> bool:
     """Ends the lease as its owner does: with the token its handle carries."""
     request = prefill_pb2.ReleaseRequest(
-        request_id=response.request_id, lease_token=response.handle.lease_token
+        request_id=response.request_id, lease_token=response.lease.lease_token
     )
     return bool((await stub.Release(request)).released)
 
@@ -116,7 +116,7 @@ def test_transfer_is_lossless_and_decodes_like_one_engine(
         try:
             for i, (prompt, expected) in enumerate(zip(prompts, reference, strict=True)):
                 response = await _prefill(stub, f"r{i}", prompt, GREEDY)
-                handle = handle_from_proto(response.handle)
+                handle = handle_from_proto(response.lease)
                 assert handle.backend == backend
                 prefilled = _prefilled(response, prompt)
                 block_ids = decode.reserve_prefilled(prefilled)
@@ -163,7 +163,7 @@ def test_layout_mismatch_names_both_layouts(
         receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
         try:
             response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
-            handle = handle_from_proto(response.handle)
+            handle = handle_from_proto(response.lease)
             with pytest.raises(KVTransferError) as err:
                 await receiver.pull(handle, list(range(handle.num_blocks)))
             assert err.value.code is TransferErrorCode.LAYOUT_MISMATCH
@@ -188,11 +188,11 @@ def test_expired_lease_frees_blocks_and_pull_is_not_found(backend: str, llama_di
         receiver = make_receiver(backend, decode.kv_cache, ReceiverOptions(timeout_s=30))
         try:
             response = await _prefill(stub, "r", list(range(1, 40)), GREEDY)
-            assert response.handle.lease_s == pytest.approx(0.2)
+            assert response.lease.lease_s == pytest.approx(0.2)
             assert len(service.leases) == 1
             # Nobody pulls: the lease, not a decode worker, frees the blocks.
             await wait_for(lambda: all_blocks_free(stub), 30.0, "blocks freed by lease expiry")
-            handle = handle_from_proto(response.handle)
+            handle = handle_from_proto(response.lease)
             prefilled = _prefilled(response, list(range(1, 40)))
             block_ids = decode.reserve_prefilled(prefilled)
             assert block_ids is not None
@@ -218,7 +218,7 @@ def test_cancelled_pull_stops_writing_and_leaks_nothing(backend: str, llama_dir:
         prompt = list(range(1, 200))
         try:
             response = await _prefill(stub, "r", prompt, GREEDY)
-            handle: KVHandle = handle_from_proto(response.handle)
+            handle: KVHandle = handle_from_proto(response.lease)
             block_ids = decode.reserve_prefilled(_prefilled(response, prompt))
             assert block_ids is not None
             pull = asyncio.create_task(receiver.pull(handle, block_ids))
@@ -257,7 +257,7 @@ def test_a_traced_pull_puts_the_senders_span_under_the_pullers(
             for i, traced in enumerate((False, True)):
                 prompt = list(range(1 + i, 40))
                 response = await _prefill(stub, f"r{i}", prompt, GREEDY)
-                handle = handle_from_proto(response.handle)
+                handle = handle_from_proto(response.lease)
                 block_ids = decode.reserve_prefilled(_prefilled(response, prompt))
                 assert block_ids is not None
                 pull_span = tracer.start_span("puller") if traced else None

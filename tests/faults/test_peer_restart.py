@@ -61,7 +61,7 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
         prefilled = _prefilled(response, PROMPTS[rid])
         block_ids = decode.reserve_prefilled(prefilled)
         assert block_ids is not None
-        await receiver.pull(handle_from_proto(response.handle), block_ids)  # type: ignore[attr-defined]
+        await receiver.pull(handle_from_proto(response.lease), block_ids)  # type: ignore[attr-defined]
         assert await _release(stub, response)  # as the decode worker does once it has the blocks
         return _finish(decode, prefilled)
 
@@ -77,7 +77,7 @@ def test_sender_restarted_at_the_same_address_is_pulled_from_at_once(
             await _crash(old)
             start = time.monotonic()
             with pytest.raises(KVTransferError) as err:
-                await receiver.pull(handle_from_proto(response.handle), block_ids)
+                await receiver.pull(handle_from_proto(response.lease), block_ids)
             assert err.value.code is TransferErrorCode.UNAVAILABLE
             # Known at once (connection refused on a fresh channel), not at the pull's deadline.
             assert time.monotonic() - start < 10.0

@@ -59,6 +59,9 @@ def exported(text: str) -> dict[str, set[str]]:
 def declared(name: str) -> set[str]:
     """The label names a metric is defined with (the code those processes run), for families
     the page lists without samples (a reason no request has had yet)."""
+    # Every module that defines the metrics of a process the test scrapes: a test that ran
+    # before in this process must not be what registered them.
+    import app.capacity.autoscaler  # noqa: F401
     import pdserve.common.metrics  # noqa: F401
 
     collector = REGISTRY._names_to_collectors.get(name)  # type: ignore[attr-defined]

@@ -59,7 +59,7 @@ def test_cancelled_during_the_read_waits_for_it_and_writes_nothing_after(llama_d
             prefilled = PrefilledRequest("r", prompt, response.first_token_id, PARAMS, [])
             block_ids = decode.reserve_prefilled(prefilled)
             assert block_ids is not None
-            pull = asyncio.create_task(receiver.pull(handle_from_proto(response.handle), block_ids))
+            pull = asyncio.create_task(receiver.pull(handle_from_proto(response.lease), block_ids))
             assert await asyncio.to_thread(started.wait, 30)
             pull.cancel()
             # The READ's thread still runs: the cancellation must not have returned.
@@ -76,7 +76,7 @@ def test_cancelled_during_the_read_waits_for_it_and_writes_nothing_after(llama_d
             decode.abort("r")
             # The checkout was returned: once the lease ends, the prefill side frees everything.
             release = prefill_pb2.ReleaseRequest(
-                request_id="r", lease_token=response.handle.lease_token
+                request_id="r", lease_token=response.lease.lease_token
             )
             assert (await stub.Release(release)).released
             await wait_for(lambda: all_blocks_free(stub), 30.0, "prefill blocks freed")

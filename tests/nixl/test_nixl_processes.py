@@ -76,7 +76,7 @@ def test_pulls_across_processes_survive_a_killed_and_restarted_sender(llama_dir:
         prefilled = PrefilledRequest(rid, prompts[rid], response.first_token_id, PARAMS, [])
         block_ids = decode.reserve_prefilled(prefilled)
         assert block_ids is not None
-        return prefilled, block_ids, handle_from_proto(response.handle)
+        return prefilled, block_ids, handle_from_proto(response.lease)
 
     async def run() -> None:
         nonlocal process

@@ -124,7 +124,7 @@ async def _prefilled_on_ray(llama_dir: Path) -> AsyncIterator[_Pulled]:
         )
         block_ids = decode.reserve_prefilled(_prefilled(response, PROMPT))
         assert block_ids is not None
-        handle = handle_from_proto(response.handle)
+        handle = handle_from_proto(response.lease)
         yield _Pulled(sender, stub, receiver, handle, block_ids, decode, prefill.leases)
         decode.abort("r")
         decode.block_manager.check_no_leaks()

@@ -54,7 +54,7 @@ def test_unknown_sources_wrong_prompts_and_missing_tokens_are_refused(llama_dir:
             ) -> decode_pb2.DecodeRequest:
                 return decode_pb2.DecodeRequest(
                     request_id="d", prompt_token_ids=prompt, sampling=sampling,
-                    first_token_id=response.first_token_id, handle=response.handle,
+                    first_token_id=response.first_token_id, handle=response.lease,
                     prefill_address=address,
                 )  # fmt: skip
 
@@ -80,8 +80,8 @@ def test_unknown_sources_wrong_prompts_and_missing_tokens_are_refused(llama_dir:
                 assert stats.num_free_blocks == stats.num_blocks, what
 
             # The KV port wants the lease's token; Release and RenewLease too.
-            kv = kv_transfer_pb2_grpc.KVTransferStub(grpc.aio.insecure_channel(ok.handle.address))
-            layout = ok.handle.layout
+            kv = kv_transfer_pb2_grpc.KVTransferStub(grpc.aio.insecure_channel(ok.lease.address))
+            layout = ok.lease.layout
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 pull = kv.Pull(kv_transfer_pb2.PullRequest(request_id="r", receiver_layout=layout))
                 await pull.read()
@@ -95,12 +95,12 @@ def test_unknown_sources_wrong_prompts_and_missing_tokens_are_refused(llama_dir:
             tokens = [
                 t
                 async for r in stub.Decode(decode_request(ok, prefill_server.address, PROMPT))
-                for t in r.token_ids
+                for t in r.tokens.token_ids
             ]
             assert len(tokens) == PARAMS.max_tokens - 1
             for worker in (prefill_stub(prefill_server), decode_stub(decode_server)):
                 await wait_for(lambda w=worker: all_blocks_free(w), 30.0, "blocks freed")
-            token = foreign.handle.lease_token
+            token = foreign.lease.lease_token
             release = prefill_pb2.ReleaseRequest(request_id="r", lease_token=token)
             assert (await prefill_stub(stranger_server).Release(release)).released
         finally:

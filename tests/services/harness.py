@@ -153,7 +153,7 @@ async def prefilled_request(
         prompt_token_ids=prompt,
         sampling=sampling,
         first_token_id=prefilled.first_token_id,
-        handle=prefilled.handle,
+        handle=prefilled.lease,
         prefill_address=known_as,
     )
 
@@ -167,7 +167,7 @@ async def disaggregated(
 ) -> list[int]:
     """One request prefilled on one worker and decoded on the other: the decoded tokens."""
     request = await prefilled_request(prefill_server, prompt, params, request_id)
-    return [t async for r in decode_stub(decode_server).Decode(request) for t in r.token_ids]
+    return [t async for r in decode_stub(decode_server).Decode(request) for t in r.tokens.token_ids]
 
 
 async def failed_decode(

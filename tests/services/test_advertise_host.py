@@ -25,9 +25,8 @@ def test_kv_handle_names_the_advertised_host(llama_dir: Path) -> None:
         try:
             request = await prefilled_request(prefill_server, PROMPT, PARAMS)
             assert request.handle.address.startswith("127.0.0.1:")
-            tokens = [
-                t async for r in decode_stub(decode_server).Decode(request) for t in r.token_ids
-            ]
+            stream = decode_stub(decode_server).Decode(request)
+            tokens = [t async for r in stream for t in r.tokens.token_ids]
             assert len(tokens) == PARAMS.max_tokens - 1  # the first came from prefill
             await both_sides_freed(prefill_server, decode_server)
         finally:

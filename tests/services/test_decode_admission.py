@@ -36,8 +36,8 @@ def test_a_second_decode_of_a_live_id_is_refused_and_the_first_goes_on(llama_dir
             first = decode_stub(decode_server).Decode(request)
             got: list[int] = []
             async for response in first:  # until it is admitted: the engine holds "dup"
-                got += response.token_ids
-                if response.admitted:
+                got += response.tokens.token_ids
+                if response.HasField("admitted"):
                     break
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async for _ in decode_stub(decode_server).Decode(request):
@@ -46,7 +46,7 @@ def test_a_second_decode_of_a_live_id_is_refused_and_the_first_goes_on(llama_dir
             assert "request_id 'dup' is already in use" in (refused.value.details() or "")
             async with asyncio.timeout(BOUND_S):  # (an aborted holder would wait for ever)
                 async for response in first:
-                    got += response.token_ids
+                    got += response.tokens.token_ids
             assert got == want
             await both_sides_freed(prefill_server, decode_server)
         finally:

@@ -74,7 +74,7 @@ def test_health_follows_load_and_drain(llama_dir: Path) -> None:
         # Its token is needed: a caller that knows only the request id ends nothing.
         wrong = prefill_pb2.ReleaseRequest(request_id="r", lease_token="guess")
         assert not (await stub.Release(wrong)).released
-        token = prefilled.handle.lease_token
+        token = prefilled.lease.lease_token
         released = await stub.Release(prefill_pb2.ReleaseRequest(request_id="r", lease_token=token))
         assert released.released
         await asyncio.wait_for(shutdown, 10)

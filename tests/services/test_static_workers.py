@@ -121,6 +121,6 @@ def test_the_local_prefill_rpc_carries_the_layout_check(
         assert wrong in details and other.engine.fingerprint in details
         assert wrong != other.engine.fingerprint
         assert stats.num_prompt_tokens_computed == 0
-        assert answers[-1].finish_reason
+        assert answers[-1].HasField("finished")
 
     asyncio.run(run())

@@ -1,5 +1,5 @@
-"""The router's pool follows the registry: joins, drains, departures; mismatched KV layouts are
-refused; static workers stay."""
+"""The router's pool follows the registry: joins, drains, departures; mismatched KV layouts and
+wire versions are refused; static workers stay."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import asyncio
 
 from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common.role import Role
-from router.worker_pool import WorkerPool
+from pdserve.common.wire_version import WIRE_VERSION
+from router.worker_pool import WorkerPool, worker_refusal
 
 FP = "LlamaForCausalLM:abc:float32:bs16"
 
@@ -102,6 +103,27 @@ def test_refusals_and_channels_of_departed_workers_are_forgotten() -> None:
         pool.sync([], FP, 16)
         await pool.close_unused_channels()
         assert pool._refused == {} and pool.channels._channels == {}
+        await pool.close()
+
+    asyncio.run(run())
+
+
+def test_a_worker_of_another_wire_version_is_refused_by_name() -> None:
+    assert worker_refusal(WIRE_VERSION, FP, 16, FP, 16) is None
+    old = f"it speaks wire version 0, this router {WIRE_VERSION}"
+    assert worker_refusal(0, FP, 16, FP, 16) == old
+    assert worker_refusal(WIRE_VERSION, "other:fp", 16, FP, 16) == (
+        f"fingerprint other:fp block_size 16, router has {FP} block_size 16"
+    )
+    # A record from before versions were sent reads as version 0, and is refused as such.
+    raw = {k.encode(): v.encode() for k, v in _record("p0", Role.PREFILL, 7).to_redis().items()}
+    del raw[b"wire_version"]
+    assert WorkerRecord.from_redis(raw).wire_version == 0
+
+    async def run() -> None:
+        pool = WorkerPool(prefill=(), decode=())
+        pool.sync([WorkerRecord.from_redis(raw), _record("p1", Role.PREFILL, 8)], FP, 16)
+        assert sorted(pool.prefill) == ["127.0.0.1:8"]
         await pool.close()
 
     asyncio.run(run())

@@ -167,7 +167,7 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
             # Released: the blocks go back at once.
             first = await prefilled("released", 50)
             release = prefill_pb2.ReleaseRequest(
-                request_id="released", lease_token=first.handle.lease_token
+                request_id="released", lease_token=first.lease.lease_token
             )
             assert (await stub.Release(release, timeout=30)).released
             await _back_to(prefill, free_p, "released blocks free")
@@ -177,7 +177,7 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
             # Released before the pull: the pull fails NOT_FOUND, and the decode side frees.
             early = await prefilled("early", 52)
             release = prefill_pb2.ReleaseRequest(
-                request_id="early", lease_token=early.handle.lease_token
+                request_id="early", lease_token=early.lease.lease_token
             )
             await stub.Release(release, timeout=30)
         request = decode_pb2.DecodeRequest(
@@ -185,7 +185,7 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
             prompt_token_ids=_prompt(90, 52),
             sampling=sampling,
             first_token_id=early.first_token_id,
-            handle=early.handle,
+            handle=early.lease,
             prefill_address=prefill.address,
         )
         async with grpc.aio.insecure_channel(decode.address) as channel:

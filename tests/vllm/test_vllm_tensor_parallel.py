@@ -168,7 +168,7 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
             released = await prefill_one("released")
             await stub.Release(
                 prefill_pb2.ReleaseRequest(
-                    request_id="released", lease_token=released.handle.lease_token
+                    request_id="released", lease_token=released.lease.lease_token
                 ),
                 timeout=30,
             )
@@ -178,7 +178,7 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
                 request_id="released",
                 prompt_token_ids=prompt,
                 sampling=sampling_to_proto(GREEDY),
-                handle=released.handle,
+                handle=released.lease,
                 first_token_id=released.first_token_id,
                 prefill_address=prefill.address,
             )

@@ -147,7 +147,7 @@ def test_a_handle_of_a_tensor_parallelism_the_decode_worker_cannot_map_is_refuse
                 request_id="tp3", prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY)
             )
             prefilled = await prefill_pb2_grpc.PrefillWorkerStub(channel).Prefill(request)
-        handle = prefilled.handle
+        handle = prefilled.lease
         handle.layout.tp_size = 3  # as if the prefill engine ran 3 ranks
         async with grpc.aio.insecure_channel(decode.address) as channel:
             request = decode_pb2.DecodeRequest(

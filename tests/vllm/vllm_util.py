@@ -71,9 +71,11 @@ async def colocated(
         )
         stub = decode_pb2_grpc.DecodeWorkerStub(channel)
         async for message in stub.PrefillAndDecode(request, timeout=300):
-            run.token_ids.extend(message.token_ids)
-            run.margins += [_margin(list(lp.top_logprobs)) for lp in message.logprobs]
-            run.finish_reason = finish_reason_from_proto(message.finish_reason) or run.finish_reason
+            tokens = message.tokens
+            run.token_ids.extend(tokens.token_ids)
+            run.margins += [_margin(list(lp.top_logprobs)) for lp in tokens.logprobs]
+            if message.HasField("finished"):
+                run.finish_reason = finish_reason_from_proto(message.finished.reason)
     return run
 
 
