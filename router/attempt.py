@@ -15,6 +15,7 @@ from typing import TypeAlias
 
 from pdserve.v1 import common_pb2
 from router.migration import Continuation
+from router.plan import Route
 from router.result import Chunk
 
 
@@ -59,11 +60,10 @@ class CacheHits:
 @dataclass(frozen=True)
 class Ended:
     """The attempt's last event: how the request ended ("stop", "length"; None: the worker
-    said nothing of it), and whether a decode worker prefilled it locally (its address) or it
-    was disaggregated (empty)."""
+    said nothing of it), and the route it took (None: it ended before any worker took it)."""
 
     finish_reason: str | None
-    local_worker: str = ""
+    route: Route | None = None
 
 
 AttemptEvent: TypeAlias = Chunk | Prefilled | Transferred | CacheHits | Ended
@@ -81,7 +81,7 @@ class Report:
     cached_tokens: int = 0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
-    local_worker: str = ""
+    route: Route | None = None
 
     def add(self, event: Prefilled | Transferred | CacheHits | Ended) -> Report:
         """This report with one more fact. Times add up over attempts (a migration's prefill
@@ -96,6 +96,4 @@ class Report:
             return dataclasses.replace(self, transfer_s=self.transfer_s + event.seconds)
         if isinstance(event, CacheHits):
             return dataclasses.replace(self, cached_tokens=max(self.cached_tokens, event.tokens))
-        return dataclasses.replace(
-            self, finish_reason=event.finish_reason, local_worker=event.local_worker
-        )
+        return dataclasses.replace(self, finish_reason=event.finish_reason, route=event.route)

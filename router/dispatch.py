@@ -109,7 +109,7 @@ class Dispatcher:
             pool.next_turn(Role.DECODE)
         self._count(chosen)
         if chosen.unserved is not None:
-            raise unserved(chosen, len(prompt_ids), config.colocated)
+            raise unserved(chosen, len(prompt_ids))
         return Placement(
             chosen, [prefill[a] for a in chosen.prefill], [decode[a] for a in chosen.decode]
         )
@@ -121,13 +121,13 @@ class Dispatcher:
         return await self.cluster.cached_tokens(prompt_ids, healthy) if wanted else {}
 
     def _count(self, chosen: Plan) -> None:
-        if chosen.reason == "colocated":
-            metrics.ROUTING_DECISIONS.labels("decode", "colocated", "colocated").inc()
-        elif chosen.route is Route.LOCAL:
-            metrics.ROUTING_DECISIONS.labels("decode", "conditional", chosen.reason).inc()
-        else:
+        """By the pool whose choice it was, and how: the prefill policy, or (a decode worker
+        prefills) the route."""
+        if chosen.route is Route.DISAGGREGATED:
             policy = self.config.prefill_policy.value
             metrics.ROUTING_DECISIONS.labels("prefill", policy, chosen.reason).inc()
+        else:
+            metrics.ROUTING_DECISIONS.labels("decode", chosen.route.value, chosen.reason).inc()
 
     async def prefill(
         self,

@@ -68,7 +68,7 @@ class Generation:
         workers (or that a worker's last words name as its killer) is quarantined
         (``router/quarantine.py``: its caller's, with this prompt and sampling). Its phases and
         trace: ``router/request_trace.py``. Raises ``WorkerError``."""
-        trace = RequestTrace(request_id, out.start_s, self.config.colocated)
+        trace = RequestTrace(request_id, out.start_s)
         digest = request_digest(request.caller, list(request.prompt_token_ids), request.params)
         try:
             async for result in self._generate(request_id, request, digest, out, trace):
@@ -171,7 +171,7 @@ class Generation:
         logger.info(
             "request_id=%s finished (%s%s): %d+%d tokens, ttft %.1f ms, tpot %.2f ms",
             request_id,
-            "local prefill" if report.local_worker else "disaggregated",
+            report.route.value if report.route is not None else "no route",
             f", {migrations} migrations" if migrations else "",
             out.num_prompt_tokens,
             out.num_output_tokens,
@@ -230,13 +230,15 @@ class Generation:
             if trace.clock.current is not RequestPhase.ROUTE:  # re-planned
                 trace.enter(RequestPhase.ROUTE)
             placement = await self.dispatch.place(prompt_ids, attempt.avoid, exclude, local)
-            if placement.plan.route is Route.DISAGGREGATED:
+            route = placement.plan.route
+            trace.routed(route)
+            if route is Route.DISAGGREGATED:
                 async for event in self._disaggregated(attempt, placement, out, trace):
                     yield event
                 return
             worker = placement.decode[0]
             try:
-                async for event in self._local(attempt, worker, out, trace):
+                async for event in self._local(attempt, worker, route, out, trace):
                     yield event
             except TurnedAway:
                 exclude |= {worker.address}
@@ -274,7 +276,7 @@ class Generation:
             trace.count("host_cached_tokens", prefilled.num_host_cached_tokens)
             yield first
             if not leased:  # the first token ended it
-                yield Ended(finish_reason_from_proto(prefilled.finished))
+                yield Ended(finish_reason_from_proto(prefilled.finished), Route.DISAGGREGATED)
                 return
             decode_request = decode_pb2.DecodeRequest(
                 request_id=attempt.request_id,
@@ -293,7 +295,7 @@ class Generation:
             admitted = True  # the decode worker now owns ending the lease
             trace.admitted(admission.kv_pull_s)
             yield Transferred(admission.transfer_s)
-            async for event in self._relay(call, decode_worker, out, None, trace):
+            async for event in self._relay(call, decode_worker, Route.DISAGGREGATED, out, trace):
                 yield event
         finally:
             if leased and not admitted:
@@ -301,10 +303,16 @@ class Generation:
                 self.dispatch.release_later(prefill_worker, attempt.request_id, token)
 
     async def _local(
-        self, attempt: Attempt, worker: Worker, out: OutputStream, trace: RequestTrace
+        self,
+        attempt: Attempt,
+        worker: Worker,
+        route: Route,
+        out: OutputStream,
+        trace: RequestTrace,
     ) -> AsyncIterator[AttemptEvent]:
-        """Conditional disaggregation (or colocated): the decode worker prefills the prompt's
-        uncached part. Raises ``TurnedAway`` (before any token) when it cannot take it now."""
+        """Conditional disaggregation (or colocated: ``route``): the decode worker prefills the
+        prompt's uncached part. Raises ``TurnedAway`` (before any token) when it cannot take it
+        now."""
         request = decode_pb2.PrefillAndDecodeRequest(
             request_id=attempt.request_id,
             prompt_token_ids=attempt.continuation.prompt_token_ids,
@@ -332,16 +340,17 @@ class Generation:
             except BaseException:
                 call.cancel()
                 raise
-        async for update in self._relay(call, worker, out, attempt, trace):
+        async for update in self._relay(call, worker, route, out, trace, attempt):
             yield update
 
     async def _relay(
         self,
         call: grpc.aio.UnaryStreamCall,
         worker: Worker,
+        route: Route,
         out: OutputStream,
-        local: Attempt | None,
         trace: RequestTrace,
+        local: Attempt | None = None,
     ) -> AsyncIterator[AttemptEvent]:
         """Relays a worker's token stream to the client (heartbeats are not relayed), then
         ``Ended``. ``local``: the attempt the worker prefilled itself, whose cache hits count
@@ -370,4 +379,4 @@ class Generation:
         trace.count("host_cached_tokens", host_hits)
         if local is not None and local.of_the_client_prompt:
             yield CacheHits(hits)
-        yield Ended(finish_reason, worker.address if local is not None else "")
+        yield Ended(finish_reason, route)

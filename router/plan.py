@@ -29,8 +29,14 @@ from router.policy import (
 
 
 class Route(Enum):
-    LOCAL = "local"  # one decode worker prefills and decodes (conditional, or colocated)
+    """How an attempt runs: the one name of the path a request takes (plans, traces'
+    ``pdserve.path``, phase and decision metrics, logs)."""
+
     DISAGGREGATED = "disaggregated"  # a prefill worker prefills, a decode worker pulls the KV
+    # Conditional disaggregation: a decode worker prefills a prompt whose uncached part is
+    # short (below --local-prefill-tokens), and decodes it.
+    LOCAL = "local"
+    COLOCATED = "colocated"  # the colocated mode: a decode worker prefills every prompt
 
 
 class Unserved(Enum):
@@ -60,8 +66,8 @@ class Facts:
 @dataclass(frozen=True)
 class Plan:
     route: Route
-    prefill: tuple[str, ...]  # prefill candidates, best first (empty for LOCAL)
-    decode: tuple[str, ...]  # decode candidates, best first (LOCAL: the first one prefills)
+    prefill: tuple[str, ...]  # prefill candidates, best first (empty unless DISAGGREGATED)
+    decode: tuple[str, ...]  # decode candidates, best first (else: the first one prefills)
     cached_tokens: int  # what the index predicts the first prefill (or local) choice holds
     reason: str  # pdserve_routing_decisions_total's reason label
     unserved: Unserved | None = None  # set when there is no first candidate
@@ -80,7 +86,7 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
         if not decode:
             alive = any(w.routable for w in candidates)
             unserved = Unserved.TOO_LARGE if alive and not facts.exclude else Unserved.NO_WORKER
-        return Plan(Route.LOCAL, (), decode, 0, "colocated", unserved)
+        return Plan(Route.COLOCATED, (), decode, 0, "colocated", unserved)
     threshold = config.local_prefill_tokens
     if facts.local and threshold > 0 and decode:
         cached = facts.decode_cached

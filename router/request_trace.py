@@ -18,6 +18,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from pdserve.common import metrics, tracing
 from router.phases import PhaseClock, RequestPhase, Segment
+from router.plan import Route
 
 # A call split afterwards is named for the whole call.
 _SPAN_NAMES = {
@@ -27,10 +28,9 @@ _SPAN_NAMES = {
 
 
 class RequestTrace:
-    def __init__(self, request_id: str, start_s: float, colocated: bool = False) -> None:
+    def __init__(self, request_id: str, start_s: float) -> None:
         self.clock = PhaseClock(start_s)
-        self._colocated = colocated
-        self.path = "none"  # the last attempt's (disaggregated, local, colocated)
+        self.path = "none"  # the last attempt's route (``Route``'s value)
         self._counts: dict[str, int] = {}  # what the workers reported, summed over attempts
         self._root: trace.Span | None = None
         self._span: trace.Span | None = None
@@ -56,13 +56,13 @@ class RequestTrace:
         """The request moves on to ``phase`` (at ``now``, default: the current time)."""
         now = time.perf_counter() if now is None else now
         self.clock.enter(phase, now)
-        if phase is RequestPhase.PREFILL_RPC:
-            self.path = "disaggregated"
-        elif phase is RequestPhase.LOCAL_PREFILL:
-            self.path = "colocated" if self._colocated else "local"
         if self._root is not None:
             self._end_span(now)
             self._span = self._start(phase, now, attrs)
+
+    def routed(self, route: Route) -> None:
+        """The attempt's plan chose ``route`` (the last one is the request's path)."""
+        self.path = route.value
 
     def count(self, name: str, value: int) -> None:
         """Adds a worker's count (host-tier tokens, speculation) to the root span's

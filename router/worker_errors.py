@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from router.failures import Action, Event, Phase, Seen, Verdict, classify, event_of
-from router.plan import Plan, Unserved
+from router.plan import Plan, Route, Unserved
 from router.worker_pool import Worker
 
 
@@ -77,9 +77,9 @@ def event(exc: grpc.aio.AioRpcError) -> Event:
     return event_of(exc.code(), tuple(exc.trailing_metadata() or ()))
 
 
-def unserved(chosen: Plan, num_prompt_tokens: int, colocated: bool) -> WorkerError:
+def unserved(chosen: Plan, num_prompt_tokens: int) -> WorkerError:
     """The refusal of a plan with no worker to start with, by its cause."""
-    kind = "colocated" if colocated else "prefill"
+    kind = "colocated" if chosen.route is Route.COLOCATED else "prefill"
     if chosen.unserved is Unserved.TOO_LARGE:
         return WorkerError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -26,7 +26,9 @@ from native_engine.scheduler import ScheduledSeq, Scheduler
 SIM_TOKEN_ID = 17
 
 
-class Role(enum.Enum):
+class WorkerKind(enum.Enum):
+    """A simulated worker's part: a pool's (``pdserve.common.role.Role``), or both phases."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     COLOCATED = "colocated"
@@ -50,9 +52,9 @@ def new_sequence(request_id: str, prompt: list[int], output_len: int) -> PagedSe
 
 
 class SimWorker:
-    def __init__(self, name: str, role: Role, profile: Profile, root: BlockHash) -> None:
+    def __init__(self, name: str, kind: WorkerKind, profile: Profile, root: BlockHash) -> None:
         self.name = name
-        self.role = role
+        self.kind = kind
         self.profile = profile
         self.root = root
         self.block_manager = BlockManager(profile.num_blocks, profile.block_size, True)

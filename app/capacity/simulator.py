@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from app.bench.stats import RequestRecord
 from app.bench.workload import BenchRequest, poisson_arrivals
 from app.capacity.profile import Profile
-from app.capacity.sim_worker import Outcome, Role, SimWorker, StepResult, new_sequence
+from app.capacity.sim_worker import Outcome, SimWorker, StepResult, WorkerKind, new_sequence
 from engine.block_hash import root_hash
 from engine.sequence import SequenceStatus
 from native_engine.paged_sequence import PagedSequence
@@ -111,9 +111,9 @@ class Simulator:
         self.shared_cores = shared_cores
         root = root_hash(profile.model_fingerprint or "pdserve-sim")
         make = lambda role, i: SimWorker(f"{role.value}-{i}", role, profile, root)  # noqa: E731
-        self.prefill = [make(Role.PREFILL, i) for i in range(shape.num_prefill)]
-        self.decode = [make(Role.DECODE, i) for i in range(shape.num_decode)]
-        self.decode += [make(Role.COLOCATED, i) for i in range(shape.num_colocated)]
+        self.prefill = [make(WorkerKind.PREFILL, i) for i in range(shape.num_prefill)]
+        self.decode = [make(WorkerKind.DECODE, i) for i in range(shape.num_decode)]
+        self.decode += [make(WorkerKind.COLOCATED, i) for i in range(shape.num_colocated)]
         self.now_s = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()

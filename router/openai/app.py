@@ -191,7 +191,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
                     prepared = await serving.prepare_completion(body, client_id, caller, start_s)
             except ValueError as exc:  # the request's reading: a check naming its field
                 raise errors.refusal(exc) from None
-            if prepared.plan.stream:
+            if prepared.parsed.stream:
                 started = await until(request.receive, serving.start_stream(prepared))
                 # The stream's own count: it outlives this handler.
                 counted = core.track(admit=False)

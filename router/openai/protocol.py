@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies (chat and text completions), parsed and checked into one
-``Plan``: which prompts, how many choices, what sampling. Pure: no I/O.
+``ParsedRequest``: which prompts, how many choices, what sampling. Pure: no I/O.
 
 Fields follow OpenAI's API and vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids``, ``prompt_logprobs``, the structured-output fields).
@@ -112,7 +112,7 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ParsedRequest:
     """What a request asks for. ``sampling`` has no seed: choice i of a seeded request uses
     ``seed + i`` (vLLM v1's rule), so ``n`` choices differ and reproduce; with
     ``fill_context``, its ``max_tokens`` is ``MAX_INT32`` until the serving layer knows the
@@ -145,7 +145,7 @@ def _refuse_unsupported(body: _Sampling) -> None:
 
 def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """Only what was given is set: the engine's defaults apply to the rest, and its own
-    validation names each field (``max_tokens`` None: to be filled, ``Plan``)."""
+    validation names each field (``max_tokens`` None: to be filled, ``ParsedRequest``)."""
     given: dict[str, Any] = {n: getattr(body, n) for n in _NUMBERS if getattr(body, n) is not None}
     if isinstance(body.stop, str):
         given["stop"] = (body.stop,)
@@ -225,13 +225,13 @@ def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
         )
 
 
-def _plan(
+def _parse(
     body: _Sampling,
     prompts: tuple[Prompt, ...],
     max_tokens: int | None,
     logprobs: int | None,
     max_choices: int,
-) -> Plan:
+) -> ParsedRequest:
     _refuse_unsupported(body)
     n = body.n or 1
     _check_choices(len(prompts), n, max_choices)
@@ -239,7 +239,7 @@ def _plan(
     _check_logprobs("prompt_logprobs", body.prompt_logprobs)
     sampling = _sampling(body, max_tokens, logprobs)
     options = body.stream_options
-    return Plan(
+    return ParsedRequest(
         prompts=prompts,
         n=n,
         sampling=sampling,
@@ -319,12 +319,12 @@ def _check_logprobs(param: str, value: int | None) -> None:
         raise InvalidParameter(param, f"{param} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
-def chat_plan(
+def parse_chat(
     body: ChatCompletionRequest,
     prompt: Prompt,
     max_choices: int,
     tools: StructuredOutput | None = None,
-) -> Plan:
+) -> ParsedRequest:
     """``tools``: the constraint ``tool_choice`` puts on the output (router/openai/tools.py)."""
     if body.functions:
         raise InvalidParameter("functions", "functions are deprecated: use tools")
@@ -333,16 +333,18 @@ def chat_plan(
     _check_logprobs("top_logprobs", body.top_logprobs)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens or body.max_tokens
-    plan = _plan(body, (prompt,), max_tokens, logprobs, max_choices)
+    parsed = _parse(body, (prompt,), max_tokens, logprobs, max_choices)
     if tools is None:
-        return plan
-    if plan.sampling.structured is not None:
+        return parsed
+    if parsed.sampling.structured is not None:
         raise InvalidParameter(
             "tool_choice",
             f"tool_choice {body.tool_choice!r} leaves no room for another "
-            f"output constraint ({plan.sampling.structured.field})",
+            f"output constraint ({parsed.sampling.structured.field})",
         )
-    return dataclasses.replace(plan, sampling=dataclasses.replace(plan.sampling, structured=tools))
+    return dataclasses.replace(
+        parsed, sampling=dataclasses.replace(parsed.sampling, structured=tools)
+    )
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[Prompt, ...]:
@@ -361,15 +363,15 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return tuple(out)
 
 
-def completion_plan(body: CompletionRequest, max_choices: int) -> Plan:
+def parse_completion(body: CompletionRequest, max_choices: int) -> ParsedRequest:
     if body.suffix:
         raise InvalidParameter("suffix", "suffix is not supported")
     prompts = completion_prompts(body.prompt)
     _check_logprobs("logprobs", body.logprobs)
     # OpenAI's default for text completions is 16 tokens (the engine's default too).
-    plan = _plan(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)
+    parsed = _parse(body, prompts, body.max_tokens or 16, body.logprobs, max_choices)
     if body.echo and body.logprobs is not None:  # the prompt's entries lead the list
         wanted = max(body.logprobs, body.prompt_logprobs or 0)
-        sampling = dataclasses.replace(plan.sampling, prompt_logprobs=wanted)
-        plan = dataclasses.replace(plan, sampling=sampling)
-    return dataclasses.replace(plan, echo=bool(body.echo))
+        sampling = dataclasses.replace(parsed.sampling, prompt_logprobs=wanted)
+        parsed = dataclasses.replace(parsed, sampling=sampling)
+    return dataclasses.replace(parsed, echo=bool(body.echo))

@@ -2,9 +2,9 @@
 router's one generate path (``RequestCore.read`` and ``responses``, shared with gRPC: the
 same limits, tokenization off the loop, capacity checks, migration and metrics).
 
-A request runs in four steps: parse the body into a ``Plan`` (``protocol.py``); render the chat
-template (in a thread: a template is code, and messages can be megabytes); read each prompt as
-the gRPC API reads one (a ``Request``: ``router/request.py``); run the choices
+A request runs in four steps: parse the body into a ``ParsedRequest`` (``protocol.py``); render
+the chat template (in a thread: a template is code, and messages can be megabytes); read each
+prompt as the gRPC API reads one (a ``Request``: ``router/request.py``); run the choices
 (``choices.py``). A streamed response waits for its first token before answering 200, so
 refusals that come from the workers (no room, no worker) still get their HTTP status; after
 that, an error is a ``data: {"error": ...}`` event.
@@ -38,11 +38,11 @@ from router.openai.prompt_leads import (
 from router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    Plan,
-    chat_plan,
+    ParsedRequest,
     chat_prompt,
-    completion_plan,
     message_dicts,
+    parse_chat,
+    parse_completion,
 )
 from router.openai.responses import (
     ChoiceOutput,
@@ -104,7 +104,7 @@ class Started:
 class Prepared:
     """A request ready to run: its choices and the envelope of its response."""
 
-    plan: Plan
+    parsed: ParsedRequest
     env: Envelope
     choices: list[Choice]
     outputs: list[ChoiceOutput]
@@ -149,9 +149,9 @@ class OpenAIServing:
         prompt = await self.core.prompts.in_thread(
             lambda: chat_prompt(template, self.core.tokenizer, messages, add_prompt, tools.tools)
         )
-        plan = chat_plan(body, prompt, self.core.config.limits.max_choices, tools.structured)
+        parsed = parse_chat(body, prompt, self.core.config.limits.max_choices, tools.structured)
         prepared = await self._prepare(
-            Kind.CHAT, plan, client_id, caller, start_s, add_special_tokens=False
+            Kind.CHAT, parsed, client_id, caller, start_s, add_special_tokens=False
         )
         return dataclasses.replace(prepared, tools=tools)
 
@@ -159,26 +159,26 @@ class OpenAIServing:
         self, body: CompletionRequest, client_id: str, caller: str, start_s: float
     ) -> Prepared:
         self.check_model(body.model)
-        plan = completion_plan(body, self.core.config.limits.max_choices)
-        return await self._prepare(Kind.COMPLETION, plan, client_id, caller, start_s)
+        parsed = parse_completion(body, self.core.config.limits.max_choices)
+        return await self._prepare(Kind.COMPLETION, parsed, client_id, caller, start_s)
 
     async def _prepare(
         self,
         kind: Kind,
-        plan: Plan,
+        parsed: ParsedRequest,
         client_id: str,
         caller: str,
         start_s: float,
         add_special_tokens: bool = True,
     ) -> Prepared:
         limits = self.core.config.limits
-        sampling = plan.sampling
-        if plan.bad_words:
-            ids = bad_words_ids(list(plan.bad_words), self.core.tokenizer)
+        sampling = parsed.sampling
+        if parsed.bad_words:
+            ids = bad_words_ids(list(parsed.bad_words), self.core.tokenizer)
             sampling = dataclasses.replace(sampling, bad_words=ids)
         choices: list[Choice] = []
         outputs: list[ChoiceOutput] = []
-        for p, prompt in enumerate(plan.prompts):
+        for p, prompt in enumerate(parsed.prompts):
             asked = Request(
                 client_id,
                 sampling,
@@ -190,12 +190,12 @@ class OpenAIServing:
             )
             read = await self.core.read(asked)
             params = read.params
-            if plan.fill_context:
+            if parsed.fill_context:
                 room = max(1, self.core.max_model_len - read.num_prompt_tokens)
                 params = dataclasses.replace(params, max_tokens=room)
-            for i in range(plan.n):
-                index = p * plan.n + i
-                seed = plan.seed + i if plan.seed is not None else None
+            for i in range(parsed.n):
+                index = p * parsed.n + i
+                seed = parsed.seed + i if parsed.seed is not None else None
                 # A prompt's logprobs are computed once, by its first choice (the others copy
                 # them, and may take prefix-cache hits: a request that wants them takes none).
                 first = i == 0 or params.prompt_logprobs is None
@@ -203,22 +203,22 @@ class OpenAIServing:
                     params, seed=seed, prompt_logprobs=params.prompt_logprobs if first else None
                 )
                 # Each choice is a request of its own on the workers (its own id in logs).
-                choice_id = client_id if plan.num_choices == 1 else f"{client_id}-{index}"
+                choice_id = client_id if parsed.num_choices == 1 else f"{client_id}-{index}"
                 request = dataclasses.replace(read, client_id=choice_id, params=choice_params)
                 choices.append(Choice(index, request))
                 prompt_ids = list(read.prompt_token_ids)
                 outputs.append(ChoiceOutput(index, p, prompt_ids, prompt_text=prompt.text))
         repeated = prompt_bytes(
             [c.request.num_prompt_tokens for c in choices],
-            plan.echo,
-            plan.logprobs,
-            plan.prompt_logprobs,
+            parsed.echo,
+            parsed.logprobs,
+            parsed.prompt_logprobs,
         )
         # Bounded before any work: a whole response is held until its last token; what each
         # choice repeats of its prompt is one piece even when streamed.
-        generated = [] if plan.stream else [c.request.params.max_tokens for c in choices]
+        generated = [] if parsed.stream else [c.request.params.max_tokens for c in choices]
         try:
-            check_output(generated, plan.logprobs, limits, repeated)
+            check_output(generated, parsed.logprobs, limits, repeated)
         except ValueError as exc:
             raise ResourceError(str(exc)) from None
         env = Envelope(
@@ -226,12 +226,12 @@ class OpenAIServing:
             f"{kind.id_prefix}{client_id}",
             int(time.time()),
             self.served_model_name,
-            plan.logprobs is not None,
-            plan.return_token_ids,
-            echo=plan.echo,
-            prompt_logprobs=plan.prompt_logprobs is not None,
+            parsed.logprobs is not None,
+            parsed.return_token_ids,
+            echo=parsed.echo,
+            prompt_logprobs=parsed.prompt_logprobs is not None,
         )
-        return Prepared(plan, env, choices, outputs, client_id)
+        return Prepared(parsed, env, choices, outputs, client_id)
 
     def _stream(self, prepared: Prepared) -> AsyncGenerator[tuple[int, Result], None]:
         return merged(self.core, prepared.choices)
@@ -271,10 +271,10 @@ class OpenAIServing:
         stream: AsyncGenerator[tuple[int, Result], None],
         first: tuple[int, Result] | None,
     ) -> AsyncGenerator[bytes, None]:
-        env, outputs, plan = prepared.env, prepared.outputs, prepared.plan
+        env, outputs, parsed = prepared.env, prepared.outputs, prepared.parsed
         text = self.token_text
         # OpenAI's rule: with include_usage, every chunk has a usage field (null but the last).
-        usage = plan.include_usage
+        usage = parsed.include_usage
         opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
         readers = [prepared.tools.stream() for _ in outputs]  # tool calls read out of text
         # The prompt (echo, prompt_logprobs) opens each choice once its logprobs are here: its
@@ -314,7 +314,7 @@ class OpenAIServing:
                         include_usage=usage,
                     )
                     yield event(body)
-            if plan.include_usage:
+            if parsed.include_usage:
                 yield event(usage_chunk(env, outputs))
         except Exception as exc:
             error = errors.from_exception(exc)

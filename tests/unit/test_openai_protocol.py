@@ -18,9 +18,9 @@ from router.openai.protocol import (
     CompletionRequest,
     InvalidParameter,
     Prompt,
-    chat_plan,
-    completion_plan,
     message_dicts,
+    parse_chat,
+    parse_completion,
 )
 from router.openai.responses import (
     ChoiceOutput,
@@ -46,15 +46,15 @@ def chat(**body: Any) -> ChatCompletionRequest:
 
 
 def test_a_completion_plan_sets_only_what_was_given() -> None:
-    plan = completion_plan(
+    parsed = parse_completion(
         completion(prompt=[[1, 2], [3]], n=3, seed=5, temperature=0.5, stop="x", top_k=4),
         max_choices=64,
     )
-    assert plan.prompts == (Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,)))
-    assert plan.num_choices == 6 and plan.seed == 5 and not plan.fill_context
+    assert parsed.prompts == (Prompt(token_ids=(1, 2)), Prompt(token_ids=(3,)))
+    assert parsed.num_choices == 6 and parsed.seed == 5 and not parsed.fill_context
     expected = SamplingParams(max_tokens=16, temperature=0.5, top_k=4, stop=["x"])
-    assert plan.sampling == expected  # OpenAI's default of 16 tokens; no seed inside
-    assert plan.logprobs is None and not plan.stream and not plan.include_usage
+    assert parsed.sampling == expected  # OpenAI's default of 16 tokens; no seed inside
+    assert parsed.logprobs is None and not parsed.stream and not parsed.include_usage
 
 
 def test_prompt_shapes() -> None:
@@ -64,24 +64,24 @@ def test_prompt_shapes() -> None:
         ([1, 2, 3], (Prompt(token_ids=(1, 2, 3)),)),
         ([[1], [2, 3]], (Prompt(token_ids=(1,)), Prompt(token_ids=(2, 3)))),
     ):
-        assert completion_plan(completion(prompt=prompt), 64).prompts == want
+        assert parse_completion(completion(prompt=prompt), 64).prompts == want
     with pytest.raises(InvalidParameter) as err:
-        completion_plan(completion(prompt=[]), 64)
+        parse_completion(completion(prompt=[]), 64)
     assert err.value.param == "prompt"
     with pytest.raises(InvalidParameter) as err:
-        completion_plan(completion(prompt=[[1], [-1]]), 64)
+        parse_completion(completion(prompt=[[1], [-1]]), 64)
     assert err.value.param == "prompt[1]"
 
 
 def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
-    plan = chat_plan(chat(logprobs=True, top_logprobs=3), Prompt(text="rendered"), 64)
-    assert plan.prompts == (Prompt(text="rendered"),) and plan.fill_context
-    assert plan.logprobs == 3 and plan.sampling.logprobs == 3
-    assert plan.sampling.max_tokens == MAX_INT32  # the serving layer fills the context
-    capped = chat_plan(chat(max_completion_tokens=7, max_tokens=99), Prompt(text="r"), 64)
+    parsed = parse_chat(chat(logprobs=True, top_logprobs=3), Prompt(text="rendered"), 64)
+    assert parsed.prompts == (Prompt(text="rendered"),) and parsed.fill_context
+    assert parsed.logprobs == 3 and parsed.sampling.logprobs == 3
+    assert parsed.sampling.max_tokens == MAX_INT32  # the serving layer fills the context
+    capped = parse_chat(chat(max_completion_tokens=7, max_tokens=99), Prompt(text="r"), 64)
     assert capped.sampling.max_tokens == 7 and not capped.fill_context
-    assert chat_plan(chat(logprobs=True), Prompt(text="r"), 64).logprobs == 0
-    streamed = chat_plan(
+    assert parse_chat(chat(logprobs=True), Prompt(text="r"), 64).logprobs == 0
+    streamed = parse_chat(
         chat(stream=True, stream_options={"include_usage": True}), Prompt(text="r"), 64
     )
     assert streamed.stream and streamed.include_usage
@@ -90,20 +90,20 @@ def test_a_chat_plan_fills_the_context_and_maps_logprobs() -> None:
 @pytest.mark.parametrize(
     ("build", "param"),
     [
-        (lambda: completion_plan(completion(logit_bias={"x5": 1.0}), 64), "logit_bias"),
-        (lambda: completion_plan(completion(logit_bias={str(i): 1.0 for i in range(301)}), 64),
+        (lambda: parse_completion(completion(logit_bias={"x5": 1.0}), 64), "logit_bias"),
+        (lambda: parse_completion(completion(logit_bias={str(i): 1.0 for i in range(301)}), 64),
          "logit_bias"),
-        (lambda: completion_plan(completion(prompt_logprobs=21), 64), "prompt_logprobs"),
-        (lambda: completion_plan(completion(n=65), 64), "n"),
-        (lambda: completion_plan(completion(prompt=["a"] * 9, n=8), 64), "n"),
-        (lambda: completion_plan(completion(seed=-1), 64), "seed"),
-        (lambda: completion_plan(completion(logprobs=21), 64), "logprobs"),
-        (lambda: completion_plan(completion(top_k=1 << 40), 64), "top_k"),
-        (lambda: completion_plan(completion(stream_options={"include_usage": True}), 64),
+        (lambda: parse_completion(completion(prompt_logprobs=21), 64), "prompt_logprobs"),
+        (lambda: parse_completion(completion(n=65), 64), "n"),
+        (lambda: parse_completion(completion(prompt=["a"] * 9, n=8), 64), "n"),
+        (lambda: parse_completion(completion(seed=-1), 64), "seed"),
+        (lambda: parse_completion(completion(logprobs=21), 64), "logprobs"),
+        (lambda: parse_completion(completion(top_k=1 << 40), 64), "top_k"),
+        (lambda: parse_completion(completion(stream_options={"include_usage": True}), 64),
          "stream_options"),
-        (lambda: chat_plan(chat(top_logprobs=2), Prompt(text="r"), 64), "top_logprobs"),
+        (lambda: parse_chat(chat(top_logprobs=2), Prompt(text="r"), 64), "top_logprobs"),
         (lambda: tool_plan([{"type": "function"}], None, None), "tools[0].function"),
-        (lambda: chat_plan(chat(response_format={"type": "xml"}), Prompt(text="r"), 64),
+        (lambda: parse_chat(chat(response_format={"type": "xml"}), Prompt(text="r"), 64),
          "response_format.type"),
     ],
 )  # fmt: skip
@@ -114,10 +114,10 @@ def test_unsupported_or_bad_fields_are_refused_by_name(build: Any, param: str) -
 
 
 def test_zero_penalties_and_unknown_fields_pass() -> None:
-    plan = completion_plan(
+    parsed = parse_completion(
         completion(presence_penalty=0, frequency_penalty=0.0, user="u", something_new=1), 64
     )
-    assert plan.num_choices == 1
+    assert parsed.num_choices == 1
 
 
 def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
@@ -128,7 +128,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params() -> None:
         logit_bias={"5": 2.0, "9": -100},
         min_tokens=3,
     )
-    sampling = completion_plan(body, 64).sampling
+    sampling = parse_completion(body, 64).sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
     assert sampling.repetition_penalty == 1.2 and sampling.min_tokens == 3
     assert dict(sampling.logit_bias) == {5: 2.0, 9: -100.0}
@@ -311,14 +311,19 @@ def test_null_means_the_default_and_types_are_strict() -> None:
         "n": None, "stream": None, "echo": None, "ignore_eos": None, "return_token_ids": None,
         "stream_options": None, "logprobs": None, "max_tokens": None, "temperature": None,
     }  # fmt: skip
-    plan = completion_plan(
+    parsed = parse_completion(
         CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **nulls})), 64
     )
-    assert (plan.n, plan.stream, plan.logprobs, plan.return_token_ids) == (1, False, None, False)
+    assert (parsed.n, parsed.stream, parsed.logprobs, parsed.return_token_ids) == (
+        1,
+        False,
+        None,
+        False,
+    )
     chat_nulls = {"logprobs": None, "add_generation_prompt": None, "top_logprobs": None}
     body = {"messages": [{"role": "user", "content": "x"}], **chat_nulls}
     assert (
-        chat_plan(
+        parse_chat(
             ChatCompletionRequest.model_validate_json(json.dumps(body)), Prompt(text="r"), 64
         ).n
         == 1
@@ -328,10 +333,10 @@ def test_null_means_the_default_and_types_are_strict() -> None:
             CompletionRequest.model_validate_json(json.dumps({"prompt": "x", field: value}))
         assert errors.from_validation(err.value).param == field
     with pytest.raises(InvalidParameter) as refused:
-        chat_plan(chat(logprobs=True, top_logprobs=21), Prompt(text="r"), 64)
+        parse_chat(chat(logprobs=True, top_logprobs=21), Prompt(text="r"), 64)
     assert refused.value.param == "top_logprobs"
     with pytest.raises(InvalidParameter) as refused:
-        chat_plan(chat(functions=[{"name": "f"}]), Prompt(text="r"), 64)
+        parse_chat(chat(functions=[{"name": "f"}]), Prompt(text="r"), 64)
     assert refused.value.param == "functions"
     with pytest.raises(InvalidParameter) as refused:
         tool_plan(None, "auto", None)  # tool_choice without tools

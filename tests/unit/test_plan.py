@@ -62,10 +62,10 @@ def test_conditional_disaggregation_threshold() -> None:
 
 def test_colocated_plans_every_prompt_on_the_load_ranked_decode_worker() -> None:
     assert plan(facts(5000), COLOCATED) == Plan(
-        Route.LOCAL, (), (), 0, "colocated", Unserved.TOO_LARGE
+        Route.COLOCATED, (), (), 0, "colocated", Unserved.TOO_LARGE
     )
     got = plan(facts(200, prefill=()), COLOCATED)
-    assert got == Plan(Route.LOCAL, (), ("d2", "d1", "d3"), 0, "colocated")
+    assert got == Plan(Route.COLOCATED, (), ("d2", "d1", "d3"), 0, "colocated")
     turned_away = frozenset({"d1", "d2", "d3"})
     none = plan(facts(200, prefill=(), exclude=turned_away), COLOCATED)
     assert none.decode == () and none.unserved is Unserved.NO_WORKER
