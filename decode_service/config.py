@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, DOC, EngineConfig
 from kvtransfer import BACKENDS, check_engine
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -20,18 +20,25 @@ class DecodeConfig:
     # Prefill workers to pull from besides the registry's (control addresses, host:port).
     prefill_peers: tuple[str, ...] = ()
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
-    transfer_timeout_s: float = 60.0  # one request's whole KV pull
+    transfer_timeout_s: float = field(
+        default=60.0, metadata={DOC: "one request's whole KV pull, at most"}
+    )
     # --kv-backend nixl: check the blocks read against the sender's digest (a one-sided READ
     # carries no checksum; grpc and ray always check theirs), and UCX_TLS (None: UCX's choice).
     kv_verify: bool = True
     ucx_tls: str | None = None
     release_timeout_s: float = 5.0  # telling the prefill worker it may free the blocks
-    # Output tokens a request may have waiting for its reader before it is paused (it keeps
-    # its blocks but takes no decode seat until the reader catches up).
-    max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS
-    # A stream with nothing new for this long sends an empty message, so the router can tell a
-    # quiet request from a stalled worker (its --stall-timeout-s must be well above this).
-    heartbeat_s: float = 1.0
+    # A paused request keeps its blocks but takes no decode seat until the reader catches up.
+    max_buffered_tokens: int = field(
+        default=DEFAULT_MAX_BUFFERED_TOKENS,
+        metadata={DOC: "output tokens a request may have unread before it is paused"},
+    )
+    # So the router can tell a quiet request from a stalled worker (its stall timeout must be
+    # well above this).
+    heartbeat_s: float = field(
+        default=1.0,
+        metadata={DOC: "a quiet stream sends a heartbeat this often (router stall detection)"},
+    )
 
     def __post_init__(self) -> None:
         if self.kv_backend not in BACKENDS:

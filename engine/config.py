@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
+
+# The metadata key of a config field's description (a flag's help, where one sets it).
+DOC = "doc"
 
 # Output tokens one request may have waiting for its reader before the engine pauses it.
 DEFAULT_MAX_BUFFERED_TOKENS = 256
@@ -34,11 +37,17 @@ NATIVE_BLOCK_SIZE = 16
 class CacheConfig:
     block_size: int = NATIVE_BLOCK_SIZE  # ``block_size_for``: another engine's default
     # None: sized from kv_cache_bytes, capped at what max_num_seqs full-length sequences need.
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
+    num_blocks: int | None = field(default=None, metadata={DOC: "KV blocks (default: memory)"})
+    kv_cache_bytes: int | None = field(
+        default=None, metadata={DOC: "the KV cache's memory (default: the engine's share)"}
+    )
     enable_prefix_caching: bool = True
-    # Host-memory tier for evicted prefix blocks (0: off); needs prefix caching.
-    host_cache_gib: float = 0.0
+    host_cache_gib: float = field(
+        default=0.0,
+        metadata={
+            DOC: "host-memory tier for evicted prefix blocks, GiB (0: off; needs prefix caching)"
+        },
+    )
     # How keys and values are stored (native_engine/kv_quant.py): the model's dtype, or int8 / fp8
     # codes with a float32 scale per token and kv head (about half the bytes of bf16).
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
@@ -60,14 +69,20 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    # Token budget of one step; prompts longer than this are prefilled in chunks.
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = field(default=128, metadata={DOC: "requests in one step, at most"})
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata={DOC: "a step's token budget: longer prompts are prefilled in chunks"},
+    )
     # Paused requests (their reader stopped reading) keep their KV blocks up to these bounds:
     # past either, the oldest pause gives its blocks back (it recomputes them when its reader
     # catches up), and paused requests give theirs back first when blocks run short.
-    max_paused_requests: int = 32
-    max_pause_s: float = 60.0
+    max_paused_requests: int = field(
+        default=32, metadata={DOC: "paused requests (a reader stopped) that keep their blocks"}
+    )
+    max_pause_s: float = field(
+        default=60.0, metadata={DOC: "how long a paused request keeps its blocks, at most"}
+    )
 
     def __post_init__(self) -> None:
         if self.max_paused_requests < 0:
@@ -94,17 +109,26 @@ class SpeculativeConfig:
     """Speculative decoding. Output is token for token what plain decoding gives: a proposed
     token is kept only if it is the token the request's own sampler picks at its position."""
 
-    method: SpecMethod
-    num_speculative_tokens: int = 3  # k: proposed per request and step
-    ngram_min: int = 2  # n-gram lengths matched, longest first
-    ngram_max: int = 4
-    draft_model: str | None = None
+    method: SpecMethod = field(
+        metadata={DOC: "propose tokens by n-gram lookup or with a draft model; output is unchanged"}
+    )
+    num_speculative_tokens: int = field(
+        default=3, metadata={DOC: "k: tokens proposed per request and step"}
+    )
+    ngram_min: int = field(default=2, metadata={DOC: "shortest n-gram matched"})
+    ngram_max: int = field(default=4, metadata={DOC: "longest n-gram matched (tried first)"})
+    draft_model: str | None = field(default=None, metadata={DOC: "draft checkpoint directory"})
     # Adaptivity (always on): a request whose recent acceptance falls below this skips
     # speculation for a doubling number of steps, then tries again.
-    min_acceptance: float = 0.3
-    # Batches with more decoding requests than this do not speculate (verification costs
-    # k extra tokens per request; past a point the step is compute-bound and it does not pay).
-    max_batch_size: int = 16
+    min_acceptance: float = field(
+        default=0.3,
+        metadata={DOC: "a request whose recent acceptance is below this sits out (doubling) steps"},
+    )
+    # Verification costs k extra tokens per request; past a point the step is compute-bound
+    # and it does not pay.
+    max_batch_size: int = field(
+        default=16, metadata={DOC: "steps decoding more requests than this do not speculate"}
+    )
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -161,16 +185,41 @@ class VllmEngineCore(enum.Enum):
 class VllmOptions:
     """Options only the vLLM engine has, passed to vLLM under the same names."""
 
-    tensor_parallel_size: int = 1
-    # GPU memory vLLM may take (its default, 0.9, when None); on CPU the KV budget is
-    # CacheConfig.kv_cache_bytes instead.
-    gpu_memory_utilization: float | None = None
-    quantization: str | None = None  # vLLM's weight quantization method (None: the checkpoint's)
-    enforce_eager: bool = False  # no CUDA graphs / torch.compile
-    # On CPU: each rank's cores, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax ("0-1|2-3": rank 0
-    # on cores 0 and 1, ...). None: vLLM's own (or `pdserve up`'s share of this machine).
-    cpu_omp_threads_bind: str | None = None
-    engine_core: VllmEngineCore = VllmEngineCore.AUTO
+    tensor_parallel_size: int = field(
+        default=1, metadata={DOC: "vLLM engine: GPUs one worker shards its model over"}
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={
+            DOC: "vLLM engine: fraction of GPU memory vLLM may take (vLLM's 0.9 when unset; "
+            "on CPU the KV budget is the cache's kv_cache_bytes)"
+        },
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            DOC: "vLLM engine: weight quantization method (vLLM's names; default: the checkpoint's)"
+        },
+    )
+    enforce_eager: bool = field(
+        default=False, metadata={DOC: "vLLM engine: no CUDA graphs or torch.compile"}
+    )
+    cpu_omp_threads_bind: str | None = field(
+        default=None,
+        metadata={
+            DOC: "vLLM engine on CPU: each rank's cores, '|' between ranks ('0-1|2-3'; vLLM's "
+            "VLLM_CPU_OMP_THREADS_BIND). Default: vLLM's, or under `pdserve up` each worker's "
+            "share of the machine"
+        },
+    )
+    engine_core: VllmEngineCore = field(
+        default=VllmEngineCore.AUTO,
+        metadata={
+            DOC: "vLLM engine: where vLLM's engine core runs: worker (in the worker's process; "
+            "one rank only), process (a process of its own, driven through vLLM's AsyncLLM), or "
+            "auto (worker for one rank on a CPU, else process)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -208,33 +257,49 @@ class VllmOptions:
 class EngineConfig:
     model: str
     dtype: str = "float32"
-    max_model_len: int | None = None
-    device: str | None = None
+    max_model_len: int | None = field(
+        default=None, metadata={DOC: "longest request (default: the model's)"}
+    )
+    device: str | None = field(
+        default=None, metadata={DOC: "cpu, cuda, cuda:1 (default: cuda if any)"}
+    )
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
-    # None: TRITON on CUDA, CPU on CPU (falls back to TORCH if it cannot be built).
-    attention_backend: AttentionBackend | None = None
+    attention_backend: AttentionBackend | None = field(
+        default=None,
+        metadata={DOC: "default: triton on CUDA, cpu on CPU (torch if it cannot be built)"},
+    )
     speculative: SpeculativeConfig | None = None  # None: no speculation
-    # torch's intra-op threads in a worker (None: the CPUs this process may run on). Workers
-    # sharing a machine each get their share (`pdserve up` divides them), else their OpenMP
-    # threads spin against each other.
-    num_threads: int | None = None
+    # Workers sharing a machine each get their share (`pdserve up` divides them), else their
+    # OpenMP threads spin against each other.
+    num_threads: int | None = field(
+        default=None,
+        metadata={DOC: "torch threads of this worker (default: the CPUs it may run on)"},
+    )
     backend: EngineBackend = EngineBackend.NATIVE
     vllm: VllmOptions = VllmOptions()
-    # Fault injection, for tests of poison prompts: the worker process exits (code 70, as a
-    # crash would) on a request whose prompt holds this token id. None: off.
-    fault_exit_on_token: int | None = None
-    # Fault injection, for tests of stuck steps: the native engine's step number N blocks
-    # outside the GIL for good, as a hung device sync does. None: off.
-    fault_stall_at_step: int | None = None
-    # Fault injection, for tests of a dead engine's last words: the native engine's step
-    # raises (an engine fault, not a request's error) when it holds a request whose prompt
-    # holds this token id, the vLLM engine's delivery of such a request's output. None: off.
-    fault_raise_on_token: int | None = None
-    # A worker whose engine has had work and completed no step for this long fails its
-    # liveness probe (/livez: the orchestrator restarts it). Routers stop routing to it sooner,
-    # after their own stall_timeout_s (engine/step_progress.py).
-    liveness_stall_s: float = 120.0
+    # Fault injection (tests of poison prompts): the worker exits as a crash would.
+    fault_exit_on_token: int | None = field(
+        default=None,
+        metadata={DOC: "fault injection (tests): exit with code 70 on a prompt holding this id"},
+    )
+    # Fault injection (tests of stuck steps): outside the GIL, as a hung device sync.
+    fault_stall_at_step: int | None = field(
+        default=None,
+        metadata={DOC: "fault injection (tests): the engine's step N blocks for good"},
+    )
+    # Fault injection (tests of a dead engine's last words): an engine fault, not a request's
+    # error; on the vLLM engine, its delivery of such a request's output raises.
+    fault_raise_on_token: int | None = field(
+        default=None,
+        metadata={DOC: "fault injection (tests): a step holding a prompt with this id raises"},
+    )
+    # Routers stop routing to such a worker sooner, after their own stall_timeout_s
+    # (engine/step_progress.py); past this, the orchestrator restarts it.
+    liveness_stall_s: float = field(
+        default=120.0,
+        metadata={DOC: "an engine with work and no step completed this long fails /livez"},
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_NAMES:

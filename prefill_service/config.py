@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import DOC, EngineConfig
 from kvtransfer import BACKENDS, check_engine
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -18,12 +18,18 @@ class PrefillConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     redis: RedisConfig | None = None  # registry + prefix index; None: static routing only
     worker_id: str | None = None  # default: <role>-<8 hex>
-    lease_s: float = DEFAULT_LEASE_S  # how long leased blocks wait for a decode worker's pull
+    lease_s: float = field(
+        default=DEFAULT_LEASE_S,
+        metadata={DOC: "how long leased blocks wait for a decode worker's pull"},
+    )
     kv_backend: str = "grpc"  # one of kvtransfer.BACKENDS
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
-    kv_port: int = 0  # the gRPC KV sender's port (0: ephemeral)
-    # The longest one KV pull may keep the blocks checked out; then its lease rules apply.
-    max_pull_s: float = 60.0
+    # The served process's flag defaults to a fixed port (app/settings/workers.py).
+    kv_port: int = field(default=0, metadata={DOC: "KV sender port (0: ephemeral)"})
+    # Then its lease rules apply.
+    max_pull_s: float = field(
+        default=60.0, metadata={DOC: "the longest one KV pull may keep the blocks checked out"}
+    )
     kv_verify: bool = True  # --kv-backend nixl: record a digest with each handle
     ucx_tls: str | None = None  # --kv-backend nixl: UCX_TLS (None: UCX's own choice)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import EngineBackend
+from engine.config import DOC, EngineBackend
 from engine.kv_layout import KVCacheDtype
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
@@ -25,48 +25,91 @@ class RouterConfig:
     block_size: int = 16
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     engine: EngineBackend = EngineBackend.NATIVE  # the workers' engine (names the fingerprint)
-    prefill_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    prefill_policy: RoutingPolicy = field(
+        default=RoutingPolicy.CACHE_AWARE, metadata={DOC: "prefill worker choice"}
+    )
     # Decode placement follows free KV blocks; the decode pool's cache is used by conditional
     # disaggregation (choosing where to prefill locally), so cache_aware is not a decode policy.
     decode_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
-    cache_alpha: float = 1.0  # cache_aware: cached tokens - alpha x queued prefill tokens
-    imbalance_tokens: int = 8192  # cache_aware: queue gap past which cache credit is dropped
-    # Conditional disaggregation: a prompt whose part uncached on the best decode worker is
-    # shorter than this is prefilled there (no transfer). 0 always disaggregates.
-    local_prefill_tokens: int = 32
-    # How long a prefilled request may wait for a decode worker with free blocks.
-    admission_timeout_s: float = 10.0
+    # cache_aware: cached tokens - alpha x queued prefill tokens.
+    cache_alpha: float = field(default=1.0, metadata={DOC: "cache_aware load weight"})
+    imbalance_tokens: int = field(
+        default=8192,
+        metadata={DOC: "cache_aware guard: a queue gap past which cache credit is dropped"},
+    )
+    # Conditional disaggregation: no transfer.
+    local_prefill_tokens: int = field(
+        default=32,
+        metadata={
+            DOC: "prefill on the decode worker when fewer prompt tokens are uncached (0: never)"
+        },
+    )
+    admission_timeout_s: float = field(
+        default=10.0,
+        metadata={DOC: "how long a prefilled request may wait for a decode worker with room"},
+    )
     prefill_timeout_s: float = 600.0
-    # Faults. A stream whose worker fails mid-flight is re-issued elsewhere (prompt + the
-    # tokens already delivered) up to this many times; 0 disables migration.
-    migration_limit: int = 3
-    # A prompt that two workers went away running, before its first token, is refused for
-    # this long (router/quarantine.py).
-    quarantine_s: float = 600.0
-    # The longest a worker's stream may stay silent (no token, no heartbeat: workers send one
-    # every second while a request is quiet) before the worker counts as stalled and the
-    # request migrates. Also bounds a decode admission (reserve + KV pull).
-    stall_timeout_s: float = 30.0
-    # A client that reads nothing for this long is cancelled and everything it held freed.
-    client_idle_timeout_s: float = 60.0
+    # Faults: a re-issued stream carries the prompt and the tokens already delivered.
+    migration_limit: int = field(
+        default=3,
+        metadata={DOC: "times a broken stream is re-issued to another worker (0: never)"},
+    )
+    quarantine_s: float = field(  # router/quarantine.py
+        default=600.0,
+        metadata={
+            DOC: "a prompt two workers went away running (before its first token) is refused "
+            "this long"
+        },
+    )
+    # Workers send a heartbeat every second while a request is quiet; the stalled worker's
+    # requests migrate. Also bounds a decode admission (reserve + KV pull).
+    stall_timeout_s: float = field(
+        default=30.0,
+        metadata={DOC: "a worker stream silent this long counts as stalled"},
+    )
+    # Everything it held is freed.
+    client_idle_timeout_s: float = field(
+        default=60.0, metadata={DOC: "a client that reads nothing this long is cancelled"}
+    )
     # Public API: what one request may carry (router/limits.py), and the API keys it needs
     # (a file, one key per line, re-read when it changes; None: no key needed).
     limits: RequestLimits = field(default_factory=RequestLimits)
-    api_key_file: str | None = None
-    # The OpenAI HTTP API (router/openai): on this port of the router's host; None: off.
-    http_port: int | None = None
-    # The name clients pass as `model` (and /v1/models lists); None: `model` as given.
-    served_model_name: str | None = None
+    api_key_file: str | None = field(
+        default=None, metadata={DOC: "API keys, one per line (re-read)"}
+    )
+    # The OpenAI HTTP API (router/openai), on the router's host.
+    http_port: int | None = field(
+        default=None,
+        metadata={
+            DOC: "serve the OpenAI API over HTTP on this port too (0: ephemeral; unset: off)"
+        },
+    )
+    # The name /v1/models lists.
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            DOC: "the model name clients pass in the OpenAI API (default: the model as given)"
+        },
+    )
     # How `tool_choice: auto` calls are read back (router/openai/tool_parsers.py); None: the
     # format the chat template implies.
     tool_call_parser: str | None = None
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
-    # Waiting for workers at start-up (the API answers 503 meanwhile). None: no bound: a cold
-    # GPU load or a Redis outage must not turn the router into a crash loop.
-    ready_timeout_s: float | None = None
-    # Colocated (the vLLM-style baseline): no prefill pool; every request is prefilled and
-    # decoded by one decode worker's engine. Same router, same workers, for fair comparisons.
-    colocated: bool = False
+    # The API answers 503 meanwhile. No bound by default: a cold GPU load or a Redis outage
+    # must not turn the router into a crash loop.
+    ready_timeout_s: float | None = field(
+        default=None,
+        metadata={
+            DOC: "exit when no worker is ready after this long (default: wait, logging each 10 s)"
+        },
+    )
+    # The vLLM-style baseline: same router, same workers, for fair comparisons.
+    colocated: bool = field(
+        default=False,
+        metadata={
+            DOC: "no prefill pool: decode workers prefill every request themselves (baseline)"
+        },
+    )
 
     @property
     def model_name(self) -> str:

@@ -106,6 +106,9 @@ def test_the_planner_is_refused_next_to_another_autoscaler_or_without_a_profile(
 
 
 def _exported() -> set[str]:
+    # Every module that defines metrics the dashboard reads (the autoscaler's too): not a test
+    # that ran before in this process.
+    import app.capacity.autoscaler  # noqa: F401
     import pdserve.common.metrics  # noqa: F401
 
     names = set()
