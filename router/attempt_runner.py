@@ -119,8 +119,8 @@ class AttemptRunner:
             )
             if prefilled.HasField("first_token_logprobs"):
                 decode_request.first_token_logprobs.CopyFrom(prefilled.first_token_logprobs)
-            call, decode_worker, admission = await self.dispatch.admit(
-                decode_request, prefill_worker, placement, attempt.avoid, trace.metadata()
+            call, decode_worker, admission = await self.dispatch.admission.admit(
+                decode_request, prefill_worker, placement.decode, attempt.avoid, trace.metadata()
             )
             admitted = True  # the decode worker now owns ending the lease
             trace.admitted(admission.kv_pull_s)
