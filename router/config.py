@@ -9,7 +9,6 @@ from engine.kv_layout import KVCacheDtype
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from router.limits import RequestLimits
-from router.openai.tool_parsers import PARSERS
 from router.policy import DECODE_POLICIES, RoutingPolicy
 
 
@@ -91,8 +90,8 @@ class RouterConfig:
             DOC: "the model name clients pass in the OpenAI API (default: the model as given)"
         },
     )
-    # How `tool_choice: auto` calls are read back (router/openai/tool_parsers.py); None: the
-    # format the chat template implies.
+    # How `tool_choice: auto` calls are read back (router/openai/tool_parsers.py, which the
+    # OpenAI app checks it against as it starts); None: the format the chat template implies.
     tool_call_parser: str | None = None
     stats_interval_s: float = 1.0  # worker stats refresh, for load-aware choices
     # The API answers 503 meanwhile. No bound by default: a cold GPU load or a Redis outage
@@ -137,10 +136,6 @@ class RouterConfig:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}"
-            )
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         for name in (

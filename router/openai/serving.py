@@ -54,7 +54,7 @@ from router.openai.responses import (
     usage_chunk,
 )
 from router.openai.sse import DONE, disconnected, event
-from router.openai.tool_parsers import ToolStream, detect_parser
+from router.openai.tool_parsers import PARSERS, ToolStream, detect_parser
 from router.openai.tools import NO_TOOLS, ToolPlan, template_messages, tool_plan
 from router.request import Request
 from router.request_core import RequestCore, ResourceError
@@ -120,7 +120,12 @@ class OpenAIServing:
         template: ChatTemplate | None,
         tool_parser: str | None = None,
     ) -> None:
-        """``tool_parser``: how ``auto`` tool calls are read back (None: the template's)."""
+        """``tool_parser``: how ``auto`` tool calls are read back (None: the template's).
+        Raises ValueError naming the parsers there are, for one that is not."""
+        if tool_parser is not None and tool_parser not in PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(PARSERS)}, got {tool_parser!r}"
+            )
         self.core = core
         self.served_model_name = served_model_name
         self.template = template

@@ -411,3 +411,27 @@ def test_the_folders_are_the_floors_drawn_and_no_import_goes_up_or_across() -> N
         and floors[dep.split(".")[0]] >= floors[node.split(".")[0]]
     ]
     assert wrong == []
+
+
+# The public formats' edges in the router (docs/architecture.md, "Layers"): the gRPC API's
+# messages are made and read only by its servicer and its conversion; the OpenAI API's only
+# under router/openai, which reads none of pdserve's wire; the rest of the router speaks in
+# its own types (router/request.py, router/result.py) and reaches no frontend.
+PUBLIC_GRPC_EDGE = {"router.service", "router.grpc_wire"}
+
+
+def test_public_formats_are_made_only_at_their_edges() -> None:
+    wrong = []
+    for path in sorted((ROOT / "router").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        module = ".".join(rel.with_suffix("").parts)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        frontend = module.startswith("router.openai") or module in PUBLIC_GRPC_EDGE
+        for imported, line in _imports(ast.parse(path.read_text()), package):
+            if imported.startswith("pdserve.v1.router_pb2") and module not in PUBLIC_GRPC_EDGE:
+                wrong.append(f"{rel}:{line} imports {imported}")
+            if module.startswith("router.openai") and imported.startswith("pdserve.v1"):
+                wrong.append(f"{rel}:{line} imports {imported}")
+            if imported.startswith("router.openai") and not frontend:
+                wrong.append(f"{rel}:{line} imports {imported}")
+    assert wrong == []
