@@ -26,6 +26,7 @@ from app.bench.stats import RequestRecord, summarize
 from app.bench.workload import BenchRequest
 from app.local_cluster import ClusterConfig, LocalCluster
 from router.phases import RequestPhase
+from router.plan import Route
 from router.request_trace import RequestTrace
 
 sys.path.insert(0, str(REPO))  # the test suite's OTLP receiver
@@ -70,6 +71,7 @@ def untraced_request_us(n: int = 20000) -> float:
         now = time.perf_counter()
         trace = RequestTrace("r", now)
         trace.enter(RequestPhase.ROUTE)
+        trace.routed(Route.DISAGGREGATED)
         trace.metadata()
         trace.enter(RequestPhase.PREFILL_RPC)
         trace.prefilled(time.perf_counter(), 1e-4, 2e-4, RequestPhase.DECODE_ADMISSION)

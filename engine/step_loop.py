@@ -60,10 +60,13 @@ class StepLoop(Generic[R]):
             await asyncio.gather(self._task, return_exceptions=True)
         self._thread.shutdown(wait=False)
 
-    async def call(self, fn: Callable[[], T]) -> T:
+    async def call(self, fn: Callable[[], T], check: Callable[[], None] | None = None) -> T:
         """Runs a (fast) engine call between steps; what it freed or added may let a stalled
-        loop move again."""
+        loop move again. ``check`` runs first, under the lock (an engine that died while the
+        call waited for it raises there, and nothing is refreshed)."""
         async with self._lock:
+            if check is not None:
+                check()
             try:
                 return fn()
             finally:

@@ -195,12 +195,8 @@ class AsyncEngine(ServingEngine):
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs a (fast) engine call between steps."""
         self._check_alive()
-
-        def checked() -> T:
-            self._check_alive()  # the engine may have died while we waited for the lock
-            return fn()
-
-        return await self._loop.call(checked)
+        # And again under the lock: the engine may have died while the call waited for it.
+        return await self._loop.call(fn, self._check_alive)
 
     def _refresh_stats(self) -> None:
         self.stats = self._engine.stats()

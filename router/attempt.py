@@ -96,4 +96,6 @@ class Report:
             return dataclasses.replace(self, transfer_s=self.transfer_s + event.seconds)
         if isinstance(event, CacheHits):
             return dataclasses.replace(self, cached_tokens=max(self.cached_tokens, event.tokens))
-        return dataclasses.replace(self, finish_reason=event.finish_reason, route=event.route)
+        # An end without a worker (what the client has ends it) keeps the last route.
+        route = event.route if event.route is not None else self.route
+        return dataclasses.replace(self, finish_reason=event.finish_reason, route=route)

@@ -17,6 +17,7 @@ from pdserve.common.convert import (
     sampling_from_proto,
 )
 from pdserve.v1 import router_pb2
+from router.limits import RequestLimits, check_sizes
 from router.request import Request
 from router.result import Chunk, Result
 
@@ -41,15 +42,32 @@ def parse_request(data: bytes) -> router_pb2.GenerateRequest | Unparsable:
 
 
 def request_from_proto(
-    msg: router_pb2.GenerateRequest, client_id: str, caller: str, start_s: float
+    msg: router_pb2.GenerateRequest,
+    client_id: str,
+    caller: str,
+    start_s: float,
+    limits: RequestLimits,
+    max_model_len: int,
 ) -> Request:
-    """Raises ValueError naming the field (its sampling, as ``SamplingParams`` checks it)."""
+    """Raises ValueError naming the field: its sizes first (``router/limits.py``, before any
+    of it is converted), then its sampling as ``SamplingParams`` checks it."""
+    prompt = msg.prompt if msg.HasField("prompt") else None
+    sampling = msg.sampling
+    check_sizes(
+        client_id,
+        prompt,
+        len(msg.prompt_token_ids),
+        sampling.stop,
+        len(sampling.stop_token_ids),
+        limits,
+        max_model_len,
+    )
     return Request(
         client_id=client_id,
         params=sampling_from_proto(msg.sampling),
         caller=caller,
         start_s=start_s,
-        prompt=msg.prompt if msg.HasField("prompt") else None,
+        prompt=prompt,
         prompt_token_ids=tuple(msg.prompt_token_ids),
     )
 

@@ -7,6 +7,7 @@ Each refusal names the field and the limit (the flag that sets it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from router.request import Request
@@ -128,24 +129,45 @@ def _over(field: str, what: str, value: int, limit_name: str, limit: int) -> str
 
 def check_request(request: Request, limits: RequestLimits, max_model_len: int) -> None:
     """Raises ValueError naming the field and the limit. Counts and bytes only."""
-    request_id_bytes = len(request.client_id.encode())
+    params = request.params
+    check_sizes(
+        request.client_id,
+        request.prompt,
+        len(request.prompt_token_ids),
+        params.stop_strings,
+        len(params.stop_ids),
+        limits,
+        max_model_len,
+    )
+
+
+def check_sizes(
+    request_id: str,
+    prompt: str | None,
+    num_prompt_ids: int,
+    stops: Sequence[str],
+    num_stop_ids: int,
+    limits: RequestLimits,
+    max_model_len: int,
+) -> None:
+    """``check_request`` on a request's parts as a frontend received them (the gRPC one checks
+    the message before converting a byte of it). Raises ValueError naming the field."""
+    request_id_bytes = len(request_id.encode())
     if request_id_bytes > limits.max_request_id_bytes:
         name = "max_request_id_bytes"
         raise ValueError(
             _over("request_id", "bytes", request_id_bytes, name, limits.max_request_id_bytes)
         )
-    check_request_id(request.client_id)
-    if request.prompt is not None:
-        prompt_bytes = len(request.prompt.encode())
+    check_request_id(request_id)
+    if prompt is not None:
+        prompt_bytes = len(prompt.encode())
         if prompt_bytes > limits.max_prompt_bytes:
             limit = limits.max_prompt_bytes
             raise ValueError(_over("prompt", "bytes", prompt_bytes, "max_prompt_bytes", limit))
-    num_ids = len(request.prompt_token_ids)
-    if max_model_len and num_ids > max_model_len:
+    if max_model_len and num_prompt_ids > max_model_len:
         raise ValueError(
-            f"prompt_token_ids has {num_ids} tokens, more than max_model_len {max_model_len}"
+            f"prompt_token_ids has {num_prompt_ids} tokens, more than max_model_len {max_model_len}"
         )
-    stops = request.params.stop_strings
     if len(stops) > limits.max_stop_strings:
         name, limit = "max_stop_strings", limits.max_stop_strings
         raise ValueError(_over("stop", "strings", len(stops), name, limit))
@@ -154,7 +176,6 @@ def check_request(request: Request, limits: RequestLimits, max_model_len: int) -
         if stop_bytes > limits.max_stop_string_bytes:
             name, limit = "max_stop_string_bytes", limits.max_stop_string_bytes
             raise ValueError(_over(f"stop[{i}]", "bytes", stop_bytes, name, limit))
-    stop_ids = request.params.stop_ids
-    if len(stop_ids) > limits.max_stop_token_ids:
+    if num_stop_ids > limits.max_stop_token_ids:
         name, limit = "max_stop_token_ids", limits.max_stop_token_ids
-        raise ValueError(_over("stop_token_ids", "ids", len(stop_ids), name, limit))
+        raise ValueError(_over("stop_token_ids", "ids", num_stop_ids, name, limit))

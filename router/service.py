@@ -145,7 +145,9 @@ class RouterService(Service):
         client_id = parsed.request_id or uuid.uuid4().hex
         caller = core.caller(authorization, context.peer())
         try:
-            request = await core.read(request_from_proto(parsed, client_id, caller, start_s))
+            limits, max_model_len = self.config.limits, core.max_model_len
+            asked = request_from_proto(parsed, client_id, caller, start_s, limits, max_model_len)
+            request = await core.read(asked)
         except (ResourceError, Overloaded) as exc:
             metrics.REQUEST_ERRORS.labels("RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

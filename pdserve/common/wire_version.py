@@ -5,7 +5,7 @@ worker that speaks another version (``router/worker_pool.py``), so that a rollin
 pairs a router with a worker whose messages mean something else. Raise it whenever a message's
 meaning changes.
 
-- 1: every worker before versions were sent (read as 0).
+- 0: a worker from before versions were sent (its stats and records carry none).
 - 2: typed events: a decode stream's ``DecodeResponse`` is one of heartbeat, admitted, queued,
   tokens, finished; a ``PrefillResponse`` ends in a lease or a finish.
 """

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 import pydantic
 
+from engine.sampling_params import InvalidField
 from router.openai.protocol import InvalidParameter
 from router.prompts import Overloaded
 from router.worker_errors import WorkerError
@@ -216,6 +217,8 @@ def refusal(exc: ValueError) -> ApiError:
     is a ValueError the client's: past that, one is a bug (``from_exception``: 500)."""
     if isinstance(exc, InvalidParameter):
         return invalid(str(exc), exc.param)
+    if isinstance(exc, InvalidField):  # the engine's check of a sampling value
+        return invalid(str(exc), exc.field)
     return invalid(str(exc))
 
 

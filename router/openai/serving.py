@@ -29,6 +29,7 @@ from router.openai import errors
 from router.openai.bad_words import bad_words_ids
 from router.openai.chat_template import ChatTemplate
 from router.openai.choices import Choice, merged
+from router.openai.invalid_parameter import InvalidParameter
 from router.openai.prompt_leads import (
     PromptLeads,
     prompt_event,
@@ -197,6 +198,13 @@ class OpenAIServing:
             params = read.params
             if parsed.fill_context:
                 room = max(1, self.core.max_model_len - read.num_prompt_tokens)
+                if params.min_tokens > room:
+                    raise InvalidParameter(
+                        "min_tokens",
+                        f"min_tokens ({params.min_tokens}) is more than the {room} tokens the "
+                        f"context has left after the prompt ({read.num_prompt_tokens} tokens, "
+                        f"max_model_len {self.core.max_model_len})",
+                    )
                 params = dataclasses.replace(params, max_tokens=room)
             for i in range(parsed.n):
                 index = p * parsed.n + i

@@ -30,3 +30,8 @@ def test_report_is_a_value_adding_returns_a_new_one() -> None:
     empty = Report()
     assert empty.add(Transferred(1.0)) is not empty
     assert empty == Report()
+
+
+def test_an_end_without_a_worker_keeps_the_last_route() -> None:
+    report = Report().add(Ended("stop", Route.LOCAL)).add(Ended("length"))
+    assert report == Report("length", route=Route.LOCAL)

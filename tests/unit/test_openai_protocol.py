@@ -348,3 +348,17 @@ def test_bodies_that_are_not_json_objects() -> None:
         with pytest.raises(pydantic.ValidationError) as err:
             CompletionRequest.model_validate_json(data)
         assert errors.from_validation(err.value).param == "body", data[:10]
+
+
+def test_a_chat_without_max_tokens_may_ask_min_tokens_past_the_engines_default() -> None:
+    """Its max_tokens is the context left after the prompt (filled by the serving layer), so
+    min_tokens is held to that, not to the 16 a request without one gets elsewhere."""
+    parsed = parse_chat(chat(min_tokens=20), Prompt(text="r"), 64)
+    assert parsed.fill_context and parsed.sampling.min_tokens == 20
+    assert parsed.sampling.max_tokens == MAX_INT32
+
+
+def test_an_engine_check_of_a_sampling_value_names_its_param() -> None:
+    with pytest.raises(ValueError) as err:
+        SamplingParams(max_tokens=2, min_tokens=3)
+    assert errors.refusal(err.value).body()["error"]["param"] == "min_tokens"

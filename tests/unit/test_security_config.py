@@ -17,7 +17,7 @@ from pdserve.common.auth import ApiKeys, bearer
 from pdserve.common.server import ServerConfig
 from pdserve.common.tls import TlsConfig, is_loopback
 from pdserve.v1 import common_pb2, router_pb2
-from router.grpc_wire import invalid_utf8_field
+from router.grpc_wire import invalid_utf8_field, request_from_proto
 from router.limits import RequestLimits, check_request
 from router.request import Request
 
@@ -86,6 +86,12 @@ def test_limits_are_checked_by_count_and_bytes_before_anything() -> None:
         check_request(request("\u00e9" * 6, SamplingParams()), limits, 64)
     with pytest.raises(ValueError, match=r"max_prompt_bytes .* must be <= max_request_bytes"):
         RequestLimits(max_prompt_bytes=10, max_request_bytes=5)
+    # On the gRPC edge the sizes come first, before a byte of the message is converted.
+    hostile = router_pb2.GenerateRequest(
+        prompt="ok", sampling=common_pb2.SamplingParams(stop=["a", "b", "c"], temperature=-1.0)
+    )
+    with pytest.raises(ValueError, match=r"stop has 3 strings"):
+        request_from_proto(hostile, "r", "host:127.0.0.1", 0.0, limits, 64)
     wire = router_pb2.GenerateRequest(prompt="ok", sampling=sampling).SerializeToString()
     assert invalid_utf8_field(wire) is None
     assert invalid_utf8_field(wire.replace(b"c", b"\xff")) == "stop[2]"
