@@ -25,8 +25,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.common import metrics
 from router.openai import errors
 from router.openai.chat_template import ChatTemplate
+from router.openai.client_gone import ClientGone, until
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai.serving import ClientGone, OpenAIServing, Prepared, new_client_id, until
+from router.openai.serving import OpenAIServing, Prepared, new_client_id
 from router.openai.sse import BoundedResponse, EventStream
 from router.prompts import Overloaded
 from router.request_core import RequestCore

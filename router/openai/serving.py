@@ -22,8 +22,6 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from starlette.types import Receive
-
 from router.limits import check_output, prompt_bytes
 from router.openai import errors
 from router.openai.bad_words import bad_words_ids
@@ -54,7 +52,7 @@ from router.openai.responses import (
     response_body,
     usage_chunk,
 )
-from router.openai.sse import DONE, disconnected, event
+from router.openai.sse import DONE, event
 from router.openai.tool_parsers import PARSERS, ToolStream, detect_parser
 from router.openai.tools import NO_TOOLS, ToolPlan, template_messages, tool_plan
 from router.request import Request
@@ -65,31 +63,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # Past this (output tokens, logprobs weighing 20 each) a whole body is built off the loop.
 _ENCODE_IN_THREAD_TOKENS = 4096
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response began."""
-
-
-async def until(receive: Receive, work: Awaitable[T]) -> T:
-    """``work``, cancelled if the client disconnects first (``ClientGone``; ``receive``: the
-    request's, its body already read). Cancelling the caller cancels both."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected(receive))
-    try:
-        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-        raise
-    if task.done():
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from pdserve.common import metrics
+from router.openai.client_gone import disconnected
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +121,3 @@ class BoundedResponse(Response):
         except TimeoutError:
             metrics.CLIENT_IDLE_CANCELS.inc()
             logger.warning("a client read nothing of its response for %.0f s", self.idle_timeout_s)
-
-
-async def disconnected(receive: Receive) -> None:
-    """Returns once the client has gone (the request body must have been read already)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
