@@ -197,7 +197,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                     async for update in updates:
                         skip = 1 if first else 0  # the router has the prefill worker's token
                         first = first and not update.new_token_ids
-                        for event in events_of(update, skip, with_prompt=False):
+                        for event in events_of(update, skip):
                             yield event
             except ValueError as exc:  # the request's own failure (engine/request_error.py)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -230,7 +230,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
                 )
                 async with contextlib.aclosing(stream) as updates:
                     async for update in updates:
-                        for event in events_of(update, 0, with_prompt=True):
+                        for event in events_of(update, 0):
                             yield event
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -294,22 +294,20 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
 HEARTBEAT = decode_pb2.DecodeResponse(heartbeat=decode_pb2.Heartbeat())
 
 
-def events_of(
-    update: RequestUpdate, skip: int, with_prompt: bool
-) -> list[decode_pb2.DecodeResponse]:
+def events_of(update: RequestUpdate, skip: int) -> list[decode_pb2.DecodeResponse]:
     """An engine update as stream events: its tokens (but the first ``skip``), then its finish;
-    an update with neither is a heartbeat. ``with_prompt``: PrefillAndDecode's, whose tokens
-    carry the prompt's logprobs and cache hits (a Decode's prompt was prefilled elsewhere)."""
+    an update with neither is a heartbeat. Its prompt's logprobs and cache hits go with its
+    tokens (a Decode's have none: its prompt was prefilled elsewhere)."""
     events = []
     token_ids, logprobs = update.new_token_ids[skip:], update.new_logprobs[skip:]
     if token_ids:
         tokens = decode_pb2.Tokens(
-            token_ids=token_ids, logprobs=[logprobs_to_proto(lp) for lp in logprobs]
+            token_ids=token_ids,
+            logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+            prompt_logprobs=[logprobs_to_proto(lp) for lp in update.prompt_logprobs],
+            num_cached_tokens=update.num_cached_tokens,
+            num_host_cached_tokens=update.num_host_cached_tokens,
         )
-        if with_prompt:
-            tokens.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in update.prompt_logprobs)
-            tokens.num_cached_tokens = update.num_cached_tokens
-            tokens.num_host_cached_tokens = update.num_host_cached_tokens
         events.append(decode_pb2.DecodeResponse(tokens=tokens))
     if update.finished:
         finished = decode_pb2.Finished(

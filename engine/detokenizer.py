@@ -7,6 +7,8 @@ emit only the difference once it no longer ends in U+FFFD.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
 
@@ -20,7 +22,7 @@ class IncrementalDetokenizer:
     back until they can no longer begin a stop string, so no emitted text is ever retracted."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()
+        self, tokenizer: Tokenizer, prompt_token_ids: Seq[int], stop: tuple[str, ...] = ()
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop

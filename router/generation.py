@@ -68,7 +68,7 @@ class Generation:
         (``router/quarantine.py``: its caller's, with this prompt and sampling). Its phases and
         trace: ``router/request_trace.py``. Raises ``WorkerError``."""
         trace = RequestTrace(request_id, out.start_s)
-        digest = request_digest(request.caller, list(request.prompt_token_ids), request.params)
+        digest = request_digest(request.caller, request.prompt_token_ids, request.params)
         try:
             async for result in self._generate(request_id, request, digest, out, trace):
                 yield result

@@ -25,7 +25,7 @@ class OutputStream:
         self.params = params = request.params
         self._eos_token_ids = eos_token_ids
         self._detokenizer = (
-            IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids), params.stop_strings)
+            IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.stop_strings)
             if tokenizer is not None
             else None
         )

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.settings.flags import add_flag
+from app.settings.flags import add_flag, field_default
 from engine.config import DOC
 
 
@@ -49,14 +49,10 @@ def field_flags(
     for name in names:
         spec = by_name[name]
         kind = _flag_type(hints[name], f"{config.__name__}.{name}")
-        if spec.default is not dataclasses.MISSING:
-            default = spec.default
-        elif spec.default_factory is not dataclasses.MISSING:
-            default = spec.default_factory()
-        else:
-            default = None  # a required field: its flag is optional (a default elsewhere)
-        if isinstance(default, enum.Enum):
-            default = default.value
+        missing = dataclasses.MISSING
+        required = spec.default is missing and spec.default_factory is missing
+        # A required field's flag is optional: unset, the settings decide (a default elsewhere).
+        default = None if required else field_default(config, name)
         flag = "--" + (flags or {}).get(name, name).replace("_", "-")
         out.append(FieldFlag(name, flag, kind, default, str(spec.metadata.get(DOC, ""))))
     return out
