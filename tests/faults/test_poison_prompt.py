@@ -71,7 +71,12 @@ def test_a_poison_prompt_costs_two_workers_not_the_pool(
         assert error is not None and error.code() == grpc.StatusCode.INTERNAL, error
         assert "request quarantined" in (error.details() or "")
         assert tokens == []
-        assert _dead(cluster) == 2  # the one it crashed first and the one that confirmed it
+
+        async def two_exited() -> bool:  # the router saw the second go; its exit is reaped next
+            return _dead(cluster) == 2
+
+        # The one it crashed first and the one that confirmed it.
+        await wait_for(two_exited, 60.0, "the two workers the prompt crashed exit")
         assert metric(cluster.router, "pdserve_quarantined_requests_total", "ended") == 1
 
         streams, tasks = await run_streams(cluster.address, requests_for([normal], PARAMS))
