@@ -1,8 +1,9 @@
 """Tensor-parallel disaggregation on the vLLM engine, with real processes: a TP=2 vLLM prefill
-worker and two TP=2 vLLM decode workers over gRPC, behind the router. Each worker is a front-end,
+worker and two TP=2 vLLM decode workers over NIXL, behind the router. Each worker is a front-end,
 vLLM's engine core in a process of its own (the default with tensor parallelism) and two rank
-processes under it; each decode rank pulls its own shard from the same prefill rank
-(``vllm_engine/rank_transfer.py``).
+processes under it; each decode rank registers its own pages and reads its own shard from the
+same prefill rank (``vllm_engine/rank_transfer.py``). TP=2 to TP=2 over gRPC is the MoE pair in
+``test_vllm_tp_pairs.py``.
 
 - Greedy and seeded streams equal one TP=2 vLLM worker run colocated; greedy equals vLLM's own
   offline TP=2 run (near-ties reported apart); the decode pool computes no prompt token.
@@ -48,6 +49,7 @@ from tests.vllm.vllm_util import (
 )
 
 TP2 = ("--tensor-parallel-size", "2")
+NIXL = ("--kv-backend", "nixl")
 LEASE_S = 15.0
 LENGTHS = (5, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 7)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -83,8 +85,8 @@ def cluster(
         redis_url,
         tmp_path_factory.mktemp("vllm-tp2"),
         num_decode=2,
-        prefill_args=(*TP2, "--lease-s", str(LEASE_S)),
-        decode_args=TP2,
+        prefill_args=(*TP2, *NIXL, "--lease-s", str(LEASE_S)),
+        decode_args=(*TP2, *NIXL),
     ) as running:
         yield running
 
