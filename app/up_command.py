@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from app import settings
 from app.cpu_share import worker_threads
 from app.settings import add_flag
-from engine.config import EngineBackend, block_size_for
 from pdserve.common.role import Role
 
 if TYPE_CHECKING:
@@ -78,19 +77,20 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from app.local_cluster import ClusterConfig
 
     # One KV layout for every component: the router refuses workers whose layout differs.
-    block_size = block_size_for(args.block_size, EngineBackend(args.engine))
+    model_layout = settings.layout_of(args)
     if args.block_size is None:
-        print(f"pdserve up: block size {block_size} (the {args.engine} engine's default)")
-    layout: tuple[str, ...] = ("--dtype", args.dtype, "--block-size", str(block_size))
-    layout += ("--kv-cache-dtype", args.kv_cache_dtype)
-    router_engine = ("--engine", args.engine)  # workers get it with their pass-through flags
+        print(
+            f"pdserve up: block size {model_layout.block_size} "
+            f"(the {model_layout.engine.value} engine's default)"
+        )
+    shared = model_layout.flags()
     tls: tuple[str, ...] = ()
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value:
             tls += (flag, value)
-    layout += tls  # the same certificates for every component
-    layout += tuple(settings.tracing_passthrough(args))
+    shared += tls  # the same certificates for every component
+    shared += tuple(settings.tracing_passthrough(args))
     keys = ("--api-key-file", args.api_key_file) if args.api_key_file else ()
     transfer: tuple[str, ...] = ("--kv-backend", args.kv_backend)
     num_workers = args.decode + (0 if args.colocated else args.prefill)
@@ -98,13 +98,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     if args.kv_backend == "ray":
         transfer += ("--ray-address", args.ray_address)
     decode_args = (
-        *layout,
+        *shared,
         *transfer,
         *settings.decode_passthrough(args),
         *shlex.split(args.decode_args),
     )
     prefill_args = (
-        *layout,
+        *shared,
         *transfer,
         *settings.worker_passthrough(args),
         *shlex.split(args.prefill_args),
@@ -123,8 +123,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         prefill_args=prefill_args,
         decode_args=decode_args,
         router_args=(
-            *layout,
-            *router_engine,
+            *shared,
             *keys,
             *settings.router_passthrough(args),
             *shlex.split(args.router_args),

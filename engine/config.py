@@ -33,6 +33,12 @@ class AttentionBackend(enum.Enum):
 NATIVE_BLOCK_SIZE = 16
 
 
+def check_block_size(block_size: int) -> None:
+    """A KV block size is a power of two (the kernels' and the hashes' rule). Raises ValueError."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = NATIVE_BLOCK_SIZE  # ``block_size_for``: another engine's default
@@ -55,8 +61,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.kv_cache_dtype, KVCacheDtype):
             raise ValueError(f"kv_cache_dtype must be a KVCacheDtype, got {self.kv_cache_dtype!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        check_block_size(self.block_size)
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:

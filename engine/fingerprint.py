@@ -11,6 +11,7 @@ from engine.checkpoint import CheckpointInfo
 from engine.config import EngineBackend
 from engine.kv_layout import KVCacheDtype
 from engine.model_config import ModelConfig
+from engine.model_layout import ModelLayout
 
 __all__ = [
     "checkpoint_files",
@@ -88,19 +89,14 @@ def fingerprint_of(
     )
 
 
-def engine_fingerprint(
-    model_dir: str | Path,
-    backend: EngineBackend,
-    dtype: str,
-    block_size: int,
-    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
-) -> str:
-    """The fingerprint of a worker of ``backend`` (the router computes it to refuse others).
+def engine_fingerprint(model_dir: str | Path, layout: ModelLayout) -> str:
+    """The fingerprint of a worker of ``layout`` (the router computes it to refuse others).
     Another engine's blocks hold other numerics (its kernels), so its fingerprint names it and
     its block hashes never meet the native engine's; which vLLM release, attention backend
     and page layout is in the KV layout (``page_layout``), checked before any block moves."""
-    if backend is EngineBackend.NATIVE:
-        return fingerprint_of(model_dir, dtype, block_size, kv_cache_dtype)
+    dtype, block_size = layout.dtype.value, layout.block_size
+    if layout.engine is EngineBackend.NATIVE:
+        return fingerprint_of(model_dir, dtype, block_size, layout.kv_cache_dtype)
     architecture = CheckpointInfo.from_dir(model_dir).architecture
     identity = weights_identity(Path(model_dir))
-    return f"{architecture}:{identity}:{dtype}:bs{block_size}:{backend.value}"
+    return f"{architecture}:{identity}:{dtype}:bs{block_size}:{layout.engine.value}"

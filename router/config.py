@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import DOC, EngineBackend
-from engine.kv_layout import KVCacheDtype
+from engine.config import DOC
+from engine.model_layout import DEFAULT_LAYOUT, ModelLayout
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from router.limits import RequestLimits
@@ -19,11 +19,8 @@ class RouterConfig:
     decode_addresses: tuple[str, ...] = ()
     server: ServerConfig = field(default_factory=ServerConfig)
     redis: RedisConfig | None = None  # registry discovery + prefix index
-    # The workers' KV layout: discovered workers with another fingerprint are refused.
-    dtype: str = "float32"
-    block_size: int = 16
-    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
-    engine: EngineBackend = EngineBackend.NATIVE  # the workers' engine (names the fingerprint)
+    # The workers' layout: discovered workers with another fingerprint are refused.
+    layout: ModelLayout = DEFAULT_LAYOUT
     prefill_policy: RoutingPolicy = field(
         default=RoutingPolicy.CACHE_AWARE, metadata={DOC: "prefill worker choice"}
     )

@@ -191,7 +191,8 @@ class Dispatcher:
 
     def count_prefix(self, num_prompt_tokens: int, predicted: int, actual: int) -> None:
         """Splits uncached tokens into 'stale' (the index promised them) and 'none'."""
-        usable = (num_prompt_tokens - 1) // self.config.block_size * self.config.block_size
+        block_size = self.config.layout.block_size
+        usable = (num_prompt_tokens - 1) // block_size * block_size
         stale = max(predicted - actual, 0)
         metrics.PREFIX_MISSES.labels("stale").inc(stale)
         metrics.PREFIX_MISSES.labels("none").inc(max(usable - actual - stale, 0))

@@ -89,15 +89,9 @@ class RequestCore:
             tls=config.server.tls,
             stall_timeout_s=config.stall_timeout_s,
         )
-        fingerprint = await asyncio.to_thread(
-            engine_fingerprint,
-            config.model,
-            config.engine,
-            config.dtype,
-            config.block_size,
-            config.kv_cache_dtype,
-        )
-        self._cluster = ClusterState(config.redis, self._pool, fingerprint, config.block_size)
+        layout = config.layout
+        fingerprint = await asyncio.to_thread(engine_fingerprint, config.model, layout)
+        self._cluster = ClusterState(config.redis, self._pool, fingerprint, layout.block_size)
         dispatch = Dispatcher(config, self._pool, self._cluster)
         self._generation = Generation(config, self._pool, dispatch, self.checkpoint.eos_token_ids)
         await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)

@@ -15,8 +15,9 @@ import setproctitle
 
 from engine.block_hash import root_hash
 from engine.checkpoint import CheckpointInfo
-from engine.config import EngineBackend, EngineConfig, VllmEngineCore
+from engine.config import EngineConfig, VllmEngineCore
 from engine.fingerprint import engine_fingerprint
+from engine.model_layout import ModelLayout
 from engine.serving_engine import EngineHooks
 from engine.tokenizer import Tokenizer
 from vllm_engine.args import ConnectorTarget, engine_args, engine_core_for
@@ -46,14 +47,8 @@ def check_model_runner(use_v2_model_runner: bool) -> None:
 async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEngine:
     """Loads vLLM and the model in a thread (tens of seconds); the engine is not started."""
     version = require_vllm()
-    fingerprint = await asyncio.to_thread(
-        engine_fingerprint,
-        config.model,
-        EngineBackend.VLLM,
-        config.dtype,
-        config.cache.block_size,
-        config.cache.kv_cache_dtype,
-    )
+    layout = ModelLayout.of_engine(config)
+    fingerprint = await asyncio.to_thread(engine_fingerprint, config.model, layout)
     bridge = Bridge(asyncio.get_running_loop(), fingerprint, version)
     tp_size = config.vllm.tensor_parallel_size
     mode = engine_core_for(config.vllm, on_cpu=await asyncio.to_thread(_on_cpu))

@@ -14,9 +14,8 @@ from typing import Any
 from app.bench.commands import add_workload_flags
 from app.capacity.autoscale_command import add_autoscale_command
 from app.settings import add_flag
-from app.settings.flags import add_engine_flag
+from app.settings.layout_flags import add_layout_flags, layout_of
 from app.settings.workers import add_vllm_flags, vllm_options
-from engine.config import EngineBackend, block_size_for
 
 RESULTS_NAME = "results.json"
 
@@ -83,9 +82,10 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from app.capacity import profile as profile_io
     from app.capacity.profiler import QUICK, ProfilePlan, engine_config, measure
 
+    layout = layout_of(args)
     config = engine_config(
         args.model,
-        args.dtype,
+        layout.dtype.value,
         args.device,
         args.num_blocks,
         args.max_num_seqs,
@@ -93,9 +93,9 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     )
     config = dataclasses.replace(
         config,
-        backend=EngineBackend(args.engine),
+        backend=layout.engine,
         cache=dataclasses.replace(
-            config.cache, block_size=block_size_for(args.block_size, EngineBackend(args.engine))
+            config.cache, block_size=layout.block_size, kv_cache_dtype=layout.kv_cache_dtype
         ),
         vllm=vllm_options(args),
     )
@@ -221,16 +221,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def add_capacity_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof = sub.add_parser("profile", help="measure a worker's step and transfer costs")
     add_flag(prof, "--model", required=True, help="HF checkpoint directory")
-    add_flag(prof, "--dtype", default="float32")
-    add_engine_flag(prof, None)
+    add_layout_flags(prof, None)  # the workers'
     add_vllm_flags(prof, None)
-    add_flag(
-        prof,
-        "--block-size",
-        type=int,
-        default=None,
-        help="the workers' block size (default: the engine's, 16 native, 32 vllm)",
-    )
     add_flag(prof, "--device", default=None, help="cpu or cuda (default: cuda when present)")
     add_flag(prof, "--num-blocks", type=int, default=None, help="the workers' KV cache blocks")
     add_flag(prof, "--max-num-seqs", type=int, default=128)

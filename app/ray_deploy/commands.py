@@ -12,11 +12,11 @@ from app.settings import (
     add_cluster_flags,
     add_flag,
     decode_passthrough,
+    layout_of,
     router_passthrough,
     tracing_passthrough,
     worker_passthrough,
 )
-from engine.config import EngineBackend, block_size_for
 from pdserve.common.role import WORKER_ROLES, Role
 
 if TYPE_CHECKING:
@@ -66,10 +66,7 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         redis_url=args.redis,
         router_port=args.port,
         max_restarts=args.max_restarts,
-        dtype=args.dtype,
-        block_size=block_size_for(args.block_size, EngineBackend(args.engine)),
-        kv_cache_dtype=args.kv_cache_dtype,
-        engine=args.engine,
+        layout=layout_of(args),
         prefill_args=[*traced, *worker_passthrough(args), *shlex.split(args.prefill_args)],
         decode_args=[*traced, *decode_passthrough(args), *shlex.split(args.decode_args)],
         router_args=[*traced, *router_passthrough(args), *shlex.split(args.router_args)],

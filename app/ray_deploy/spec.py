@@ -9,6 +9,8 @@ from dataclasses import dataclass, replace
 
 from app.settings import parse_service_flags
 from decode_service.config import DecodeConfig
+from engine.config import EngineBackend
+from engine.model_layout import DEFAULT_LAYOUT, ModelLayout
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.role import Role
@@ -81,10 +83,7 @@ def deployment_spec(
     redis_url: str = "",
     router_port: int = 50051,
     max_restarts: int = 3,
-    dtype: str = "float32",
-    block_size: int = 16,
-    kv_cache_dtype: str = "auto",
-    engine: str = "native",
+    layout: ModelLayout = DEFAULT_LAYOUT,
     drain_timeout_s: float = 30.0,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
@@ -96,15 +95,14 @@ def deployment_spec(
     not theirs. Two settings belong to the deployment, not to the extra flags: the Redis URL
     (the deployment's own) and the worker id (each worker draws its own); a loopback
     ``--host`` becomes the node's address (peers on other nodes must reach it)."""
-    common = ["--model", model, "--redis", redis_url or EMBEDDED_REDIS_URL, "--dtype", dtype]
-    common += ["--block-size", str(block_size), "--drain-timeout-s", str(drain_timeout_s)]
-    common += ["--kv-cache-dtype", kv_cache_dtype, "--engine", engine]
+    common = ["--model", model, "--redis", redis_url or EMBEDDED_REDIS_URL, *layout.flags()]
+    common += ["--drain-timeout-s", str(drain_timeout_s)]
     # Actors bind their node's address in plaintext: a Ray cluster's own traffic is not
     # encrypted either, and its token auth and network isolation are what protect both
     # (docs/security.md).
     common += ["--insecure"]
     workers = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", kv_backend]
-    if engine == "native":  # vLLM finds its GPUs and binds its threads itself
+    if layout.engine is EngineBackend.NATIVE:  # vLLM finds its GPUs and binds its threads itself
         if num_gpus_per_worker > 0:
             workers += ["--device", "cuda"]  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPUs
         # The actor's CPUs, not the node's: actors share the node.

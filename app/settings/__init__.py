@@ -36,6 +36,7 @@ from app.settings.flags import (
     server_config,
     tls_config,
 )
+from app.settings.layout_flags import add_layout_flags, layout_of
 from app.settings.router import add_router_flags, router_config
 from app.settings.serialized import ServiceConfig, from_json, role_of, to_json
 from app.settings.workers import (
@@ -54,6 +55,7 @@ __all__ = [
     "add_client_flags",
     "add_cluster_flags",
     "add_flag",
+    "add_layout_flags",
     "add_redis_flags",
     "add_server_flags",
     "add_service_flags",
@@ -64,6 +66,7 @@ __all__ = [
     "environment_peer_token",
     "environment_vllm_cpu_bind",
     "from_json",
+    "layout_of",
     "parse_service_flags",
     "redis_config",
     "role_of",

@@ -6,12 +6,10 @@ from __future__ import annotations
 import argparse
 
 from app.settings.flags import (
-    add_engine_flag,
     add_flag,
-    add_kv_cache_dtype_flag,
     add_tracing_flags,
 )
-from engine.dtypes import DTYPE_NAMES
+from app.settings.layout_flags import add_layout_flags
 from kvtransfer import NETWORK_BACKENDS
 
 
@@ -40,18 +38,7 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_kv_backend: str) 
     add_flag(parser, "--decode", type=int, default=1, help="number of decode workers")
     add_flag(parser, "--port", type=int, default=50051, help="router port (0: ephemeral)")
     add_flag(parser, "--redis", default="", help="Redis URL (default: an embedded redis-server)")
-    add_flag(parser, "--dtype", default="float32", choices=DTYPE_NAMES)
-    add_flag(
-        parser,
-        "--block-size",
-        type=int,
-        default=None,
-        help="KV block size (all components; default: the engine's, 16 native, 32 vllm)",
-    )
-    add_kv_cache_dtype_flag(
-        parser, None, "KV cache storage (all components: part of the layout and fingerprint)"
-    )
-    add_engine_flag(parser, None)
+    add_layout_flags(parser, None)  # one for every component
     add_flag(
         parser,
         "--kv-backend",
@@ -131,7 +118,7 @@ def decode_passthrough(args: argparse.Namespace) -> list[str]:
 
 
 def worker_passthrough(args: argparse.Namespace) -> list[str]:
-    """The pass-through flags of every worker (prefill and decode) that were given, with the
-    engine they all run."""
+    """The pass-through flags of every worker (prefill and decode) that were given (the layout,
+    the engine with it, is every component's: ``ModelLayout.flags``)."""
     switches = [f for f in WORKER_SWITCHES if getattr(args, f.lstrip("-").replace("-", "_"))]
-    return ["--engine", args.engine, *_passthrough(args, WORKER_FLAGS), *switches]
+    return [*_passthrough(args, WORKER_FLAGS), *switches]

@@ -14,8 +14,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import ENGINE_BACKEND_NAMES, CacheConfig, EngineConfig
-from engine.kv_layout import KV_CACHE_DTYPE_NAMES
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
 from pdserve.common.tls import DEFAULT_SERVER_NAME, TlsConfig
@@ -59,34 +57,6 @@ def field_default(config: type, name: str) -> Any:
     else:
         raise ValueError(f"{config.__name__}.{name} has no default")
     return value.value if isinstance(value, enum.Enum) else value
-
-
-def add_kv_cache_dtype_flag(
-    parser: argparse.ArgumentParser, env: Mapping[str, str] | None, help: str
-) -> None:
-    """``--kv-cache-dtype``: part of the KV layout and fingerprint, so every component (router,
-    prefill and decode workers, the cluster commands) takes the same flag."""
-    add_flag(
-        parser,
-        "--kv-cache-dtype",
-        env,
-        default=field_default(CacheConfig, "kv_cache_dtype"),
-        choices=KV_CACHE_DTYPE_NAMES,
-        help=help,
-    )
-
-
-def add_engine_flag(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
-    """``--engine``: which engine runs the workers' model (docs/engines.md). Part of the
-    fingerprint, so the router and the cluster commands take it too."""
-    add_flag(
-        parser,
-        "--engine",
-        env,
-        default=field_default(EngineConfig, "backend"),
-        choices=ENGINE_BACKEND_NAMES,
-        help="the workers' engine: native (exact reference, CPU default) or vllm",
-    )
 
 
 def csv(value: str) -> tuple[str, ...]:

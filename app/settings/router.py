@@ -7,18 +7,14 @@ from collections.abc import Mapping
 
 from app.settings.config_flags import add_field_flags, field_values
 from app.settings.flags import (
-    add_engine_flag,
     add_flag,
-    add_kv_cache_dtype_flag,
     add_server_flags,
     csv,
     field_default,
     redis_config,
     server_config,
 )
-from engine.config import EngineBackend, block_size_for
-from engine.dtypes import DTYPE_NAMES
-from engine.kv_layout import KVCacheDtype
+from app.settings.layout_flags import add_layout_flags, layout_of
 from router.config import RouterConfig
 from router.limits import RequestLimits
 from router.openai.tool_parsers import PARSERS
@@ -48,24 +44,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
     add_flag(parser, "--model", env, required=True, help="model directory (tokenizer, config)")
     add_flag(parser, "--prefill", env, type=csv, default=(), help="static prefill workers h:p,...")
     add_flag(parser, "--decode", env, type=csv, default=(), help="static decode workers h:p,...")
-    add_flag(
-        parser,
-        "--dtype",
-        env,
-        default=field_default(RouterConfig, "dtype"),
-        choices=DTYPE_NAMES,
-        help="the workers' dtype",
-    )
-    add_flag(
-        parser,
-        "--block-size",
-        env,
-        type=int,
-        default=None,
-        help="the workers' block size (default: the engine's, 16 native, 32 vllm)",
-    )
-    add_kv_cache_dtype_flag(parser, env, "the workers' KV cache dtype (part of the fingerprint)")
-    add_engine_flag(parser, env)
+    add_layout_flags(parser, env)  # the workers': discovered workers of another are refused
     add_flag(
         parser,
         "--decode-policy",
@@ -102,10 +81,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         decode_addresses=args.decode,
         server=server_config(args),
         redis=redis_config(args),
-        dtype=args.dtype,
-        block_size=block_size_for(args.block_size, EngineBackend(args.engine)),
-        kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
-        engine=EngineBackend(args.engine),
+        layout=layout_of(args),
         decode_policy=RoutingPolicy(args.decode_policy),
         tool_call_parser=args.tool_call_parser,
         limits=RequestLimits(**{n: getattr(args, n) for n in RequestLimits.__dataclass_fields__}),

@@ -9,27 +9,22 @@ from collections.abc import Mapping
 
 from app.settings.config_flags import add_field_flags, field_values
 from app.settings.flags import (
-    add_engine_flag,
     add_flag,
-    add_kv_cache_dtype_flag,
     add_server_flags,
     csv,
     field_default,
     redis_config,
     server_config,
 )
+from app.settings.layout_flags import add_layout_flags, layout_of
 from decode_service.config import DecodeConfig
 from engine.config import (
     CacheConfig,
-    EngineBackend,
     EngineConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmOptions,
-    block_size_for,
 )
-from engine.dtypes import DTYPE_NAMES
-from engine.kv_layout import KVCacheDtype
 from kvtransfer import NETWORK_BACKENDS
 from prefill_service.config import PrefillConfig
 
@@ -65,23 +60,9 @@ DECODE_FIELDS = ("transfer_timeout_s", "max_buffered_tokens", "heartbeat_s")
 
 def add_engine_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_flag(parser, "--model", env, required=True, help="HF checkpoint directory")
-    add_engine_flag(parser, env)
+    add_layout_flags(parser, env)
     add_vllm_flags(parser, env)
-    add_flag(
-        parser, "--dtype", env, default=field_default(EngineConfig, "dtype"), choices=DTYPE_NAMES
-    )
-    add_flag(
-        parser,
-        "--block-size",
-        env,
-        type=int,
-        default=None,
-        help="KV block size (default: the engine's, 16 native, 32 vllm)",
-    )
     add_flag(parser, "--no-prefix-caching", env, action="store_true")
-    add_kv_cache_dtype_flag(
-        parser, env, "KV cache storage: the model dtype, or int8 / fp8_e4m3 codes with scales"
-    )
     add_field_flags(parser, env, EngineConfig, ENGINE_FIELDS)
     add_field_flags(parser, env, CacheConfig, CACHE_FIELDS)
     add_field_flags(parser, env, SchedulerConfig, SCHEDULER_FIELDS)
@@ -126,17 +107,18 @@ def add_vllm_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    layout = layout_of(args)
     return EngineConfig(
         model=args.model,
-        dtype=args.dtype,
+        dtype=layout.dtype.value,
         cache=CacheConfig(
-            block_size=block_size_for(args.block_size, EngineBackend(args.engine)),
+            block_size=layout.block_size,
             enable_prefix_caching=not args.no_prefix_caching,
-            kv_cache_dtype=KVCacheDtype.parse(args.kv_cache_dtype),
+            kv_cache_dtype=layout.kv_cache_dtype,
             **field_values(args, CacheConfig, CACHE_FIELDS),
         ),
         scheduler=SchedulerConfig(**field_values(args, SchedulerConfig, SCHEDULER_FIELDS)),
-        backend=EngineBackend(args.engine),
+        backend=layout.engine,
         vllm=vllm_options(args),
         **field_values(args, EngineConfig, ENGINE_FIELDS),
     )

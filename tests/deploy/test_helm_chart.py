@@ -521,7 +521,9 @@ def test_the_kv_cache_dtype_reaches_every_component(helm: str) -> None:
         parser = argparse.ArgumentParser()
         settings.add_service_flags(parser, Role(role), env=variables)
         config = settings.service_config(Role(role), parser.parse_args([]))
-        kind = config.kv_cache_dtype if role == "router" else config.engine.cache.kv_cache_dtype  # type: ignore[union-attr]
+        kind = (
+            config.layout.kv_cache_dtype if role == "router" else config.engine.cache.kv_cache_dtype
+        )  # type: ignore[union-attr]
         assert kind is KVCacheDtype.INT8, role
     ray = render(
         helm, "-f", str(CHART / "ci" / "ray-mode-values.yaml"), "--set", "kvCacheDtype=int8"

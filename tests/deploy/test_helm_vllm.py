@@ -54,7 +54,8 @@ def _gpus(manifests: list[Manifest], role: str) -> dict[str, Any]:
 
 def test_the_vllm_engine_and_its_options_reach_every_component(helm: str) -> None:
     manifests = render(helm, *VLLM)
-    assert _config(manifests, "router").engine is EngineBackend.VLLM  # its fingerprint's engine
+    router = _config(manifests, "router")
+    assert router.layout.engine is EngineBackend.VLLM  # its fingerprint's engine
     for role in ("prefill", "decode"):
         engine = _config(manifests, role).engine
         assert engine.backend is EngineBackend.VLLM, role
@@ -173,7 +174,7 @@ def test_ray_mode_runs_the_vllm_image_and_ray_up_passes_the_engine_on(
 
     spec = _deployment_spec(build_parser().parse_args(job["args"]))
     assert spec.num_gpus_per_worker == 0.5  # TP 1: a GPU may be shared (gpuMemoryUtilization)
-    assert spec.router.engine is EngineBackend.VLLM
+    assert spec.router.layout.engine is EngineBackend.VLLM
     for worker in (spec.prefill, spec.decode):
         assert worker.engine.backend is EngineBackend.VLLM
         assert worker.engine.vllm == VllmOptions(enforce_eager=True)

@@ -15,6 +15,7 @@ import grpc
 from app.client import generate
 from engine import SamplingParams
 from engine.kv_layout import KVCacheDtype
+from engine.model_layout import ModelLayout
 from native_engine import LLM
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.convert import sampling_to_proto
@@ -51,7 +52,10 @@ def test_an_int8_cluster_answers_as_one_int8_engine_and_refuses_other_dtypes(
         _, int8_decode = await start_decode(llama_dir, redis=redis, kv_cache_dtype=INT8)
         service = RouterService(
             RouterConfig(
-                model=str(llama_dir), redis=redis, kv_cache_dtype=INT8, local_prefill_tokens=0
+                model=str(llama_dir),
+                redis=redis,
+                layout=ModelLayout(kv_cache_dtype=INT8),
+                local_prefill_tokens=0,
             )
         )
         router = await start(service)

@@ -120,11 +120,11 @@ def test_up_and_ray_up_pass_the_kv_cache_dtype_to_every_component() -> None:
     configs = _up_configs("--kv-cache-dtype", "int8")
     for role in ("prefill", "decode"):
         assert configs[role].engine.cache.kv_cache_dtype is KVCacheDtype.INT8
-    assert configs["router"].kv_cache_dtype is KVCacheDtype.INT8
+    assert configs["router"].layout.kv_cache_dtype is KVCacheDtype.INT8
     ray = _deployment_spec(
         build_parser().parse_args(["ray", "up", "--model", "/m", "--kv-cache-dtype", "fp8_e4m3"])
     )
-    assert ray.router.kv_cache_dtype is KVCacheDtype.FP8_E4M3
+    assert ray.router.layout.kv_cache_dtype is KVCacheDtype.FP8_E4M3
     for worker in (ray.prefill, ray.decode):
         assert worker.engine.cache.kv_cache_dtype is KVCacheDtype.FP8_E4M3
     with pytest.raises(SystemExit):  # argparse names the choices

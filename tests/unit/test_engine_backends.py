@@ -25,6 +25,7 @@ from engine.config import (
 from engine.fingerprint import engine_fingerprint, fingerprint_of
 from engine.kv_layout import KVCacheDtype, KVCacheLayout
 from engine.model_config import ModelConfig
+from engine.model_layout import ModelLayout
 from pdserve.common.convert import layout_from_proto, layout_to_proto
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
@@ -59,7 +60,7 @@ def test_each_engines_options_are_refused_by_name_on_the_other() -> None:
 def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
     flags = "--engine vllm --gpu-memory-utilization 0.5 --enforce-eager --max-model-len 4096"
     configs = _up_configs(*flags.split(), "--kv-cache-bytes", "1000000", "--quantization", "awq")
-    assert configs["router"].engine is VLLM
+    assert configs["router"].layout.engine is VLLM
     for role in ("prefill", "decode"):
         engine = configs[role].engine
         assert engine.backend is VLLM and engine.max_model_len == 4096
@@ -67,7 +68,7 @@ def test_up_passes_the_engine_and_vllms_options_to_every_component() -> None:
             gpu_memory_utilization=0.5, quantization="awq", enforce_eager=True
         )
         assert engine.cache.kv_cache_bytes == 1000000
-    assert _up_configs()["router"].engine is EngineBackend.NATIVE  # the default
+    assert _up_configs()["router"].layout.engine is EngineBackend.NATIVE  # the default
 
 
 def test_tensor_parallel_vllm_workers_go_to_both_pools() -> None:
@@ -103,7 +104,7 @@ def test_with_no_block_size_given_every_component_takes_the_engines_default() ->
     assert worker.engine.cache.block_size == 32
     router_flags = ["--model", "/m", "--engine", "vllm", "--prefill", "h:1", "--decode", "h:2"]
     router = parse_service_flags(Role.ROUTER, router_flags)
-    assert router.block_size == 32
+    assert router.layout.block_size == 32
 
 
 def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
@@ -112,7 +113,7 @@ def test_ray_up_passes_the_engine_and_gives_vllm_its_gpus_itself() -> None:
 
     argv = ["ray", "up", "--model", "/m", "--engine", "vllm", "--kv-backend", "grpc"]
     spec = _deployment_spec(build_parser().parse_args([*argv, "--num-gpus-per-worker", "1"]))
-    assert spec.router.engine is VLLM
+    assert spec.router.layout.engine is VLLM
     for worker in (spec.prefill, spec.decode):
         assert worker.engine.backend is VLLM and worker.engine.device is None
     with pytest.raises(ValueError, match="kv_backend 'ray' needs the native engine's KV cache"):
@@ -227,11 +228,12 @@ def test_the_fingerprint_names_the_engine_and_takes_checkpoints_only_vllm_runs(
     model_factory: Callable[..., Path],
 ) -> None:
     llama = model_factory("llama")
-    native = engine_fingerprint(llama, EngineBackend.NATIVE, "float32", 16)
+    native = engine_fingerprint(llama, ModelLayout())
     assert native == fingerprint_of(llama, "float32", 16)  # unchanged for the native engine
-    vllm = engine_fingerprint(llama, VLLM, "float32", 16)
+    vllm = engine_fingerprint(llama, ModelLayout(block_size=16, engine=VLLM))
     assert vllm == native + ":vllm"
     moe = model_factory("qwen3_moe", size="tiny64")
-    assert engine_fingerprint(moe, VLLM, "float32", 32).startswith("Qwen3MoeForCausalLM:")
+    moe_print = engine_fingerprint(moe, ModelLayout(block_size=32, engine=VLLM))
+    assert moe_print.startswith("Qwen3MoeForCausalLM:")
     with pytest.raises(ValueError, match="architectures 'Qwen3MoeForCausalLM' is not supported"):
         ModelConfig.from_dir(moe)  # the native engine refuses it by name

@@ -85,6 +85,7 @@ PURE_CORE = [
     "native_engine.paged_sequence",
     "engine.sampling_params",
     "engine.config",
+    "engine.model_layout",
     "engine.model_config",
     "engine.kv_layout",
     "engine.prompt",

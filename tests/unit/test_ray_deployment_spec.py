@@ -7,6 +7,7 @@ import pytest
 
 from app.ray_deploy.spec import EMBEDDED_REDIS_URL, deployment_spec
 from decode_service.config import DecodeConfig
+from engine.model_layout import ModelLayout
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 
@@ -38,7 +39,10 @@ def test_worker_configs_are_the_process_mode_configs(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("PDSERVE_ADVERTISE_HOST", "10.9.9.9")
     monkeypatch.setenv("PDSERVE_HOST", "0.0.0.0")
     spec = deployment_spec(
-        model="/m", num_gpus_per_worker=1, block_size=32, prefill_args=["--lease-s", "5"]
+        model="/m",
+        num_gpus_per_worker=1,
+        layout=ModelLayout(block_size=32),
+        prefill_args=["--lease-s", "5"],
     )
     prefill = spec.worker_config(Role.PREFILL, REDIS)
     assert isinstance(prefill, PrefillConfig)

@@ -27,6 +27,7 @@ from app.local_cluster import Component, LocalCluster
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineBackend
 from engine.fingerprint import engine_fingerprint
+from engine.model_layout import ModelLayout
 from engine.sampling_params import SamplingParams
 from native_engine.async_engine import build_native_engine
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
@@ -273,7 +274,8 @@ def test_the_prefix_index_knows_vllms_blocks_by_pdserves_hashes(
     cluster: LocalCluster, vllm_model: Callable[[str], Path], redis_url: str
 ) -> None:
     prompt = _prompt(4 * BLOCK_SIZE + 3, 90)
-    fingerprint = engine_fingerprint(vllm_model("llama"), EngineBackend.VLLM, "float32", BLOCK_SIZE)
+    layout = ModelLayout(block_size=BLOCK_SIZE, engine=EngineBackend.VLLM)
+    fingerprint = engine_fingerprint(vllm_model("llama"), layout)
     hashes = hash_blocks(root_hash(fingerprint), prompt, BLOCK_SIZE)
 
     async def run() -> None:
