@@ -10,12 +10,10 @@ parsing; a large one is parsed off the event loop. Errors have OpenAI's shape
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,17 +22,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common import metrics
 from router.openai import errors
-from router.openai.chat_template import ChatTemplate
 from router.openai.client_gone import ClientGone, until
+from router.openai.http_body import read_json
+from router.openai.parsing import parse
+from router.openai.prepare import Arrival, new_client_id, prepare
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
-from router.openai.serving import OpenAIServing, Prepared, new_client_id
+from router.openai.served_model import ServedModel
+from router.openai.serving import collect, start_stream
 from router.openai.sse import BoundedResponse, EventStream
 from router.prompts import Overloaded
 from router.request_core import RequestCore
 
 logger = logging.getLogger(__name__)
+OpenAIBody = ChatCompletionRequest | CompletionRequest
 
-_PARSE_IN_THREAD_BYTES = 64 << 10
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -44,34 +45,6 @@ def error_response(error: errors.ApiError, request_id: str | None = None) -> JSO
     if request_id:
         headers["x-request-id"] = request_id
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-async def read_body(request: Request, limit: int, timeout_s: int) -> bytes:
-    """The body, refused past ``limit`` bytes (by its Content-Length before reading, else
-    while it arrives, never buffering more than the limit) or when it has not all arrived
-    within ``timeout_s`` (a trickled body would hold its request, and a drain, for ever)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise errors.too_large(int(declared), limit)
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise errors.too_large(None, limit)
-                chunks.append(chunk)
-    except TimeoutError:
-        raise errors.body_too_slow(timeout_s) from None
-    return b"".join(chunks)
-
-
-def _parse(model: type[pydantic.BaseModel], data: bytes) -> Any:
-    """pydantic parses the JSON itself (strict types, bounded nesting, no Python dicts)."""
-    try:
-        return model.model_validate_json(data)
-    except pydantic.ValidationError as exc:
-        raise errors.from_validation(exc) from None
 
 
 # pdserve_request_errors_total counts refusals by gRPC code name, for both frontends.
@@ -109,9 +82,7 @@ class _CountRequests:
 
 def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    template = ChatTemplate.from_dir(core.config.model)
-    serving = OpenAIServing(core, served_model_name, template, core.config.tool_call_parser)
-    config = core.config
+    served = ServedModel.load(core.config, core.tokenizer, served_model_name)
     created = int(time.time())
 
     @app.exception_handler(errors.ApiError)
@@ -135,7 +106,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
             raise errors.unauthorized()
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    def admit(request: Request) -> None:
+    def gate(request: Request) -> None:
         """The checks before any work: the key, then whether this router takes requests."""
         if not core.authorized(request.headers.get("authorization")):
             raise errors.unauthorized()
@@ -145,61 +116,53 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        admit(request)
+        gate(request)
         card: dict[str, Any] = {
-            "id": served_model_name,
+            "id": served.name,
             "object": "model",
             "created": created,
             "owned_by": "pdserve",
-            "root": served_model_name,  # never the model's path on the router's disk
+            "root": served.name,  # never the model's path on the router's disk
             "max_model_len": core.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
-    async def run(request: Request, kind: type[pydantic.BaseModel]) -> Response:
+    async def run(
+        request: Request, kind: type[ChatCompletionRequest | CompletionRequest]
+    ) -> Response:
+        """One request, its stages in order: the gate, its count in flight (from here to its
+        last byte: a drain waits for it), its body, its choices (``prepare.py``), its response
+        (``serving.py``) as one body or an event stream (``sse.py``)."""
         start_s = time.perf_counter()
-        admit(request)
+        gate(request)
         try:
-            inflight = core.track()  # from admission to the last byte: drain waits for it
+            inflight = core.track()
         except Overloaded as exc:
             error = errors.from_exception(exc)
             assert error is not None
             return error_response(error)
-        try:
-            return await respond(request, kind, start_s)
-        finally:
-            inflight.end()
-
-    async def respond(request: Request, kind: type[pydantic.BaseModel], start_s: float) -> Response:
-        limits = config.limits
-        data = await read_body(request, limits.max_request_bytes, limits.request_body_timeout_s)
-        body = (
-            _parse(kind, data)
-            if len(data) < _PARSE_IN_THREAD_BYTES
-            else await asyncio.to_thread(_parse, kind, data)
-        )
         client_id = new_client_id(request.headers.get("x-request-id"))
         headers = {"x-request-id": client_id}
-        idle_s = config.client_idle_timeout_s
         host = request.client.host if request.client is not None else ""
-        caller = core.caller(request.headers.get("authorization"), host)
+        arrival = Arrival(
+            client_id, core.caller(request.headers.get("authorization"), host), start_s
+        )
+        idle_s = core.config.client_idle_timeout_s
         try:
-            prepared: Prepared
+            body = await read_json(request, kind, core.config.limits)
             try:
-                if isinstance(body, ChatCompletionRequest):
-                    prepared = await serving.prepare_chat(body, client_id, caller, start_s)
-                else:
-                    prepared = await serving.prepare_completion(body, client_id, caller, start_s)
+                parsed = await parse(core, served, body)
+                prepared = await prepare(core, parsed, arrival)
             except ValueError as exc:  # the request's reading: a check naming its field
                 raise errors.refusal(exc) from None
-            if prepared.parsed.stream:
-                started = await until(request.receive, serving.start_stream(prepared))
+            if prepared.asked.stream:
+                started = await until(request.receive, start_stream(core, served, prepared))
                 # The stream's own count: it outlives this handler.
                 counted = core.track(admit=False)
                 return EventStream(
                     started.events, started.close, idle_s, client_id, headers, counted.end
                 )
-            result = await until(request.receive, serving.collect(prepared))
+            result = await until(request.receive, collect(core, served, prepared))
             return BoundedResponse(result, idle_s, headers)
         except ClientGone:
             logger.info("request_id=%s: the client left before its response", client_id)
@@ -210,6 +173,8 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
                 logger.exception("request_id=%s failed", client_id)
                 error = errors.internal(client_id)
             return error_response(error, client_id)
+        finally:
+            inflight.end()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
