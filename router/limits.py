@@ -8,35 +8,45 @@ Each refusal names the field and the limit (the flag that sets it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
+from engine.config import DOC
 from router.request import Request
+
+
+def _limit(default: int, doc: str) -> Any:
+    return field(default=default, metadata={DOC: doc})
 
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_request_bytes: int = 4 << 20  # a whole request message (gRPC refuses larger ones)
-    max_prompt_bytes: int = 2 << 20  # UTF-8 bytes of a text prompt
-    max_stop_strings: int = 64
-    max_stop_string_bytes: int = 256  # each
-    max_stop_token_ids: int = 256
-    max_request_id_bytes: int = 128
-    max_concurrent_tokenizations: int = 4  # off the event loop, at most this many at once
-    max_queued_tokenizations: int = 64  # waiting for one of those: past this, refused
-    max_choices: int = 64  # OpenAI API: prompts x n of one request
-    # What a whole response may come to, estimated before any work from choices x max_tokens x
-    # (a token, and its top logprobs): a non-streamed response is held until its last token.
-    max_output_bytes: int = 256 << 20
-    max_concurrent_requests: int = 4096  # public requests in flight: past this, 429
-    request_body_timeout_s: int = 30  # an HTTP body must arrive within this (else 408)
-    # An HTTP request's head (request line + headers), before anything else runs: at most
-    # this many bytes (else 431), complete within this long of the connection's start or, on a
-    # kept-alive connection, of its first byte (else 408: a silent connection too).
-    max_header_bytes: int = 64 << 10
-    request_header_timeout_s: int = 10
-    # HTTP connections waiting for a request head (silent, trickling, kept alive between
-    # requests): past this many, the one waiting longest is closed (router/openai).
-    max_idle_connections: int = 1024
+    max_request_bytes: int = _limit(4 << 20, "a whole request message (gRPC refuses larger ones)")
+    max_prompt_bytes: int = _limit(2 << 20, "UTF-8 bytes of a text prompt")
+    max_stop_strings: int = _limit(64, "stop strings of one request")
+    max_stop_string_bytes: int = _limit(256, "UTF-8 bytes of each stop string")
+    max_stop_token_ids: int = _limit(256, "stop token ids of one request")
+    max_request_id_bytes: int = _limit(128, "bytes of a client's request id")
+    max_concurrent_tokenizations: int = _limit(4, "tokenizations off the event loop at once")
+    max_queued_tokenizations: int = _limit(
+        64, "requests waiting for a tokenization slot: past this, refused"
+    )
+    max_choices: int = _limit(64, "OpenAI API: prompts x n of one request")
+    # Estimated before any work from choices x max_tokens x (a token, and its top logprobs): a
+    # non-streamed response is held until its last token.
+    max_output_bytes: int = _limit(256 << 20, "what a whole response may come to, in bytes")
+    max_concurrent_requests: int = _limit(4096, "public requests in flight: past this, 429")
+    request_body_timeout_s: int = _limit(30, "seconds an HTTP body has to arrive (else 408)")
+    # Complete within this long of the connection's start or, on a kept-alive connection, of
+    # its first byte (else 408: a silent connection too).
+    max_header_bytes: int = _limit(
+        64 << 10, "bytes of an HTTP request's head (request line + headers; else 431)"
+    )
+    request_header_timeout_s: int = _limit(10, "seconds an HTTP request's head has to arrive")
+    # Silent, trickling, or kept alive between requests (router/openai).
+    max_idle_connections: int = _limit(
+        1024, "HTTP connections waiting for a request head: past this, the oldest is closed"
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

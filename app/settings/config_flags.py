@@ -68,11 +68,13 @@ def add_field_flags(
     for f in field_flags(config, names, flags):
         if f.kind is bool:
             add_flag(parser, f.flag, env, action="store_true", help=f.help)
-        elif issubclass(f.kind, enum.Enum):
+            continue
+        shown = f"{f.help} (default {f.default})" if f.default is not None else f.help
+        if issubclass(f.kind, enum.Enum):
             choices = [member.value for member in f.kind]
-            add_flag(parser, f.flag, env, default=f.default, choices=choices, help=f.help)
+            add_flag(parser, f.flag, env, default=f.default, choices=choices, help=shown)
         else:
-            add_flag(parser, f.flag, env, type=f.kind, default=f.default, help=f.help)
+            add_flag(parser, f.flag, env, type=f.kind, default=f.default, help=shown)
 
 
 def field_values(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping
 
 from app.settings.config_flags import add_field_flags, field_values
@@ -38,6 +39,8 @@ ROUTER_FIELDS = (
     "client_idle_timeout_s",
 )
 
+LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestLimits))  # public: every one
+
 
 def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_server_flags(parser, 50051, env)
@@ -53,15 +56,7 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         choices=[p.value for p in DECODE_POLICIES],
         help="decode worker choice",
     )
-    for name in RequestLimits.__dataclass_fields__:
-        add_flag(
-            parser,
-            "--" + name.replace("_", "-"),
-            env,
-            type=int,
-            default=getattr(RequestLimits, name),
-            help=f"public request limit (default {getattr(RequestLimits, name)})",
-        )
+    add_field_flags(parser, env, RequestLimits, LIMIT_FIELDS)
     add_flag(
         parser,
         "--tool-call-parser",
@@ -84,6 +79,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         layout=layout_of(args),
         decode_policy=RoutingPolicy(args.decode_policy),
         tool_call_parser=args.tool_call_parser,
-        limits=RequestLimits(**{n: getattr(args, n) for n in RequestLimits.__dataclass_fields__}),
+        limits=RequestLimits(**field_values(args, RequestLimits, LIMIT_FIELDS)),
         **field_values(args, RouterConfig, ROUTER_FIELDS),
     )
