@@ -214,7 +214,7 @@ class AsyncEngine(ServingEngine):
         event loop and the engine's lock never wait for a grammar."""
         if params.structured is None:
             return None
-        return await asyncio.to_thread(self._engine.admission.prepare_guide, params, earlier)
+        return await asyncio.to_thread(self._engine.intake.prepare_guide, params, earlier)
 
     async def _stream(
         self,

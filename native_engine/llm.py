@@ -100,7 +100,7 @@ class LLM:
         try:
             prompt_list: list[str | list[int]] = list(prompts)
             for prompt, params in zip(prompt_list, params_list, strict=True):
-                token_ids = self.engine.admission.validate_prompt(prompt)
+                token_ids = self.engine.intake.validate_prompt(prompt)
                 request_id = self.engine.add_request(token_ids, params)
                 outputs[request_id] = RequestOutput(request_id, token_ids)
                 order.append(request_id)

@@ -52,7 +52,7 @@ class LLMEngine:
         self.num_blocks, self.fingerprint = loaded.num_blocks, loaded.fingerprint
         self.kv_cache, self.kv_layout = loaded.kv_cache, loaded.kv_layout
         self.runner = loaded.runner
-        self.admission = loaded.admission
+        self.intake = loaded.intake
         self.host_tier = tier = make_host_tier(config.cache, self.kv_cache)
         prefix_caching = self.config.cache.enable_prefix_caching
         host_index = tier.index if tier is not None else None
@@ -99,10 +99,10 @@ class LLMEngine:
         previous engine already produced (a migrated request): they count toward
         ``max_tokens``, the seeded sampler's output index and stop strings, exactly as if this
         engine had generated them; the client's prompt is the rest. ``guide``: a guided
-        request's matcher, made off the event loop (``Admission.prepare_guide``); else here."""
+        request's matcher, made off the event loop (``Intake.prepare_guide``); else here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         self._check_new_request(request_id)
-        seq = self.admission.sequence(
+        seq = self.intake.sequence(
             PagedSequence, request_id, prompt, params, num_generated_tokens, guide=guide
         )
         seq.prefill_only = prefill_only
@@ -340,8 +340,8 @@ class LLMEngine:
         """Allocate blocks for a request prefilled elsewhere; None when the cache is too full.
         ``guide``: as in ``add_request``, past the output before the first token."""
         self._check_new_request(request.request_id)
-        self.admission.validate_token_ids([request.first_token_id], "first_token_id")
-        seq = self.admission.sequence(
+        self.intake.validate_token_ids([request.first_token_id], "first_token_id")
+        seq = self.intake.sequence(
             PagedSequence,
             request.request_id,
             request.prompt_token_ids,

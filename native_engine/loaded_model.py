@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from engine.admission import Admission
 from engine.block_hash import root_hash
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, AttentionBackend, EngineConfig
 from engine.dtypes import torch_dtype
 from engine.fingerprint import fingerprint_of
 from engine.guide import GuideCompiler
+from engine.intake import Intake
 from engine.model_config import ModelConfig
 from engine.tokenizer import Tokenizer
 from native_engine.kernels.cpu import load_cpu_kernels
@@ -145,9 +145,9 @@ class LoadedModel:
         return int(num_blocks)
 
     @property
-    def admission(self) -> Admission:
+    def intake(self) -> Intake:
         """What a request must pass to enter an engine of this model."""
         mc = self.model_config
-        return Admission(
+        return Intake(
             mc.vocab_size, mc.eos_token_ids, self.max_model_len, self.tokenizer, self.guides
         )

@@ -160,14 +160,14 @@ class RequestCore:
                     f"holds {best.num_blocks * best.block_size} tokens of KV cache"
                 )
 
-    def track(self, admit: bool = True) -> InFlight:
+    def track(self, bounded: bool = True) -> InFlight:
         """One public request, counted in flight from its admission to its last byte (drain
         waits for it). Every frontend takes one per request and ends it exactly once.
-        ``admit``: refuse it (``Overloaded``) when ``--max-concurrent-requests`` are in
-        flight; False: a count of a request already admitted (a stream outliving its
-        handler)."""
+        ``bounded``: refuse it (``Overloaded``) when ``--max-concurrent-requests`` are in
+        flight (its admission); False: a count of a request already admitted (a stream
+        outliving its handler)."""
         limit = self.config.limits.max_concurrent_requests
-        if admit and self._inflight >= limit:
+        if bounded and self._inflight >= limit:
             raise Overloaded(
                 f"{self._inflight} requests in flight, the router's --max-concurrent-requests "
                 f"({limit}); retry"

@@ -23,9 +23,9 @@ from typing import Any
 
 from vllm.outputs import RequestOutput
 
-from engine.admission import Admission
 from engine.checkpoint import CheckpointInfo
 from engine.guide import Guide, GuideCompiler
+from engine.intake import Intake
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.request_error import RequestError, RequestIdInUse
 from engine.request_state import RequestState
@@ -56,7 +56,7 @@ class RequestTable:
         self.max_buffered_tokens = max_buffered_tokens
         self._checkpoint, self._tokenizer = checkpoint, tokenizer
         self._max_model_len = max_model_len
-        self._admission = Admission(
+        self._intake = Intake(
             checkpoint.vocab_size, checkpoint.eos_token_ids, max_model_len, tokenizer, guides
         )
         self.requests: dict[str, Request] = {}
@@ -96,7 +96,7 @@ class RequestTable:
         rid = request.request_id
         if num_blocks > free:  # fail fast: the router tries another worker
             raise NoRoomError.of(free, total, num_blocks)
-        self._admission.validate_token_ids([request.first_token_id], "first_token_id")
+        self._intake.validate_token_ids([request.first_token_id], "first_token_id")
         seq = self._sequence(
             rid, request.prompt_token_ids, request.params, request.num_generated_tokens, guide
         )
@@ -264,7 +264,7 @@ class RequestTable:
         # pdserve's side follows the output too (a complete constraint ends the request here,
         # engine.request_state, as on the native engine); the masks are the logits
         # processor's (vllm_engine/sampler.py).
-        return self._admission.sequence(
+        return self._intake.sequence(
             Sequence, rid, prompt_ids, params, num_generated, guide=guide
         )
 

@@ -158,7 +158,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
             if prepared.asked.stream:
                 started = await until(request.receive, start_stream(core, served, prepared))
                 # The stream's own count: it outlives this handler.
-                counted = core.track(admit=False)
+                counted = core.track(bounded=False)
                 return EventStream(
                     started.events, started.close, idle_s, client_id, headers, counted.end
                 )

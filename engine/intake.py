@@ -27,7 +27,7 @@ S = TypeVar("S", bound=Sequence)
 
 
 @dataclass(frozen=True)
-class Admission:
+class Intake:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_model_len: int
