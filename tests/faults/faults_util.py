@@ -213,6 +213,21 @@ def kill_a_decode_worker_mid_stream(
     return victim
 
 
+async def busiest_decode_worker_mid_stream(
+    cluster: LocalCluster, streams: list[Stream]
+) -> Component:
+    """Once every stream has tokens: the decode worker running the most of them (on a loaded
+    box the router may have placed every stream on one)."""
+
+    async def all_streaming() -> bool:
+        return all(len(s.token_ids) >= 8 for s in streams)
+
+    await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
+    running = [(await stats(c)).num_running for c in cluster.decode]
+    assert max(running) > 0  # streams were on it
+    return cluster.decode[running.index(max(running))]
+
+
 async def kill_the_busiest_decode_worker(
     cluster: LocalCluster,
     prompts: list[list[int]],
@@ -225,14 +240,7 @@ async def kill_the_busiest_decode_worker(
     error (migration; the caller compares the tokens), the supervisor restarts the worker and
     afterwards nobody holds anything."""
     streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
-
-    async def all_streaming() -> bool:
-        return all(len(s.token_ids) >= 8 for s in streams)
-
-    await wait_for(all_streaming, 120.0, "every stream has tokens", poll_s=0.005)
-    running = [(await stats(c)).num_running for c in cluster.decode]
-    victim = cluster.decode[running.index(max(running))]
-    assert max(running) > 0  # streams were on it
+    victim = await busiest_decode_worker_mid_stream(cluster, streams)
     if kill is None:
         victim.process.send_signal(signal.SIGKILL)
     else:

@@ -16,13 +16,13 @@ from app.local_cluster import ClusterConfig, LocalCluster
 from native_engine import LLM
 from pdserve.cluster.registry import Registry
 from tests.faults.faults_util import (
+    busiest_decode_worker_mid_stream,
     compare,
     metric,
     mixed_params,
     requests_for,
     restarted,
     run_streams,
-    stats,
     survivors_hold_nothing,
 )
 from tests.services.harness import wait_for
@@ -59,15 +59,7 @@ def test_redis_down_and_a_decode_worker_killed_lose_no_stream(
 
     async def run() -> None:
         streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
-
-        async def streaming() -> bool:
-            return all(len(s.token_ids) >= 8 for s in streams)
-
-        await wait_for(streaming, 120.0, "every stream has tokens", poll_s=0.005)
-        # The busier worker (on a loaded box the router may have placed every stream on one).
-        running = [(await stats(c)).num_running for c in cluster.decode]
-        victim = cluster.decode[running.index(max(running))]
-        assert max(running) > 0
+        victim = await busiest_decode_worker_mid_stream(cluster, streams)
         redis.stop()
         victim.process.send_signal(signal.SIGKILL)
         await asyncio.gather(*tasks)

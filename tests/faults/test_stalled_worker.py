@@ -16,6 +16,7 @@ import pytest
 from app.local_cluster import LocalCluster
 from native_engine import LLM
 from tests.faults.faults_util import (
+    busiest_decode_worker_mid_stream,
     compare,
     metric,
     mixed_params,
@@ -54,15 +55,7 @@ def test_stopped_decode_worker_streams_migrate_and_it_rejoins_after_sigcont(
 
     async def run() -> None:
         streams, tasks = await run_streams(cluster.address, requests_for(prompts, params))
-
-        async def streaming() -> bool:
-            return all(len(s.token_ids) >= 8 for s in streams)
-
-        await wait_for(streaming, 120.0, "every stream has tokens", poll_s=0.005)
-        # The busier worker (on a loaded box the router may have placed every stream on one).
-        running = [(await stats(c)).num_running for c in cluster.decode]
-        victim = cluster.decode[running.index(max(running))]
-        assert max(running) > 0
+        victim = await busiest_decode_worker_mid_stream(cluster, streams)
         pulls = metric(victim, "pdserve_kv_transfer_seconds_count")
         os.kill(victim.process.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()

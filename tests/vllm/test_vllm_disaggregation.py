@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from app.local_cluster import Component, LocalCluster
+from app.local_cluster import LocalCluster
 from engine.block_hash import hash_blocks, root_hash
 from engine.config import EngineBackend
 from engine.fingerprint import engine_fingerprint
@@ -41,8 +41,10 @@ from tests.faults.faults_util import (
 from tests.services.harness import engine_config, failed_decode, start, wait_for
 from tests.vllm.conftest import BLOCK_SIZE, WORKER_ARGS, vllm_cluster
 from tests.vllm.vllm_util import (
+    blocks_back,
     cancel_at_each_stage,
     colocated,
+    idle_free_blocks,
     offline_greedy,
     same_or_near_tie,
     through_router,
@@ -125,23 +127,6 @@ def test_disaggregated_streams_equal_one_vllm_worker_and_vllms_offline_run(
     print("\n".join(asyncio.run(run())))
 
 
-async def _baseline(component: Component) -> int:
-    async def idle() -> bool:
-        s = await stats(component)
-        return (s.num_pinned, s.num_running, s.num_waiting, s.num_inflight) == (0, 0, 0, 0)
-
-    await wait_for(idle, 60.0, f"{component.name} idle")
-    return (await stats(component)).num_free_blocks
-
-
-async def _back_to(component: Component, free: int, what: str) -> None:
-    async def back() -> bool:
-        s = await stats(component)
-        return s.num_free_blocks == free and s.num_pinned == 0
-
-    await wait_for(back, 60.0, what)
-
-
 def _prefill_stub(channel: grpc.aio.Channel) -> prefill_pb2_grpc.PrefillWorkerStub:
     return prefill_pb2_grpc.PrefillWorkerStub(channel)
 
@@ -153,7 +138,7 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
     sampling = sampling_to_proto(GREEDY)
 
     async def run() -> None:
-        free_p, free_d = await _baseline(prefill), await _baseline(decode)
+        free_p, free_d = await idle_free_blocks(prefill), await idle_free_blocks(decode)
         async with grpc.aio.insecure_channel(prefill.address) as channel:
             stub = _prefill_stub(channel)
 
@@ -171,10 +156,10 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
                 request_id="released", lease_token=first.lease.lease_token
             )
             assert (await stub.Release(release, timeout=30)).released
-            await _back_to(prefill, free_p, "released blocks free")
+            await blocks_back(prefill, free_p, "released blocks free")
             # Never pulled: they go back when the lease expires.
             await prefilled("expired", 51)
-            await _back_to(prefill, free_p, "expired lease's blocks free")
+            await blocks_back(prefill, free_p, "expired lease's blocks free")
             # Released before the pull: the pull fails NOT_FOUND, and the decode side frees.
             early = await prefilled("early", 52)
             release = prefill_pb2.ReleaseRequest(
@@ -195,8 +180,8 @@ def test_leases_release_and_expire_and_a_release_before_the_pull_is_not_found(
                     pass
         assert failed.value.code() is grpc.StatusCode.NOT_FOUND
         assert "no lease for request_id 'early'" in (failed.value.details() or "")
-        await _back_to(decode, free_d, "the decode side freed what it allocated")
-        await _back_to(prefill, free_p, "nothing left on the prefill side")
+        await blocks_back(decode, free_d, "the decode side freed what it allocated")
+        await blocks_back(prefill, free_p, "nothing left on the prefill side")
 
     asyncio.run(run())
 
@@ -222,7 +207,7 @@ def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(
 
     async def run() -> None:
         vllm_prefill, vllm_decode = cluster.prefill[0], cluster.decode[1]
-        free_p, free_d = await _baseline(vllm_prefill), await _baseline(vllm_decode)
+        free_p, free_d = await idle_free_blocks(vllm_prefill), await idle_free_blocks(vllm_decode)
         # A native prefill worker in the cluster's registry (the router refuses it: another
         # fingerprint), so that the vLLM decode worker knows it as a peer.
         registry = RedisConfig(url=redis_url, namespace=cluster.config.redis_namespace)
@@ -253,8 +238,8 @@ def test_native_and_vllm_workers_refuse_each_others_blocks_by_name(
                 assert error.code() is grpc.StatusCode.FAILED_PRECONDITION, (pair, details)
                 assert "page_layout" in details and "vllm-0.32.0/" in details, pair
                 assert "model_fingerprint" in details, pair  # the fingerprint names the engine
-            await _back_to(vllm_decode, free_d, "the vLLM decode worker freed")
-            await _back_to(vllm_prefill, free_p, "the vLLM prefill worker freed")
+            await blocks_back(vllm_decode, free_d, "the vLLM decode worker freed")
+            await blocks_back(vllm_prefill, free_p, "the vLLM prefill worker freed")
             for server in (native_prefill, native_decode):
                 engine = server.service.engine  # type: ignore[attr-defined]
                 await wait_for(lambda e=engine: _native_free(e), 60.0, "the native worker freed")

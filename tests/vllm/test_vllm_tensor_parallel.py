@@ -41,8 +41,10 @@ from tests.faults.faults_util import (
 from tests.services.harness import wait_for
 from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
 from tests.vllm.vllm_util import (
+    blocks_back,
     colocated,
     gone,
+    idle_free_blocks,
     offline_greedy,
     same_or_near_tie,
     through_router,
@@ -91,23 +93,6 @@ def cluster(
         yield running
 
 
-async def _idle_free(component: Component) -> int:
-    async def idle() -> bool:
-        s = await stats(component)
-        return (s.num_pinned, s.num_running, s.num_waiting, s.num_inflight) == (0, 0, 0, 0)
-
-    await wait_for(idle, 60.0, f"{component.name} idle")
-    return (await stats(component)).num_free_blocks
-
-
-async def _back_to(component: Component, free: int, what: str) -> None:
-    async def back() -> bool:
-        s = await stats(component)
-        return s.num_free_blocks == free and s.num_pinned == 0
-
-    await wait_for(back, 60.0, what)
-
-
 def test_tp2_to_tp2_streams_equal_one_tp2_worker_and_vllms_offline_tp2_run(
     cluster: LocalCluster, vllm_model: Callable[[str], Path]
 ) -> None:
@@ -117,7 +102,7 @@ def test_tp2_to_tp2_streams_equal_one_tp2_worker_and_vllms_offline_tp2_run(
 
     async def run() -> list[str]:
         assert (await stats(prefill)).layout.tp_size == 2
-        free = [await _idle_free(prefill), await _idle_free(decode)]
+        free = [await idle_free_blocks(prefill), await idle_free_blocks(decode)]
         decode_before = (await stats(decode)).num_prompt_tokens_computed
         served = {
             (i, name): await through_router(cluster.address, prompt, params)
@@ -138,8 +123,8 @@ def test_tp2_to_tp2_streams_equal_one_tp2_worker_and_vllms_offline_tp2_run(
             if report is not None:
                 reports.append(report)
         # Every rank reported every lease's end: vLLM freed each block on both workers.
-        await _back_to(prefill, free[0], "prefill blocks back")
-        await _back_to(decode, free[1], "decode blocks back")
+        await blocks_back(prefill, free[0], "prefill blocks back")
+        await blocks_back(decode, free[1], "decode blocks back")
         return reports
 
     print("\n".join(asyncio.run(run())))
@@ -152,7 +137,7 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
     prompt = _prompt(2 * BLOCK_SIZE + 3, salt=9)
 
     async def run() -> None:
-        free = [await _idle_free(prefill), await _idle_free(decode)]
+        free = [await idle_free_blocks(prefill), await idle_free_blocks(decode)]
         async with grpc.aio.insecure_channel(prefill.address) as channel:
             stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
 
@@ -165,7 +150,7 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
             # Expiry: nobody pulls or releases; the lease ends by itself and every rank frees.
             await prefill_one("expires")
             assert (await stats(prefill)).num_pinned == 1
-            await _back_to(prefill, free[0], "an expired lease's blocks back on every rank")
+            await blocks_back(prefill, free[0], "an expired lease's blocks back on every rank")
             # A Release before the pull: the decode worker's pull is NOT_FOUND, by name.
             released = await prefill_one("released")
             await stub.Release(
@@ -174,7 +159,7 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
                 ),
                 timeout=30,
             )
-            await _back_to(prefill, free[0], "a released lease's blocks back")
+            await blocks_back(prefill, free[0], "a released lease's blocks back")
         async with grpc.aio.insecure_channel(decode.address) as channel:
             request = decode_pb2.DecodeRequest(
                 request_id="released",
@@ -189,7 +174,7 @@ def test_tp2_leases_release_expire_and_a_release_before_the_pull_is_not_found(
                     pass
         assert refused.value.code() is grpc.StatusCode.NOT_FOUND, refused.value.details()
         assert "no lease for request_id 'released'" in (refused.value.details() or "")
-        await _back_to(decode, free[1], "the failed pull's blocks back on every decode rank")
+        await blocks_back(decode, free[1], "the failed pull's blocks back on every decode rank")
 
     asyncio.run(run())
 

@@ -17,12 +17,12 @@ import grpc
 import psutil
 
 from app.client import router_channel
-from app.local_cluster import LocalCluster
+from app.local_cluster import Component, LocalCluster
 from engine.sampling_params import SamplingParams
 from native_engine.diagnostics import NEAR_TIE
 from pdserve.common.convert import finish_reason_from_proto, sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
-from tests.faults.faults_util import requests_for, run_streams, survivors_hold_nothing
+from tests.faults.faults_util import requests_for, run_streams, stats, survivors_hold_nothing
 from tests.services.harness import wait_for
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -160,3 +160,25 @@ async def cancel_at_each_stage(cluster: LocalCluster, prompt: list[int]) -> None
         with contextlib.suppress(asyncio.CancelledError):
             await tasks[0]
         await wait_for(lambda: survivors_hold_nothing(cluster), 60.0, f"cancel {stage}: all freed")
+
+
+async def idle_free_blocks(component: Component) -> int:
+    """Once ``component`` holds no request (pinned, running, waiting, in flight): its free
+    blocks, the count every test's blocks must come back to."""
+
+    async def idle() -> bool:
+        s = await stats(component)
+        return (s.num_pinned, s.num_running, s.num_waiting, s.num_inflight) == (0, 0, 0, 0)
+
+    await wait_for(idle, 60.0, f"{component.name} idle")
+    return (await stats(component)).num_free_blocks
+
+
+async def blocks_back(component: Component, free: int, what: str) -> None:
+    """Waits (bounded) until ``component`` has ``free`` free blocks and none pinned."""
+
+    async def back() -> bool:
+        s = await stats(component)
+        return s.num_free_blocks == free and s.num_pinned == 0
+
+    await wait_for(back, 60.0, what)
