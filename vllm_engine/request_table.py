@@ -264,9 +264,7 @@ class RequestTable:
         # pdserve's side follows the output too (a complete constraint ends the request here,
         # engine.request_state, as on the native engine); the masks are the logits
         # processor's (vllm_engine/sampler.py).
-        return self._intake.sequence(
-            Sequence, rid, prompt_ids, params, num_generated, guide=guide
-        )
+        return self._intake.sequence(Sequence, rid, prompt_ids, params, num_generated, guide=guide)
 
     def _submit(
         self,

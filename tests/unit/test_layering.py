@@ -100,6 +100,10 @@ PURE_CORE = [
     "pdserve.cluster.prefix_index",
     "prefill_service.lease_table",
     "router.policy",
+    # Flow control's decisions: the waiting room's order, admission on predicted TTFT.
+    "router.request_class",
+    "router.flow_control",
+    "router.admission",
     # The capacity planner's core runs the engine's scheduler with no model, and no I/O.
     "app.capacity.profile",
     "app.capacity.sim_worker",
