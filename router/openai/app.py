@@ -127,28 +127,25 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    async def run(
-        request: Request, kind: type[ChatCompletionRequest | CompletionRequest]
-    ) -> Response:
+    async def run(request: Request, kind: type[OpenAIBody]) -> Response:
         """One request, its stages in order: the gate, its count in flight (from here to its
         last byte: a drain waits for it), its body, its choices (``prepare.py``), its response
         (``serving.py``) as one body or an event stream (``sse.py``)."""
         start_s = time.perf_counter()
         gate(request)
+        client_id = new_client_id(request.headers.get("x-request-id"))
+        headers = {"x-request-id": client_id}
+        idle_s = core.config.client_idle_timeout_s
         try:
             inflight = core.track()
         except Overloaded as exc:
             error = errors.from_exception(exc)
             assert error is not None
             return error_response(error)
-        client_id = new_client_id(request.headers.get("x-request-id"))
-        headers = {"x-request-id": client_id}
-        host = request.client.host if request.client is not None else ""
-        arrival = Arrival(
-            client_id, core.caller(request.headers.get("authorization"), host), start_s
-        )
-        idle_s = core.config.client_idle_timeout_s
         try:
+            host = request.client.host if request.client is not None else ""
+            caller = core.caller(request.headers.get("authorization"), host)
+            arrival = Arrival(client_id, caller, start_s)
             body = await read_json(request, kind, core.config.limits)
             try:
                 parsed = await parse(core, served, body)
