@@ -59,7 +59,7 @@ class Intake:
 
     def prepare_guide(self, params: SamplingParams, output_ids: list[int]) -> Guide:
         """A guided request's matcher past ``output_ids`` (``GuideCompiler.guide_for``);
-        touches no engine state, so it runs in a thread before admission."""
+        touches no engine state, so it runs in a thread before intake."""
         return self.guides.guide_for(params, output_ids)
 
     def check_params(self, params: SamplingParams) -> None:

@@ -25,7 +25,7 @@ class OutsideGrammar(RequestError):
 
 
 class RequestIdInUse(ValueError):
-    """Admission refused: the request id names a request the engine holds (running, pinned or
+    """Refused at intake: the request id names a request the engine holds (running, pinned or
     reserved). INVALID_ARGUMENT; the request holding the id is not the refused call's, so the
     caller must leave it alone (never abort the id it was refused)."""
 

@@ -174,7 +174,7 @@ class WorkerService(Service):
         request_id: str,
         sampling: common_pb2.SamplingParams,
     ) -> SamplingParams:
-        """Admission checks every request RPC shares: serving, an id, valid sampling."""
+        """The checks every request RPC shares: serving, an id, valid sampling."""
         await self.check_accepting(context)
         try:
             if not request_id:

@@ -128,14 +128,10 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     async def run(request: Request, kind: type[OpenAIBody]) -> Response:
-        """One request, its stages in order: the gate, its count in flight (from here to its
-        last byte: a drain waits for it), its body, its choices (``prepare.py``), its response
-        (``serving.py``) as one body or an event stream (``sse.py``)."""
+        """One request: the gate, then its count in flight, from here to its last byte (a
+        drain waits for it)."""
         start_s = time.perf_counter()
         gate(request)
-        client_id = new_client_id(request.headers.get("x-request-id"))
-        headers = {"x-request-id": client_id}
-        idle_s = core.config.client_idle_timeout_s
         try:
             inflight = core.track()
         except Overloaded as exc:
@@ -143,10 +139,22 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
             assert error is not None
             return error_response(error)
         try:
-            host = request.client.host if request.client is not None else ""
-            caller = core.caller(request.headers.get("authorization"), host)
-            arrival = Arrival(client_id, caller, start_s)
-            body = await read_json(request, kind, core.config.limits)
+            return await respond(request, kind, start_s)
+        finally:
+            inflight.end()
+
+    async def respond(request: Request, kind: type[OpenAIBody], start_s: float) -> Response:
+        """Its stages in order: its body (refused through the app's handler), what it asks
+        for (``parsing.py``), its choices (``prepare.py``), its response (``serving.py``) as
+        one body or an event stream (``sse.py``)."""
+        body = await read_json(request, kind, core.config.limits)
+        client_id = new_client_id(request.headers.get("x-request-id"))
+        headers = {"x-request-id": client_id}
+        idle_s = core.config.client_idle_timeout_s
+        host = request.client.host if request.client is not None else ""
+        caller = core.caller(request.headers.get("authorization"), host)
+        arrival = Arrival(client_id, caller, start_s)
+        try:
             try:
                 parsed = await parse(core, served, body)
                 prepared = await prepare(core, parsed, arrival)
@@ -170,8 +178,6 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
                 logger.exception("request_id=%s failed", client_id)
                 error = errors.internal(client_id)
             return error_response(error, client_id)
-        finally:
-            inflight.end()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:

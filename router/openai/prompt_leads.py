@@ -1,7 +1,7 @@
 """What each choice repeats of its prompt: ``echo`` (completions: the prompt's text and, with
 logprobs, its tokens' logprobs) and vLLM's ``prompt_logprobs`` (either endpoint).
 
-A prompt's logprobs are computed once, by its first choice (``prepare._choices`` asks only
+A prompt's logprobs are computed once, by its first choice (``prepare.prepare`` asks only
 that one: a request that wants them takes no prefix-cache hit, so asking every choice cost
 ``n`` full prefills); every other choice of the prompt carries a copy. A whole response copies
 them at the end (``share_prompt_logprobs``); a stream opens each choice with its prompt

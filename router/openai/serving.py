@@ -99,7 +99,7 @@ async def _events(
     opened = [env.kind is Kind.CHAT] * len(outputs)  # chat choices open with the role
     readers = [prepared.tools.stream() for _ in outputs]  # tool calls read out of text
     # The prompt (echo, prompt_logprobs) opens each choice once its logprobs are here: its
-    # prompt's first choice computes them (``_prepare``), the others wait for them.
+    # prompt's first choice computes them (``prepare.prepare``), the others wait for them.
     prompts = PromptLeads(env, outputs)
     try:
         async with contextlib.aclosing(stream):
