@@ -49,10 +49,13 @@ class PoolRate:
     num_workers: int
 
     def __post_init__(self) -> None:
-        if not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
-        if self.overhead_s < 0 or self.backlog_tokens < 0 or self.num_workers < 0:
-            raise ValueError("overhead_s, backlog_tokens and num_workers must be >= 0")
+        rate = self.prefill_tokens_per_s
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"prefill_tokens_per_s must be finite and > 0, got {rate}")
+        if not (math.isfinite(self.overhead_s) and self.overhead_s >= 0):
+            raise ValueError(f"overhead_s must be finite and >= 0, got {self.overhead_s}")
+        if self.backlog_tokens < 0 or self.num_workers < 0:
+            raise ValueError("backlog_tokens and num_workers must be >= 0")
 
     def seconds(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s

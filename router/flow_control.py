@@ -20,9 +20,12 @@ The discipline, written once:
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+MIN_WEIGHT, MAX_WEIGHT = 1 / 64, 64.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class _Band:
     deficit: dict[str, float] = field(default_factory=dict)
     opened: bool = False  # the key first in turn had its quantum for this turn
     tokens: int = 0  # prompt tokens waiting in the band
+    key_tokens: dict[str, int] = field(default_factory=dict)  # and per key
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,10 @@ class FlowQueues:
         if quantum_tokens < 1:
             raise ValueError(f"quantum_tokens must be >= 1, got {quantum_tokens}")
         for key, weight in (weights or {}).items():
-            if not weight > 0:
-                raise ValueError(f"the weight of {key!r} must be > 0, got {weight}")
+            if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+                raise ValueError(
+                    f"the weight of {key!r} must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {weight}"
+                )
         self.quantum_tokens = quantum_tokens
         self.weights = dict(weights or {})
         self._bands: dict[int, _Band] = {}
@@ -84,6 +90,10 @@ class FlowQueues:
     def weight(self, key: str) -> float:
         return self.weights.get(key, 1.0)
 
+    def _quantum(self, key: str) -> float:
+        """What one turn adds to ``key``'s deficit."""
+        return self.quantum_tokens * self.weight(key)
+
     def push(self, ticket: Ticket) -> None:
         """Raises ValueError for a request id already waiting."""
         if ticket.request_id in self._where:
@@ -96,7 +106,11 @@ class FlowQueues:
             band.deficit[ticket.key] = 0.0
         queue.append(ticket)
         band.tokens += ticket.cost
+        band.key_tokens[ticket.key] = band.key_tokens.get(ticket.key, 0) + ticket.cost
         self._where[ticket.request_id] = ticket
+        if len(self._deadlines) > 2 * len(self._where) + 64:  # mostly gone: rebuilt
+            self._deadlines = [(t.deadline_s, t.request_id) for t in self._where.values()]
+            heapq.heapify(self._deadlines)
         heapq.heappush(self._deadlines, (ticket.deadline_s, ticket.request_id))
 
     def remove(self, request_id: str) -> Ticket | None:
@@ -144,19 +158,18 @@ class FlowQueues:
     def tokens_ahead(self, band: int, key: str, cost: int) -> int:
         """The prompt tokens served before a request of ``cost`` tokens that ``key`` would
         push into ``band`` now, if nothing else arrived: every more urgent band's, its own
-        key's queue, and of each other key of its band the share that deficit round robin
-        serves meanwhile (their weight against its own, over its own tokens to go)."""
+        key's queue, and of each other key of its band what its turns send meanwhile, at
+        most (its quantum in each of the rounds its own key needs)."""
         ahead = sum(b.tokens for priority, b in self._bands.items() if priority < band)
         own_band = self._bands.get(band)
         if own_band is None:
             return ahead
-        own_queue = own_band.queues.get(key, ())
-        own = sum(t.cost for t in own_queue) + cost
+        own = own_band.key_tokens.get(key, 0) + cost
         ahead += own - cost
-        for other, queue in own_band.queues.items():
+        rounds = math.ceil(own / self._quantum(key))
+        for other, queued in own_band.key_tokens.items():
             if other != key:
-                share = own * self.weight(other) / self.weight(key)
-                ahead += min(sum(t.cost for t in queue), int(share))
+                ahead += min(queued, math.ceil(rounds * self._quantum(other)))
         return ahead
 
     def waiting(self, band: int | None = None) -> int:
@@ -169,9 +182,11 @@ class FlowQueues:
     def _taken(self, band: _Band, ticket: Ticket) -> None:
         del self._where[ticket.request_id]
         band.tokens -= ticket.cost
+        band.key_tokens[ticket.key] -= ticket.cost
         if not band.queues[ticket.key]:
             del band.queues[ticket.key]
             del band.deficit[ticket.key]
+            del band.key_tokens[ticket.key]
             if band.turns[0] == ticket.key:
                 band.opened = False  # its turn ends with its queue
             band.turns.remove(ticket.key)
@@ -190,10 +205,18 @@ class FlowQueues:
         """Deficit round robin, one request at a time: the key first in turn gets its quantum
         once per turn and sends its oldest request if it fits; else the turn passes. Moves
         ``turns`` and ``deficit``; returns the request and whether the turn is open."""
+        if not opened:
+            # Whole rounds in which no key's oldest request fits are given at once: a long
+            # prompt costs one pass over the keys, not one per quantum it needs.
+            short = {k: band.queues[k][0].cost - deficit[k] for k in turns}
+            need = min(math.ceil(short[k] / self._quantum(k)) for k in turns)
+            if need > 1:
+                for k in turns:
+                    deficit[k] += (need - 1) * self._quantum(k)
         while True:
             key = turns[0]
             if not opened:
-                deficit[key] += self.quantum_tokens * self.weight(key)
+                deficit[key] += self._quantum(key)
                 opened = True
             head = band.queues[key][0]
             if head.cost <= deficit[key]:

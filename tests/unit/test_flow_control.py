@@ -159,3 +159,29 @@ def test_a_tag_serves_at_its_own_priority_and_bad_values_are_named() -> None:
         Slo(ttft_s=0)
     with pytest.raises(ValueError, match="a class name is letters, digits"):
         RequestClass("a b")
+
+
+def test_rounds_in_which_nothing_fits_are_given_at_once_in_the_same_order() -> None:
+    # Quantum 1: 999 rounds pass before any request fits; the order is round robin's.
+    queues = FlowQueues(quantum_tokens=1)
+    queues.push(_ticket("A", key="a", cost=1000))
+    queues.push(_ticket("B", key="b", cost=999))
+    queues.push(_ticket("C", key="c", cost=5000))
+    assert _drain(queues) == ["B", "A", "C"]
+    with pytest.raises(ValueError, match=r"the weight of 'x' must be in \[0.015625, 64.0\]"):
+        FlowQueues(weights={"x": float("inf")})
+
+
+def test_the_deadline_heap_stays_bounded_by_what_waits() -> None:
+    queues = FlowQueues(quantum_tokens=100)
+    for i in range(1000):
+        queues.push(Ticket(f"r{i}", "a", 0, 100, float(i), float(i) + 3600.0))
+        assert queues.pop() is not None
+    assert len(queues) == 0 and len(queues._deadlines) <= 2 * len(queues) + 65
+
+
+def test_a_rate_that_is_not_a_number_is_refused() -> None:
+    with pytest.raises(ValueError, match="overhead_s must be finite and >= 0, got nan"):
+        PoolRate(1000.0, float("nan"), 0, 1)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s must be finite and > 0"):
+        PoolRate(float("inf"), 0.0, 0, 1)
