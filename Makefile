@@ -87,9 +87,10 @@ unit: $(VENV)/.installed-dev $(HELM)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -m serial
 
-# The vLLM engine's tests, in its environment (tests/vllm; the main run skips that directory).
+# The vLLM engine's tests, in its environment (tests/vllm; the main run skips that directory),
+# two files at a time: a worker's start is mostly imports, on one core.
 test-vllm: $(VLLM_VENV)/.installed
-	$(VPY) -m pytest -q tests/vllm
+	$(VPY) -m pytest -q -n 2 --dist loadfile tests/vllm
 
 # vLLM's environment installs while the static checks run (its 3.4 GB is mostly unpacking, the
 # checks mostly one core); then the two test runs, one after the other.
