@@ -35,7 +35,13 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grp
 from tests.faults.faults_util import stats
 from tests.services.harness import wait_for
 from tests.vllm.conftest import BLOCK_SIZE, vllm_cluster
-from tests.vllm.vllm_util import colocated, offline_greedy, same_or_near_tie, through_router
+from tests.vllm.vllm_util import (
+    blocks_back,
+    colocated,
+    offline_greedy,
+    same_or_near_tie,
+    through_router,
+)
 
 TP2 = ("--tensor-parallel-size", "2")
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -126,7 +132,8 @@ def test_tensor_parallel_streams_equal_the_decode_workers_own_run(
                 reports.append(same_or_near_tie(got, own, label))
             reports.append(same_or_near_tie(served[i, "greedy"], offline[i], "vLLM offline"))
         await _idle(cluster)
-        assert [(await stats(w)).num_free_blocks for w in (prefill, decode)] == free
+        for worker, count in zip((prefill, decode), free, strict=True):
+            await blocks_back(worker, count, f"{worker.name} freed what it held")
         return [r for r in reports if r]
 
     print("\n".join(asyncio.run(run())))
@@ -166,6 +173,7 @@ def test_a_handle_of_a_tensor_parallelism_the_decode_worker_cannot_map_is_refuse
             refused.value.details() or ""
         )
         await _idle(cluster)  # the prefill side's lease ended (released or expired)
-        assert (await stats(decode)).num_free_blocks == free
+        # vLLM's engine core frees the refused request's blocks after its stats last spoke.
+        await blocks_back(decode, free, "the decode side freed what the refusal allocated")
 
     asyncio.run(run())
