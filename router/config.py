@@ -8,6 +8,7 @@ from engine.config import DOC
 from engine.model_layout import DEFAULT_LAYOUT, ModelLayout
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.server import ServerConfig
+from router.flow_config import FlowConfig
 from router.limits import RequestLimits
 from router.policy import DECODE_POLICIES, RoutingPolicy
 
@@ -70,6 +71,8 @@ class RouterConfig:
     # Public API: what one request may carry (router/limits.py), and the API keys it needs
     # (a file, one key per line, re-read when it changes; None: no key needed).
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Flow control (docs/slo.md): request classes, fairness, what waits in the router.
+    flow: FlowConfig = field(default_factory=FlowConfig)
     api_key_file: str | None = field(
         default=None, metadata={DOC: "API keys, one per line (re-read)"}
     )

@@ -68,13 +68,10 @@ class FlowQueues:
         """``weights``: a key's share against the others of its band (1 if unnamed)."""
         if quantum_tokens < 1:
             raise ValueError(f"quantum_tokens must be >= 1, got {quantum_tokens}")
-        for key, weight in (weights or {}).items():
-            if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
-                raise ValueError(
-                    f"the weight of {key!r} must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {weight}"
-                )
         self.quantum_tokens = quantum_tokens
-        self.weights = dict(weights or {})
+        self.weights: dict[str, float] = {}
+        for key, weight in (weights or {}).items():
+            self.set_weight(key, weight)
         self._bands: dict[int, _Band] = {}
         self._where: dict[str, Ticket] = {}
         # (deadline, request id), a heap: what to shed is found without a scan. An entry
@@ -86,6 +83,19 @@ class FlowQueues:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._where
+
+    def next_deadline_s(self) -> float | None:
+        """When ``release`` may next shed (none waits: None). A deadline of a request that
+        left may be early: releasing then sheds nothing."""
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def set_weight(self, key: str, weight: float) -> None:
+        """``key``'s share from now on (its next turn's quantum). Raises ValueError."""
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ValueError(
+                f"the weight of {key!r} must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {weight}"
+            )
+        self.weights[key] = weight
 
     def weight(self, key: str) -> float:
         return self.weights.get(key, 1.0)

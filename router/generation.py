@@ -59,15 +59,23 @@ class Generation:
         self.attempts = AttemptRunner(config, pool, dispatch)
 
     async def generate(
-        self, request_id: str, request: Request, out: OutputStream
+        self,
+        request_id: str,
+        request: Request,
+        out: OutputStream,
+        queued: tuple[float, float] | None = None,
     ) -> AsyncGenerator[Result, None]:
         """One request, validated, as the client sees it: token chunks, then the final result.
         A worker that fails mid-flight is replaced (``router/migration.py``) up to
         ``migration_limit`` times, invisibly to the client; a request that keeps losing
         workers (or that a worker's last words name as its killer) is quarantined
         (``router/quarantine.py``: its caller's, with this prompt and sampling). Its phases and
-        trace: ``router/request_trace.py``. Raises ``WorkerError``."""
+        trace: ``router/request_trace.py``; ``queued``: when it waited in flow control's
+        queues. Raises ``WorkerError``."""
         trace = RequestTrace(request_id, out.start_s)
+        if queued is not None:  # its wait in flow control's queues (``queued``: from, to)
+            trace.enter(RequestPhase.FLOW_QUEUE, queued[0])
+            trace.enter(RequestPhase.ROUTER, queued[1])
         digest = request_digest(request.caller, request.prompt_token_ids, request.params)
         try:
             async for result in self._generate(request_id, request, digest, out, trace):

@@ -19,6 +19,7 @@ from pdserve.common.convert import (
 from pdserve.v1 import router_pb2
 from router.limits import RequestLimits, check_sizes
 from router.request import Request
+from router.request_class import Slo, Tenant, check_priority
 from router.result import Chunk, Result
 
 
@@ -44,13 +45,14 @@ def parse_request(data: bytes) -> router_pb2.GenerateRequest | Unparsable:
 def request_from_proto(
     msg: router_pb2.GenerateRequest,
     client_id: str,
-    caller: str,
+    tenant: Tenant,
     start_s: float,
     limits: RequestLimits,
     max_model_len: int,
 ) -> Request:
     """Raises ValueError naming the field: its sizes first (``router/limits.py``, before any
-    of it is converted), then its sampling as ``SamplingParams`` checks it."""
+    of it is converted), then its sampling as ``SamplingParams`` checks it, then its flow
+    control fields. ``tenant``: whose it is (its key is the caller strikes count)."""
     prompt = msg.prompt if msg.HasField("prompt") else None
     sampling = msg.sampling
     check_sizes(
@@ -62,14 +64,32 @@ def request_from_proto(
         limits,
         max_model_len,
     )
+    params = sampling_from_proto(msg.sampling)
+    priority = msg.priority if msg.HasField("priority") else None
+    if priority is not None:
+        check_priority(priority)
+    service_class = msg.service_class if msg.HasField("service_class") else None
+    if service_class is not None and len(service_class) > _MAX_CLASS_CHARS:
+        raise ValueError(f"service_class has more than {_MAX_CLASS_CHARS} characters")
+    slo = msg.slo
     return Request(
         client_id=client_id,
-        params=sampling_from_proto(msg.sampling),
-        caller=caller,
+        params=params,
+        caller=tenant.caller,
         start_s=start_s,
         prompt=prompt,
         prompt_token_ids=tuple(msg.prompt_token_ids),
+        tenant=tenant,
+        service_class=service_class,
+        priority=priority,
+        slo=Slo(
+            slo.ttft_s if slo.HasField("ttft_s") else None,
+            slo.tpot_s if slo.HasField("tpot_s") else None,
+        ),
     )
+
+
+_MAX_CLASS_CHARS = 64  # a class name's length: a longer one names no class
 
 
 def result_to_proto(result: Result) -> router_pb2.GenerateResponse:
@@ -104,7 +124,7 @@ def result_to_proto(result: Result) -> router_pb2.GenerateResponse:
 
 
 # The string fields of a GenerateRequest, by field number (nested: sampling.stop).
-_STRINGS = {1: "prompt", 4: "request_id"}
+_STRINGS = {1: "prompt", 4: "request_id", 6: "service_class"}
 _SAMPLING, _STOP = 3, 7
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 class RequestPhase(enum.Enum):
     # Before the first token (they sum to the TTFT):
     ROUTER = "router"  # received -> first plan: auth, parsing, validation, tokenization
+    FLOW_QUEUE = "flow_queue"  # waiting in the router's flow control queues (docs/slo.md)
     ROUTE = "route"  # the plan: load snapshot, prefix-index lookups
     PREFILL_QUEUE = "prefill_queue"  # on the prefill worker: call received -> its first step
     PREFILL_COMPUTE = "prefill_compute"  # its first step -> the first token sampled

@@ -21,7 +21,14 @@ T = TypeVar("T")
 
 
 class Overloaded(Exception):
-    """Refused for load, not for its content (RESOURCE_EXHAUSTED)."""
+    """Refused for load, not for its content: RESOURCE_EXHAUSTED (HTTP 429), or UNAVAILABLE
+    (503) when no worker could take it; either way with the seconds after which a retry
+    may succeed (``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, unavailable: bool = False) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.unavailable = unavailable
 
 
 class PromptReader:

@@ -7,9 +7,10 @@ serialised once (``router/generation.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from router.request_class import Slo, Tenant
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class Request:
     prompt_token_ids: tuple[int, ...] = ()
     # False: the prompt is a rendered chat template, which wrote its own special tokens.
     add_special_tokens: bool = True
+    # Flow control (docs/slo.md): whose it is, and what it asks of its class.
+    tenant: Tenant | None = None  # None: its caller's, with no API key attributes
+    service_class: str | None = None  # None: its API key's default class, else the router's
+    priority: int | None = None  # None: its class's (lower is served first, as vLLM)
+    slo: Slo = field(default_factory=Slo)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,7 +9,9 @@ first; values are int32, as pdserve's wire carries them. Pure data, validated on
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import InvalidField
 
@@ -53,7 +55,9 @@ class RequestClass:
     priority: int = 0
     slo: Slo = field(default_factory=Slo)
     # Waiting in the router longer than this, a request is shed (429): it would wait to miss.
-    queue_ttl_s: float = 60.0
+    # The default is the router's prefill timeout: a class without targets waits as long as
+    # a prefill may take.
+    queue_ttl_s: float = 600.0
     # Requests of this class waiting in the router at once: past this, the next is shed.
     max_queued: int = 4096
 
@@ -68,6 +72,19 @@ class RequestClass:
 
 
 DEFAULT_CLASS = RequestClass("default")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose a request is, as its frontend read it: its caller (who strikes count against:
+    ``key:<API key identity>`` or ``host:<client host>``), its fairness key (the caller, or
+    ``header:<value>`` of the operator's fairness header) and what its API key's line names
+    (``class=``, ``weight=``: docs/slo.md)."""
+
+    caller: str
+    key: str
+    default_class: str | None = None
+    weight: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,3 +109,42 @@ class Tag:
     @property
     def targets(self) -> Slo:
         return self.request_class.slo.over(self.slo)
+
+
+_CLASS_FIELDS = {"priority": int, "ttft_s": float, "tpot_s": float}
+_CLASS_FIELDS |= {"queue_ttl_s": float, "max_queued": int}
+
+
+def parse_classes(spec: str) -> tuple[RequestClass, ...]:
+    """The classes a ``--request-classes`` value names: ``;``-separated, each ``NAME`` or
+    ``NAME:field=value,...`` with the fields ``priority``, ``ttft_s``, ``tpot_s``,
+    ``queue_ttl_s``, ``max_queued``; e.g. ``interactive:priority=-1,ttft_s=1;batch:priority=10``.
+    ``default`` is always a class (its defaults, unless the spec names it). Raises ValueError
+    naming the part."""
+    found: dict[str, RequestClass] = {}
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        name, _, body = part.partition(":")
+        values: dict[str, Any] = {}
+        for item in (i.strip() for i in body.split(",") if i.strip()):
+            field_name, sep, raw = item.partition("=")
+            kind = _CLASS_FIELDS.get(field_name.strip())
+            if not sep or kind is None:
+                raise ValueError(
+                    f"request class {name!r}: {item!r} is not one of "
+                    f"{', '.join(f + '=...' for f in _CLASS_FIELDS)}"
+                )
+            try:
+                values[field_name.strip()] = kind(raw.strip())
+            except ValueError:
+                raise ValueError(
+                    f"request class {name!r}: {field_name} must be {kind.__name__}, got {raw!r}"
+                ) from None
+        name = name.strip()
+        if name in found:
+            raise ValueError(f"request class {name!r} is named twice")
+        slo = Slo(values.pop("ttft_s", None), values.pop("tpot_s", None))
+        found[name] = dataclasses.replace(RequestClass(name), slo=slo, **values)
+    found.setdefault(DEFAULT_CLASS.name, DEFAULT_CLASS)
+    return tuple(found.values())

@@ -3,16 +3,18 @@ on. The gRPC servicer (``router/service.py``) and the OpenAI HTTP app (``router/
 take a ``RequestCore``; neither imports the other.
 
 A request goes: ``authorized`` (API keys), ``refusal`` (draining, loading), ``track`` (counted
-in flight until its last byte: drain waits for it), ``read`` (sizes and counts first:
-``router/limits.py``; tokenization off the event loop: ``router/prompts.py``; then whether any
-worker could ever hold the prompt), ``responses`` (``router/generation.py``'s stream under a
-request id unique on the workers).
+in flight until its last byte: drain waits for it), ``tenant`` (whose it is), ``read`` (its
+class first, then sizes and counts: ``router/limits.py``; tokenization off the event loop:
+``router/prompts.py``; then whether any worker could ever hold the prompt), ``responses``
+(flow control's admission and wait: ``router/waiting_room.py``; then
+``router/generation.py``'s stream under a request id unique on the workers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncGenerator
@@ -20,6 +22,7 @@ from typing import Protocol
 
 from engine.checkpoint import CheckpointInfo
 from engine.fingerprint import engine_fingerprint
+from engine.sampling_params import InvalidField
 from engine.tokenizer import Tokenizer
 from pdserve.common import metrics
 from pdserve.common.auth import ApiKeys
@@ -30,11 +33,14 @@ from router.generation import Generation
 from router.output_stream import OutputStream
 from router.prompts import Overloaded, PromptReader
 from router.request import Request
-from router.result import Result
+from router.request_class import Tag, Tenant
+from router.result import Chunk, Final, Result
+from router.waiting_room import Seat, WaitingRoom
 from router.worker_errors import WorkerError
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
+_MAX_KEY_BYTES = 128  # a fairness header's value
 
 
 class ResourceError(ValueError):
@@ -64,6 +70,7 @@ class RequestCore:
         self._pool: WorkerPool | None = None
         self._cluster: ClusterState | None = None
         self._generation: Generation | None = None
+        self._room: WaitingRoom | None = None
         self._inflight = 0
 
     @property
@@ -77,6 +84,12 @@ class RequestCore:
         if self._generation is None:
             raise RuntimeError("the router is not loaded yet")
         return self._generation
+
+    @property
+    def room(self) -> WaitingRoom:
+        if self._room is None:
+            raise RuntimeError("the router is not loaded yet")
+        return self._room
 
     async def load(self) -> None:
         """Builds the pool, the cluster state and the generation path; waits for workers."""
@@ -94,6 +107,7 @@ class RequestCore:
         self._cluster = ClusterState(config.redis, self._pool, fingerprint, layout.block_size)
         dispatch = Dispatcher(config, self._pool, self._cluster)
         self._generation = Generation(config, self._pool, dispatch, self.checkpoint.eos_token_ids)
+        self._room = WaitingRoom(config.flow, self._prompt_workers)
         await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)
         self._cluster.start(config.stats_interval_s)
 
@@ -122,6 +136,37 @@ class RequestCore:
             return f"key:{self.api_keys.identity(authorization)}"
         return f"host:{peer_host(peer)}"
 
+    def tenant(self, authorization: str | None, peer: str, header: str | None) -> Tenant:
+        """Whose an authorized request is (docs/slo.md): the value of the operator's fairness
+        header (``header``, when it names one and the request carries it), else its caller;
+        with what its API key's line names. Raises ValueError naming the header."""
+        attributes = self.api_keys.attributes(authorization) if self.api_keys else {}
+        caller = self.caller(authorization, peer)
+        tenant = Tenant(caller, caller, attributes.get("class"), _number(attributes))
+        if header is None:
+            return tenant
+        name = self.config.flow.fairness_header
+        if not header or len(header) > _MAX_KEY_BYTES or not header.isprintable():
+            raise ValueError(f"header {name} must be 1 to {_MAX_KEY_BYTES} printable characters")
+        return dataclasses.replace(tenant, key=f"header:{header}")
+
+    def tag(self, request: Request) -> Tag:
+        """What flow control reads of ``request``: its class (its own, else its API key's,
+        else the router's default), priority and targets. Raises ``InvalidField``."""
+        flow = self.config.flow
+        tenant = request.tenant or Tenant(request.caller, request.caller)
+        name = request.service_class or tenant.default_class or flow.default_class
+        found = flow.named(name)
+        if found is None:
+            if request.service_class is None:  # the key file's mistake, not the client's
+                logger.warning("API key class %r is not a request class: using the default", name)
+                found = flow.default
+            else:
+                names = ", ".join(c.name for c in flow.classes)
+                message = f"{name!r} is not a request class of this router ({names})"
+                raise InvalidField("service_class", message)
+        return Tag(tenant.key, found, request.priority, request.slo)
+
     def refusal(self) -> str | None:
         """Why this router takes no request now (UNAVAILABLE / 503), or None."""
         if self.lifecycle.draining:
@@ -139,9 +184,16 @@ class RequestCore:
     async def read(self, request: Request) -> Request:
         """``request`` validated, its prompt as ids. Raises ValueError (INVALID_ARGUMENT),
         ``ResourceError`` or ``Overloaded`` (RESOURCE_EXHAUSTED)."""
+        self.tag(request)  # its class exists: checked before any work
         read = await self.prompts.read(request, self.max_model_len)
         self.check_capacity(read.num_prompt_tokens)
         return read
+
+    def _prompt_workers(self) -> int:
+        """The workers that compute prompts (flow control's pool), ready or not: none known
+        is flow control's 503."""
+        workers = self.pool.decode if self.config.colocated else self.pool.prefill
+        return sum(1 for w in workers.values() if not w.refused)
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """A prompt no worker of a needed pool could ever hold is refused before any work."""
@@ -183,18 +235,59 @@ class RequestCore:
 
     async def responses(self, request: Request) -> AsyncGenerator[Result, None]:
         """One request's results (``read`` validated it) under a request id unique on the
-        workers even if clients reuse theirs. Every frontend's (inside its ``track``)."""
+        workers even if clients reuse theirs, once flow control let it go to them (raises
+        ``Shed`` when it does not). Every frontend's (inside its ``track``)."""
         request_id = f"{request.client_id}-{uuid.uuid4().hex[:8]}"
+        tag = self.tag(request)
+        weight = request.tenant.weight if request.tenant is not None else None
+        if weight is not None:  # the key file's, checked as it is set
+            try:
+                self.room.queues.set_weight(tag.key, weight)
+            except ValueError as exc:
+                logger.warning("request_id=%s: API key weight ignored: %s", request_id, exc)
+        seat = await self.room.enter(request_id, tag, request.num_prompt_tokens)
         out = OutputStream(self.tokenizer, request, self.checkpoint.eos_token_ids)
         try:
-            stream = self.generation.generate(request_id, request, out)
+            stream = self.generation.generate(request_id, request, out, seat.queued)
             async with contextlib.aclosing(stream):
                 async for response in stream:
+                    _account(seat, response)
                     yield response
         except WorkerError as exc:
             metrics.REQUEST_ERRORS.labels(exc.code.name).inc()
             logger.warning("request_id=%s failed: %s %s", request_id, exc.code.name, exc.message)
             raise
+        finally:
+            seat.leave()
+
+
+def _account(seat: Seat, response: Result) -> None:
+    """Flow control's view of a response: the first token frees the request's prompt tokens;
+    each target is met or missed (``pdserve_slo_requests_total``)."""
+    targets, name = seat.tag.targets, seat.tag.request_class.name
+    if isinstance(response, Chunk) and response.token_ids:
+        seat.first_token()
+    elif isinstance(response, Final):
+        tpot = response.mean_tpot_s if response.completion_tokens > 1 else None
+        for target, limit, value in (
+            ("ttft", targets.ttft_s, response.ttft_s),
+            ("tpot", targets.tpot_s, tpot),
+        ):
+            if limit is not None and value is not None:
+                result = "met" if value <= limit else "missed"
+                metrics.SLO_REQUESTS.labels(name, target, result).inc()
+
+
+def _number(attributes: dict[str, str]) -> float | None:
+    """An API key's ``weight=`` (None when absent or not a number: logged)."""
+    raw = attributes.get("weight")
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        logger.warning("API key weight %r is not a number: ignored", raw)
+        return None
 
 
 class InFlight:

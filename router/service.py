@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -143,10 +144,12 @@ class RouterService(Service):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, parsed.message)
         assert isinstance(parsed, router_pb2.GenerateRequest)
         client_id = parsed.request_id or uuid.uuid4().hex
-        caller = core.caller(authorization, context.peer())
+        metadata = context.invocation_metadata()
         try:
+            header = _metadata(metadata, self.config.flow.fairness_header)
+            tenant = core.tenant(authorization, context.peer(), header)
             limits, max_model_len = self.config.limits, core.max_model_len
-            asked = request_from_proto(parsed, client_id, caller, start_s, limits, max_model_len)
+            asked = request_from_proto(parsed, client_id, tenant, start_s, limits, max_model_len)
             request = await core.read(asked)
         except (ResourceError, Overloaded) as exc:
             metrics.REQUEST_ERRORS.labels("RESOURCE_EXHAUSTED").inc()
@@ -172,5 +175,23 @@ class RouterService(Service):
                 f"the client read nothing for client_idle_timeout_s="
                 f"{self.config.client_idle_timeout_s}",
             )
+        except Overloaded as exc:  # flow control's: before any response
+            code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else _RESOURCE_EXHAUSTED
+            metrics.REQUEST_ERRORS.labels(code.name).inc()
+            retry = (("retry-after", str(exc.retry_after_s)),)
+            await context.abort(code, str(exc), trailing_metadata=retry)
         except WorkerError as exc:
             await context.abort(exc.code, exc.message)
+
+
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _metadata(metadata: Sequence[tuple[str, str | bytes]] | None, name: str | None) -> str | None:
+    """The value of the (text) metadata entry ``name`` (None: no name, or not sent)."""
+    if name is None:
+        return None
+    for key, value in metadata or ():
+        if key == name:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None

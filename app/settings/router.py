@@ -17,9 +17,11 @@ from app.settings.flags import (
 )
 from app.settings.layout_flags import add_layout_flags, layout_of
 from router.config import RouterConfig
+from router.flow_config import FlowConfig
 from router.limits import RequestLimits
 from router.openai.tool_parsers import PARSERS
 from router.policy import DECODE_POLICIES, RoutingPolicy
+from router.request_class import parse_classes
 
 # The fields whose flags come from the config (``app/settings/config_flags.py``).
 ROUTER_FIELDS = (
@@ -40,6 +42,7 @@ ROUTER_FIELDS = (
 )
 
 LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestLimits))  # public: every one
+FLOW_FIELDS = tuple(f.name for f in dataclasses.fields(FlowConfig) if f.name != "classes")
 
 
 def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
@@ -67,6 +70,15 @@ def add_router_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         "format the chat template writes, if it names one)",
     )
     add_field_flags(parser, env, RouterConfig, ROUTER_FIELDS)
+    add_flag(
+        parser,
+        "--request-classes",
+        env,
+        default="",
+        help="request classes, ';'-separated: NAME[:priority=P,ttft_s=S,tpot_s=S,"
+        "queue_ttl_s=S,max_queued=N] (docs/slo.md; 'default' is always one)",
+    )
+    add_field_flags(parser, env, FlowConfig, FLOW_FIELDS)
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
@@ -80,5 +92,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
         decode_policy=RoutingPolicy(args.decode_policy),
         tool_call_parser=args.tool_call_parser,
         limits=RequestLimits(**field_values(args, RequestLimits, LIMIT_FIELDS)),
+        flow=FlowConfig(
+            classes=parse_classes(args.request_classes),
+            **field_values(args, FlowConfig, FLOW_FIELDS),
+        ),
         **field_values(args, RouterConfig, ROUTER_FIELDS),
     )

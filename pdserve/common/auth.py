@@ -1,10 +1,12 @@
 """API keys for a public endpoint (the router's gRPC API, its OpenAI HTTP API).
 
-The keys come from a file, one per line (blank lines and ``#`` comments ignored), and are read
-again whenever the file changes, so keys rotate without a restart: add the new key, move the
-clients over, remove the old one. A request carries ``authorization: Bearer <key>``. Only a
-SHA-256 of each key is kept, and the comparison runs in constant time over every key. Keys are
-never logged; refusals count in ``pdserve_auth_failures_total``.
+The keys come from a file, one per line (blank lines and ``#`` comments ignored), each
+optionally followed by ``name=value`` attributes the router reads (``class=batch weight=2``:
+docs/slo.md), and are read again whenever the file changes, so keys rotate without a
+restart: add the new key, move the clients over, remove the old one. A request carries
+``authorization: Bearer <key>``. Only a SHA-256 of each key is kept, and the comparison runs in
+constant time over every key. Keys are never logged; refusals count in
+``pdserve_auth_failures_total``.
 """
 
 from __future__ import annotations
@@ -29,20 +31,32 @@ class ApiKeys:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._digests: tuple[bytes, ...] = ()
+        self._attributes: dict[bytes, dict[str, str]] = {}
         self._mtime_ns = -1
         self._checked_s = 0.0
         self._load()
 
     def _load(self) -> None:
         stat = os.stat(self.path)
-        keys = [
-            line.strip()
+        lines = [
+            line.split()
             for line in self.path.read_text().splitlines()
             if line.strip() and not line.strip().startswith("#")
         ]
-        if not keys:
+        if not lines:
             raise ValueError(f"api key file {self.path} holds no key")
+        attributes = {}
+        for n, (key, *pairs) in enumerate(lines, 1):
+            split = [pair.partition("=") for pair in pairs]
+            for pair, (name, sep, _) in zip(pairs, split, strict=True):
+                if not (sep and name):  # never the key itself in the message
+                    raise ValueError(
+                        f"api key file {self.path}: key {n}: {pair!r} is not name=value"
+                    )
+            attributes[_digest(key)] = {name: value for name, _, value in split}
+        keys = [line[0] for line in lines]
         self._digests = tuple(_digest(k) for k in keys)
+        self._attributes = attributes
         self._mtime_ns = stat.st_mtime_ns
         logger.info("api keys: %d loaded from %s", len(keys), self.path)
 
@@ -68,6 +82,11 @@ class ApiKeys:
         for digest in self._digests:  # every key compared: the time says nothing of which
             found |= hmac.compare_digest(presented, digest)
         return found
+
+    def attributes(self, authorization: str | None) -> dict[str, str]:
+        """The attributes the file gives an allowed key (``allows`` checked it), else none."""
+        _, _, key = (authorization or "").partition(" ")
+        return dict(self._attributes.get(_digest(key.strip()), {}))
 
     @staticmethod
     def identity(authorization: str | None) -> str:

@@ -27,6 +27,56 @@ REQUESTS = Counter("pdserve_requests_total", "Finished requests", ["finish_reaso
 REQUEST_ERRORS = Counter("pdserve_request_errors_total", "Requests ended by an error", ["code"])
 ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the router")
 ROUTER_ARRIVALS = Counter("pdserve_router_arrivals", "Requests admitted by the router")
+# Router: flow control (router/waiting_room.py, docs/slo.md), by request class and by
+# fairness key (``bounded_key``: the first MAX_KEY_LABELS keys, the rest as "other").
+FLOW_QUEUED = Gauge(
+    "pdserve_flow_queued_requests", "Requests waiting in the router's queues", ["class"]
+)
+FLOW_ADMITTED = Counter("pdserve_flow_admitted_total", "Requests flow control admitted", ["class"])
+FLOW_SHED = Counter(
+    "pdserve_flow_shed_total",
+    "Requests flow control refused or shed (queue_full, slo_unreachable, no_worker: at once; "
+    "ttl_expired: after waiting)",
+    ["class", "reason"],
+)
+FLOW_KEY_ADMITTED = Counter(
+    "pdserve_flow_key_admitted_total", "Requests flow control admitted, by fairness key", ["key"]
+)
+FLOW_KEY_SHED = Counter(
+    "pdserve_flow_key_shed_total", "Requests flow control refused or shed, by fairness key", ["key"]
+)
+FLOW_WAIT_S = Histogram(
+    "pdserve_flow_wait_seconds",
+    "Time a request waited in the router's queues",
+    ["class"],
+    buckets=_LATENCY_BUCKETS_S,
+)
+SLO_REQUESTS = Counter(
+    "pdserve_slo_requests_total",
+    "Requests with a target, by whether they met it (target: ttft, tpot; result: met, missed)",
+    ["class", "target", "result"],
+)
+TTFT_PREDICTION_ERROR = Histogram(
+    "pdserve_ttft_prediction_error_ratio",
+    "Admission's predicted TTFT against the measured: |predicted - measured| / measured",
+    ["class"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+)
+MAX_KEY_LABELS = 64
+_KEY_LABELS: set[str] = set()
+
+
+def bounded_key(key: str) -> str:
+    """``key`` as a label value, while fewer than ``MAX_KEY_LABELS`` keys have one; else
+    "other" (a header-chosen key must not grow the registry without bound)."""
+    if key in _KEY_LABELS:
+        return key
+    if len(_KEY_LABELS) < MAX_KEY_LABELS:
+        _KEY_LABELS.add(key)
+        return key
+    return "other"
+
+
 TOKENIZATIONS_IN_FLIGHT = Gauge(
     "pdserve_tokenizations_in_flight", "Prompts being tokenized, off the event loop"
 )

@@ -152,10 +152,15 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         headers = {"x-request-id": client_id}
         idle_s = core.config.client_idle_timeout_s
         host = request.client.host if request.client is not None else ""
-        caller = core.caller(request.headers.get("authorization"), host)
-        arrival = Arrival(client_id, caller, start_s)
         try:
             try:
+                header = core.config.flow.fairness_header
+                tenant = core.tenant(
+                    request.headers.get("authorization"),
+                    host,
+                    request.headers.get(header) if header is not None else None,
+                )
+                arrival = Arrival(client_id, tenant, start_s)
                 parsed = await parse(core, served, body)
                 prepared = await prepare(core, parsed, arrival)
             except ValueError as exc:  # the request's reading: a check naming its field

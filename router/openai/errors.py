@@ -12,6 +12,8 @@ from pdserve's refusals to HTTP statuses (the gRPC frontend's codes, translated)
 | a response that could outgrow ``--max-output-bytes`` | 400, naming max_tokens, n, logprobs |
 | ``--max-concurrent-requests`` in flight | 429, ``Retry-After`` |
 | overloaded (RESOURCE_EXHAUSTED) | 429, ``Retry-After`` |
+| flow control (docs/slo.md): queue full, TTFT target missed, TTL over | 429, ``Retry-After`` |
+| flow control: no worker in the pool that computes prompts | 503, ``Retry-After`` |
 | draining, loading, no worker (UNAVAILABLE) | 503, ``Retry-After`` |
 | a worker's PERMISSION_DENIED, FAILED_PRECONDITION, DATA_LOSS | 503, ``Retry-After`` |
 | anything else (a ValueError past the request's reading too: a bug) | 500, no internals |
@@ -190,8 +192,12 @@ def from_exception(exc: BaseException) -> ApiError | None:
     if isinstance(exc, InvalidParameter):
         return invalid(str(exc), exc.param)
     if isinstance(exc, Overloaded):
+        if exc.unavailable:
+            return ApiError(
+                503, str(exc), "service_unavailable", "unavailable", retry_after_s=exc.retry_after_s
+            )
         return ApiError(
-            429, str(exc), "rate_limit_error", code="overloaded", retry_after_s=RETRY_AFTER_S
+            429, str(exc), "rate_limit_error", code="overloaded", retry_after_s=exc.retry_after_s
         )
     if isinstance(exc, WorkerError):
         status = _GRPC_TO_HTTP.get(exc.code)

@@ -9,6 +9,7 @@ import dataclasses
 import time
 import uuid
 
+from engine.sampling_params import InvalidField
 from router.limits import check_output, prompt_bytes
 from router.openai.bad_words import bad_words_ids
 from router.openai.choices import Choice
@@ -18,6 +19,7 @@ from router.openai.protocol import ParsedRequest
 from router.openai.responses import ChoiceOutput, Envelope, Kind
 from router.openai.tools import NO_TOOLS, ToolPlan
 from router.request import Request
+from router.request_class import Tenant
 from router.request_core import RequestCore, ResourceError
 
 
@@ -36,10 +38,10 @@ class Prepared:
 @dataclasses.dataclass(frozen=True)
 class Arrival:
     """Who asked, and when: the request's id (the client's ``X-Request-Id`` or a fresh one),
-    the caller its limits count against, its arrival on the router's clock."""
+    whose it is (``RequestCore.tenant``), its arrival on the router's clock."""
 
     client_id: str
-    caller: str
+    tenant: Tenant
     start_s: float
 
 
@@ -64,13 +66,21 @@ async def prepare(core: RequestCore, parsed: Parsed, arrival: Arrival) -> Prepar
         one = Request(
             client_id,
             sampling,
-            arrival.caller,
+            arrival.tenant.caller,
             arrival.start_s,
             prompt.text,
             prompt.token_ids,
             # A chat prompt is rendered whole by its template, special tokens included.
             add_special_tokens=kind is Kind.COMPLETION,
+            tenant=arrival.tenant,
+            service_class=asked.service_class,
+            priority=asked.priority,
+            slo=asked.slo,
         )
+        try:
+            core.tag(one)  # OpenAI's name for the class: service_tier
+        except InvalidField as exc:
+            raise InvalidParameter("service_tier", f"service_tier: {exc}") from None
         read = await core.read(one)
         params = read.params
         if asked.fill_context:

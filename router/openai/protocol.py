@@ -30,6 +30,7 @@ from router.openai.chat_template import ChatTemplate
 from router.openai.control_text import check_control_text
 from router.openai.invalid_parameter import InvalidParameter
 from router.openai.structured import structured_output
+from router.request_class import Slo, check_priority
 
 
 class _Body(BaseModel):
@@ -38,6 +39,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+
+
+class SloTargets(_Body):
+    """pdserve's extra: a request's own targets (docs/slo.md), over its class's."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 class _Sampling(_Body):
@@ -71,6 +79,11 @@ class _Sampling(_Body):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # Flow control (docs/slo.md): vLLM's priority (lower first), OpenAI's service_tier (a
+    # request class's name; "auto" and "default": the API key's class), pdserve's targets.
+    priority: int | None = None
+    service_tier: str | None = None
+    slo: SloTargets | None = None
 
 
 class ContentPart(_Body):
@@ -130,6 +143,9 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt leads the text (and its logprobs, the list)
     bad_words: tuple[str, ...] = ()  # tokenized where the tokenizer is (the serving layer)
     prompt_logprobs: int | None = None  # vLLM's ``prompt_logprobs`` field, as asked
+    priority: int | None = None  # None: its class's
+    service_class: str | None = None  # None: its API key's class, else the router's default
+    slo: Slo = dataclasses.field(default_factory=Slo)
 
     @property
     def num_choices(self) -> int:
@@ -251,7 +267,37 @@ def _parse(
         fill_context=max_tokens is None,
         prompt_logprobs=body.prompt_logprobs,
         bad_words=tuple(body.bad_words or ()),
+        **_flow_fields(body),
     )
+
+
+# ``service_tier`` values OpenAI's clients send that name no class of pdserve's.
+_ANY_TIER = ("auto", "default")
+
+
+def _flow_fields(body: _Sampling) -> dict[str, Any]:
+    """``priority``, ``service_class`` and ``slo`` of ``ParsedRequest``, checked (the class's
+    existence is the request core's check)."""
+    if body.priority is not None:
+        check_priority(body.priority)
+    tier = body.service_tier
+    if tier is not None and (not tier or len(tier) > _MAX_TIER_CHARS):
+        raise InvalidParameter(
+            "service_tier", f"service_tier must be 1 to {_MAX_TIER_CHARS} characters"
+        )
+    targets = body.slo or SloTargets()
+    try:
+        slo = Slo(targets.ttft_s, targets.tpot_s)
+    except InvalidField as exc:
+        raise InvalidParameter(f"slo.{exc.field}", f"slo.{exc}") from None
+    return {
+        "priority": body.priority,
+        "service_class": None if tier in _ANY_TIER else tier,
+        "slo": slo,
+    }
+
+
+_MAX_TIER_CHARS = 64
 
 
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from pdserve.v1 import common_pb2, router_pb2
 from router.grpc_wire import invalid_utf8_field, request_from_proto
 from router.limits import RequestLimits, check_request
 from router.request import Request
+from router.request_class import Tenant
 
 
 def test_plaintext_binds_loopback_only_unless_insecure() -> None:
@@ -91,7 +92,9 @@ def test_limits_are_checked_by_count_and_bytes_before_anything() -> None:
         prompt="ok", sampling=common_pb2.SamplingParams(stop=["a", "b", "c"], temperature=-1.0)
     )
     with pytest.raises(ValueError, match=r"stop has 3 strings"):
-        request_from_proto(hostile, "r", "host:127.0.0.1", 0.0, limits, 64)
+        request_from_proto(
+            hostile, "r", Tenant("host:127.0.0.1", "host:127.0.0.1"), 0.0, limits, 64
+        )
     wire = router_pb2.GenerateRequest(prompt="ok", sampling=sampling).SerializeToString()
     assert invalid_utf8_field(wire) is None
     assert invalid_utf8_field(wire.replace(b"c", b"\xff")) == "stop[2]"

@@ -1,0 +1,210 @@
+"""The router's waiting room, the I/O shell of flow control (docs/slo.md): it executes what
+the pure decisions say. ``admit`` (``router/admission.py``) says whether a request may wait;
+``FlowQueues`` (``router/flow_control.py``) says who goes to the workers next and who is shed;
+``PrefillRate`` (``router/prefill_rate.py``) is what the room measures for the prediction.
+
+Every public request passes through it (``RequestCore.responses``): ``enter`` admits it (or
+raises ``Shed``) and waits until the queues release it, a wait bounded by its class's time to
+live; the ``Seat`` it returns gives its prompt tokens back at the first token (``first_token``)
+or when the request ends without one (``leave``). Requests go to the workers while the prompt
+tokens in flight there stay within ``inflight_tokens_per_worker`` x the workers that compute
+prompts. A client that leaves while waiting is taken out of the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.common import metrics
+from router.admission import Admission, PoolRate, Verdict, admit
+from router.flow_config import FlowConfig
+from router.flow_control import FlowQueues, Ticket
+from router.prefill_rate import PrefillRate
+from router.prompts import Overloaded
+from router.request_class import Tag
+
+logger = logging.getLogger(__name__)
+
+TTL_EXPIRED = "ttl_expired"  # the shed reason of a request whose wait outlived its class's TTL
+
+
+class Shed(Overloaded):
+    """Refused or shed by flow control: 429 (503 when no worker could take it), with the
+    seconds after which a retry may be admitted."""
+
+    def __init__(self, message: str, retry_after_s: int, reason: str) -> None:
+        super().__init__(message, retry_after_s, unavailable=reason == Verdict.NO_WORKER.value)
+        self.reason = reason
+
+
+@dataclass
+class _Waiting:
+    ticket: Ticket
+    tag: Tag
+    admission: Admission
+    released: asyncio.Future[None]
+
+
+class WaitingRoom:
+    def __init__(
+        self,
+        config: FlowConfig,
+        num_workers: Callable[[], int],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        """``num_workers``: the workers that compute prompts now (the prefill pool's, or the
+        decode pool's when colocated)."""
+        self.config = config
+        self.queues = FlowQueues(config.quantum_tokens)
+        self.rate = PrefillRate(config.prefill_tokens_per_s)
+        self._num_workers = num_workers
+        self._clock = clock
+        self._waiting: dict[str, _Waiting] = {}
+        self._queued: dict[str, int] = {}  # by class
+        self._timer: asyncio.TimerHandle | None = None
+
+    def pool_rate(self) -> PoolRate:
+        workers = self._num_workers()
+        return PoolRate(
+            self.rate.tokens_per_s(workers),
+            self.rate.overhead_s,
+            max(0, self.rate.inflight_tokens),
+            workers,
+        )
+
+    async def enter(self, request_id: str, tag: Tag, cost: int) -> Seat:
+        """Admits the request of ``cost`` prompt tokens and waits for its turn. Raises
+        ``Shed`` (refused at once, or shed when its wait outlived its class's TTL)."""
+        cost = max(1, cost)
+        now = self._clock()
+        self._release(now)  # what expired goes first: the counts below are current
+        cls = tag.request_class
+        ahead = self.queues.tokens_ahead(tag.band, tag.key, cost)
+        admission = admit(tag, cost, ahead, self._queued.get(cls.name, 0), self.pool_rate())
+        if not admission.admitted:
+            reason = admission.verdict.value
+            metrics.FLOW_SHED.labels(cls.name, reason).inc()
+            metrics.FLOW_KEY_SHED.labels(metrics.bounded_key(tag.key)).inc()
+            logger.info("request_id=%s shed (%s): %s", request_id, reason, admission.reason)
+            raise Shed(admission.reason, admission.retry_after_s, reason)
+        metrics.FLOW_ADMITTED.labels(cls.name).inc()
+        metrics.FLOW_KEY_ADMITTED.labels(metrics.bounded_key(tag.key)).inc()
+        ticket = Ticket(request_id, tag.key, tag.band, cost, now, now + cls.queue_ttl_s)
+        released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.queues.push(ticket)
+        self._waiting[request_id] = _Waiting(ticket, tag, admission, released)
+        self._queued[cls.name] = self._queued.get(cls.name, 0) + 1
+        metrics.FLOW_QUEUED.labels(cls.name).inc()
+        self._release(now)
+        waited = not released.done()
+        try:
+            await released  # bounded: its deadline sheds it (the timer below)
+        except asyncio.CancelledError:  # its client left
+            now = self._clock()
+            if request_id in self.queues:
+                self.queues.remove(request_id)
+                self._unqueued(request_id)
+            elif released.done() and released.exception() is None:
+                self.rate.dropped(cost, now)  # released, never ran
+            self._release(now)
+            raise
+        sent_s = self._clock()
+        metrics.FLOW_WAIT_S.labels(cls.name).observe(sent_s - now)
+        return Seat(self, ticket, tag, admission.predicted_ttft_s, sent_s, waited)
+
+    def _unqueued(self, request_id: str) -> _Waiting:
+        waiting = self._waiting.pop(request_id)
+        name = waiting.tag.request_class.name
+        self._queued[name] -= 1
+        metrics.FLOW_QUEUED.labels(name).dec()
+        return waiting
+
+    def _release(self, now: float) -> None:
+        """Executes ``FlowQueues.release`` now, and sets the timer for its next deadline."""
+        budget = self.config.inflight_tokens_per_worker * max(1, self._num_workers())
+        release = self.queues.release(now, max(0, self.rate.inflight_tokens), budget)
+        for ticket in release.shed:
+            waiting = self._unqueued(ticket.request_id)
+            name = waiting.tag.request_class.name
+            metrics.FLOW_SHED.labels(name, TTL_EXPIRED).inc()
+            metrics.FLOW_KEY_SHED.labels(metrics.bounded_key(ticket.key)).inc()
+            if not waiting.released.done():
+                ttl = waiting.tag.request_class.queue_ttl_s
+                ahead = self.queues.tokens_ahead(ticket.band, ticket.key, ticket.cost)
+                message = (
+                    f"waited {now - ticket.arrival_s:.1f} s in the router's queue: its class "
+                    f"{name!r}'s queue_ttl_s ({ttl:g})"
+                )
+                retry = max(1, math.ceil(self.pool_rate().seconds(ahead)))
+                waiting.released.set_exception(Shed(message, retry, TTL_EXPIRED))
+        for ticket in release.dispatch:
+            waiting = self._unqueued(ticket.request_id)
+            self.rate.sent(ticket.cost, now)
+            if not waiting.released.done():
+                waiting.released.set_result(None)
+        self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.queues.next_deadline_s()
+        if deadline is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(
+                max(0.0, deadline - now), lambda: self._release(self._clock())
+            )
+
+
+class Seat:
+    """A released request's prompt tokens, in flight until its first token or its end."""
+
+    def __init__(
+        self,
+        room: WaitingRoom,
+        ticket: Ticket,
+        tag: Tag,
+        predicted_ttft_s: float,
+        sent_s: float,
+        waited: bool,
+    ) -> None:
+        self.room = room
+        self.ticket = ticket
+        self.tag = tag
+        self.predicted_ttft_s = predicted_ttft_s
+        self.sent_s = sent_s
+        # Its time in the queue (``ticket.arrival_s`` to ``sent_s``), when it had to wait:
+        # the request's ``flow_queue`` phase (``router/phases.py``).
+        self.queued = (ticket.arrival_s, sent_s) if waited else None
+        self._backlog = room.rate.inflight_tokens  # what it found in flight, itself included
+        self._held = True
+
+    def first_token(self) -> None:
+        """Its first token is back: its tokens leave the count, measured as served."""
+        if not self._held:
+            return
+        self._held = False
+        room, now = self.room, self.room._clock()
+        workers = room._num_workers()
+        room.rate.observe_overhead(now - self.sent_s, self._backlog, workers)
+        room.rate.served(self.ticket.cost, now)
+        name = self.tag.request_class.name
+        measured = now - self.ticket.arrival_s
+        if measured > 0:
+            error = abs(self.predicted_ttft_s - measured) / measured
+            metrics.TTFT_PREDICTION_ERROR.labels(name).observe(error)
+        room._release(now)
+
+    def leave(self) -> None:
+        """The request ended (idempotent): tokens still held go back, unmeasured."""
+        if not self._held:
+            return
+        self._held = False
+        now = self.room._clock()
+        self.room.rate.dropped(self.ticket.cost, now)
+        self.room._release(now)
