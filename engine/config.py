@@ -72,6 +72,15 @@ class CacheConfig:
             raise ValueError("host_cache_gib needs prefix caching (the tier holds its blocks)")
 
 
+class SchedulingPolicy(enum.Enum):
+    """The order in which an engine serves the requests it holds (vLLM's
+    ``--scheduling-policy``): ``fcfs``, by arrival; ``priority``, by ``SamplingParams.priority``
+    (lower first), then arrival, the lowest priority preempted first under KV pressure."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=128, metadata={DOC: "requests in one step, at most"})
@@ -88,10 +97,22 @@ class SchedulerConfig:
     max_pause_s: float = field(
         default=60.0, metadata={DOC: "how long a paused request keeps its blocks, at most"}
     )
+    scheduling_policy: SchedulingPolicy = field(
+        default=SchedulingPolicy.FCFS,
+        metadata={DOC: "the engine's order: fcfs (arrival) or priority (lower first; vLLM's)"},
+    )
+    # Aging bounds starvation: a request waiting behind a stream of more urgent ones gains one
+    # priority level per this many seconds waited (native engine; vLLM has none).
+    priority_aging_s: float = field(
+        default=10.0,
+        metadata={DOC: "priority policy: a waiting request gains one level per this many seconds"},
+    )
 
     def __post_init__(self) -> None:
         if self.max_paused_requests < 0:
             raise ValueError(f"max_paused_requests must be >= 0, got {self.max_paused_requests}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not self.max_pause_s > 0:
             raise ValueError(f"max_pause_s must be > 0, got {self.max_pause_s}")
         if self.max_num_seqs < 1:

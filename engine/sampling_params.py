@@ -18,6 +18,7 @@ _MIN_TEMPERATURE = 1e-5
 MAX_INT32 = (1 << 31) - 1  # max_tokens, top_k
 MAX_TOKEN_ID = (1 << 32) - 1  # every token id
 MAX_SEED = (1 << 64) - 1
+MIN_PRIORITY, MAX_PRIORITY = -(1 << 31), MAX_INT32  # int32, as the wire and vLLM carry it
 
 
 class InvalidField(ValueError):
@@ -57,6 +58,10 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] | list[list[int]] | None = None
     # Guided decoding: the output must match this (engine/guide.py masks every sampled row).
     structured: StructuredOutput | None = None
+    # Scheduling, not sampling: lower is served first (vLLM's ``priority``); no token depends
+    # on it. It rides here because every hop carries these parameters (prefill, decode, a
+    # migration's continuation). The router sets the request's effective one (docs/slo.md).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1, maximum=MAX_INT32)
@@ -110,6 +115,7 @@ class SamplingParams:
                 f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}",
             )
         _check_int("min_tokens", self.min_tokens, minimum=0)
+        check_priority(self.priority)
         if self.min_tokens > self.max_tokens:
             raise InvalidField(
                 "min_tokens",
@@ -237,6 +243,19 @@ def _bad_words(
 
 def _is_real(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_priority(priority: object) -> None:
+    """Raises ``InvalidField`` naming ``priority`` unless it is an int32."""
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
+        raise InvalidField(
+            "priority",
+            f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}",
+        )
 
 
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

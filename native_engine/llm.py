@@ -9,6 +9,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    SchedulingPolicy,
     SpecMethod,
     SpeculativeConfig,
 )
@@ -34,6 +35,7 @@ class LLM:
         device: str | None = None,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
+        scheduling_policy: str = "fcfs",
         attention_backend: str | None = None,
         speculative_method: str | None = None,
         num_speculative_tokens: int = 3,
@@ -71,7 +73,9 @@ class LLM:
                     kv_cache_dtype=KVCacheDtype.parse(kv_cache_dtype),
                 ),
                 scheduler=SchedulerConfig(
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    scheduling_policy=SchedulingPolicy(scheduling_policy),
                 ),
                 attention_backend=(
                     AttentionBackend(attention_backend) if attention_backend else None

@@ -1,12 +1,13 @@
 """Continuous batching with chunked prefill under a token budget (pure Python, no torch).
 
 Each step spends at most ``max_num_batched_tokens`` tokens: running sequences first (one decode
-token each, or the next chunk of a prompt), then waiting sequences in arrival order while
-``max_num_seqs`` and free blocks allow. When a running sequence cannot get a block, the most
-recently admitted running sequence is preempted by recompute: its blocks are freed and it goes
-back to the front of the waiting queue (prompt + outputs so far are recomputed later, mostly
-from the prefix cache). Sequences holding blocks without a seat (``ready``) give theirs back
-first.
+token each, or the next chunk of a prompt), then waiting sequences in arrival order (or, with
+the ``priority`` policy, by priority: ``native_engine/wait_order.py``) while ``max_num_seqs``
+and free blocks allow. When a running sequence cannot get a block, the most recently admitted
+running sequence (``priority``: the least urgent) is preempted by recompute: its blocks are
+freed and it goes back to the front of the waiting queue (prompt + outputs so far are
+recomputed later, mostly from the prefix cache). Sequences holding blocks without a seat
+(``ready``) give theirs back first.
 
 Sequences whose KV is already in the cache but that hold no decode seat wait in ``ready``
 (imported from a prefill worker, or resumed after a pause) and take free seats first. A paused
@@ -27,6 +28,7 @@ from engine.config import SchedulerConfig
 from engine.sequence import SequenceStatus
 from native_engine.block_manager import BlockManager
 from native_engine.paged_sequence import PagedSequence
+from native_engine.wait_order import WaitOrder
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class Scheduler:
         self._paused_at: dict[str, float] = {}  # request id -> when it paused
         self.loading: list[PagedSequence] = []  # blocks being copied in from the host tier
         self.num_preemptions = 0
+        # Which sequence goes first, and which yields its blocks (fcfs or priority).
+        self.order = WaitOrder(config.scheduling_policy, config.priority_aging_s)
 
     @property
     def has_work(self) -> bool:
@@ -92,12 +96,14 @@ class Scheduler:
 
     def add(self, seq: PagedSequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.order.arrived(seq)
         self.waiting.append(seq)
 
     def add_ready(self, seq: PagedSequence) -> None:
         """A sequence whose blocks are allocated and filled (imported KV): it joins the running
         batch when a seat is free, ahead of waiting sequences (it already holds its blocks)."""
         seq.status = SequenceStatus.RUNNING
+        self.order.arrived(seq)
         self.ready.append(seq)
 
     def pause(self, seq: PagedSequence, now: float = 0.0) -> bool:
@@ -135,6 +141,8 @@ class Scheduler:
         out = SchedulerOutput()
         self._bound_paused(now, out)  # no shortage: admissions go on (unlike a preemption)
         budget = self.config.max_num_batched_tokens
+        self.order.sort(self.ready, now)
+        self.order.sort(self.waiting, now)
         # Ready sequences take free seats first: each costs one token, and they hold blocks.
         while self.ready and len(self.running) < self.config.max_num_seqs:
             self.running.append(self.ready.popleft())
@@ -220,7 +228,7 @@ class Scheduler:
                 self._release_paused(holders[0])
                 out.preempted.append(holders[0])
                 continue
-            victim = self.ready.pop() if self.ready else self.running.pop()
+            victim = self._victim(seq)
             self.block_manager.free(victim)
             if victim is seq and self._never_fits(seq):
                 out.dropped.append(victim)
@@ -232,6 +240,17 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _victim(self, seq: PagedSequence) -> PagedSequence:
+        """Taken out of its queue: a ``ready`` sequence if any, else one of the running ones
+        this step has not scheduled yet (``seq`` and those after it), by ``order``."""
+        if self.ready:
+            return self.order.take_victim(self.ready)
+        start = self.running.index(seq)
+        unscheduled = self.running[start:]
+        victim = self.order.take_victim(unscheduled)
+        self.running[start:] = unscheduled
+        return victim
 
     def stats_fields(self) -> dict[str, int]:
         """Its part of ``EngineStats``."""

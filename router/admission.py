@@ -6,9 +6,12 @@ The rule, written once:
 - no worker can take it: refused, 503 (``UNAVAILABLE``);
 - its class's queue is full: shed, 429 (``RESOURCE_EXHAUSTED``), with a Retry-After of the
   time the queue ahead of it takes to drain;
-- it has a TTFT target and its predicted TTFT misses it: refused at once, 429, with a
-  Retry-After of the time until enough of the work ahead has drained for it to be met (it
-  would otherwise wait only to miss);
+- it has a TTFT target, work is ahead of it (in flight or waiting), and its predicted TTFT
+  misses the target: refused at once, 429, with a Retry-After of the time until enough of the
+  work ahead has drained for it to be met (it would otherwise wait only to miss). With nothing
+  ahead it is admitted whatever the prediction: going now is the best it can get, a retry
+  could do no better, and only what runs is measured (a prior rate set too low would
+  otherwise refuse every request, and never learn);
 - else admitted, with its prediction (compared with what it measures: the prediction's error
   is a histogram).
 
@@ -88,7 +91,8 @@ def admit(
         reason = f"class {cls.name!r} has {queued_in_class} requests waiting (its max_queued)"
         return Admission(Verdict.QUEUE_FULL, predicted, _whole(drain), reason)
     target = tag.targets.ttft_s
-    if target is not None and predicted > target:
+    ahead = rate.backlog_tokens + tokens_ahead
+    if target is not None and ahead > 0 and predicted > target:
         # Met once the work ahead is down to what ``target`` leaves time for.
         drain = predicted - target
         reason = (

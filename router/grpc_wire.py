@@ -19,7 +19,7 @@ from pdserve.common.convert import (
 from pdserve.v1 import router_pb2
 from router.limits import RequestLimits, check_sizes
 from router.request import Request
-from router.request_class import Slo, Tenant, check_priority
+from router.request_class import Slo, Tenant
 from router.result import Chunk, Result
 
 
@@ -65,9 +65,7 @@ def request_from_proto(
         max_model_len,
     )
     params = sampling_from_proto(msg.sampling)
-    priority = msg.priority if msg.HasField("priority") else None
-    if priority is not None:
-        check_priority(priority)
+    priority = sampling.priority if sampling.HasField("priority") else None
     service_class = msg.service_class if msg.HasField("service_class") else None
     if service_class is not None and len(service_class) > _MAX_CLASS_CHARS:
         raise ValueError(f"service_class has more than {_MAX_CLASS_CHARS} characters")
@@ -124,7 +122,7 @@ def result_to_proto(result: Result) -> router_pb2.GenerateResponse:
 
 
 # The string fields of a GenerateRequest, by field number (nested: sampling.stop).
-_STRINGS = {1: "prompt", 4: "request_id", 6: "service_class"}
+_STRINGS = {1: "prompt", 4: "request_id", 5: "service_class"}
 _SAMPLING, _STOP = 3, 7
 
 

@@ -13,17 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import InvalidField
-
-MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
-
-
-def check_priority(priority: int) -> None:
-    """Raises ``InvalidField`` naming ``priority`` outside int32."""
-    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
-        raise InvalidField(
-            "priority", f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}"
-        )
+from engine.sampling_params import InvalidField, check_priority
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,9 @@ class RequestCore:
         ``Shed`` when it does not). Every frontend's (inside its ``track``)."""
         request_id = f"{request.client_id}-{uuid.uuid4().hex[:8]}"
         tag = self.tag(request)
+        if request.params.priority != tag.band:  # the workers' engines schedule by it
+            params = dataclasses.replace(request.params, priority=tag.band)
+            request = dataclasses.replace(request, params=params)
         weight = request.tenant.weight if request.tenant is not None else None
         if weight is not None:  # the key file's, checked as it is set
             try:

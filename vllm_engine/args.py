@@ -72,6 +72,7 @@ def engine_args(
         "kv_cache_memory_bytes": kv_bytes,
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "scheduling_policy": scheduler.scheduling_policy.value,  # the same priority values
         "tensor_parallel_size": options.tensor_parallel_size,
         "quantization": options.quantization,
         "enforce_eager": options.enforce_eager,

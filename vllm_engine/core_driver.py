@@ -68,8 +68,10 @@ class CoreDriver(ABC):
         steps in this process), then refreshes."""
 
     @abstractmethod
-    def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
-        """Adds a request (in order with ``abort``: an abort never overtakes its add). vLLM's
+    def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams, priority: int) -> None:
+        """Adds a request (in order with ``abort``: an abort never overtakes its add) at
+        ``priority`` (vLLM's: its scheduler reads it under ``--scheduling-policy priority``,
+        ``SchedulerConfig.scheduling_policy``). vLLM's
         refusal of its input is the request's ``refusal``: raised here where the add is
         synchronous, else given to ``CoreCallbacks.refuse``."""
 

@@ -129,10 +129,10 @@ class ProcessCore(CoreDriver):
         finally:
             self._refresh()
 
-    def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
+    def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams, priority: int) -> None:
         self.progress.working()
         number = self._current[rid] = next(self._adds)
-        self._commands.put_nowait(("add", (rid, number, prompt_token_ids, params)))
+        self._commands.put_nowait(("add", (rid, number, prompt_token_ids, params, priority)))
 
     def abort(self, rids: list[str]) -> None:
         for rid in rids:
@@ -173,10 +173,10 @@ class ProcessCore(CoreDriver):
         while True:
             kind, arg = await self._commands.get()
             if kind == "add":
-                rid, number, prompt_token_ids, params = arg
+                rid, number, prompt_token_ids, params, priority = arg
                 try:
                     collector = await self._llm.add_request(
-                        rid, {"prompt_token_ids": prompt_token_ids}, params
+                        rid, {"prompt_token_ids": prompt_token_ids}, params, priority=priority
                     )
                 except EngineDeadError:
                     raise

@@ -159,7 +159,7 @@ class RequestTable:
         req.attempt = kv_params["pdserve_attempt"]
         eos = tuple(self._checkpoint.eos_token_ids)
         params = vllm_params(seq.params, Mode.GENERATE, seq.num_output_tokens, kv_params, eos)
-        self._core.add(rid, list(seq.token_ids), params)
+        self._core.add(rid, list(seq.token_ids), params, seq.params.priority)
 
     def pin_arrived(self, rid: str, attempt: int) -> None:
         """The engine core's pin of ``rid``'s add number ``attempt`` reached the bridge: its
@@ -281,6 +281,7 @@ class RequestTable:
             seq.request_id,
             tokens,
             vllm_params(params, mode, offset, kv_params, tuple(self._checkpoint.eos_token_ids)),
+            params.priority,
         )
         self.requests[seq.request_id] = req
         return req

@@ -66,9 +66,10 @@ class WorkerCore(CoreDriver):
     async def call(self, fn: Callable[[], T]) -> T:
         return await self._loop.call(fn)
 
-    def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams) -> None:
+    def add(self, rid: str, prompt_token_ids: list[int], params: VllmParams, priority: int) -> None:
         try:
-            self._llm.add_request(rid, {"prompt_token_ids": prompt_token_ids}, params)
+            prompt = {"prompt_token_ids": prompt_token_ids}
+            self._llm.add_request(rid, prompt, params, priority=priority)
         except (ValueError, TypeError, VLLMClientError) as exc:  # its input checks
             self._llm.abort_request([rid])  # whatever of it vLLM registered before refusing
             raise refusal(rid, exc) from exc

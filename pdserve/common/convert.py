@@ -28,7 +28,15 @@ _STRUCTURED_KINDS = {
     StructuredKind.CHOICE: common_pb2.STRUCTURED_KIND_CHOICE,
 }
 _STRUCTURED_NAMES = {v: k for k, v in _STRUCTURED_KINDS.items()}
-_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs")
+_OPTIONAL_INTS = (
+    "max_tokens",
+    "top_k",
+    "seed",
+    "logprobs",
+    "min_tokens",
+    "prompt_logprobs",
+    "priority",
+)
 _OPTIONAL_FLOATS = (
     "temperature",
     "top_p",
@@ -86,6 +94,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.priority:  # 0 stays unset: a plain request's bytes do not change
+        msg.priority = params.priority
     if params.processes_logits:  # defaults stay unset: a plain request's bytes do not change
         msg.presence_penalty = params.presence_penalty
         msg.frequency_penalty = params.frequency_penalty

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xfe\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x30\n\nstructured\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12\'\n\tbad_words\x18\x12 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"Y\n\x10StructuredOutput\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd8\x01\n\rKVCacheLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x13\n\x0bpage_layout\x18\x08 \x01(\t\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\"\x11\n\x0fGetStatsRequest\"\xac\x03\n\x0bWorkerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x12\n\nnum_pinned\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\"\n\x1anum_prompt_tokens_computed\x18\x07 \x01(\x04\x12\x1d\n\x15num_prefix_hit_tokens\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x14\n\x0cnum_inflight\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12)\n\x06layout\x18\r \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_paused\x18\x0e \x01(\r\x12\x12\n\nkv_address\x18\x0f \x01(\t\x12\x18\n\x10\x65ngine_stalled_s\x18\x10 \x01(\x01\x12\x14\n\x0cwire_version\x18\x11 \x01(\r*\xaa\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xa2\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x30\n\nstructured\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x0b\x88\x01\x01\x12\'\n\tbad_words\x18\x12 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x15\n\x08priority\x18\x13 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x0b\n\t_priority\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"Y\n\x10StructuredOutput\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.StructuredKind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd8\x01\n\rKVCacheLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x13\n\x0bpage_layout\x18\x08 \x01(\t\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07tp_rank\x18\n \x01(\r\"\x11\n\x0fGetStatsRequest\"\xac\x03\n\x0bWorkerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x12\n\nnum_pinned\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\x12\"\n\x1anum_prompt_tokens_computed\x18\x07 \x01(\x04\x12\x1d\n\x15num_prefix_hit_tokens\x18\x08 \x01(\x04\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x14\n\x0cnum_inflight\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12)\n\x06layout\x18\r \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x12\n\nnum_paused\x18\x0e \x01(\r\x12\x12\n\nkv_address\x18\x0f \x01(\t\x12\x18\n\x10\x65ngine_stalled_s\x18\x10 \x01(\x01\x12\x14\n\x0cwire_version\x18\x11 \x01(\r*\xaa\x01\n\x0eStructuredKind\x12\x1f\n\x1bSTRUCTURED_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1bSTRUCTURED_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15STRUCTURED_KIND_REGEX\x10\x03\x12\x1a\n\x16STRUCTURED_KIND_CHOICE\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STRUCTUREDKIND']._serialized_start=1697
-  _globals['_STRUCTUREDKIND']._serialized_end=1867
-  _globals['_FINISHREASON']._serialized_start=1869
-  _globals['_FINISHREASON']._serialized_end=1989
+  _globals['_STRUCTUREDKIND']._serialized_start=1733
+  _globals['_STRUCTUREDKIND']._serialized_end=1903
+  _globals['_FINISHREASON']._serialized_start=1905
+  _globals['_FINISHREASON']._serialized_end=2025
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=806
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=574
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=622
-  _globals['_TOKENIDS']._serialized_start=808
-  _globals['_TOKENIDS']._serialized_end=837
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=839
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=928
-  _globals['_TOKENLOGPROBS']._serialized_start=930
-  _globals['_TOKENLOGPROBS']._serialized_end=1025
-  _globals['_KVCACHELAYOUT']._serialized_start=1028
-  _globals['_KVCACHELAYOUT']._serialized_end=1244
-  _globals['_GETSTATSREQUEST']._serialized_start=1246
-  _globals['_GETSTATSREQUEST']._serialized_end=1263
-  _globals['_WORKERSTATS']._serialized_start=1266
-  _globals['_WORKERSTATS']._serialized_end=1694
+  _globals['_SAMPLINGPARAMS']._serialized_end=842
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=597
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=645
+  _globals['_TOKENIDS']._serialized_start=844
+  _globals['_TOKENIDS']._serialized_end=873
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=875
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=964
+  _globals['_TOKENLOGPROBS']._serialized_start=966
+  _globals['_TOKENLOGPROBS']._serialized_end=1061
+  _globals['_KVCACHELAYOUT']._serialized_start=1064
+  _globals['_KVCACHELAYOUT']._serialized_end=1280
+  _globals['_GETSTATSREQUEST']._serialized_start=1282
+  _globals['_GETSTATSREQUEST']._serialized_end=1299
+  _globals['_WORKERSTATS']._serialized_start=1302
+  _globals['_WORKERSTATS']._serialized_end=1730
 # @@protoc_insertion_point(module_scope)

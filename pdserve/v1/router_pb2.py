@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x84\x02\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\x08priority\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\rservice_class\x18\x06 \x01(\tH\x02\x88\x01\x01\x12#\n\x03slo\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.SloTargetsB\t\n\x07_promptB\x0b\n\t_priorityB\x10\n\x0e_service_class\"L\n\nSloTargets\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\t\n\x07_ttft_sB\t\n\x07_tpot_s\"\x8e\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb5\x01\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12/\n\x06phases\x18\x05 \x03(\x0b\x32\x1f.pdserve.v1.Timings.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x01\n\rGenerateFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0enum_migrations\x18\x05 \x01(\r\"o\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind2Q\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe0\x01\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1a\n\rservice_class\x18\x05 \x01(\tH\x01\x88\x01\x01\x12#\n\x03slo\x18\x06 \x01(\x0b\x32\x16.pdserve.v1.SloTargetsB\t\n\x07_promptB\x10\n\x0e_service_class\"L\n\nSloTargets\x12\x13\n\x06ttft_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tpot_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\t\n\x07_ttft_sB\t\n\x07_tpot_s\"\x8e\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb5\x01\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\x13\n\x0bmean_tpot_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12/\n\x06phases\x18\x05 \x03(\x0b\x32\x1f.pdserve.v1.Timings.PhasesEntry\x1a-\n\x0bPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb4\x01\n\rGenerateFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0enum_migrations\x18\x05 \x01(\r\"o\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.GenerateFinalH\x00\x42\x06\n\x04kind2Q\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS_PHASESENTRY']._loaded_options = None
   _globals['_TIMINGS_PHASESENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=65
-  _globals['_GENERATEREQUEST']._serialized_end=325
-  _globals['_SLOTARGETS']._serialized_start=327
-  _globals['_SLOTARGETS']._serialized_end=403
-  _globals['_TOKENCHUNK']._serialized_start=406
-  _globals['_TOKENCHUNK']._serialized_end=548
-  _globals['_USAGE']._serialized_start=550
-  _globals['_USAGE']._serialized_end=630
-  _globals['_TIMINGS']._serialized_start=633
-  _globals['_TIMINGS']._serialized_end=814
-  _globals['_TIMINGS_PHASESENTRY']._serialized_start=769
-  _globals['_TIMINGS_PHASESENTRY']._serialized_end=814
-  _globals['_GENERATEFINAL']._serialized_start=817
-  _globals['_GENERATEFINAL']._serialized_end=997
-  _globals['_GENERATERESPONSE']._serialized_start=999
-  _globals['_GENERATERESPONSE']._serialized_end=1110
-  _globals['_ROUTER']._serialized_start=1112
-  _globals['_ROUTER']._serialized_end=1193
+  _globals['_GENERATEREQUEST']._serialized_end=289
+  _globals['_SLOTARGETS']._serialized_start=291
+  _globals['_SLOTARGETS']._serialized_end=367
+  _globals['_TOKENCHUNK']._serialized_start=370
+  _globals['_TOKENCHUNK']._serialized_end=512
+  _globals['_USAGE']._serialized_start=514
+  _globals['_USAGE']._serialized_end=594
+  _globals['_TIMINGS']._serialized_start=597
+  _globals['_TIMINGS']._serialized_end=778
+  _globals['_TIMINGS_PHASESENTRY']._serialized_start=733
+  _globals['_TIMINGS_PHASESENTRY']._serialized_end=778
+  _globals['_GENERATEFINAL']._serialized_start=781
+  _globals['_GENERATEFINAL']._serialized_end=961
+  _globals['_GENERATERESPONSE']._serialized_start=963
+  _globals['_GENERATERESPONSE']._serialized_end=1074
+  _globals['_ROUTER']._serialized_start=1076
+  _globals['_ROUTER']._serialized_end=1157
 # @@protoc_insertion_point(module_scope)

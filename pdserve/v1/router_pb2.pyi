@@ -29,17 +29,14 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
-    PRIORITY_FIELD_NUMBER: _builtins.int
     SERVICE_CLASS_FIELD_NUMBER: _builtins.int
     SLO_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     request_id: _builtins.str
     """Optional; the router makes one when empty. Appears in every log line about the request."""
-    priority: _builtins.int
-    """Flow control (docs/slo.md). Lower is served first, as vLLM's priority; unset: the class's."""
     service_class: _builtins.str
-    """A request class the router's --request-classes names; unset: the API key's, else the
-    router's default class.
+    """Flow control (docs/slo.md; the priority is sampling.priority). A request class the
+    router's --request-classes names; unset: the API key's, else the router's default class.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -56,22 +53,17 @@ class GenerateRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         request_id: _builtins.str = ...,
-        priority: _builtins.int | None = ...,
         service_class: _builtins.str | None = ...,
         slo: Global___SloTargets | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "_prompt", b"_prompt", "_service_class", b"_service_class", "priority", b"priority", "prompt", b"prompt", "sampling", b"sampling", "service_class", b"service_class", "slo", b"slo"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "_service_class", b"_service_class", "prompt", b"prompt", "sampling", b"sampling", "service_class", b"service_class", "slo", b"slo"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "_prompt", b"_prompt", "_service_class", b"_service_class", "priority", b"priority", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "service_class", b"service_class", "slo", b"slo"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "_service_class", b"_service_class", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "service_class", b"service_class", "slo", b"slo"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
-    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015
     _WhichOneofReturnType__service_class: _TypeAlias = _typing.Literal["service_class"]  # noqa: Y015
     _WhichOneofArgType__service_class: _TypeAlias = _typing.Literal["_service_class", b"_service_class"]  # noqa: Y015
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt) -> _WhichOneofReturnType__prompt | None: ...
     @_typing.overload

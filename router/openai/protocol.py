@@ -23,6 +23,7 @@ from engine.sampling_params import (
     MAX_LOGPROBS,
     InvalidField,
     SamplingParams,
+    check_priority,
 )
 from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
@@ -30,7 +31,7 @@ from router.openai.chat_template import ChatTemplate
 from router.openai.control_text import check_control_text
 from router.openai.invalid_parameter import InvalidParameter
 from router.openai.structured import structured_output
-from router.request_class import Slo, check_priority
+from router.request_class import Slo
 
 
 class _Body(BaseModel):

@@ -89,6 +89,31 @@ def test_preemption_under_tiny_cache_keeps_outputs(
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
 
 
+def test_priority_preemption_keeps_every_output_the_unloaded_runs(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """The priority policy preempts the least urgent under KV pressure (recompute): every
+    request's tokens, greedy and seeded, are what the roomy fcfs engine produced."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (20, 31, 12, 40, 25, 9)]
+    params = [
+        SamplingParams(
+            max_tokens=40,
+            temperature=0.0 if i % 2 else 0.8,
+            seed=i,
+            ignore_eos=True,
+            priority=priority,
+        )
+        for i, priority in enumerate((5, 5, -1, 0, -1, 5))
+    ]
+    roomy = make_llm(llama_dir, block_size=4)
+    tight = make_llm(llama_dir, block_size=4, num_blocks=24, scheduling_policy="priority")
+    expected = roomy.generate(prompts, params)
+    got = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
 def test_request_larger_than_cache_finishes_instead_of_hanging(
     llama_dir: Path, make_llm: Callable[..., LLM]
 ) -> None:

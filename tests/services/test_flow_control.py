@@ -27,7 +27,7 @@ from app.local_cluster import ClusterConfig, LocalCluster
 from engine import SamplingParams
 from native_engine import LLM
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.faults.faults_util import metric, stats
+from tests.faults.faults_util import metric
 from tests.services.harness import wait_for
 
 CLASSES = "interactive:priority=-1;batch:priority=5;bulk:priority=9,max_queued=2"
@@ -95,6 +95,12 @@ async def _queued(cluster: LocalCluster, name: str, at_least: int) -> None:
     await wait_for(enough, 120.0, f"{at_least} {name} requests waiting in the router")
 
 
+def _batch(prompt: list[int]) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        prompt_token_ids=prompt, sampling=SAMPLING, service_class="batch"
+    )
+
+
 def _reference(make_llm: Callable[..., LLM], llama_dir: Path, prompts: list[list[int]]) -> list:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in make_llm(llama_dir).generate(prompts, params)]
@@ -138,19 +144,13 @@ def test_a_modest_tenant_is_served_in_turns_with_a_flooding_one(cluster: LocalCl
         tokens = FirstTokens()
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
-
-            def asked(prompt: list[int]) -> router_pb2.GenerateRequest:
-                return router_pb2.GenerateRequest(
-                    prompt_token_ids=prompt, sampling=SAMPLING, service_class="batch"
-                )
-
             floods = [
-                asyncio.create_task(tokens.run(stub, f"a{i}", asked(p), "flood"))
+                asyncio.create_task(tokens.run(stub, f"a{i}", _batch(p), "flood"))
                 for i, p in enumerate(flood)
             ]
             await _queued(cluster, "batch", 12)
             await asyncio.gather(
-                *(tokens.run(stub, f"b{i}", asked(p), "modest") for i, p in enumerate(modest)),
+                *(tokens.run(stub, f"b{i}", _batch(p), "modest") for i, p in enumerate(modest)),
                 *floods,
             )
         last_modest = max(tokens.order.index(f"b{i}") for i in range(3))
@@ -183,9 +183,18 @@ def test_a_full_class_sheds_with_retry_after_and_an_unreachable_target_is_refuse
             assert "class 'bulk' has 2 requests waiting" in answer.json()["error"]["message"]
         assert metric(cluster.router, "pdserve_flow_shed_total", 'reason="queue_full"') >= 1
 
-        worker = cluster.decode[0]
-        computed = (await stats(worker)).num_prompt_tokens_computed
+        # Under load (a batch of requests one at a time in flight, the rest waiting), a
+        # request whose target its prediction misses is refused at once, never admitted.
+        shed = 'reason="slo_unreachable"'
+        before = metric(cluster.router, "pdserve_flow_shed_total", shed)
+        admitted = metric(cluster.router, "pdserve_flow_admitted_total", 'class="default"')
         async with grpc.aio.insecure_channel(cluster.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            load = [
+                asyncio.create_task(FirstTokens().run(stub, f"l{i}", _batch(p), "load"))
+                for i, p in enumerate(_prompts(12, 6))
+            ]
+            await _queued(cluster, "batch", 4)
             request = router_pb2.GenerateRequest(
                 prompt_token_ids=prompts[0],
                 sampling=SAMPLING,
@@ -193,15 +202,18 @@ def test_a_full_class_sheds_with_retry_after_and_an_unreachable_target_is_refuse
             )
             start = time.perf_counter()
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in router_pb2_grpc.RouterStub(channel).Generate(request):
+                async for _ in stub.Generate(request):
                     pass
             elapsed = time.perf_counter() - start
+            await asyncio.gather(*load)
         print(f"an unreachable TTFT target refused in {elapsed * 1000:.1f} ms")
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "misses its target 0.001 s" in (refused.value.details() or "")
         trailers = dict(refused.value.trailing_metadata() or ())
         assert int(trailers["retry-after"]) >= 1
-        assert (await stats(worker)).num_prompt_tokens_computed == computed  # never sent
+        assert metric(cluster.router, "pdserve_flow_shed_total", shed) == before + 1
+        after = metric(cluster.router, "pdserve_flow_admitted_total", 'class="default"')
+        assert after == admitted  # refused at admission: it never waited, never reached a worker
         assert elapsed < 5.0  # at once: a request that waited would take its TTL (600 s)
 
     asyncio.run(run())
@@ -211,7 +223,11 @@ def test_invalid_flow_fields_are_refused_by_name(cluster: LocalCluster) -> None:
     url = f"{cluster.http_url}/v1/completions"
     for extra, param, words in (
         ({"priority": "high"}, "priority", "priority"),
-        ({"priority": 2**31}, "priority", "priority must be in [-2147483648, 2147483647]"),
+        (
+            {"priority": 2**31},
+            "priority",
+            "priority must be an integer in [-2147483648, 2147483647]",
+        ),
         ({"service_tier": "gold"}, "service_tier", "'gold' is not a request class"),
         ({"slo": {"ttft_s": -1}}, "slo.ttft_s", "slo.ttft_s must be in (0, 3600]"),
     ):

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import InvalidField
+from engine.sampling_params import MAX_PRIORITY, InvalidField
 from router.admission import PoolRate, Verdict, admit
 from router.flow_control import FlowQueues, Ticket
-from router.request_class import MAX_PRIORITY, RequestClass, Slo, Tag
+from router.request_class import RequestClass, Slo, Tag
 
 
 def _ticket(
@@ -135,6 +135,11 @@ def test_a_request_that_would_miss_its_target_is_refused_with_the_time_to_drain(
     assert admit(Tag("t1", INTERACTIVE, slo=Slo(ttft_s=5.0)), 200, 2300, 0, RATE).admitted
     # No target: the queue's bound alone decides.
     assert admit(Tag("t1", RequestClass("batch")), 200, 10**6, 0, RATE).admitted
+    # Nothing ahead (no backlog, no queue): admitted though 3.05 s misses 1 s, since going
+    # now is the best it can get.
+    idle = PoolRate(100.0, 0.05, backlog_tokens=0, num_workers=1)
+    decision = admit(Tag("t1", INTERACTIVE), 300, 0, 0, idle)
+    assert decision.admitted and decision.predicted_ttft_s == pytest.approx(3.05)
 
 
 def test_a_full_queue_sheds_and_no_worker_is_503() -> None:
@@ -152,7 +157,7 @@ def test_a_tag_serves_at_its_own_priority_and_bad_values_are_named() -> None:
     tag = Tag("k", INTERACTIVE, priority=-3, slo=Slo(tpot_s=0.2))
     assert tag.band == -3 and tag.targets == Slo(ttft_s=1.0, tpot_s=0.2)
     assert Tag("k", INTERACTIVE).band == 0
-    with pytest.raises(InvalidField, match="priority must be in") as refused:
+    with pytest.raises(InvalidField, match="priority must be an integer in") as refused:
         Tag("k", priority=MAX_PRIORITY + 1)
     assert refused.value.field == "priority"
     with pytest.raises(InvalidField, match=r"ttft_s must be in \(0, 3600\] seconds, got 0"):

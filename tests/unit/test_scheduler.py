@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from engine.block_hash import root_hash
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SchedulingPolicy
 from engine.sampling_params import SamplingParams
 from engine.sequence import SequenceStatus
 from native_engine.block_manager import BlockManager
@@ -589,3 +589,66 @@ def test_past_max_pause_s_a_pause_gives_its_blocks_back() -> None:
     assert sched.schedule(now=200.0).released == []  # once
     sched.remove(a)
     sched.block_manager.check_no_leaks()
+
+
+# ---- the priority policy (native_engine/wait_order.py) ------------------------------------
+
+
+def _priority_scheduler(num_blocks: int, **kwargs: object) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=kwargs.pop("max_num_seqs", 8),  # type: ignore[arg-type]
+        max_num_batched_tokens=64,
+        scheduling_policy=SchedulingPolicy.PRIORITY,
+        priority_aging_s=10.0,
+    )
+    return Scheduler(config, BlockManager(num_blocks, BS, True))
+
+
+def _urgent(request_id: str, token_ids: Seq[int], priority: int) -> PagedSequence:
+    seq = PagedSequence(request_id, list(token_ids), SamplingParams(priority=priority))
+    seq.update_block_hashes(ROOT, BS)
+    return seq
+
+
+def test_priority_admits_the_most_urgent_waiting_first_then_by_arrival() -> None:
+    sched = _priority_scheduler(64, max_num_seqs=2)
+    for i, (rid, priority) in enumerate((("l1", 5), ("l2", 5), ("h1", -1), ("m", 0), ("h2", -1))):
+        sched.add(_urgent(rid, prompt(100 * i, 4), priority))
+    assert batch(step(sched)) == [("h1", 4), ("h2", 4)]
+    assert ids(sched.waiting) == ["m", "l1", "l2"]
+
+
+def test_fcfs_keeps_arrival_order_whatever_the_priority() -> None:
+    sched = make_scheduler(64, max_num_seqs=2)
+    for i, (rid, priority) in enumerate((("l1", 5), ("h1", -1), ("l2", 5))):
+        sched.add(_urgent(rid, prompt(100 * i, 4), priority))
+    assert batch(step(sched)) == [("l1", 4), ("h1", 4)]
+
+
+def test_priority_preempts_the_least_urgent_under_kv_pressure() -> None:
+    sched = _priority_scheduler(4)
+    low = _urgent("low", prompt(0, 7), 5)  # admitted first: fcfs would keep it
+    high = _urgent("high", prompt(100, 8), -1)
+    sched.add(low)
+    sched.add(high)
+    assert batch(step(sched)) == [("high", 8), ("low", 7)]
+    assert sched.block_manager.num_free_blocks == 0
+    # high's ninth token needs a third block: low gives its blocks back, though it came first.
+    out = step(sched)
+    assert out.preempted == [low] and batch(out) == [("high", 1)]
+    assert ids(sched.running) == ["high"] and ids(sched.waiting) == ["low"]
+    assert low.status is SequenceStatus.WAITING and low.block_table == []
+
+
+def test_a_waiting_request_ages_past_a_stream_of_more_urgent_ones() -> None:
+    sched = _priority_scheduler(64, max_num_seqs=1)
+    old = _urgent("old", prompt(0, 4), 1)
+    sched.add(old)
+    blocker = _urgent("run", prompt(50, 4), -5)
+    sched.add(blocker)
+    assert batch(sched.schedule(now=0.0)) == [("run", 4)]  # old starts waiting at 0
+    finish(sched, blocker)
+    sched.add(_urgent("new", prompt(90, 4), 0))
+    # At 10 s old has aged one level (1 -> 0): equal to new, and older: it goes first.
+    assert batch(sched.schedule(now=10.0)) == [("old", 4)]
+    assert ids(sched.waiting) == ["new"]
