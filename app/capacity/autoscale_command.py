@@ -40,6 +40,7 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
         utilization=args.utilization,
         correct_profile=not args.no_correction,
         kv_target=args.kv_target,
+        slo_attainment=args.slo_attainment,
     )
     urls = list(args.metrics_url)
     if args.target == "local":
@@ -171,6 +172,14 @@ def add_autoscale_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
         type=float,
         default=field_default(ScalingPolicy, "kv_target"),
         help="the decode pool's KV usage it is sized for (higher: scale up)",
+    )
+    add_flag(
+        auto,
+        "--slo-attainment",
+        type=float,
+        default=field_default(ScalingPolicy, "slo_attainment"),
+        help="share of requests with a TTFT (TPOT) target that must meet it: below, prefill "
+        "(decode) grows (docs/slo.md)",
     )
     add_flag(auto, "--router-selector", default=None, help="router pods (each one scraped)")
     add_flag(auto, "--router-metrics-port", type=int, default=9090)

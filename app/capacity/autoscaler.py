@@ -120,7 +120,7 @@ class Autoscaler:
             SIGNALS.labels(pool.value, signal.value).inc()
             logger.info(
                 "%s: %d -> %d (desired %d by %s, %s; predicted %.2f req/s, %.0f+%.0f tokens; "
-                "decode KV %s, prefill queue %s%s)",
+                "decode KV %s, prefill queue %s, SLO met: TTFT %s, TPOT %s%s)",
                 pool.value,
                 decision.current,
                 decision.target,
@@ -132,6 +132,8 @@ class Autoscaler:
                 predicted.mean_output_tokens,
                 "n/a" if load.decode_kv_usage is None else f"{load.decode_kv_usage:.0%}",
                 "n/a" if load.prefill_queue_depth is None else f"{load.prefill_queue_depth:g}",
+                "n/a" if load.ttft_attainment is None else f"{load.ttft_attainment:.0%}",
+                "n/a" if load.tpot_attainment is None else f"{load.tpot_attainment:.0%}",
                 ", dry run" if self.dry_run else "",
             )
             decisions.append(decision)

@@ -2,7 +2,9 @@
 totals (``totals``, pure), turned into one interval's ``Load`` by the per-router difference of
 two readings, summed over every router replica (``load_between``, pure); ``scrape`` is the
 thin I/O part. The rate is of arrivals (``pdserve_router_arrivals_total``), not of finished
-requests: long streams are load long before they finish. The pools' own state (the decode
+requests: long streams are load long before they finish. The SLO attainment is of the requests
+with a target (``pdserve_slo_requests_total``; a request flow control shed counts as a TTFT
+miss). The pools' own state (the decode
 pool's KV usage, the prefill pool's queue) comes from the workers' pages (``pool_pressure``,
 pure) when no Prometheus is read (``prometheus_meter.py`` asks it the same). Every page is
 parsed once, into its samples summed by name (``page_gauges``)."""
@@ -42,6 +44,13 @@ class Totals:
     ttft_count: float = 0.0
     tpot_sum_s: float = 0.0
     tpot_count: float = 0.0
+    # Requests with a target that met or missed it (docs/slo.md), and those flow control
+    # turned away (each a TTFT miss: it got no first token).
+    ttft_met: float = 0.0
+    ttft_missed: float = 0.0
+    tpot_met: float = 0.0
+    tpot_missed: float = 0.0
+    shed: float = 0.0
 
     def __post_init__(self) -> None:
         # A NaN or an infinity (a broken exporter, a Prometheus answer) would poison every
@@ -61,14 +70,36 @@ SAMPLES = {
     "pdserve_ttft_seconds_count": "ttft_count",
     "pdserve_tpot_seconds_sum": "tpot_sum_s",
     "pdserve_tpot_seconds_count": "tpot_count",
+    'pdserve_slo_requests_total{target="ttft",result="met"}': "ttft_met",
+    'pdserve_slo_requests_total{target="ttft",result="missed"}': "ttft_missed",
+    'pdserve_slo_requests_total{target="tpot",result="met"}': "tpot_met",
+    'pdserve_slo_requests_total{target="tpot",result="missed"}': "tpot_missed",
+    "pdserve_flow_shed_total": "shed",
 }
 _FIELDS = tuple(SAMPLES.values())
 
 
+def selector(sample: str) -> tuple[str, dict[str, str]]:
+    """A ``SAMPLES`` key as its sample name and the labels it requires (PromQL's syntax,
+    ``name{label="value",...}``: every series of the name whose labels include them)."""
+    name, _, rest = sample.partition("{")
+    labels = {}
+    for pair in filter(None, rest.rstrip("}").split(",")):
+        key, _, value = pair.partition("=")
+        labels[key] = value.strip('"')
+    return name, labels
+
+
 def totals(text: str, time_s: float) -> Totals:
     """One router's ``/metrics`` page."""
-    gauges = page_gauges(text)
-    return Totals(time_s, **{field: gauges.get(name, 0.0) for name, field in SAMPLES.items()})
+    wanted = {field: selector(sample) for sample, field in SAMPLES.items()}
+    values = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            for field, (name, labels) in wanted.items():
+                if s.name == name and labels.items() <= s.labels.items():
+                    values[field] += float(s.value)
+    return Totals(time_s, **values)
 
 
 def _delta(before: Totals | None, after: Totals) -> dict[str, float]:
@@ -111,7 +142,14 @@ def load_between(
         output,
         sums["ttft_sum_s"] / ttft_n if ttft_n else None,
         sums["tpot_sum_s"] / tpot_n if tpot_n else None,
+        ttft_attainment=_share(sums["ttft_met"], sums["ttft_missed"] + sums["shed"]),
+        tpot_attainment=_share(sums["tpot_met"], sums["tpot_missed"]),
     )
+
+
+def _share(met: float, missed: float) -> float | None:
+    """What share of the requests with a target met it; None: none had one."""
+    return met / (met + missed) if met + missed > 0 else None
 
 
 def scrape(url: str) -> str:

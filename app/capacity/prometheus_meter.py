@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from app.capacity.load_meter import SAMPLES, PoolPressure, Totals
+from app.capacity.load_meter import SAMPLES, PoolPressure, Totals, selector
 
 _TIMEOUT_S = 5.0
 
@@ -38,7 +38,10 @@ class PrometheusError(RuntimeError):
 
 
 def router_query(sample: str, jobs: PoolJobs) -> str:
-    return f'sum by (instance) ({sample}{{job=~"{jobs.router}"}})'
+    """A ``SAMPLES`` key's sum per router replica (its label matchers kept)."""
+    name, labels = selector(sample)
+    matchers = ",".join([f'job=~"{jobs.router}"', *(f'{k}="{v}"' for k, v in labels.items())])
+    return f"sum by (instance) ({name}{{{matchers}}})"
 
 
 def kv_usage_query(jobs: PoolJobs) -> str:

@@ -66,6 +66,9 @@ class ScalingPolicy:
     utilization: float = 0.8  # the busy share a pool is sized for
     correct_profile: bool = True  # scale the profile by observed / expected latency
     kv_target: float = 0.75  # the decode pool's KV usage it is sized for (pressure)
+    # The share of requests with a target (docs/slo.md) that must meet it: below, the pool
+    # that target depends on grows (prefill for TTFT, decode for TPOT).
+    slo_attainment: float = 0.95
 
     def __post_init__(self) -> None:
         if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0 and self.interval_s > 0):
@@ -76,6 +79,8 @@ class ScalingPolicy:
             raise ValueError("need cooldown_s >= 0 and down_after_intervals >= 1")
         if not 0 < self.kv_target <= 1:
             raise ValueError(f"kv_target must be in (0, 1], got {self.kv_target}")
+        if not 0 < self.slo_attainment <= 1:
+            raise ValueError(f"slo_attainment must be in (0, 1], got {self.slo_attainment}")
 
     def bounds(self, pool: Role) -> Bounds:
         return self.prefill if pool is Role.PREFILL else self.decode
@@ -95,6 +100,10 @@ class Load:
     # use, and the requests waiting in the prefill pool's queues.
     decode_kv_usage: float | None = None
     prefill_queue_depth: float | None = None
+    # The share of requests with a TTFT (TPOT) target that met it, shed ones as TTFT misses;
+    # None: none had one.
+    ttft_attainment: float | None = None
+    tpot_attainment: float | None = None
 
 
 def predict(history: list[Load]) -> Load:
@@ -195,6 +204,8 @@ class Signal(enum.Enum):
     LOAD = "load"  # the predicted request rate, through the profile
     KV_PRESSURE = "kv_pressure"  # the decode pool's KV usage over kv_target
     QUEUE = "queued_prompt_tokens"  # prompts queued on prefill beyond what the SLO drains
+    TTFT_SLO = "ttft_slo_misses"  # requests' TTFT targets missed (or shed) past slo_attainment
+    TPOT_SLO = "tpot_slo_misses"  # requests' TPOT targets missed past slo_attainment
 
 
 def pressure_replicas(
@@ -203,28 +214,47 @@ def pressure_replicas(
     policy: ScalingPolicy,
     corrections: Corrections,
     current: dict[Role, int],
-) -> dict[Role, int]:
-    """The sizes the pools' own state asks for (only the pools a source reported)."""
-    wanted: dict[Role, int] = {}
+) -> dict[Role, tuple[int, Signal]]:
+    """The sizes the pools' own state asks for (only the pools a source reported), each with
+    the signal that asked: the larger of its pressure and its SLO attainment."""
+    wanted: dict[Role, tuple[int, Signal]] = {}
     if load.decode_kv_usage is not None and current[Role.DECODE] > 0:
         needed = current[Role.DECODE] * load.decode_kv_usage / policy.kv_target
-        wanted[Role.DECODE] = math.ceil(round(needed, 9))
+        wanted[Role.DECODE] = (math.ceil(round(needed, 9)), Signal.KV_PRESSURE)
     if load.prefill_queue_depth and load.mean_prompt_tokens > 0:
         per_worker = prefill_tokens_per_s(profile, load.mean_prompt_tokens) / corrections.prefill
         queued_tokens = load.prefill_queue_depth * load.mean_prompt_tokens
-        wanted[Role.PREFILL] = math.ceil(round(queued_tokens / (per_worker * policy.slo_ttft_s), 9))
+        needed = math.ceil(round(queued_tokens / (per_worker * policy.slo_ttft_s), 9))
+        wanted[Role.PREFILL] = (needed, Signal.QUEUE)
+    for pool, share, signal in (
+        (Role.PREFILL, load.ttft_attainment, Signal.TTFT_SLO),
+        (Role.DECODE, load.tpot_attainment, Signal.TPOT_SLO),
+    ):
+        missed = slo_replicas(current[pool], share, policy.slo_attainment)
+        if missed is not None and missed > wanted.get(pool, (0, signal))[0]:
+            wanted[pool] = (missed, signal)
     return wanted
 
 
+def slo_replicas(current: int, attainment: float | None, target: float) -> int | None:
+    """A pool whose requests meet their targets less often than ``target``: grown in
+    proportion to the shortfall (``current x target / attainment``), by one at least and at
+    most doubled per interval (what the next interval measures decides the rest). None: met,
+    nothing measured, or no pool to grow (0 replicas: the load decides)."""
+    if attainment is None or attainment >= target or current == 0:
+        return None
+    proportional = math.ceil(round(current * target / max(attainment, 1e-9), 9))
+    return min(2 * current, max(current + 1, proportional))
+
+
 def wanted_replicas(
-    by_load: dict[Role, int], by_pressure: dict[Role, int]
+    by_load: dict[Role, int], by_pressure: dict[Role, tuple[int, Signal]]
 ) -> dict[Role, tuple[int, Signal]]:
     """Per pool the larger of the two, with the signal that set it (the load on a tie)."""
-    pressure_signal = {Role.DECODE: Signal.KV_PRESSURE, Role.PREFILL: Signal.QUEUE}
     wanted = {}
     for pool, n in by_load.items():
-        pressed = by_pressure.get(pool, 0)
-        wanted[pool] = (pressed, pressure_signal[pool]) if pressed > n else (n, Signal.LOAD)
+        pressed, signal = by_pressure.get(pool, (0, Signal.LOAD))
+        wanted[pool] = (pressed, signal) if pressed > n else (n, Signal.LOAD)
     return wanted
 
 

@@ -122,3 +122,36 @@ def test_a_worker_that_does_not_answer_costs_its_page_only() -> None:
         garbage.shutdown()
         garbage.server_close()
     assert "pdserve_kv_blocks_used" in page  # the live page
+
+
+def _slo_page(met: dict[tuple[str, str, str], int], shed: dict[tuple[str, str], int]) -> str:
+    """A router page with only flow control's counters: (class, target, result) -> count,
+    (class, reason) -> count."""
+    registry = CollectorRegistry()
+    slo = Counter("pdserve_slo_requests", "", ["class", "target", "result"], registry=registry)
+    for labels, n in met.items():
+        slo.labels(*labels).inc(n)
+    sheds = Counter("pdserve_flow_shed", "", ["class", "reason"], registry=registry)
+    for labels, n in shed.items():
+        sheds.labels(*labels).inc(n)
+    return generate_latest(registry).decode()
+
+
+def test_slo_attainment_counts_every_class_and_sheds_as_ttft_misses() -> None:
+    before = totals(_slo_page({}, {}), 0.0)
+    page = _slo_page(
+        {
+            ("interactive", "ttft", "met"): 70,
+            ("interactive", "ttft", "missed"): 10,
+            ("chat", "ttft", "met"): 10,
+            ("interactive", "tpot", "met"): 45,
+            ("interactive", "tpot", "missed"): 5,
+        },
+        {("interactive", "slo_unreachable"): 6, ("batch", "queue_full"): 4},
+    )
+    after = totals(page, 10.0)
+    assert (after.ttft_met, after.ttft_missed, after.tpot_met, after.shed) == (80, 10, 45, 10)
+    load = load_between({"r": before}, {"r": after}, 10.0)
+    assert load.ttft_attainment == pytest.approx(80 / (80 + 10 + 10))
+    assert load.tpot_attainment == pytest.approx(45 / 50)
+    assert load_between({"r": before}, {"r": before}, 10.0).ttft_attainment is None

@@ -113,13 +113,17 @@ def test_pool_pressure_floors_the_loads_sizes_and_names_its_signal() -> None:
     # Decode: ceil(3 x 0.9 / 0.75) = 4. Prefill: 40 x 512 tokens at 2048 / 0.2148 tokens/s
     # a worker, drained within the 1 s TTFT SLO: ceil(2.148) = 3.
     by_pressure = pressure_replicas(PROFILE, pressed, POLICY, Corrections(), current)
-    assert by_pressure == {Role.DECODE: 4, Role.PREFILL: 3}
+    assert by_pressure == {
+        Role.DECODE: (4, Signal.KV_PRESSURE),
+        Role.PREFILL: (3, Signal.QUEUE),
+    }
     # A slower prefill than profiled (correction 2) needs twice the workers: ceil(4.297).
     slow = pressure_replicas(PROFILE, pressed, POLICY, Corrections(prefill=2.0), current)
-    assert slow[Role.PREFILL] == 5
+    assert slow[Role.PREFILL] == (5, Signal.QUEUE)
     # Exactly at the target: no more workers (3 x 0.75 / 0.75 = 3, not 4).
     at_target = dataclasses.replace(pressed, decode_kv_usage=0.75)
-    assert pressure_replicas(PROFILE, at_target, POLICY, Corrections(), current)[Role.DECODE] == 3
+    at = pressure_replicas(PROFILE, at_target, POLICY, Corrections(), current)
+    assert at[Role.DECODE] == (3, Signal.KV_PRESSURE)
     # Unreported pools ask for nothing.
     assert pressure_replicas(PROFILE, _load(1.0), POLICY, Corrections(), current) == {}
     wanted = wanted_replicas({Role.PREFILL: 4, Role.DECODE: 2}, by_pressure)
@@ -128,3 +132,28 @@ def test_pool_pressure_floors_the_loads_sizes_and_names_its_signal() -> None:
     assert tie == {Role.PREFILL: (3, Signal.LOAD), Role.DECODE: (4, Signal.LOAD)}
     with pytest.raises(ValueError, match="kv_target"):
         ScalingPolicy(slo_ttft_s=1.0, slo_tpot_s=0.05, kv_target=0.0)
+
+
+def test_missed_targets_grow_the_pool_they_depend_on_and_name_it() -> None:
+    current = {Role.PREFILL: 2, Role.DECODE: 3}
+    # 80 % of TTFT targets met (shed ones counted as misses) against 95 %: prefill grows to
+    # ceil(2 x 0.95 / 0.8) = 3; TPOT met 94 %: decode ceil(3 x 0.95 / 0.94) = 4 (one more).
+    missed = dataclasses.replace(_load(1.0), ttft_attainment=0.8, tpot_attainment=0.94)
+    wanted = pressure_replicas(PROFILE, missed, POLICY, Corrections(), current)
+    assert wanted == {Role.PREFILL: (3, Signal.TTFT_SLO), Role.DECODE: (4, Signal.TPOT_SLO)}
+    # A collapse (10 % met) at most doubles a pool per interval; met, or nothing measured,
+    # asks for nothing; the larger of KV pressure and TPOT misses wins, and is named.
+    collapse = dataclasses.replace(missed, ttft_attainment=0.1, tpot_attainment=None)
+    assert pressure_replicas(PROFILE, collapse, POLICY, Corrections(), current) == {
+        Role.PREFILL: (4, Signal.TTFT_SLO)
+    }
+    met = dataclasses.replace(missed, ttft_attainment=0.95, tpot_attainment=1.0)
+    assert pressure_replicas(PROFILE, met, POLICY, Corrections(), current) == {}
+    both = dataclasses.replace(met, decode_kv_usage=1.0, tpot_attainment=0.5)
+    assert pressure_replicas(PROFILE, both, POLICY, Corrections(), current) == {
+        Role.DECODE: (6, Signal.TPOT_SLO)  # min(2 x 3, ceil(3 x 0.95 / 0.5)) over 4 by KV
+    }
+    no_prefill = {Role.PREFILL: 0, Role.DECODE: 3}  # colocated: the load sizes prefill
+    assert Role.PREFILL not in pressure_replicas(PROFILE, missed, POLICY, Corrections(), no_prefill)
+    with pytest.raises(ValueError, match="slo_attainment"):
+        ScalingPolicy(slo_ttft_s=1.0, slo_tpot_s=0.05, slo_attainment=0.0)
