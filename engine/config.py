@@ -75,7 +75,8 @@ class CacheConfig:
 class SchedulingPolicy(enum.Enum):
     """The order in which an engine serves the requests it holds (vLLM's
     ``--scheduling-policy``): ``fcfs``, by arrival; ``priority``, by ``SamplingParams.priority``
-    (lower first), then arrival, the lowest priority preempted first under KV pressure."""
+    (lower first), then arrival; under KV pressure the least urgent running request not yet
+    scheduled in the step is preempted first."""
 
     FCFS = "fcfs"
     PRIORITY = "priority"

@@ -145,7 +145,9 @@ class Scheduler:
         self.order.sort(self.waiting, now)
         # Ready sequences take free seats first: each costs one token, and they hold blocks.
         while self.ready and len(self.running) < self.config.max_num_seqs:
-            self.running.append(self.ready.popleft())
+            seated = self.ready.popleft()
+            self.order.seated(seated)
+            self.running.append(seated)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -175,6 +177,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            self.order.seated(seq)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_computed
                 seq.first_scheduled_s = now
@@ -204,6 +207,7 @@ class Scheduler:
         if not self.block_manager.allocate_slots(seq, len(slots) * bs, hits):
             return False
         self.waiting.popleft()
+        self.order.seated(seq)
         first = len(hits)
         seq.num_computed_tokens += len(slots) * bs
         if seq.num_cached_tokens < 0:

@@ -4,13 +4,14 @@ sequence goes first, and which one gives its blocks back under KV pressure. Pure
 - ``fcfs``: arrival order; the victim is the most recently admitted (vLLM's fcfs).
 - ``priority``: ``params.priority`` (lower first), then arrival; the victim is the lowest
   priority, most recent arrival (vLLM's priority policy). **Aging**: a sequence waiting for a
-  seat gains one priority level per ``priority_aging_s`` seconds since it first waited, so a
+  seat gains one priority level per ``priority_aging_s`` seconds of its current wait, so a
   stream of more urgent requests delays a less urgent one, never starves it: behind a constant
   stream one level more urgent, it waits at most about ``priority_aging_s`` seconds per level.
-  A preempted sequence keeps its age (its first wait counts).
+  Age counts the current wait only: a preempted sequence starts its next wait young.
 
 The scheduler (``native_engine/scheduler.py``) calls ``arrived`` as a sequence enters,
-``sort`` on its queues at each step, and ``take_victim`` when blocks run short.
+``sort`` on its queues at each step, ``seated`` as one leaves them for a seat, and
+``take_victim`` when blocks run short.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class WaitOrder:
         self.policy = policy
         self.aging_s = aging_s
         self._count = itertools.count()
-        # A sequence's arrival number and the step clock's reading when it first waited;
+        # A sequence's arrival number and the step clock's reading when its wait began;
         # weak: a finished sequence leaves with its object.
         self._seen: weakref.WeakKeyDictionary[PagedSequence, tuple[int, float | None]] = (
             weakref.WeakKeyDictionary()
@@ -39,6 +40,12 @@ class WaitOrder:
         """``seq`` entered the engine (once: a preempted one keeps its place in time)."""
         if seq not in self._seen:
             self._seen[seq] = (next(self._count), None)
+
+    def seated(self, seq: PagedSequence) -> None:
+        """``seq`` left the queue for a seat: its age counts waits only, so a preempted one
+        starts its next wait young (a long run does not age it past urgent work)."""
+        number, _ = self._seen.get(seq, (next(self._count), None))
+        self._seen[seq] = (number, None)
 
     def sort(self, queue: deque[PagedSequence], now: float) -> None:
         """Puts ``queue`` in serving order (``fcfs``: left as it is)."""

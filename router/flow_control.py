@@ -89,8 +89,12 @@ class FlowQueues:
         left may be early: releasing then sheds nothing."""
         return self._deadlines[0][0] if self._deadlines else None
 
-    def set_weight(self, key: str, weight: float) -> None:
-        """``key``'s share from now on (its next turn's quantum). Raises ValueError."""
+    def set_weight(self, key: str, weight: float | None) -> None:
+        """``key``'s share from now on (its next turn's quantum; None: the default, 1).
+        Raises ValueError."""
+        if weight is None:
+            self.weights.pop(key, None)
+            return
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
             raise ValueError(
                 f"the weight of {key!r} must be in [{MIN_WEIGHT}, {MAX_WEIGHT}], got {weight}"

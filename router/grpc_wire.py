@@ -67,8 +67,8 @@ def request_from_proto(
     params = sampling_from_proto(msg.sampling)
     priority = sampling.priority if sampling.HasField("priority") else None
     service_class = msg.service_class if msg.HasField("service_class") else None
-    if service_class is not None and len(service_class) > _MAX_CLASS_CHARS:
-        raise ValueError(f"service_class has more than {_MAX_CLASS_CHARS} characters")
+    if service_class is not None and not 0 < len(service_class) <= _MAX_CLASS_CHARS:
+        raise ValueError(f"service_class must be 1 to {_MAX_CLASS_CHARS} characters")
     slo = msg.slo
     return Request(
         client_id=client_id,

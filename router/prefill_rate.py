@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.admission import MAX_BIAS, MIN_BIAS
+
 _PRIOR_S = 1.0  # the prior weighs as much as this many measured busy seconds
-_OVERHEAD_WEIGHT = 0.1  # each sample's weight in the overhead's moving average
+_OVERHEAD_WEIGHT = 0.1  # each sample's weight in the overhead's and bias's moving averages
 
 
 @dataclass
@@ -27,6 +29,7 @@ class PrefillRate:
     _last_s: float | None = None
     _inflight: int = 0  # prompt tokens sent, first token not back
     overhead_s: float = 0.0
+    bias: float = 1.0  # measured TTFT / admission's formula (``router/admission.py``)
 
     def _advance(self, now_s: float) -> None:
         if self._last_s is not None and now_s > self._last_s:
@@ -71,6 +74,14 @@ class PrefillRate:
         of it: what the rate does not explain is overhead (never below zero)."""
         sample = max(0.0, first_token_s - work_tokens / self.tokens_per_s(num_workers))
         self.overhead_s += _OVERHEAD_WEIGHT * (sample - self.overhead_s)
+
+    def observe_bias(self, measured_s: float, unbiased_s: float) -> None:
+        """One admitted request's measured TTFT against its unbiased prediction: the bias
+        moves a tenth of the way to their ratio, within [``MIN_BIAS``, ``MAX_BIAS``]."""
+        if unbiased_s <= 0:
+            return
+        sample = min(MAX_BIAS, max(MIN_BIAS, measured_s / unbiased_s))
+        self.bias += _OVERHEAD_WEIGHT * (sample - self.bias)
 
 
 _LN2 = 0.6931471805599453

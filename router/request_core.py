@@ -139,7 +139,7 @@ class RequestCore:
     def tenant(self, authorization: str | None, peer: str, header: str | None) -> Tenant:
         """Whose an authorized request is (docs/slo.md): the value of the operator's fairness
         header (``header``, when it names one and the request carries it), else its caller;
-        with what its API key's line names. Raises ValueError naming the header."""
+        with what its API key's line names. Raises ``InvalidField`` naming the header."""
         attributes = self.api_keys.attributes(authorization) if self.api_keys else {}
         caller = self.caller(authorization, peer)
         tenant = Tenant(caller, caller, attributes.get("class"), _number(attributes))
@@ -147,7 +147,8 @@ class RequestCore:
             return tenant
         name = self.config.flow.fairness_header
         if not header or len(header) > _MAX_KEY_BYTES or not header.isprintable():
-            raise ValueError(f"header {name} must be 1 to {_MAX_KEY_BYTES} printable characters")
+            message = f"header {name} must be 1 to {_MAX_KEY_BYTES} printable characters"
+            raise InvalidField(str(name), message)
         return dataclasses.replace(tenant, key=f"header:{header}")
 
     def tag(self, request: Request) -> Tag:
@@ -163,7 +164,7 @@ class RequestCore:
                 found = flow.default
             else:
                 names = ", ".join(c.name for c in flow.classes)
-                message = f"{name!r} is not a request class of this router ({names})"
+                message = f"service_class {name!r} is not a request class of this router ({names})"
                 raise InvalidField("service_class", message)
         return Tag(tenant.key, found, request.priority, request.slo)
 
@@ -242,15 +243,15 @@ class RequestCore:
         if request.params.priority != tag.band:  # the workers' engines schedule by it
             params = dataclasses.replace(request.params, priority=tag.band)
             request = dataclasses.replace(request, params=params)
-        weight = request.tenant.weight if request.tenant is not None else None
-        if weight is not None:  # the key file's, checked as it is set
+        tenant = request.tenant
+        if tenant is not None and tenant.key == tenant.caller:  # the API key's own share
             try:
-                self.room.queues.set_weight(tag.key, weight)
+                self.room.queues.set_weight(tenant.key, tenant.weight)
             except ValueError as exc:
                 logger.warning("request_id=%s: API key weight ignored: %s", request_id, exc)
         seat = await self.room.enter(request_id, tag, request.num_prompt_tokens)
-        out = OutputStream(self.tokenizer, request, self.checkpoint.eos_token_ids)
         try:
+            out = OutputStream(self.tokenizer, request, self.checkpoint.eos_token_ids)
             stream = self.generation.generate(request_id, request, out, seat.queued)
             async with contextlib.aclosing(stream):
                 async for response in stream:

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter, Gauge, Histogram
+
 from pdserve.common import metrics
 from router.admission import Admission, PoolRate, Verdict, admit
 from router.flow_config import FlowConfig
@@ -48,6 +50,10 @@ class _Waiting:
     tag: Tag
     admission: Admission
     released: asyncio.Future[None]
+    # Set when it went to the workers: its tokens counted in flight, and what was in flight
+    # then (itself included), for the overhead's measure.
+    sent_s: float | None = None
+    backlog: int = 0
 
 
 class WaitingRoom:
@@ -67,6 +73,8 @@ class WaitingRoom:
         self._waiting: dict[str, _Waiting] = {}
         self._queued: dict[str, int] = {}  # by class
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None  # the deadline the timer is set for
+        self._series: dict[str, _ClassSeries] = {}  # each class's metric series, looked up once
 
     def pool_rate(self) -> PoolRate:
         workers = self._num_workers()
@@ -75,6 +83,7 @@ class WaitingRoom:
             self.rate.overhead_s,
             max(0, self.rate.inflight_tokens),
             workers,
+            self.rate.bias,
         )
 
     async def enter(self, request_id: str, tag: Tag, cost: int) -> Seat:
@@ -89,39 +98,40 @@ class WaitingRoom:
         if not admission.admitted:
             reason = admission.verdict.value
             metrics.FLOW_SHED.labels(cls.name, reason).inc()
-            metrics.FLOW_KEY_SHED.labels(metrics.bounded_key(tag.key)).inc()
+            metrics.key_shed(tag.key).inc()
             logger.info("request_id=%s shed (%s): %s", request_id, reason, admission.reason)
             raise Shed(admission.reason, admission.retry_after_s, reason)
-        metrics.FLOW_ADMITTED.labels(cls.name).inc()
-        metrics.FLOW_KEY_ADMITTED.labels(metrics.bounded_key(tag.key)).inc()
+        series = self.series(cls.name)
+        series.admitted.inc()
+        metrics.key_admitted(tag.key).inc()
         ticket = Ticket(request_id, tag.key, tag.band, cost, now, now + cls.queue_ttl_s)
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queues.push(ticket)
-        self._waiting[request_id] = _Waiting(ticket, tag, admission, released)
+        entry = self._waiting[request_id] = _Waiting(ticket, tag, admission, released)
         self._queued[cls.name] = self._queued.get(cls.name, 0) + 1
-        metrics.FLOW_QUEUED.labels(cls.name).inc()
+        series.queued.inc()
         self._release(now)
         waited = not released.done()
         try:
             await released  # bounded: its deadline sheds it (the timer below)
-        except asyncio.CancelledError:  # its client left
-            now = self._clock()
+        except asyncio.CancelledError:  # its client left (the future is cancelled with it)
+            left = self._clock()
             if request_id in self.queues:
                 self.queues.remove(request_id)
                 self._unqueued(request_id)
-            elif released.done() and released.exception() is None:
-                self.rate.dropped(cost, now)  # released, never ran
-            self._release(now)
+            elif entry.sent_s is not None:
+                self.rate.dropped(cost, left)  # released before it could resume: never ran
+            self._release(left)
             raise
-        sent_s = self._clock()
-        metrics.FLOW_WAIT_S.labels(cls.name).observe(sent_s - now)
-        return Seat(self, ticket, tag, admission.predicted_ttft_s, sent_s, waited)
+        assert entry.sent_s is not None  # set with its release
+        series.wait.observe(entry.sent_s - now)
+        return Seat(self, ticket, tag, admission, entry.sent_s, entry.backlog, waited)
 
     def _unqueued(self, request_id: str) -> _Waiting:
         waiting = self._waiting.pop(request_id)
         name = waiting.tag.request_class.name
         self._queued[name] -= 1
-        metrics.FLOW_QUEUED.labels(name).dec()
+        self.series(name).queued.dec()
         return waiting
 
     def _release(self, now: float) -> None:
@@ -132,7 +142,7 @@ class WaitingRoom:
             waiting = self._unqueued(ticket.request_id)
             name = waiting.tag.request_class.name
             metrics.FLOW_SHED.labels(name, TTL_EXPIRED).inc()
-            metrics.FLOW_KEY_SHED.labels(metrics.bounded_key(ticket.key)).inc()
+            metrics.key_shed(ticket.key).inc()
             if not waiting.released.done():
                 ttl = waiting.tag.request_class.queue_ttl_s
                 ahead = self.queues.tokens_ahead(ticket.band, ticket.key, ticket.cost)
@@ -144,21 +154,52 @@ class WaitingRoom:
                 waiting.released.set_exception(Shed(message, retry, TTL_EXPIRED))
         for ticket in release.dispatch:
             waiting = self._unqueued(ticket.request_id)
+            if waiting.released.done():  # cancelled: its client left; it goes nowhere
+                continue
             self.rate.sent(ticket.cost, now)
-            if not waiting.released.done():
-                waiting.released.set_result(None)
+            waiting.sent_s, waiting.backlog = now, self.rate.inflight_tokens
+            waiting.released.set_result(None)
         self._arm(now)
 
     def _arm(self, now: float) -> None:
+        """The timer set for the earliest deadline (reset only when that changes: the common
+        release moves nothing)."""
+        deadline = self.queues.next_deadline_s()
+        if deadline == self._timer_at:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        deadline = self.queues.next_deadline_s()
+        self._timer_at = deadline
         if deadline is not None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(
-                max(0.0, deadline - now), lambda: self._release(self._clock())
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, deadline - now), self._expire
             )
+
+    def _expire(self) -> None:
+        self._timer, self._timer_at = None, None
+        self._release(self._clock())
+
+    def series(self, name: str) -> _ClassSeries:
+        found = self._series.get(name)
+        if found is None:
+            found = self._series[name] = _ClassSeries(
+                metrics.FLOW_ADMITTED.labels(name),
+                metrics.FLOW_QUEUED.labels(name),
+                metrics.FLOW_WAIT_S.labels(name),
+                metrics.TTFT_PREDICTION_ERROR.labels(name),
+            )
+        return found
+
+
+@dataclass(frozen=True)
+class _ClassSeries:
+    """One class's series of flow control's metrics (``labels`` costs a lookup per call)."""
+
+    admitted: Counter
+    queued: Gauge
+    wait: Histogram
+    prediction_error: Histogram
 
 
 class Seat:
@@ -169,23 +210,25 @@ class Seat:
         room: WaitingRoom,
         ticket: Ticket,
         tag: Tag,
-        predicted_ttft_s: float,
+        admission: Admission,
         sent_s: float,
+        backlog: int,
         waited: bool,
     ) -> None:
         self.room = room
         self.ticket = ticket
         self.tag = tag
-        self.predicted_ttft_s = predicted_ttft_s
+        self.admission = admission
         self.sent_s = sent_s
+        self._backlog = backlog  # in flight when it went, itself included
         # Its time in the queue (``ticket.arrival_s`` to ``sent_s``), when it had to wait:
         # the request's ``flow_queue`` phase (``router/phases.py``).
         self.queued = (ticket.arrival_s, sent_s) if waited else None
-        self._backlog = room.rate.inflight_tokens  # what it found in flight, itself included
         self._held = True
 
     def first_token(self) -> None:
-        """Its first token is back: its tokens leave the count, measured as served."""
+        """Its first token is back: its tokens leave the count, measured as served; the
+        prediction it was admitted with is checked against its measured TTFT."""
         if not self._held:
             return
         self._held = False
@@ -193,11 +236,12 @@ class Seat:
         workers = room._num_workers()
         room.rate.observe_overhead(now - self.sent_s, self._backlog, workers)
         room.rate.served(self.ticket.cost, now)
-        name = self.tag.request_class.name
         measured = now - self.ticket.arrival_s
         if measured > 0:
-            error = abs(self.predicted_ttft_s - measured) / measured
-            metrics.TTFT_PREDICTION_ERROR.labels(name).observe(error)
+            predicted = self.admission.predicted_ttft_s
+            error = abs(predicted - measured) / measured
+            room.series(self.tag.request_class.name).prediction_error.observe(error)
+            room.rate.observe_bias(measured, self.admission.unbiased_ttft_s)
         room._release(now)
 
     def leave(self) -> None:

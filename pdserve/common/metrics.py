@@ -28,7 +28,8 @@ REQUEST_ERRORS = Counter("pdserve_request_errors_total", "Requests ended by an e
 ROUTER_INFLIGHT = Gauge("pdserve_router_inflight_requests", "Requests in the router")
 ROUTER_ARRIVALS = Counter("pdserve_router_arrivals", "Requests admitted by the router")
 # Router: flow control (router/waiting_room.py, docs/slo.md), by request class and by
-# fairness key (``bounded_key``: the first MAX_KEY_LABELS keys, the rest as "other").
+# fairness key (``key_admitted``, ``key_shed``: the first MAX_KEY_LABELS keys, the rest as
+# "other").
 FLOW_QUEUED = Gauge(
     "pdserve_flow_queued_requests", "Requests waiting in the router's queues", ["class"]
 )
@@ -63,18 +64,28 @@ TTFT_PREDICTION_ERROR = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
 )
 MAX_KEY_LABELS = 64
-_KEY_LABELS: set[str] = set()
+# A key's series, by key: the first MAX_KEY_LABELS keys get their own; the rest share "other"
+# (a header-chosen key must not grow the registry without bound).
+_KEY_SERIES: dict[str, tuple[Counter, Counter]] = {}
 
 
-def bounded_key(key: str) -> str:
-    """``key`` as a label value, while fewer than ``MAX_KEY_LABELS`` keys have one; else
-    "other" (a header-chosen key must not grow the registry without bound)."""
-    if key in _KEY_LABELS:
-        return key
-    if len(_KEY_LABELS) < MAX_KEY_LABELS:
-        _KEY_LABELS.add(key)
-        return key
-    return "other"
+def _key_series(key: str) -> tuple[Counter, Counter]:
+    found = _KEY_SERIES.get(key)
+    if found is None:
+        label = key if len(_KEY_SERIES) < MAX_KEY_LABELS else "other"
+        found = (FLOW_KEY_ADMITTED.labels(label), FLOW_KEY_SHED.labels(label))
+        if label == key:
+            _KEY_SERIES[key] = found
+    return found
+
+
+def key_admitted(key: str) -> Counter:
+    """``pdserve_flow_key_admitted_total``'s series for ``key`` (or "other")."""
+    return _key_series(key)[0]
+
+
+def key_shed(key: str) -> Counter:
+    return _key_series(key)[1]
 
 
 TOKENIZATIONS_IN_FLIGHT = Gauge(

@@ -13,6 +13,7 @@ from router.openai.protocol import (
     CompletionRequest,
     ParsedRequest,
     chat_prompt,
+    flow_fields,
     message_dicts,
     parse_chat,
     parse_completion,
@@ -38,6 +39,7 @@ async def parse(
     if body.model is not None and body.model != served.name:
         raise errors.model_not_found(body.model, served.name)
     max_choices = core.config.limits.max_choices
+    flow_fields(body)  # checked before a chat template renders (``parse_*`` reads them again)
     if isinstance(body, CompletionRequest):
         return Parsed(Kind.COMPLETION, parse_completion(body, max_choices), served.name)
     template = served.template

@@ -80,7 +80,8 @@ async def prepare(core: RequestCore, parsed: Parsed, arrival: Arrival) -> Prepar
         try:
             core.tag(one)  # OpenAI's name for the class: service_tier
         except InvalidField as exc:
-            raise InvalidParameter("service_tier", f"service_tier: {exc}") from None
+            message = str(exc).replace("service_class", "service_tier", 1)
+            raise InvalidParameter("service_tier", message) from None
         read = await core.read(one)
         params = read.params
         if asked.fill_context:

@@ -268,7 +268,7 @@ def _parse(
         fill_context=max_tokens is None,
         prompt_logprobs=body.prompt_logprobs,
         bad_words=tuple(body.bad_words or ()),
-        **_flow_fields(body),
+        **flow_fields(body),
     )
 
 
@@ -276,7 +276,7 @@ def _parse(
 _ANY_TIER = ("auto", "default")
 
 
-def _flow_fields(body: _Sampling) -> dict[str, Any]:
+def flow_fields(body: _Sampling) -> dict[str, Any]:
     """``priority``, ``service_class`` and ``slo`` of ``ParsedRequest``, checked (the class's
     existence is the request core's check)."""
     if body.priority is not None:

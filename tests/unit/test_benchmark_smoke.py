@@ -191,3 +191,18 @@ def test_structured_benchmark_quick_run_times_both_grammar_engines(tmp_path: Pat
     for row in report["schemas"]:  # both engines walked the instance's tokens to its end
         for engine in ("llguidance", "xgrammar"):
             assert row[engine]["compile_ms"] > 0 and row[engine]["mask_mean_us"] > 0
+
+
+@pytest.mark.slow
+def test_slo_control_quick_run_sweeps_both_modes(tmp_path: Path) -> None:
+    report = quick_run("slo_control.py", tmp_path / "bench-model")
+    assert report["capacity_rps"] > 0 and report["slo_s"] > 0
+    for mode in ("on", "off"):
+        result = report["modes"][mode]
+        assert {"alone", "1x", "4x"} <= set(result)
+        for load in ("1x", "4x"):
+            for tenant in ("modest", "flood"):
+                row = result[load][tenant]
+                assert row["sent"] > 0 and row["errors"] == 0
+    assert report["modes"]["off"]["4x"]["flood"]["shed_rps"] == 0  # off: nothing is shed
+    assert report["overhead_harness_us"] > 0

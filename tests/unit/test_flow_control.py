@@ -140,6 +140,14 @@ def test_a_request_that_would_miss_its_target_is_refused_with_the_time_to_drain(
     idle = PoolRate(100.0, 0.05, backlog_tokens=0, num_workers=1)
     decision = admit(Tag("t1", INTERACTIVE), 300, 0, 0, idle)
     assert decision.admitted and decision.predicted_ttft_s == pytest.approx(3.05)
+    # The measured bias scales the formula: 0.3 x 3.05 s meets 1 s (and the unbiased
+    # prediction is kept, for the bias to learn from).
+    biased = PoolRate(1000.0, 0.05, backlog_tokens=500, num_workers=2, bias=0.3)
+    decision = admit(Tag("t1", INTERACTIVE), 200, 2300, 0, biased)
+    assert decision.admitted and decision.predicted_ttft_s == pytest.approx(0.915)
+    assert decision.unbiased_ttft_s == pytest.approx(3.05)
+    with pytest.raises(ValueError, match="bias must be in"):
+        PoolRate(1000.0, 0.05, 0, 1, bias=5.0)
 
 
 def test_a_full_queue_sheds_and_no_worker_is_503() -> None:
@@ -175,6 +183,9 @@ def test_rounds_in_which_nothing_fits_are_given_at_once_in_the_same_order() -> N
     assert _drain(queues) == ["B", "A", "C"]
     with pytest.raises(ValueError, match=r"the weight of 'x' must be in \[0.015625, 64.0\]"):
         FlowQueues(weights={"x": float("inf")})
+    weighted = FlowQueues(weights={"gold": 2.0})
+    weighted.set_weight("gold", None)  # its key line lost its weight: back to 1
+    assert weighted.weight("gold") == 1.0 and weighted.weights == {}
 
 
 def test_the_deadline_heap_stays_bounded_by_what_waits() -> None:

@@ -131,6 +131,26 @@ def test_a_client_that_leaves_while_waiting_leaves_the_queue() -> None:
     asyncio.run(run())
 
 
+def test_a_client_that_leaves_as_its_turn_comes_gives_its_tokens_back() -> None:
+    """Cancelled, then released before its task resumes: it never went, nothing stays
+    counted (else the leaked tokens would block every later release)."""
+
+    async def run() -> None:
+        room = _room(Clock(), inflight_tokens_per_worker=1)
+        first = await room.enter("r0", Tag("a"), 10)
+        gone = await _entered(room, "r1", Tag("a"), 10)
+        gone.cancel()
+        first.first_token()  # its turn comes before its cancellation runs
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert len(room.queues) == 0 and room.rate.inflight_tokens == 0
+        after = await room.enter("r2", Tag("a"), 10)  # the room still serves
+        after.leave()
+        assert room.rate.inflight_tokens == 0
+
+    asyncio.run(run())
+
+
 def test_the_rate_is_measured_while_busy_and_the_prior_fades() -> None:
     rate = PrefillRate(prior_tokens_per_s=1000.0, half_life_s=1e9)  # no decay: exact sums
     assert rate.tokens_per_s(num_workers=2) == 2000.0  # the prior, per worker
@@ -143,6 +163,10 @@ def test_the_rate_is_measured_while_busy_and_the_prior_fades() -> None:
     rate.observe_overhead(first_token_s=0.5, work_tokens=0, num_workers=1)
     assert rate.overhead_s == pytest.approx(0.05)  # one tenth of the sample
     assert rate.inflight_tokens == 0
+    rate.observe_bias(measured_s=0.5, unbiased_s=1.0)  # measured half the formula's
+    assert rate.bias == pytest.approx(0.95)
+    rate.observe_bias(measured_s=100.0, unbiased_s=1.0)  # a sample counts at most 4x
+    assert rate.bias == pytest.approx(0.95 + 0.1 * (4.0 - 0.95))
 
 
 def test_classes_config_and_key_attributes_are_read_and_refused_by_name(tmp_path: Path) -> None:
