@@ -159,6 +159,7 @@ class WaitingRoom:
             self.rate.sent(ticket.cost, now)
             waiting.sent_s, waiting.backlog = now, self.rate.inflight_tokens
             waiting.released.set_result(None)
+        metrics.FLOW_INFLIGHT_TOKENS.set(self.rate.inflight_tokens)
         self._arm(now)
 
     def _arm(self, now: float) -> None:

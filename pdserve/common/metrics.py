@@ -34,6 +34,10 @@ FLOW_QUEUED = Gauge(
     "pdserve_flow_queued_requests", "Requests waiting in the router's queues", ["class"]
 )
 FLOW_ADMITTED = Counter("pdserve_flow_admitted_total", "Requests flow control admitted", ["class"])
+FLOW_INFLIGHT_TOKENS = Gauge(
+    "pdserve_flow_inflight_prompt_tokens",
+    "Prompt tokens the router sent to the workers and has no first token for yet",
+)
 FLOW_SHED = Counter(
     "pdserve_flow_shed_total",
     "Requests flow control refused or shed (queue_full, slo_unreachable, no_worker: at once; "

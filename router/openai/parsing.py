@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.openai import errors
+from router.openai.flow_fields import flow_fields
 from router.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ParsedRequest,
     chat_prompt,
-    flow_fields,
     message_dicts,
     parse_chat,
     parse_completion,
@@ -39,7 +39,8 @@ async def parse(
     if body.model is not None and body.model != served.name:
         raise errors.model_not_found(body.model, served.name)
     max_choices = core.config.limits.max_choices
-    flow_fields(body)  # checked before a chat template renders (``parse_*`` reads them again)
+    # Checked before a chat template renders (``parse_*`` reads them again).
+    flow_fields(body.priority, body.service_tier, body.slo)
     if isinstance(body, CompletionRequest):
         return Parsed(Kind.COMPLETION, parse_completion(body, max_choices), served.name)
     template = served.template

@@ -23,12 +23,12 @@ from engine.sampling_params import (
     MAX_LOGPROBS,
     InvalidField,
     SamplingParams,
-    check_priority,
 )
 from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
 from router.openai.chat_template import ChatTemplate
 from router.openai.control_text import check_control_text
+from router.openai.flow_fields import SloTargets, flow_fields
 from router.openai.invalid_parameter import InvalidParameter
 from router.openai.structured import structured_output
 from router.request_class import Slo
@@ -40,13 +40,6 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
-
-
-class SloTargets(_Body):
-    """pdserve's extra: a request's own targets (docs/slo.md), over its class's."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
 
 
 class _Sampling(_Body):
@@ -268,37 +261,8 @@ def _parse(
         fill_context=max_tokens is None,
         prompt_logprobs=body.prompt_logprobs,
         bad_words=tuple(body.bad_words or ()),
-        **flow_fields(body),
+        **flow_fields(body.priority, body.service_tier, body.slo),
     )
-
-
-# ``service_tier`` values OpenAI's clients send that name no class of pdserve's.
-_ANY_TIER = ("auto", "default")
-
-
-def flow_fields(body: _Sampling) -> dict[str, Any]:
-    """``priority``, ``service_class`` and ``slo`` of ``ParsedRequest``, checked (the class's
-    existence is the request core's check)."""
-    if body.priority is not None:
-        check_priority(body.priority)
-    tier = body.service_tier
-    if tier is not None and (not tier or len(tier) > _MAX_TIER_CHARS):
-        raise InvalidParameter(
-            "service_tier", f"service_tier must be 1 to {_MAX_TIER_CHARS} characters"
-        )
-    targets = body.slo or SloTargets()
-    try:
-        slo = Slo(targets.ttft_s, targets.tpot_s)
-    except InvalidField as exc:
-        raise InvalidParameter(f"slo.{exc.field}", f"slo.{exc}") from None
-    return {
-        "priority": body.priority,
-        "service_class": None if tier in _ANY_TIER else tier,
-        "slo": slo,
-    }
-
-
-_MAX_TIER_CHARS = 64
 
 
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
