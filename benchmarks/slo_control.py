@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--ttft-slo-s", type=float, default=None, help="default: 4x unloaded p50")
+    p.add_argument(
+        "--max-running", type=int, default=8, help="flow control on: requests per decode worker"
+    )
     p.add_argument("--size", choices=("tiny", "small"), default="small", help="checkpoint size")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -127,7 +130,7 @@ class Load:
         return n / (time.perf_counter() - start)
 
 
-def _router_args(slo: float, on: bool) -> tuple[str, ...]:
+def _router_args(slo: float, on: bool, max_running: int = 0) -> tuple[str, ...]:
     classes = f"interactive:priority=-1,ttft_s={slo:g};batch:priority=5,queue_ttl_s=30"
     if not on:  # FCFS: no targets, nothing held back, no TTL
         classes = "interactive;batch"
@@ -136,6 +139,7 @@ def _router_args(slo: float, on: bool) -> tuple[str, ...]:
         "--request-classes": classes,
         "--fairness-header": "x-tenant",
         "--inflight-tokens-per-worker": inflight,
+        "--max-running-per-decode-worker": str(max_running if on else 0),
         "--quantum-tokens": "128",
     }
     return tuple(part for flag in flags.items() for part in flag)
@@ -190,7 +194,7 @@ def prediction_p90(metrics_address: str) -> float:
 
 def run_mode(model: Path, args: argparse.Namespace, on: bool, slo: float, cap: float) -> dict:
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    config = _cluster(model, _router_args(slo, on), on)
+    config = _cluster(model, _router_args(slo, on, args.max_running), on)
     out: dict[str, Any] = {}
     with LocalCluster(config) as cluster:
         load = Load(cluster.address, args, vocab)

@@ -55,7 +55,7 @@ class PoolRate:
     overhead_s: float  # a TTFT's part that is neither queueing nor prompt compute
     backlog_tokens: int  # sent to the pool, not yet computed
     num_workers: int
-    bias: float = 1.0  # measured TTFT / the formula's, a moving average (in [0.25, 4])
+    bias: float = 1.0  # its class's measured TTFT / the formula's, a moving average, in [0.25, 4]
 
     def __post_init__(self) -> None:
         rate = self.prefill_tokens_per_s

@@ -41,6 +41,14 @@ class FlowConfig:
             "not back): past this, requests wait in the router in priority and fairness order"
         },
     )
+    max_running_per_decode_worker: int = field(
+        default=0,
+        metadata={
+            DOC: "requests sent and not ended, per decode worker: past this, requests wait in "
+            "the router in priority and fairness order (0: no bound; a worker's decode batch "
+            "is load too)"
+        },
+    )
     prefill_tokens_per_s: float = field(
         default=2048.0,
         metadata={
@@ -63,6 +71,11 @@ class FlowConfig:
             )
         if self.quantum_tokens < 1 or self.inflight_tokens_per_worker < 1:
             raise ValueError("quantum_tokens and inflight_tokens_per_worker must be >= 1")
+        if self.max_running_per_decode_worker < 0:
+            raise ValueError(
+                f"max_running_per_decode_worker must be >= 0, got "
+                f"{self.max_running_per_decode_worker}"
+            )
         if not self.prefill_tokens_per_s > 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
 

@@ -14,7 +14,8 @@ The discipline, written once:
   wait only to miss. So a low band can wait, never starve unseen: it is shed, and counted.
 - **Release.** Requests go to the workers while the prompt tokens in flight there stay within
   the bound the shell gives (at least one when none is in flight: a request larger than the
-  bound still runs).
+  bound still runs), and, when the shell bounds them, while fewer requests run there (sent,
+  not ended) than its bound: a worker's decode batch is load too.
 """
 
 from __future__ import annotations
@@ -148,8 +149,17 @@ class FlowQueues:
         self._taken(band, head)
         return head
 
-    def release(self, now_s: float, inflight_tokens: int, max_inflight_tokens: int) -> Release:
-        """Sheds what waited past its deadline, then picks what may go to the workers now."""
+    def release(
+        self,
+        now_s: float,
+        inflight_tokens: int,
+        max_inflight_tokens: int,
+        running: int = 0,
+        max_running: int = 0,
+    ) -> Release:
+        """Sheds what waited past its deadline, then picks what may go to the workers now:
+        while the prompt tokens in flight stay within ``max_inflight_tokens`` and the
+        requests running (sent, not ended) below ``max_running`` (0: no bound)."""
         shed: list[Ticket] = []
         while self._deadlines and self._deadlines[0][0] <= now_s:
             deadline_s, request_id = heapq.heappop(self._deadlines)
@@ -160,6 +170,8 @@ class FlowQueues:
                 shed.append(waiting)
         dispatch: list[Ticket] = []
         while self._where:
+            if max_running and running >= max_running:
+                break
             following = self._peek()
             if inflight_tokens > 0 and inflight_tokens + following.cost > max_inflight_tokens:
                 break
@@ -167,6 +179,7 @@ class FlowQueues:
             assert popped is following
             dispatch.append(popped)
             inflight_tokens += popped.cost
+            running += 1
         return Release(tuple(dispatch), tuple(shed))
 
     def tokens_ahead(self, band: int, key: str, cost: int) -> int:

@@ -12,7 +12,7 @@ measured, it reads a prior (``--prefill-tokens-per-s`` per worker) as one second
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.admission import MAX_BIAS, MIN_BIAS
 
@@ -29,7 +29,10 @@ class PrefillRate:
     _last_s: float | None = None
     _inflight: int = 0  # prompt tokens sent, first token not back
     overhead_s: float = 0.0
-    bias: float = 1.0  # measured TTFT / admission's formula (``router/admission.py``)
+    # Per request class: measured TTFT / admission's formula (``router/admission.py``). Per
+    # class, since how far the formula is off depends on where a class waits: an urgent one
+    # meets little of the work ahead that the formula counts, a batch one all of it.
+    _biases: dict[str, float] = field(default_factory=dict)
 
     def _advance(self, now_s: float) -> None:
         if self._last_s is not None and now_s > self._last_s:
@@ -75,13 +78,17 @@ class PrefillRate:
         sample = max(0.0, first_token_s - work_tokens / self.tokens_per_s(num_workers))
         self.overhead_s += _OVERHEAD_WEIGHT * (sample - self.overhead_s)
 
-    def observe_bias(self, measured_s: float, unbiased_s: float) -> None:
-        """One admitted request's measured TTFT against its unbiased prediction: the bias
-        moves a tenth of the way to their ratio, within [``MIN_BIAS``, ``MAX_BIAS``]."""
+    def bias(self, request_class: str) -> float:
+        return self._biases.get(request_class, 1.0)
+
+    def observe_bias(self, request_class: str, measured_s: float, unbiased_s: float) -> None:
+        """One admitted request's measured TTFT against its unbiased prediction: its class's
+        bias moves a tenth of the way to their ratio, within [``MIN_BIAS``, ``MAX_BIAS``]."""
         if unbiased_s <= 0:
             return
         sample = min(MAX_BIAS, max(MIN_BIAS, measured_s / unbiased_s))
-        self.bias += _OVERHEAD_WEIGHT * (sample - self.bias)
+        bias = self.bias(request_class)
+        self._biases[request_class] = bias + _OVERHEAD_WEIGHT * (sample - bias)
 
 
 _LN2 = 0.6931471805599453

@@ -107,7 +107,9 @@ class RequestCore:
         self._cluster = ClusterState(config.redis, self._pool, fingerprint, layout.block_size)
         dispatch = Dispatcher(config, self._pool, self._cluster)
         self._generation = Generation(config, self._pool, dispatch, self.checkpoint.eos_token_ids)
-        self._room = WaitingRoom(config.flow, self._prompt_workers)
+        self._room = WaitingRoom(
+            config.flow, self._prompt_workers, num_decode_workers=self._decode_workers
+        )
         await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)
         self._cluster.start(config.stats_interval_s)
 
@@ -195,6 +197,9 @@ class RequestCore:
         is flow control's 503."""
         workers = self.pool.decode if self.config.colocated else self.pool.prefill
         return sum(1 for w in workers.values() if not w.refused)
+
+    def _decode_workers(self) -> int:
+        return sum(1 for w in self.pool.decode.values() if not w.refused)
 
     def check_capacity(self, num_prompt_tokens: int) -> None:
         """A prompt no worker of a needed pool could ever hold is refused before any work."""

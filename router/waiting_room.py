@@ -62,13 +62,17 @@ class WaitingRoom:
         config: FlowConfig,
         num_workers: Callable[[], int],
         clock: Callable[[], float] = time.perf_counter,
+        num_decode_workers: Callable[[], int] | None = None,
     ) -> None:
         """``num_workers``: the workers that compute prompts now (the prefill pool's, or the
-        decode pool's when colocated)."""
+        decode pool's when colocated); ``num_decode_workers``: the decode pool's (the
+        ``max_running_per_decode_worker`` bound's; default: ``num_workers``)."""
         self.config = config
         self.queues = FlowQueues(config.quantum_tokens)
         self.rate = PrefillRate(config.prefill_tokens_per_s)
         self._num_workers = num_workers
+        self._num_decode_workers = num_decode_workers or num_workers
+        self._running = 0  # requests sent to the workers, not yet ended
         self._clock = clock
         self._waiting: dict[str, _Waiting] = {}
         self._queued: dict[str, int] = {}  # by class
@@ -76,14 +80,15 @@ class WaitingRoom:
         self._timer_at: float | None = None  # the deadline the timer is set for
         self._series: dict[str, _ClassSeries] = {}  # each class's metric series, looked up once
 
-    def pool_rate(self) -> PoolRate:
+    def pool_rate(self, request_class: str) -> PoolRate:
+        """What admission reads of the pool, for a request of ``request_class``."""
         workers = self._num_workers()
         return PoolRate(
             self.rate.tokens_per_s(workers),
             self.rate.overhead_s,
             max(0, self.rate.inflight_tokens),
             workers,
-            self.rate.bias,
+            self.rate.bias(request_class),
         )
 
     async def enter(self, request_id: str, tag: Tag, cost: int) -> Seat:
@@ -94,7 +99,8 @@ class WaitingRoom:
         self._release(now)  # what expired goes first: the counts below are current
         cls = tag.request_class
         ahead = self.queues.tokens_ahead(tag.band, tag.key, cost)
-        admission = admit(tag, cost, ahead, self._queued.get(cls.name, 0), self.pool_rate())
+        queued = self._queued.get(cls.name, 0)
+        admission = admit(tag, cost, ahead, queued, self.pool_rate(cls.name))
         if not admission.admitted:
             reason = admission.verdict.value
             metrics.FLOW_SHED.labels(cls.name, reason).inc()
@@ -121,6 +127,7 @@ class WaitingRoom:
                 self._unqueued(request_id)
             elif entry.sent_s is not None:
                 self.rate.dropped(cost, left)  # released before it could resume: never ran
+                self._running -= 1
             self._release(left)
             raise
         assert entry.sent_s is not None  # set with its release
@@ -136,8 +143,11 @@ class WaitingRoom:
 
     def _release(self, now: float) -> None:
         """Executes ``FlowQueues.release`` now, and sets the timer for its next deadline."""
-        budget = self.config.inflight_tokens_per_worker * max(1, self._num_workers())
-        release = self.queues.release(now, max(0, self.rate.inflight_tokens), budget)
+        config = self.config
+        budget = config.inflight_tokens_per_worker * max(1, self._num_workers())
+        seats = config.max_running_per_decode_worker * max(1, self._num_decode_workers())
+        inflight = max(0, self.rate.inflight_tokens)
+        release = self.queues.release(now, inflight, budget, self._running, seats)
         for ticket in release.shed:
             waiting = self._unqueued(ticket.request_id)
             name = waiting.tag.request_class.name
@@ -150,13 +160,14 @@ class WaitingRoom:
                     f"waited {now - ticket.arrival_s:.1f} s in the router's queue: its class "
                     f"{name!r}'s queue_ttl_s ({ttl:g})"
                 )
-                retry = max(1, math.ceil(self.pool_rate().seconds(ahead)))
+                retry = max(1, math.ceil(self.pool_rate(name).seconds(ahead)))
                 waiting.released.set_exception(Shed(message, retry, TTL_EXPIRED))
         for ticket in release.dispatch:
             waiting = self._unqueued(ticket.request_id)
             if waiting.released.done():  # cancelled: its client left; it goes nowhere
                 continue
             self.rate.sent(ticket.cost, now)
+            self._running += 1
             waiting.sent_s, waiting.backlog = now, self.rate.inflight_tokens
             waiting.released.set_result(None)
         metrics.FLOW_INFLIGHT_TOKENS.set(self.rate.inflight_tokens)
@@ -204,7 +215,8 @@ class _ClassSeries:
 
 
 class Seat:
-    """A released request's prompt tokens, in flight until its first token or its end."""
+    """A released request: its prompt tokens in flight until its first token, itself among
+    the running until its end (``leave``, which every request reaches)."""
 
     def __init__(
         self,
@@ -225,12 +237,13 @@ class Seat:
         # Its time in the queue (``ticket.arrival_s`` to ``sent_s``), when it had to wait:
         # the request's ``flow_queue`` phase (``router/phases.py``).
         self.queued = (ticket.arrival_s, sent_s) if waited else None
-        self._held = True
+        self._held = True  # its prompt tokens, until its first token
+        self._ended = False
 
     def first_token(self) -> None:
         """Its first token is back: its tokens leave the count, measured as served; the
         prediction it was admitted with is checked against its measured TTFT."""
-        if not self._held:
+        if not self._held or self._ended:
             return
         self._held = False
         room, now = self.room, self.room._clock()
@@ -239,17 +252,21 @@ class Seat:
         room.rate.served(self.ticket.cost, now)
         measured = now - self.ticket.arrival_s
         if measured > 0:
+            name = self.tag.request_class.name
             predicted = self.admission.predicted_ttft_s
-            error = abs(predicted - measured) / measured
-            room.series(self.tag.request_class.name).prediction_error.observe(error)
-            room.rate.observe_bias(measured, self.admission.unbiased_ttft_s)
+            room.series(name).prediction_error.observe(abs(predicted - measured) / measured)
+            room.rate.observe_bias(name, measured, self.admission.unbiased_ttft_s)
         room._release(now)
 
     def leave(self) -> None:
-        """The request ended (idempotent): tokens still held go back, unmeasured."""
-        if not self._held:
+        """The request ended (idempotent): its place among the running goes back, and its
+        tokens if still held, unmeasured."""
+        if self._ended:
             return
-        self._held = False
-        now = self.room._clock()
-        self.room.rate.dropped(self.ticket.cost, now)
-        self.room._release(now)
+        self._ended = True
+        room, now = self.room, self.room._clock()
+        room._running -= 1
+        if self._held:
+            self._held = False
+            room.rate.dropped(self.ticket.cost, now)
+        room._release(now)

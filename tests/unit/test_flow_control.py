@@ -84,6 +84,16 @@ def test_release_sheds_what_waited_past_its_time_then_fills_the_inflight_bound()
     assert [t.request_id for t in queues.release(7.0, 0, 300).dispatch] == ["huge"]
 
 
+def test_release_also_stops_at_the_running_bound() -> None:
+    queues = FlowQueues(quantum_tokens=1000)
+    for i in range(4):
+        queues.push(Ticket(f"r{i}", "a", 0, 100, 0.0, 20.0))
+    release = queues.release(1.0, 0, 10_000, running=1, max_running=3)
+    assert [t.request_id for t in release.dispatch] == ["r0", "r1"]  # 1 + 2 running = 3
+    assert queues.release(1.0, 0, 10_000, running=3, max_running=3).dispatch == ()
+    assert len(queues.release(1.0, 0, 10_000, running=3, max_running=0).dispatch) == 2  # none
+
+
 def test_a_request_whose_client_left_leaves_the_queue() -> None:
     queues = FlowQueues(quantum_tokens=100)
     for rid, key in (("a0", "a"), ("b0", "b"), ("a1", "a")):

@@ -131,6 +131,25 @@ def test_a_client_that_leaves_while_waiting_leaves_the_queue() -> None:
     asyncio.run(run())
 
 
+def test_the_running_bound_holds_requests_until_one_ends_not_until_its_first_token() -> None:
+    async def run() -> None:
+        room = _room(Clock(), workers=1, max_running_per_decode_worker=2)
+        seats = [await room.enter(f"r{i}", Tag("a"), 10) for i in range(2)]
+        third = await _entered(room, "r2", Tag("a"), 10)
+        for seat in seats:
+            seat.first_token()  # no prompt in flight now: the running bound holds it still
+        await asyncio.sleep(0)
+        assert not third.done()
+        seats[0].leave()  # one ends: its place goes to the next
+        await asyncio.sleep(0)
+        assert third.done()
+        for seat in (seats[1], third.result()):
+            seat.leave()
+        assert room._running == 0 and room.rate.inflight_tokens == 0
+
+    asyncio.run(run())
+
+
 def test_a_client_that_leaves_as_its_turn_comes_gives_its_tokens_back() -> None:
     """Cancelled, then released before its task resumes: it never went, nothing stays
     counted (else the leaked tokens would block every later release)."""
@@ -163,10 +182,11 @@ def test_the_rate_is_measured_while_busy_and_the_prior_fades() -> None:
     rate.observe_overhead(first_token_s=0.5, work_tokens=0, num_workers=1)
     assert rate.overhead_s == pytest.approx(0.05)  # one tenth of the sample
     assert rate.inflight_tokens == 0
-    rate.observe_bias(measured_s=0.5, unbiased_s=1.0)  # measured half the formula's
-    assert rate.bias == pytest.approx(0.95)
-    rate.observe_bias(measured_s=100.0, unbiased_s=1.0)  # a sample counts at most 4x
-    assert rate.bias == pytest.approx(0.95 + 0.1 * (4.0 - 0.95))
+    rate.observe_bias("chat", measured_s=0.5, unbiased_s=1.0)  # half the formula's
+    assert rate.bias("chat") == pytest.approx(0.95)
+    rate.observe_bias("chat", measured_s=100.0, unbiased_s=1.0)  # a sample counts 4x at most
+    assert rate.bias("chat") == pytest.approx(0.95 + 0.1 * (4.0 - 0.95))
+    assert rate.bias("batch") == 1.0  # each class its own
 
 
 def test_classes_config_and_key_attributes_are_read_and_refused_by_name(tmp_path: Path) -> None:
