@@ -15,24 +15,21 @@ The rule, written once:
 - else admitted, with its prediction (compared with what it measures: the prediction's error
   is a histogram).
 
-The prediction: ``bias x (overhead_s + (backlog_tokens + tokens_ahead + its own) / rate)``,
+The prediction: ``correction(overhead_s + (backlog_tokens + tokens_ahead + its own) / rate)``,
 the backlog being the prompt tokens already sent to the pool and not yet answered, the rate
 the pool's measured prompt tokens per second, the overhead what a request's time from leaving
-the router's queue to its first token measures besides that work, and the bias the measured
-TTFT over this formula's, a moving average (an engine batches the prompts it holds, so work in
-flight delays a new prompt less than its full compute: the bias learns by how much, as
-Dynamo's planner corrects its profile by observed over expected latency).
+the router's queue to its first token measures besides that work, and the correction the line
+its class's measured TTFTs fit against this formula (``router/ttft_fit.py``).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.request_class import Tag
-
-MIN_BIAS, MAX_BIAS = 0.25, 4.0
+from router.ttft_fit import Correction
 
 
 class Verdict(enum.Enum):
@@ -55,7 +52,7 @@ class PoolRate:
     overhead_s: float  # a TTFT's part that is neither queueing nor prompt compute
     backlog_tokens: int  # sent to the pool, not yet computed
     num_workers: int
-    bias: float = 1.0  # its class's measured TTFT / the formula's, a moving average, in [0.25, 4]
+    correction: Correction = field(default_factory=Correction)  # its class's measured fit
 
     def __post_init__(self) -> None:
         rate = self.prefill_tokens_per_s
@@ -65,8 +62,6 @@ class PoolRate:
             raise ValueError(f"overhead_s must be finite and >= 0, got {self.overhead_s}")
         if self.backlog_tokens < 0 or self.num_workers < 0:
             raise ValueError("backlog_tokens and num_workers must be >= 0")
-        if not MIN_BIAS <= self.bias <= MAX_BIAS:
-            raise ValueError(f"bias must be in [{MIN_BIAS}, {MAX_BIAS}], got {self.bias}")
 
     def seconds(self, tokens: int) -> float:
         return tokens / self.prefill_tokens_per_s
@@ -78,7 +73,7 @@ class Admission:
     predicted_ttft_s: float
     retry_after_s: int  # whole seconds (the header's unit), >= 1; 0 when admitted
     reason: str  # for the refusal's message and the log
-    unbiased_ttft_s: float = 0.0  # the formula's, before the bias (what the bias learns from)
+    formula_ttft_s: float = 0.0  # the formula's, before the correction (what the fit learns from)
 
     @property
     def admitted(self) -> bool:
@@ -91,15 +86,15 @@ def admit(
     """The admission of a request of ``cost`` prompt tokens, ``tokens_ahead`` waiting before it
     in the router and ``queued_in_class`` requests of its class waiting there."""
     work = rate.backlog_tokens + tokens_ahead + cost
-    unbiased = rate.overhead_s + rate.seconds(work)
-    predicted = rate.bias * unbiased
+    formula = rate.overhead_s + rate.seconds(work)
+    predicted = rate.correction(formula)
     if rate.num_workers == 0:
-        return Admission(Verdict.NO_WORKER, predicted, 1, "no worker is available", unbiased)
+        return Admission(Verdict.NO_WORKER, predicted, 1, "no worker is available", formula)
     cls = tag.request_class
     if queued_in_class >= cls.max_queued:
-        drain = rate.bias * rate.seconds(rate.backlog_tokens + tokens_ahead)
+        drain = rate.correction.slope * rate.seconds(rate.backlog_tokens + tokens_ahead)
         reason = f"class {cls.name!r} has {queued_in_class} requests waiting (its max_queued)"
-        return Admission(Verdict.QUEUE_FULL, predicted, _whole(drain), reason, unbiased)
+        return Admission(Verdict.QUEUE_FULL, predicted, _whole(drain), reason, formula)
     target = tag.targets.ttft_s
     ahead = rate.backlog_tokens + tokens_ahead
     if target is not None and ahead > 0 and predicted > target:
@@ -110,8 +105,8 @@ def admit(
             f"({work} prompt tokens ahead of its first token at "
             f"{rate.prefill_tokens_per_s:.0f} tokens/s)"
         )
-        return Admission(Verdict.SLO_UNREACHABLE, predicted, _whole(drain), reason, unbiased)
-    return Admission(Verdict.ADMIT, predicted, 0, "", unbiased)
+        return Admission(Verdict.SLO_UNREACHABLE, predicted, _whole(drain), reason, formula)
+    return Admission(Verdict.ADMIT, predicted, 0, "", formula)
 
 
 def _whole(seconds: float) -> int:

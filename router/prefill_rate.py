@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.admission import MAX_BIAS, MIN_BIAS
+from router.ttft_fit import Correction, TtftFit
 
 _PRIOR_S = 1.0  # the prior weighs as much as this many measured busy seconds
-_OVERHEAD_WEIGHT = 0.1  # each sample's weight in the overhead's and bias's moving averages
+_OVERHEAD_WEIGHT = 0.1  # each sample's weight in the overhead's moving average
 
 
 @dataclass
@@ -29,10 +29,8 @@ class PrefillRate:
     _last_s: float | None = None
     _inflight: int = 0  # prompt tokens sent, first token not back
     overhead_s: float = 0.0
-    # Per request class: measured TTFT / admission's formula (``router/admission.py``). Per
-    # class, since how far the formula is off depends on where a class waits: an urgent one
-    # meets little of the work ahead that the formula counts, a batch one all of it.
-    _biases: dict[str, float] = field(default_factory=dict)
+    # Per request class: how its measured TTFTs fit admission's formula (router/ttft_fit.py).
+    _fits: dict[str, TtftFit] = field(default_factory=dict)
 
     def _advance(self, now_s: float) -> None:
         if self._last_s is not None and now_s > self._last_s:
@@ -78,17 +76,14 @@ class PrefillRate:
         sample = max(0.0, first_token_s - work_tokens / self.tokens_per_s(num_workers))
         self.overhead_s += _OVERHEAD_WEIGHT * (sample - self.overhead_s)
 
-    def bias(self, request_class: str) -> float:
-        return self._biases.get(request_class, 1.0)
+    def correction(self, request_class: str) -> Correction:
+        fit = self._fits.get(request_class)
+        return fit.correction() if fit is not None else Correction()
 
-    def observe_bias(self, request_class: str, measured_s: float, unbiased_s: float) -> None:
-        """One admitted request's measured TTFT against its unbiased prediction: its class's
-        bias moves a tenth of the way to their ratio, within [``MIN_BIAS``, ``MAX_BIAS``]."""
-        if unbiased_s <= 0:
-            return
-        sample = min(MAX_BIAS, max(MIN_BIAS, measured_s / unbiased_s))
-        bias = self.bias(request_class)
-        self._biases[request_class] = bias + _OVERHEAD_WEIGHT * (sample - bias)
+    def observe_ttft(self, request_class: str, formula_s: float, measured_s: float) -> None:
+        """One admitted request of ``request_class``: the formula's TTFT when it was admitted
+        and the TTFT it measured."""
+        self._fits.setdefault(request_class, TtftFit()).observe(formula_s, measured_s)
 
 
 _LN2 = 0.6931471805599453

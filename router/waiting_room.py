@@ -88,7 +88,7 @@ class WaitingRoom:
             self.rate.overhead_s,
             max(0, self.rate.inflight_tokens),
             workers,
-            self.rate.bias(request_class),
+            self.rate.correction(request_class),
         )
 
     async def enter(self, request_id: str, tag: Tag, cost: int) -> Seat:
@@ -255,7 +255,7 @@ class Seat:
             name = self.tag.request_class.name
             predicted = self.admission.predicted_ttft_s
             room.series(name).prediction_error.observe(abs(predicted - measured) / measured)
-            room.rate.observe_bias(name, measured, self.admission.unbiased_ttft_s)
+            room.rate.observe_ttft(name, self.admission.formula_ttft_s, measured)
         room._release(now)
 
     def leave(self) -> None:

@@ -10,6 +10,7 @@ from engine.sampling_params import MAX_PRIORITY, InvalidField
 from router.admission import PoolRate, Verdict, admit
 from router.flow_control import FlowQueues, Ticket
 from router.request_class import RequestClass, Slo, Tag
+from router.ttft_fit import Correction, TtftFit
 
 
 def _ticket(
@@ -150,14 +151,14 @@ def test_a_request_that_would_miss_its_target_is_refused_with_the_time_to_drain(
     idle = PoolRate(100.0, 0.05, backlog_tokens=0, num_workers=1)
     decision = admit(Tag("t1", INTERACTIVE), 300, 0, 0, idle)
     assert decision.admitted and decision.predicted_ttft_s == pytest.approx(3.05)
-    # The measured bias scales the formula: 0.3 x 3.05 s meets 1 s (and the unbiased
-    # prediction is kept, for the bias to learn from).
-    biased = PoolRate(1000.0, 0.05, backlog_tokens=500, num_workers=2, bias=0.3)
-    decision = admit(Tag("t1", INTERACTIVE), 200, 2300, 0, biased)
-    assert decision.admitted and decision.predicted_ttft_s == pytest.approx(0.915)
-    assert decision.unbiased_ttft_s == pytest.approx(3.05)
-    with pytest.raises(ValueError, match="bias must be in"):
-        PoolRate(1000.0, 0.05, 0, 1, bias=5.0)
+    # The class's measured fit corrects the formula: 0.2 s + 0.25 x 3.05 s meets 1 s (and
+    # the formula's own value is kept, for the fit to learn from).
+    fitted = PoolRate(1000.0, 0.05, 500, 2, correction=Correction(0.2, 0.25))
+    decision = admit(Tag("t1", INTERACTIVE), 200, 2300, 0, fitted)
+    assert decision.admitted and decision.predicted_ttft_s == pytest.approx(0.9625)
+    assert decision.formula_ttft_s == pytest.approx(3.05)
+    with pytest.raises(ValueError, match="slope must be in"):
+        Correction(0.0, 5.0)
 
 
 def test_a_full_queue_sheds_and_no_worker_is_503() -> None:
@@ -211,3 +212,26 @@ def test_a_rate_that_is_not_a_number_is_refused() -> None:
         PoolRate(1000.0, float("nan"), 0, 1)
     with pytest.raises(ValueError, match="prefill_tokens_per_s must be finite and > 0"):
         PoolRate(float("inf"), 0.0, 0, 1)
+
+
+def test_the_ttft_fit_is_a_line_once_it_has_samples() -> None:
+    fit = TtftFit()
+    for formula in (0.1, 0.5) * 3:
+        fit.observe(formula, 0.12)
+    assert fit.correction() == Correction()  # 6 samples: the identity still
+    for formula in (0.1, 0.5):
+        fit.observe(formula, 0.12)
+    # A TTFT that does not follow the formula (an urgent class): flat at 0.12 s.
+    line = fit.correction()
+    assert line.slope == pytest.approx(0.0, abs=1e-9)
+    assert line.intercept_s == pytest.approx(0.12)
+    steady = TtftFit()
+    for measured in (0.2, 0.4) * 4:
+        steady.observe(0.5, measured)  # one formula value: a ratio through zero
+    ratio = steady.correction()
+    assert ratio.intercept_s == 0.0 and 0.5 < ratio.slope < 0.7
+    follows = TtftFit()
+    for formula in (0.1, 0.2, 0.3, 0.4) * 2:
+        follows.observe(formula, 0.05 + 2 * formula)
+    assert follows.correction().slope == pytest.approx(2.0)
+    assert follows.correction().intercept_s == pytest.approx(0.05)

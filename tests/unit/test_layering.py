@@ -104,6 +104,10 @@ PURE_CORE = [
     "router.request_class",
     "router.flow_control",
     "router.admission",
+    "router.ttft_fit",
+    "router.prefill_rate",
+    "router.flow_config",
+    "native_engine.wait_order",
     # The capacity planner's core runs the engine's scheduler with no model, and no I/O.
     "app.capacity.profile",
     "app.capacity.sim_worker",

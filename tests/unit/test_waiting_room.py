@@ -13,6 +13,7 @@ from pdserve.common.auth import ApiKeys
 from router.flow_config import FlowConfig
 from router.prefill_rate import PrefillRate
 from router.request_class import DEFAULT_CLASS, RequestClass, Slo, Tag, parse_classes
+from router.ttft_fit import Correction
 from router.waiting_room import TTL_EXPIRED, Seat, Shed, WaitingRoom
 
 HIGH = RequestClass("high", priority=-1)
@@ -182,11 +183,10 @@ def test_the_rate_is_measured_while_busy_and_the_prior_fades() -> None:
     rate.observe_overhead(first_token_s=0.5, work_tokens=0, num_workers=1)
     assert rate.overhead_s == pytest.approx(0.05)  # one tenth of the sample
     assert rate.inflight_tokens == 0
-    rate.observe_bias("chat", measured_s=0.5, unbiased_s=1.0)  # half the formula's
-    assert rate.bias("chat") == pytest.approx(0.95)
-    rate.observe_bias("chat", measured_s=100.0, unbiased_s=1.0)  # a sample counts 4x at most
-    assert rate.bias("chat") == pytest.approx(0.95 + 0.1 * (4.0 - 0.95))
-    assert rate.bias("batch") == 1.0  # each class its own
+    for formula in (0.2, 0.6, 1.0, 1.4) * 2:  # chat's TTFT: half the formula's
+        rate.observe_ttft("chat", formula, formula / 2)
+    assert rate.correction("chat").slope == pytest.approx(0.5)
+    assert rate.correction("batch") == Correction()  # each class its own
 
 
 def test_classes_config_and_key_attributes_are_read_and_refused_by_name(tmp_path: Path) -> None:
