@@ -16,7 +16,8 @@ The rule, written once:
   is a histogram).
 
 The prediction: ``correction(overhead_s + (backlog_tokens + tokens_ahead + its own) / rate)``,
-the backlog being the prompt tokens already sent to the pool and not yet answered, the rate
+the backlog being the prompt tokens sent to the pool and not yet computed (what is in flight,
+less the part the pool's virtual queue says it has done: ``PrefillRate.pending_tokens``), the rate
 the pool's measured prompt tokens per second, the overhead what a request's time from leaving
 the router's queue to its first token measures besides that work, and the correction the line
 its class's measured TTFTs fit against this formula (``router/ttft_fit.py``).
@@ -50,7 +51,7 @@ class PoolRate:
 
     prefill_tokens_per_s: float  # > 0
     overhead_s: float  # a TTFT's part that is neither queueing nor prompt compute
-    backlog_tokens: int  # sent to the pool, not yet computed
+    backlog_tokens: int  # sent to the pool, predicted not yet computed
     num_workers: int
     correction: Correction = field(default_factory=Correction)  # its class's measured fit
 

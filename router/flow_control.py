@@ -15,7 +15,9 @@ The discipline, written once:
 - **Release.** Requests go to the workers while the prompt tokens in flight there stay within
   the bound the shell gives (at least one when none is in flight: a request larger than the
   bound still runs), and, when the shell bounds them, while fewer requests run there (sent,
-  not ended) than its bound: a worker's decode batch is load too.
+  not ended) than its bound: a worker's decode batch is load too. A request whose class has a
+  ``load_share`` below 1 goes only while what is in flight fits that share of each bound: the
+  rest is kept for the others (a more urgent request finds room at once).
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ class Ticket:
     cost: int  # its prompt tokens (what fairness shares and the prediction counts)
     arrival_s: float
     deadline_s: float  # shed when still waiting at this time (arrival + its class's TTL)
+    share: float = 1.0  # of the release bounds it may go within (its class's load_share)
 
     def __post_init__(self) -> None:
         if self.cost < 1:
             raise ValueError(f"a ticket costs >= 1 prompt token, got {self.cost}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"a ticket's share is in (0, 1], got {self.share}")
 
 
 @dataclass
@@ -159,7 +164,8 @@ class FlowQueues:
     ) -> Release:
         """Sheds what waited past its deadline, then picks what may go to the workers now:
         while the prompt tokens in flight stay within ``max_inflight_tokens`` and the
-        requests running (sent, not ended) below ``max_running`` (0: no bound)."""
+        requests running (sent, not ended) below ``max_running`` (0: no bound), each bound
+        scaled by the next request's share (a running bound by at least one request)."""
         shed: list[Ticket] = []
         while self._deadlines and self._deadlines[0][0] <= now_s:
             deadline_s, request_id = heapq.heappop(self._deadlines)
@@ -170,10 +176,11 @@ class FlowQueues:
                 shed.append(waiting)
         dispatch: list[Ticket] = []
         while self._where:
-            if max_running and running >= max_running:
-                break
             following = self._peek()
-            if inflight_tokens > 0 and inflight_tokens + following.cost > max_inflight_tokens:
+            if max_running and running >= max(1, math.floor(max_running * following.share)):
+                break
+            tokens_bound = max_inflight_tokens * following.share
+            if inflight_tokens > 0 and inflight_tokens + following.cost > tokens_bound:
                 break
             popped = self.pop()
             assert popped is following

@@ -8,10 +8,16 @@ pool as it changes (workers join, prompts get cached). A busy second is one in w
 prompt the router sent had no first token back: so the rate is the one the router's own queue
 drains at, at the concurrency it keeps, which is what the prediction needs. Until it has
 measured, it reads a prior (``--prefill-tokens-per-s`` per worker) as one second of work.
+
+What is left of the work in flight is tracked as a virtual queue: each prompt sent moves the
+time the pool drains to ``max(drain, now) + its tokens / rate``, and a first token back caps it
+at ``now + what is still in flight / rate``. So a prompt sent long ago counts only its part
+not yet computed: a request behind a prompt about to finish is predicted to wait little.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from router.ttft_fit import Correction, TtftFit
@@ -28,6 +34,7 @@ class PrefillRate:
     _busy_s: float = 0.0
     _last_s: float | None = None
     _inflight: int = 0  # prompt tokens sent, first token not back
+    _drain_s: float = 0.0  # when the work in flight is predicted done (the virtual queue)
     overhead_s: float = 0.0
     # Per request class: how its measured TTFTs fit admission's formula (router/ttft_fit.py).
     _fits: dict[str, TtftFit] = field(default_factory=dict)
@@ -44,21 +51,34 @@ class PrefillRate:
                 self._busy_s *= keep
         self._last_s = now_s if self._last_s is None else max(self._last_s, now_s)
 
-    def sent(self, tokens: int, now_s: float) -> None:
-        """A prompt of ``tokens`` went to the pool."""
+    def sent(self, tokens: int, now_s: float, num_workers: int = 1) -> None:
+        """A prompt of ``tokens`` went to the pool (of ``num_workers``)."""
         self._advance(now_s)
         self._inflight += tokens
+        self._drain_s = max(self._drain_s, now_s) + tokens / self.tokens_per_s(num_workers)
 
-    def served(self, tokens: int, now_s: float) -> None:
+    def served(self, tokens: int, now_s: float, num_workers: int = 1) -> None:
         """Its first token came back: the pool computed it."""
         self._advance(now_s)
         self._inflight -= tokens
         self._tokens += tokens
+        self._cap_drain(now_s, num_workers)
 
-    def dropped(self, tokens: int, now_s: float) -> None:
+    def dropped(self, tokens: int, now_s: float, num_workers: int = 1) -> None:
         """It ended without a first token (an error, the client gone): no work measured."""
         self._advance(now_s)
         self._inflight -= tokens
+        self._cap_drain(now_s, num_workers)
+
+    def _cap_drain(self, now_s: float, num_workers: int) -> None:
+        rest = max(0, self._inflight) / self.tokens_per_s(num_workers)
+        self._drain_s = min(self._drain_s, now_s + rest)
+
+    def pending_tokens(self, now_s: float, num_workers: int) -> int:
+        """The prompt tokens in flight predicted not yet computed at ``now_s`` (at most all
+        in flight; none once the virtual queue has drained, however late the pool is)."""
+        left = max(0.0, self._drain_s - now_s) * self.tokens_per_s(num_workers)
+        return min(max(0, self._inflight), math.ceil(left - 1e-9))
 
     @property
     def inflight_tokens(self) -> int:

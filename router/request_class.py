@@ -50,6 +50,11 @@ class RequestClass:
     queue_ttl_s: float = 600.0
     # Requests of this class waiting in the router at once: past this, the next is shed.
     max_queued: int = 4096
+    # The share of the router's release bounds (prompt tokens in flight, requests running)
+    # this class's requests may fill: the rest stays free for other classes, so a request of
+    # a more urgent one finds room at once instead of waiting for this class's work to end
+    # (a reservation, as SGLang's gateway keeps slots per priority; 1: no reservation).
+    load_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -59,6 +64,8 @@ class RequestClass:
             raise ValueError(f"queue_ttl_s must be in (0, 86400], got {self.queue_ttl_s}")
         if self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
+        if not 0 < self.load_share <= 1:
+            raise ValueError(f"load_share must be in (0, 1], got {self.load_share}")
 
 
 DEFAULT_CLASS = RequestClass("default")
@@ -102,13 +109,14 @@ class Tag:
 
 
 _CLASS_FIELDS = {"priority": int, "ttft_s": float, "tpot_s": float}
-_CLASS_FIELDS |= {"queue_ttl_s": float, "max_queued": int}
+_CLASS_FIELDS |= {"queue_ttl_s": float, "max_queued": int, "load_share": float}
 
 
 def parse_classes(spec: str) -> tuple[RequestClass, ...]:
     """The classes a ``--request-classes`` value names: ``;``-separated, each ``NAME`` or
     ``NAME:field=value,...`` with the fields ``priority``, ``ttft_s``, ``tpot_s``,
-    ``queue_ttl_s``, ``max_queued``; e.g. ``interactive:priority=-1,ttft_s=1;batch:priority=10``.
+    ``queue_ttl_s``, ``max_queued``, ``load_share``; e.g.
+    ``interactive:priority=-1,ttft_s=1;batch:priority=10,load_share=0.5``.
     ``default`` is always a class (its defaults, unless the spec names it). Raises ValueError
     naming the part."""
     found: dict[str, RequestClass] = {}

@@ -50,8 +50,8 @@ class _Waiting:
     tag: Tag
     admission: Admission
     released: asyncio.Future[None]
-    # Set when it went to the workers: its tokens counted in flight, and what was in flight
-    # then (itself included), for the overhead's measure.
+    # Set when it went to the workers: its tokens counted in flight, and the work predicted
+    # still to compute then (itself included), for the overhead's measure.
     sent_s: float | None = None
     backlog: int = 0
 
@@ -86,7 +86,7 @@ class WaitingRoom:
         return PoolRate(
             self.rate.tokens_per_s(workers),
             self.rate.overhead_s,
-            max(0, self.rate.inflight_tokens),
+            self.rate.pending_tokens(self._clock(), workers),
             workers,
             self.rate.correction(request_class),
         )
@@ -110,7 +110,8 @@ class WaitingRoom:
         series = self.series(cls.name)
         series.admitted.inc()
         metrics.key_admitted(tag.key).inc()
-        ticket = Ticket(request_id, tag.key, tag.band, cost, now, now + cls.queue_ttl_s)
+        deadline = now + cls.queue_ttl_s
+        ticket = Ticket(request_id, tag.key, tag.band, cost, now, deadline, cls.load_share)
         released: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.queues.push(ticket)
         entry = self._waiting[request_id] = _Waiting(ticket, tag, admission, released)
@@ -126,7 +127,8 @@ class WaitingRoom:
                 self.queues.remove(request_id)
                 self._unqueued(request_id)
             elif entry.sent_s is not None:
-                self.rate.dropped(cost, left)  # released before it could resume: never ran
+                # Released before it could resume: it never ran.
+                self.rate.dropped(cost, left, self._num_workers())
                 self._running -= 1
             self._release(left)
             raise
@@ -166,9 +168,10 @@ class WaitingRoom:
             waiting = self._unqueued(ticket.request_id)
             if waiting.released.done():  # cancelled: its client left; it goes nowhere
                 continue
-            self.rate.sent(ticket.cost, now)
+            workers = self._num_workers()
+            self.rate.sent(ticket.cost, now, workers)
             self._running += 1
-            waiting.sent_s, waiting.backlog = now, self.rate.inflight_tokens
+            waiting.sent_s, waiting.backlog = now, self.rate.pending_tokens(now, workers)
             waiting.released.set_result(None)
         metrics.FLOW_INFLIGHT_TOKENS.set(self.rate.inflight_tokens)
         self._arm(now)
@@ -233,7 +236,7 @@ class Seat:
         self.tag = tag
         self.admission = admission
         self.sent_s = sent_s
-        self._backlog = backlog  # in flight when it went, itself included
+        self._backlog = backlog  # predicted still to compute when it went, itself included
         # Its time in the queue (``ticket.arrival_s`` to ``sent_s``), when it had to wait:
         # the request's ``flow_queue`` phase (``router/phases.py``).
         self.queued = (ticket.arrival_s, sent_s) if waited else None
@@ -249,7 +252,7 @@ class Seat:
         room, now = self.room, self.room._clock()
         workers = room._num_workers()
         room.rate.observe_overhead(now - self.sent_s, self._backlog, workers)
-        room.rate.served(self.ticket.cost, now)
+        room.rate.served(self.ticket.cost, now, workers)
         measured = now - self.ticket.arrival_s
         if measured > 0:
             name = self.tag.request_class.name
@@ -268,5 +271,5 @@ class Seat:
         room._running -= 1
         if self._held:
             self._held = False
-            room.rate.dropped(self.ticket.cost, now)
+            room.rate.dropped(self.ticket.cost, now, room._num_workers())
         room._release(now)

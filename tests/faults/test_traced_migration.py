@@ -6,10 +6,12 @@ one engine's tokens."""
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.local_cluster import LocalCluster
 from engine import SamplingParams
@@ -38,12 +40,16 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
             return "pdserve.request" in names and names.count("prefill_worker.prefill") == 2
 
         spans = otlp_receiver.wait(complete)
+        assert cluster.router is not None and cluster.router.metrics_address
+        admitted = _samples(cluster.router.metrics_address, "pdserve_flow_admitted_total")
 
     (stream,) = streams
     assert stream.token_ids == make_llm(llama_dir).generate([prompt], params)[0].token_ids
     assert stream.final is not None and stream.final.num_migrations == 1
     (root,) = [s for s in spans if s.name == "pdserve.request"]
     assert root.attributes["pdserve.migrations"] == 1
+    # Flow control admitted it once: the continuation kept its place, it did not queue again.
+    assert admitted == [1.0]
     mine = [s for s in spans if s.trace_id == root.trace_id and s.parent_id == root.span_id]
     attempts = {s.attributes["pdserve.attempt"]: [] for s in mine}
     for s in sorted(mine, key=lambda s: s.start_ns):
@@ -78,3 +84,14 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
         s for s in mine if s.name == "pdserve.decode_admission" and s.attributes["pdserve.attempt"]
     ]
     otlp_receiver.wait(lambda got: any(s.parent_id == second.span_id for s in got))
+
+
+def _samples(address: str, name: str) -> list[float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        page = reply.read().decode()
+    return [
+        sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == name
+    ]

@@ -95,6 +95,23 @@ def test_release_also_stops_at_the_running_bound() -> None:
     assert len(queues.release(1.0, 0, 10_000, running=3, max_running=0).dispatch) == 2  # none
 
 
+def test_a_class_with_a_load_share_leaves_the_rest_of_each_bound_to_the_others() -> None:
+    queues = FlowQueues(quantum_tokens=1000)
+    for i in range(3):
+        queues.push(Ticket(f"b{i}", "flood", 5, 100, 0.0, 20.0, share=0.5))
+    # Running bound 8 x 0.5: batch goes while fewer than 4 run; tokens 400 x 0.5 = 200.
+    release = queues.release(1.0, 0, 400, running=2, max_running=8)
+    assert [t.request_id for t in release.dispatch] == ["b0", "b1"]  # 200 tokens in flight
+    assert queues.release(1.0, 150, 400, running=3, max_running=8).dispatch == ()  # 250 > 200
+    queues.push(Ticket("i0", "modest", -1, 100, 1.0, 20.0))  # share 1: the whole bound
+    release = queues.release(1.0, 200, 400, running=4, max_running=8)
+    assert [t.request_id for t in release.dispatch] == ["i0"]  # b2 still waits: 4 run
+    # With nothing in flight one goes, and a share never bounds running below one.
+    assert [t.request_id for t in queues.release(2.0, 0, 400, 0, 1).dispatch] == ["b2"]
+    with pytest.raises(ValueError, match=r"share is in \(0, 1\]"):
+        Ticket("x", "a", 0, 1, 0.0, 1.0, share=0.0)
+
+
 def test_a_request_whose_client_left_leaves_the_queue() -> None:
     queues = FlowQueues(quantum_tokens=100)
     for rid, key in (("a0", "a"), ("b0", "b"), ("a1", "a")):

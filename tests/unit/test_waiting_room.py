@@ -189,6 +189,27 @@ def test_the_rate_is_measured_while_busy_and_the_prior_fades() -> None:
     assert rate.correction("batch") == Correction()  # each class its own
 
 
+def test_the_work_in_flight_drains_as_a_virtual_queue() -> None:
+    rate = PrefillRate(prior_tokens_per_s=1000.0, half_life_s=1e9)  # no decay: exact sums
+    rate.sent(500, now_s=10.0)  # at the prior's 1000 tokens/s: done at 10.5 ...
+    slow = (0 + 1000) / (0.2 + 1)  # busy 0.2 s, nothing served yet: the rate read at 10.2
+    rate.sent(500, now_s=10.2)  # ... then this one, done at 10.5 + 500 / slow
+    drain = 10.5 + 500 / slow
+    # (abs=1: the busy seconds' decay integral rounds at 1e-9 s.)
+    assert rate.pending_tokens(10.2, num_workers=1) == pytest.approx((drain - 10.2) * slow, abs=1)
+    assert rate.pending_tokens(10.2, 1) < rate.inflight_tokens == 1000  # 300 of it done
+    # The first's token back early, at 10.3: the second's drain is capped at its whole
+    # compute from then, at the rate measured then.
+    rate.served(500, now_s=10.3)
+    fast = rate.tokens_per_s(1)
+    assert fast == pytest.approx((500 + 1000) / (0.3 + 1))
+    assert rate.pending_tokens(10.3, 1) == 500
+    assert rate.pending_tokens(10.4, 1) == pytest.approx((10.3 + 500 / fast - 10.4) * fast, abs=1)
+    assert rate.pending_tokens(20.0, 1) == 0  # late: none predicted (the fit corrects it)
+    rate.dropped(500, now_s=20.0)
+    assert rate.pending_tokens(20.0, 1) == 0 == rate.inflight_tokens
+
+
 def test_classes_config_and_key_attributes_are_read_and_refused_by_name(tmp_path: Path) -> None:
     classes = parse_classes("interactive:priority=-1,ttft_s=0.5,tpot_s=0.05;batch:max_queued=8")
     assert [c.name for c in classes] == ["interactive", "batch", "default"]
@@ -200,6 +221,9 @@ def test_classes_config_and_key_attributes_are_read_and_refused_by_name(tmp_path
         parse_classes("a:priority=high")
     with pytest.raises(ValueError, match="named twice"):
         parse_classes("a;a")
+    assert parse_classes("b:load_share=0.75")[0].load_share == 0.75
+    with pytest.raises(ValueError, match=r"load_share must be in \(0, 1\], got 1.5"):
+        parse_classes("b:load_share=1.5")
     with pytest.raises(ValueError, match="ttft_s must be in"):
         parse_classes("a:ttft_s=0")
     with pytest.raises(ValueError, match="default_class 'vip' is not one of"):
