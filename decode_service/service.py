@@ -18,7 +18,6 @@ import grpc
 from opentelemetry.trace import Span
 
 from decode_service.config import DecodeConfig
-from decode_service.peers import PeerDirectory
 from engine.outputs import PrefilledRequest, RequestUpdate
 from engine.request_error import RequestIdInUse
 from engine.serving_engine import EngineBuilder, EngineDeadError, NoRoomError
@@ -39,6 +38,7 @@ from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, 
 from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.worker.peers import PeerDirectory
 from pdserve.worker.service import WorkerService
 
 logger = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         """KV only from a known prefill worker's own sender, and only for the prompt it was
-        computed for; refused before anything is reserved (see ``decode_service/peers.py``)."""
+        computed for; refused before anything is reserved (see ``pdserve/worker/peers.py``)."""
         assert self._peers is not None
         why = await self._peers.refusal(request.prefill_address, handle.address)
         if why is None and handle.prompt_digest != prompt_digest(list(request.prompt_token_ids)):

@@ -19,6 +19,10 @@ Block ownership across two workers (who frees which block, and when) is the cont
   ``fill`` raises (or the caller is cancelled), the engine frees the blocks before
   ``admit_prefilled`` raises: the caller frees nothing.
 - ``abort`` stops a request wherever it is and frees what it holds.
+- Peer pull (docs/kv-sharing.md): a holder's ``lend_prefix`` pins cached prefix blocks under
+  a lease id as a pinned request's (``free_pinned`` frees them); a puller's ``borrow_prefix``
+  writes the blocks it lacks into its prefix cache through ``fill``, and ``give_back`` drops
+  what the borrow holds. An engine that cannot raises ``PeerPullUnsupported``.
 
 A request's own failure is never the engine's: a stream whose request its parameters end
 mid-way (no token left to sample, its grammar failed: ``engine/request_error.py``) raises
@@ -47,6 +51,16 @@ from engine.sampling_params import SamplingParams
 from engine.step_progress import StepProgress
 
 T = TypeVar("T")
+
+
+class PeerPullUnsupported(ValueError):
+    """This engine cannot lend or borrow cached prefix blocks (its KV layout or its cache
+    does not allow it): the caller computes the prompt instead."""
+
+    @classmethod
+    def of(cls, engine: object) -> PeerPullUnsupported:
+        name = type(engine).__name__
+        return cls(f"peer pull of cached prefix blocks is not supported by {name}")
 
 
 class FaultEvidence(enum.Enum):
@@ -218,6 +232,39 @@ class ServingEngine(ABC):
     @abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its blocks; a no-op when it is gone."""
+
+    # ---- peer pull: cached prefix blocks between workers (docs/kv-sharing.md) ---------------
+    async def lend_prefix(
+        self, lease_id: str, token_ids: list[int], first_block: int, num_blocks: int
+    ) -> list[int]:
+        """Pins this engine's cached blocks ``[first_block, n)`` of the prefix ``token_ids``
+        starts with (``n``: the run cached from block 0, at most ``num_blocks``) under
+        ``lease_id``, as a pinned request's: ``kv_pages`` reads them, ``free_pinned(lease_id)``
+        frees them, exactly once. Returns them in order (none: nothing is pinned). Raises
+        ``ValueError`` for a lease id in use or token ids it cannot take."""
+        raise PeerPullUnsupported.of(self)
+
+    async def borrow_prefix(
+        self,
+        borrow_id: str,
+        token_ids: list[int],
+        num_blocks: int,
+        fill: Callable[[int, list[int]], Awaitable[int]],
+    ) -> int:
+        """Brings the first ``num_blocks`` blocks of ``token_ids`` into this engine's prefix
+        cache: those from the first it lacks, ``first``, get blocks, which ``fill(first,
+        block_ids)`` writes through ``kv_pages``, returning how many it wrote (from the first
+        of ``block_ids``); those are then cached. Returns that count (0 too when all were
+        cached here, or the cache has no room). Every block the borrow
+        holds (its cached run, the written ones) stays referenced until ``give_back``, which
+        the caller owes once the request that needs them is admitted, also when this raises
+        (``fill`` raised: nothing is published)."""
+        raise PeerPullUnsupported.of(self)
+
+    async def give_back(self, borrow_id: str) -> None:
+        """Drops what ``borrow_id`` holds (a no-op when it holds nothing). Not cancellable
+        half-way."""
+        raise PeerPullUnsupported.of(self)
 
     # ---- the prefix index's view ------------------------------------------------------------
     @abstractmethod

@@ -16,6 +16,12 @@ the rule; the engine hooks, the lease manager, the release client and the servic
   cancellation), it has stopped writing: the caller may free or reuse the blocks at once.
 - After a pull, success or failure, the decode service ends the prefill lease (the "confirm").
   If it never does, the lease expires and the prefill side frees the blocks.
+- Peer pull (docs/kv-sharing.md): the same rule with the roles of a cached prefix. The holder
+  (a prefill worker) pins its cached blocks under a lease of its own making (``LeasePrefix``;
+  engine ``lend_prefix``), freed as any lease is. The puller (``PrefixPuller``) allocates the
+  destination blocks before ``pull`` (engine ``borrow_prefix``), owns them throughout, ends
+  the lease after the pull, success or not, and gives the blocks back (``give_back``) once the
+  request that needed them is done.
 
 Errors are ``KVTransferError`` with a ``TransferErrorCode``; services map codes to gRPC statuses.
 Nothing is pickled: the wire carries raw tensor bytes described by a ``KVCacheLayout``.

@@ -38,6 +38,7 @@ from engine.step_progress import StepProgress
 from engine.update_queue import UpdateQueue
 from native_engine.kv_cache import KVCache
 from native_engine.llm_engine import LLMEngine
+from native_engine.prefix_share import PrefixShare
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class AsyncEngine(ServingEngine):
         if heartbeat_s is not None and not heartbeat_s > 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self._engine = engine
+        self.prefix_share = PrefixShare(engine)
         self._on_step = on_stats
         self._on_dead = on_dead  # told once, when a step fails
         self.max_buffered_tokens = max_buffered_tokens
@@ -191,6 +193,32 @@ class AsyncEngine(ServingEngine):
     async def abort(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its blocks; a no-op when it is gone."""
         await asyncio.shield(self.call(lambda: self._engine.abort(request_id)))
+
+    # ---- peer pull (native_engine/prefix_share.py) ----------------------------------------
+    async def lend_prefix(
+        self, lease_id: str, token_ids: list[int], first_block: int, num_blocks: int
+    ) -> list[int]:
+        share = self.prefix_share
+        return await self.call(lambda: share.lend(lease_id, token_ids, first_block, num_blocks))
+
+    async def borrow_prefix(
+        self,
+        borrow_id: str,
+        token_ids: list[int],
+        num_blocks: int,
+        fill: Callable[[int, list[int]], Awaitable[int]],
+    ) -> int:
+        share = self.prefix_share
+        borrowed = await self.call(lambda: share.borrow(borrow_id, token_ids, num_blocks))
+        if borrowed is None or not borrowed.block_ids:
+            return 0
+        written = await fill(borrowed.first_block, borrowed.block_ids)
+        await self.call(lambda: share.landed(borrow_id, written))
+        return written
+
+    async def give_back(self, borrow_id: str) -> None:
+        if self.error is None:  # a dead engine's blocks go with it
+            await asyncio.shield(self.call(lambda: self.prefix_share.give_back(borrow_id)))
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs a (fast) engine call between steps."""

@@ -101,7 +101,7 @@ class LLMEngine:
         engine had generated them; the client's prompt is the rest. ``guide``: a guided
         request's matcher, made off the event loop (``Intake.prepare_guide``); else here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self._check_new_request(request_id)
+        self.check_new_request(request_id)
         seq = self.intake.sequence(
             PagedSequence, request_id, prompt, params, num_generated_tokens, guide=guide
         )
@@ -112,7 +112,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _check_new_request(self, request_id: str) -> None:
+    def check_new_request(self, request_id: str) -> None:
         """One namespace for ids at every stage."""
         if any(request_id in table for table in (self._requests, self.pinned, self._reserved)):
             raise RequestIdInUse.of(request_id)
@@ -339,7 +339,7 @@ class LLMEngine:
     ) -> list[int] | None:
         """Allocate blocks for a request prefilled elsewhere; None when the cache is too full.
         ``guide``: as in ``add_request``, past the output before the first token."""
-        self._check_new_request(request.request_id)
+        self.check_new_request(request.request_id)
         self.intake.validate_token_ids([request.first_token_id], "first_token_id")
         seq = self.intake.sequence(
             PagedSequence,

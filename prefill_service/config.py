@@ -24,11 +24,20 @@ class PrefillConfig:
     )
     kv_backend: str = "grpc"  # one of kvtransfer.BACKENDS
     ray_address: str = "auto"  # --kv-backend ray in a plain process: the cluster to join
+    # Prefill workers it may pull cached prefixes from besides the registry's (host:port).
+    prefill_peers: tuple[str, ...] = ()
     # The served process's flag defaults to a fixed port (app/settings/workers.py).
     kv_port: int = field(default=0, metadata={DOC: "KV sender port (0: ephemeral)"})
     # Then its lease rules apply.
     max_pull_s: float = field(
         default=60.0, metadata={DOC: "the longest one KV pull may keep the blocks checked out"}
+    )
+    peer_pull_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            DOC: "a peer pull's bound on the holder's answer (the pull itself is bounded by "
+            "the holder's max_pull_s); past it, the prompt is computed here"
+        },
     )
     kv_verify: bool = True  # --kv-backend nixl: record a digest with each handle
     ucx_tls: str | None = None  # --kv-backend nixl: UCX_TLS (None: UCX's own choice)
@@ -39,7 +48,8 @@ class PrefillConfig:
         check_engine(self.kv_backend, self.engine.backend)
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
-        if not self.max_pull_s > 0:
-            raise ValueError(f"max_pull_s must be > 0, got {self.max_pull_s}")
+        for name in ("max_pull_s", "peer_pull_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")

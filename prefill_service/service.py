@@ -7,24 +7,31 @@ owns their one free (see ``prefill_service/lease_manager.py`` and the contract i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from dataclasses import replace
 
 import grpc
 
 from engine.outputs import RequestUpdate
-from engine.serving_engine import EngineBuilder, EngineDeadError
-from kvtransfer import KVSender, SenderOptions
+from engine.sampling_params import SamplingParams
+from engine.serving_engine import EngineBuilder, EngineDeadError, PeerPullUnsupported
+from kvtransfer import KVSender, ReceiverOptions, SenderOptions
 from kvtransfer.base import prompt_digest
-from kvtransfer.sharded import engine_sender
+from kvtransfer.prefix_pull import PrefixPuller
+from kvtransfer.sharded import engine_receiver, engine_sender
 from kvtransfer.wire import handle_to_proto
 from pdserve.cluster.registry import WorkerRecord
-from pdserve.common import tracing
+from pdserve.common import metrics, tracing
+from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.common.lease_release import LeaseReleaser
 from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.worker.peers import PeerDirectory
 from pdserve.worker.service import WorkerService
 from prefill_service.config import PrefillConfig
 from prefill_service.lease_manager import LeaseManager
@@ -41,13 +48,19 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         self.config = config
         self.leases = LeaseManager(config.lease_s)
         self._sender: KVSender | None = None
+        # Peer pull (kvtransfer/prefix_pull.py): the receiver is made at the first pull.
+        self._channels = ChannelPool(tls=config.server.tls)
+        self._releaser = LeaseReleaser(self._channels)
+        self._peers: PeerDirectory | None = None
+        self._puller: PrefixPuller | None = None
+        self._puller_lock = asyncio.Lock()
 
     def register(self, server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
 
     async def prepare(self) -> None:
         # Before the first heartbeat: a record without the KV sender's address would make
-        # decode workers refuse this worker's handles (decode_service/peers.py).
+        # decode workers refuse this worker's handles (pdserve/worker/peers.py).
         options = SenderOptions(
             self.config.server.host,
             self.config.kv_port,
@@ -82,7 +95,42 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         if self._sender is not None:
             await self._sender.stop()  # no read is in flight past this
         await self.leases.free_all()
+        if self._peers is not None:
+            await self._peers.stop()
+        await self._releaser.close()
+        if self._puller is not None and self._puller.receiver is not None:
+            await self._puller.receiver.close()
+        await self._channels.close()
         await super().close()
+
+    async def puller(self) -> PrefixPuller:
+        """The peer puller, made at the first pull (in a thread: a receiver may register the
+        whole cache with its transport)."""
+        async with self._puller_lock:
+            if self._puller is None:
+                options = ReceiverOptions(
+                    self.config.max_pull_s,
+                    tls=self.config.server.tls,
+                    verify=self.config.kv_verify,
+                    ucx_tls=self.config.ucx_tls,
+                )
+                receiver = await asyncio.to_thread(
+                    engine_receiver, self.engine, self.config.kv_backend, options
+                )
+                registry = self.membership.registry if self.membership is not None else None
+                static = self.config.prefill_peers
+                self._peers = PeerDirectory(static, registry, self._channels)
+                self._peers.start()
+                timeout_s = self.config.peer_pull_timeout_s
+                self._puller = PrefixPuller(
+                    self.engine,
+                    receiver,
+                    self._peers.kv_sender,
+                    self._channels,
+                    self._releaser,
+                    timeout_s,
+                )
+            return self._puller
 
     # ---- RPCs ------------------------------------------------------------------------------
     async def Prefill(
@@ -95,66 +143,121 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         await self.check_fits(context, len(prompt))
         self.inject_faults(request_id, prompt)
         with self.in_flight():
-            last: RequestUpdate | None = None
-            stream = self.engine.generate(
-                request_id,
-                prompt,
-                params,
-                prefill_only=True,
-                num_generated_tokens=request.num_generated_tokens,
-            )
-            try:
-                async with contextlib.aclosing(stream) as updates:
-                    async for update in updates:
-                        last = update
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except EngineDeadError as exc:
-                await self.abort_engine_dead(context, exc)
-            assert last is not None and last.prefilled
-            # Pinned now: lease the blocks before the next await, so that no cancellation can
-            # strand them. (A pinned request is never touched by a step: no lock needed.)
-            exported = self.engine.export_prefilled(request_id)
-            token = self.leases.grant(request_id, exported.block_ids)
-            queue_s, compute_s = _split(received_s, last.first_scheduled_s, time.monotonic())
-            response = prefill_pb2.PrefillResponse(
-                request_id=request_id,
-                first_token_id=exported.first_token_id,
-                num_cached_tokens=last.num_cached_tokens,
-                prompt_logprobs=[logprobs_to_proto(lp) for lp in last.prompt_logprobs],
-                queue_s=queue_s,
-                compute_s=compute_s,
-                num_host_cached_tokens=last.num_host_cached_tokens,
-            )
-            tracing.record_call(
-                context.invocation_metadata(),
-                "prefill_worker.prefill",
-                (("prefill_worker.queue", queue_s), ("prefill_worker.compute", compute_s)),
-                {
-                    "pdserve.prompt_tokens": len(prompt),
-                    "pdserve.cached_tokens": last.num_cached_tokens,
-                    "pdserve.host_cached_tokens": last.num_host_cached_tokens,
-                },
-            )
-            if exported.first_token_logprobs is not None:
-                response.first_token_logprobs.CopyFrom(
-                    logprobs_to_proto(exported.first_token_logprobs)
-                )
-            if last.finished:
-                # The first token ended the request: nothing to decode, nothing to lease.
-                await self.leases.end(request_id, None)
-                response.finished = finish_reason_to_proto(last.finish_reason)
+            # A pull saves prompt compute; prompt logprobs need every position computed here.
+            if not request.HasField("prefix") or params.prompt_logprobs is not None:
+                return await self._prefill(request, context, params, received_s)
+            pulls = await self.puller()
+            async with pulls.pulled(request_id, prompt, request.prefix) as got:
+                response = await self._prefill(request, context, params, received_s)
+                response.num_pulled_tokens = got.num_tokens
                 return response
-            assert self._sender is not None
-            handle = self._sender.handle(
-                request_id,
-                len(exported.block_ids),
-                self.config.lease_s,
-                token,
-                prompt_digest(exported.prompt_token_ids),
-            )
-            response.lease.CopyFrom(handle_to_proto(handle))
+
+    async def _prefill(
+        self,
+        request: prefill_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext,
+        params: SamplingParams,
+        received_s: float,
+    ) -> prefill_pb2.PrefillResponse:
+        request_id, prompt = request.request_id, list(request.prompt_token_ids)
+        last: RequestUpdate | None = None
+        stream = self.engine.generate(
+            request_id,
+            prompt,
+            params,
+            prefill_only=True,
+            num_generated_tokens=request.num_generated_tokens,
+        )
+        try:
+            async with contextlib.aclosing(stream) as updates:
+                async for update in updates:
+                    last = update
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineDeadError as exc:
+            await self.abort_engine_dead(context, exc)
+        assert last is not None and last.prefilled
+        # Pinned now: lease the blocks before the next await, so that no cancellation can
+        # strand them. (A pinned request is never touched by a step: no lock needed.)
+        exported = self.engine.export_prefilled(request_id)
+        token = self.leases.grant(request_id, exported.block_ids)
+        queue_s, compute_s = _split(received_s, last.first_scheduled_s, time.monotonic())
+        response = prefill_pb2.PrefillResponse(
+            request_id=request_id,
+            first_token_id=exported.first_token_id,
+            num_cached_tokens=last.num_cached_tokens,
+            prompt_logprobs=[logprobs_to_proto(lp) for lp in last.prompt_logprobs],
+            queue_s=queue_s,
+            compute_s=compute_s,
+            num_host_cached_tokens=last.num_host_cached_tokens,
+        )
+        tracing.record_call(
+            context.invocation_metadata(),
+            "prefill_worker.prefill",
+            (("prefill_worker.queue", queue_s), ("prefill_worker.compute", compute_s)),
+            {
+                "pdserve.prompt_tokens": len(prompt),
+                "pdserve.cached_tokens": last.num_cached_tokens,
+                "pdserve.host_cached_tokens": last.num_host_cached_tokens,
+            },
+        )
+        if exported.first_token_logprobs is not None:
+            response.first_token_logprobs.CopyFrom(logprobs_to_proto(exported.first_token_logprobs))
+        if last.finished:
+            # The first token ended the request: nothing to decode, nothing to lease.
+            await self.leases.end(request_id, None)
+            response.finished = finish_reason_to_proto(last.finish_reason)
             return response
+        assert self._sender is not None
+        handle = self._sender.handle(
+            request_id,
+            len(exported.block_ids),
+            self.config.lease_s,
+            token,
+            prompt_digest(exported.prompt_token_ids),
+        )
+        response.lease.CopyFrom(handle_to_proto(handle))
+        return response
+
+    async def LeasePrefix(
+        self, request: prefill_pb2.LeasePrefixRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.LeasePrefixResponse:
+        """Pins the cached blocks of a peer's prompt prefix under a lease of its own (id and
+        token made here: a caller names neither), as ``Prefill``'s are leased."""
+        ids, size = list(request.prompt_token_ids), self.engine.block_size
+        if not ids or len(ids) % size or len(ids) > self.engine.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids must be whole blocks of {size} tokens, at most max_model_len "
+                f"({self.engine.max_model_len}), got {len(ids)}",
+            )
+        lease_id = f"prefix-{uuid.uuid4().hex}"
+        lend = asyncio.ensure_future(
+            self.engine.lend_prefix(lease_id, ids, request.first_block, len(ids) // size)
+        )
+        try:
+            lent = await asyncio.shield(lend)
+        except asyncio.CancelledError:
+            # The caller left: what the engine pinned meanwhile is freed, never stranded.
+            await asyncio.wait([lend])
+            if not lend.cancelled() and lend.exception() is None and lend.result():
+                await self.engine.free_pinned(lease_id)
+            raise
+        except PeerPullUnsupported as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not lent:
+            return prefill_pb2.LeasePrefixResponse()
+        # Pinned: leased before the next await, as Prefill's blocks are.
+        token = self.leases.grant(lease_id, lent)
+        metrics.PEER_LENT_BLOCKS.inc(len(lent))
+        assert self._sender is not None
+        end = (request.first_block + len(lent)) * size
+        handle = self._sender.handle(
+            lease_id, len(lent), self.config.lease_s, token, prompt_digest(ids[:end])
+        )
+        return prefill_pb2.LeasePrefixResponse(lease=handle_to_proto(handle))
 
     async def Release(
         self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

@@ -169,4 +169,4 @@ class DecodeAdmission:
 
 
 class _Denied(Exception):
-    """A decode worker refused the request's KV source (``decode_service/peers.py``)."""
+    """A decode worker refused the request's KV source (``pdserve/worker/peers.py``)."""

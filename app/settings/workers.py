@@ -54,7 +54,7 @@ ENGINE_FIELDS = (
     "liveness_stall_s",
 )
 CACHE_FIELDS = ("num_blocks", "kv_cache_bytes", "host_cache_gib")
-PREFILL_FIELDS = ("lease_s", "max_pull_s")
+PREFILL_FIELDS = ("lease_s", "max_pull_s", "peer_pull_timeout_s")
 DECODE_FIELDS = ("transfer_timeout_s", "max_buffered_tokens", "heartbeat_s")
 
 
@@ -137,12 +137,20 @@ def add_prefill_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | 
     add_flag(
         parser, "--kv-port", env, type=int, default=50071, help="KV sender port (0: ephemeral)"
     )
+    add_peers_flag(parser, env)
 
 
 def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     add_server_flags(parser, 50062, env)
     add_engine_flags(parser, env)
     add_field_flags(parser, env, DecodeConfig, DECODE_FIELDS)
+    add_peers_flag(parser, env)
+    add_spec_flags(parser, env)
+
+
+def add_peers_flag(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """The prefill workers a worker may pull KV from (a decode worker: prompts; any worker:
+    cached prefixes, docs/kv-sharing.md), besides the registry's."""
     add_flag(
         parser,
         "--prefill-peers",
@@ -151,7 +159,6 @@ def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
         default=(),
         help="prefill workers (h:p,...) to pull KV from, besides the registry's",
     )
-    add_spec_flags(parser, env)
 
 
 def add_spec_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
@@ -177,6 +184,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         kv_verify=args.kv_verify == "on",
         ucx_tls=args.ucx_tls,
         ray_address=args.ray_address,
+        prefill_peers=args.prefill_peers,
         redis=redis_config(args),
         worker_id=args.worker_id,
         **field_values(args, PrefillConfig, PREFILL_FIELDS),

@@ -246,6 +246,24 @@ TRANSFER_S = Histogram(
 )
 TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV pulls", ["reason"])
 
+# Peer pull of cached prefixes (docs/kv-sharing.md): the puller's and the holder's sides.
+PEER_PULL_TOKENS = Counter(
+    "pdserve_kv_peer_pull_tokens_total", "Prompt tokens whose KV was pulled from a peer's cache"
+)
+PEER_PULL_S = Histogram(
+    "pdserve_kv_peer_pull_seconds",
+    "One peer pull, from the holder's lookup to the blocks cached here",
+    buckets=_LATENCY_BUCKETS_S,
+)
+PEER_PULL_FAILURES = Counter(
+    "pdserve_kv_peer_pull_failures_total",
+    "Peer pulls that fell back to computing the prompt, by reason",
+    ["reason"],
+)
+PEER_LENT_BLOCKS = Counter(
+    "pdserve_kv_peer_lent_blocks_total", "Cached blocks this worker leased to a peer's pull"
+)
+
 
 KV_BYTES_PER_TOKEN = Gauge(
     "pdserve_kv_cache_bytes_per_token",

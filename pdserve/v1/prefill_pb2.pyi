@@ -20,6 +20,32 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PrefixSource(_message.Message):
+    """Where a prompt's cached prefix may be pulled from before it is computed (the router's plan)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOLDER_ADDRESS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    holder_address: _builtins.str
+    """The holder's control address: a prefill worker the registry knows (checked, never trusted)."""
+    num_blocks: _builtins.int
+    """whole blocks of the prompt it holds, from block 0"""
+    def __init__(
+        self,
+        *,
+        holder_address: _builtins.str = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder_address", b"holder_address", "num_blocks", b"num_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixSource: _TypeAlias = PrefixSource  # noqa: Y015
+
+@_typing.final
 class PrefillRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -27,6 +53,7 @@ class PrefillRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     num_generated_tokens: _builtins.int
     """A migrated request: the last num_generated_tokens of prompt_token_ids are output the client
@@ -37,6 +64,12 @@ class PrefillRequest(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def prefix(self) -> Global___PrefixSource:
+        """Pull what this worker lacks of the prompt's cached prefix from there first; on any failure
+        the prompt is computed here instead (a pull only saves work, never fails a request).
+        """
+
     def __init__(
         self,
         *,
@@ -44,14 +77,66 @@ class PrefillRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         num_generated_tokens: _builtins.int = ...,
+        prefix: Global___PrefixSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefix", b"prefix", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_generated_tokens", b"num_generated_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_generated_tokens", b"num_generated_tokens", "prefix", b"prefix", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PrefillRequest: _TypeAlias = PrefillRequest  # noqa: Y015
+
+@_typing.final
+class LeasePrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    first_block: _builtins.int
+    """the first block wanted (the puller caches those before it)"""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prefix: whole blocks from block 0"""
+
+    def __init__(
+        self,
+        *,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        first_block: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_block", b"first_block", "prompt_token_ids", b"prompt_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeasePrefixRequest: _TypeAlias = LeasePrefixRequest  # noqa: Y015
+
+@_typing.final
+class LeasePrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lease(self) -> Global___KVHandle:
+        """Unset: nothing past first_block is cached here now. Its num_blocks may be fewer than
+        asked: the run cached from first_block. Its prompt_digest covers the prefix's tokens up to
+        the last block leased.
+        """
+
+    def __init__(
+        self,
+        *,
+        lease: Global___KVHandle | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeasePrefixResponse: _TypeAlias = LeasePrefixResponse  # noqa: Y015
 
 @_typing.final
 class KVHandle(_message.Message):
@@ -120,6 +205,7 @@ class PrefillResponse(_message.Message):
     QUEUE_S_FIELD_NUMBER: _builtins.int
     COMPUTE_S_FIELD_NUMBER: _builtins.int
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PULLED_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
@@ -132,6 +218,8 @@ class PrefillResponse(_message.Message):
     compute_s: _builtins.float
     num_host_cached_tokens: _builtins.int
     """of num_cached_tokens, loaded from the host tier"""
+    num_pulled_tokens: _builtins.int
+    """of num_cached_tokens, pulled from a peer (PrefixSource)"""
     @_builtins.property
     def first_token_logprobs(self) -> _common_pb2.TokenLogprobs:
         """set when sampling.logprobs is set"""
@@ -155,10 +243,11 @@ class PrefillResponse(_message.Message):
         queue_s: _builtins.float = ...,
         compute_s: _builtins.float = ...,
         num_host_cached_tokens: _builtins.int = ...,
+        num_pulled_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "outcome", b"outcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "outcome", b"outcome", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_pulled_tokens", b"num_pulled_tokens", "outcome", b"outcome", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["finished", "lease"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015

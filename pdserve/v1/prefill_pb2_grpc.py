@@ -55,6 +55,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.LeasePrefix = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/LeasePrefix',
+                request_serializer=pdserve_dot_v1_dot_prefill__pb2.LeasePrefixRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_prefill__pb2.LeasePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -88,6 +93,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeasePrefix(self, request, context):
+        """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+        another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pdserve_dot_v1_dot_common__pb2.GetStatsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_common__pb2.WorkerStats.SerializeToString,
+            ),
+            'LeasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeasePrefix,
+                    request_deserializer=pdserve_dot_v1_dot_prefill__pb2.LeasePrefixRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_prefill__pb2.LeasePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/GetStats',
             pdserve_dot_v1_dot_common__pb2.GetStatsRequest.SerializeToString,
             pdserve_dot_v1_dot_common__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/LeasePrefix',
+            pdserve_dot_v1_dot_prefill__pb2.LeasePrefixRequest.SerializeToString,
+            pdserve_dot_v1_dot_prefill__pb2.LeasePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,10 @@ class PrefillWorkerStub:
     RenewLease: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.RenewLeaseRequest, _prefill_pb2.RenewLeaseResponse]
     """Extends a lease while a decode worker waits for room."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]
+    LeasePrefix: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.LeasePrefixRequest, _prefill_pb2.LeasePrefixResponse]
+    """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+    another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
+    """
 
 @_typing.type_check_only
 class PrefillWorkerAsyncStub(PrefillWorkerStub):
@@ -54,6 +58,10 @@ class PrefillWorkerAsyncStub(PrefillWorkerStub):
     RenewLease: _aio.UnaryUnaryMultiCallable[_prefill_pb2.RenewLeaseRequest, _prefill_pb2.RenewLeaseResponse]  # type: ignore[assignment]
     """Extends a lease while a decode worker waits for room."""
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]  # type: ignore[assignment]
+    LeasePrefix: _aio.UnaryUnaryMultiCallable[_prefill_pb2.LeasePrefixRequest, _prefill_pb2.LeasePrefixResponse]  # type: ignore[assignment]
+    """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+    another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
+    """
 
 class PrefillWorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -88,5 +96,15 @@ class PrefillWorkerServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.WorkerStats, _abc.Awaitable[_common_pb2.WorkerStats]]: ...
+
+    @_abc_1.abstractmethod
+    def LeasePrefix(
+        self,
+        request: _prefill_pb2.LeasePrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prefill_pb2.LeasePrefixResponse, _abc.Awaitable[_prefill_pb2.LeasePrefixResponse]]:
+        """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+        another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
+        """
 
 def add_PrefillWorkerServicer_to_server(servicer: PrefillWorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -22,7 +22,7 @@ from engine.block_hash import hash_blocks, root_hash
 from engine.config import DEFAULT_MAX_BUFFERED_TOKENS
 from engine.outputs import PrefilledRequest, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.serving_engine import NoRoomError, ServingEngine
+from engine.serving_engine import NoRoomError, PeerPullUnsupported, ServingEngine
 from engine.structured_output import StructuredKind, StructuredOutput
 from tests.services.harness import wait_for
 
@@ -283,6 +283,45 @@ async def an_unread_request_gives_up_its_seat_then_gets_every_token(
     assert engine.stats.num_paused == 0 and engine.num_buffered_tokens == 0
 
 
+async def a_prefix_is_lent_and_borrowed_or_refused_by_name(
+    engine: ServingEngine, prompt: list[int]
+) -> None:
+    """Peer pull's engine side (docs/kv-sharing.md): a lease pins the cached run and frees it
+    exactly once; a borrow of what is cached writes nothing; a failed fill publishes nothing;
+    every block comes back. An engine that cannot says so by name, on every call."""
+    free = engine.stats.num_free_blocks
+    k = (len(prompt) - 1) // engine.block_size
+
+    async def never(first: int, block_ids: list[int]) -> int:
+        raise AssertionError("nothing to write")
+
+    try:
+        assert await engine.lend_prefix("lease", prompt, 0, k) == []  # nothing cached yet
+    except PeerPullUnsupported:
+        with pytest.raises(PeerPullUnsupported):
+            await engine.borrow_prefix("b", prompt, k, never)
+        return
+    await collect(engine.generate("plain", prompt, GREEDY))
+    lent = await engine.lend_prefix("lease", prompt, 0, k)
+    assert len(lent) == k and engine.stats.num_pinned == 1
+    await engine.free_pinned("lease")
+    with pytest.raises(KeyError):
+        await engine.free_pinned("lease")  # exactly once
+    assert await engine.borrow_prefix("cached", prompt, k, never) == 0
+    await engine.give_back("cached")
+
+    async def failing(first: int, block_ids: list[int]) -> int:
+        assert (first, len(block_ids)) == (0, k)
+        raise RuntimeError("the pull broke")
+
+    other = [t + 1 for t in prompt]  # none of its blocks cached
+    with pytest.raises(RuntimeError, match="the pull broke"):
+        await engine.borrow_prefix("failed", other, k, failing)
+    await engine.give_back("failed")
+    assert await engine.lend_prefix("lease2", other, 0, k) == []  # nothing was published
+    await settled(engine, free)
+
+
 CASES: list[Case] = [
     prefilled_then_decoded_is_the_plain_run,
     a_continuation_gives_the_rest_of_the_run,
@@ -295,4 +334,5 @@ CASES: list[Case] = [
     prompt_logprobs_come_once_with_the_first_token,
     kv_events_name_the_prompt_blocks,
     an_unread_request_gives_up_its_seat_then_gets_every_token,
+    a_prefix_is_lent_and_borrowed_or_refused_by_name,
 ]

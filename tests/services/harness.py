@@ -132,15 +132,20 @@ def decode_stub(server: Any) -> decode_pb2_grpc.DecodeWorkerStub:
 
 
 async def prefilled_request(
-    prefill_server: Any, prompt: list[int], params: SamplingParams, request_id: str = "r"
+    prefill_server: Any,
+    prompt: list[int],
+    params: SamplingParams,
+    request_id: str = "r",
+    prefix: prefill_pb2.PrefixSource | None = None,
 ) -> decode_pb2.DecodeRequest:
     """Prefills ``prompt`` on ``prefill_server`` (anything with an ``address``: an in-process
     server, a cluster's worker); the ``Decode`` request that continues it, naming the prefill
-    worker as its peers know it (an in-process server's advertised address)."""
+    worker as its peers know it (an in-process server's advertised address). ``prefix``: where
+    the prefill worker may pull the prompt's cached prefix from first."""
     sampling = sampling_to_proto(params)
     prefilled = await prefill_stub(prefill_server).Prefill(
         prefill_pb2.PrefillRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, prefix=prefix
         )
     )
     known_as = (
@@ -164,9 +169,10 @@ async def disaggregated(
     prompt: list[int],
     params: SamplingParams,
     request_id: str = "r",
+    prefix: prefill_pb2.PrefixSource | None = None,
 ) -> list[int]:
     """One request prefilled on one worker and decoded on the other: the decoded tokens."""
-    request = await prefilled_request(prefill_server, prompt, params, request_id)
+    request = await prefilled_request(prefill_server, prompt, params, request_id, prefix)
     return [t async for r in decode_stub(decode_server).Decode(request) for t in r.tokens.token_ids]
 
 

@@ -1,10 +1,11 @@
-"""The prefill workers a decode worker pulls KV from: never an address a caller names.
+"""The prefill workers a worker pulls KV from: never an address a caller names.
 
 A ``Decode`` request names its prefill worker (``prefill_address``, for ``Release``) and the KV
-sender (``handle.address``). Both must be a known prefill worker's: one in the registry (with
-Redis) or in ``--prefill-peers``, and that worker's own KV sender. Otherwise the request is
-refused (PERMISSION_DENIED) before anything is reserved, so nobody can make a decode worker
-dial an address of their choosing, or fill its prefix cache with KV from a sender of theirs.
+sender (``handle.address``); a peer pull's ``PrefixSource`` names the holder. Each must be a
+known prefill worker's: one in the registry (with Redis) or in ``--prefill-peers``, and that
+worker's own KV sender. Otherwise the request is refused (PERMISSION_DENIED; a peer pull falls
+back to computing) before anything is reserved or dialled, so nobody can make a worker dial an
+address of their choosing, or fill its prefix cache with KV from a sender of theirs.
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ class PeerDirectory:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_REFRESH_S if self._peers else _MIN_REFRESH_S):
                     await self._stopping.wait()
+
+    async def kv_sender(self, prefill_address: str) -> str | None:
+        """The KV sender of a known prefill worker, or None (looked up once more, as in
+        ``refusal``): checked before the worker is dialled."""
+        known = self._peers.get(prefill_address)
+        if known is None:
+            await self.refresh(since_s=asyncio.get_running_loop().time())
+            known = self._peers.get(prefill_address)
+        return known
 
     async def refusal(self, prefill_address: str, kv_address: str) -> str | None:
         """Why the request is refused, or None. An unknown peer is looked up once more, in
