@@ -61,7 +61,7 @@ class AttemptRunner:
                 trace.enter(RequestPhase.ROUTE)
             placement = await self.dispatch.place(prompt_ids, attempt.avoid, exclude, local)
             route = placement.plan.route
-            trace.routed(route)
+            trace.routed(route, placement.plan.reason)
             if route is Route.DISAGGREGATED:
                 async for event in self._disaggregated(attempt, placement, out, trace):
                     yield event
@@ -104,6 +104,7 @@ class AttemptRunner:
             sent_s = out.last_token_s or time.perf_counter()
             trace.prefilled(sent_s, prefilled.queue_s, prefilled.compute_s, then)
             trace.count("host_cached_tokens", prefilled.num_host_cached_tokens)
+            trace.count("pulled_tokens", prefilled.num_pulled_tokens)
             yield first
             if not leased:  # the first token ended it
                 yield Ended(finish_reason_from_proto(prefilled.finished), Route.DISAGGREGATED)

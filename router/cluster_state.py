@@ -19,6 +19,7 @@ from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry
 from pdserve.common import metrics
 from router.policy import host_credited_tokens
+from router.prefix_pricing import Holding
 from router.worker_pool import Worker, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -122,10 +123,22 @@ class ClusterState:
         self._task = asyncio.create_task(run(), name="cluster-state")
 
     async def cached_tokens(self, prompt_ids: list[int], workers: list[Worker]) -> dict[str, int]:
-        """Predicted prefix-cache hit tokens per worker address, or {} without an index.
-        Like the engine, the last prompt token is never counted: it must be computed. A block
-        a worker holds only in its host tier counts ``HOST_HIT_CREDIT`` of a device hit: it is
-        copied back rather than recomputed (cheaper than a miss, dearer than a device hit)."""
+        """Predicted prefix-cache hit tokens per worker address, or {} without an index. A
+        block a worker holds only in its host tier counts ``HOST_HIT_CREDIT`` of a device hit:
+        it is copied back rather than recomputed (cheaper than a miss, dearer than a device
+        hit)."""
+        holdings = await self.prefix_holdings(prompt_ids, workers)
+        return {
+            address: host_credited_tokens(h.device_blocks, h.any_tier_blocks, self.block_size)
+            for address, h in holdings.items()
+        }
+
+    async def prefix_holdings(
+        self, prompt_ids: list[int], workers: list[Worker]
+    ) -> dict[str, Holding]:
+        """What each worker caches of the prompt, in leading whole blocks per tier, or {}
+        without an index. Like the engine, the last prompt token is never counted: it must be
+        computed."""
         if self.index is None or not workers or not self._up:
             return {}  # while Redis is down, discovery (every 0.5 s) notices its return
         usable = (len(prompt_ids) - 1) // self.block_size * self.block_size
@@ -138,10 +151,8 @@ class ClusterState:
             return {}
         self._set_up(True)
         return {
-            w.address: host_credited_tokens(
-                hits[w.worker_id].num_device_blocks,
-                hits[w.worker_id].num_any_tier_blocks,
-                self.block_size,
+            w.address: Holding(
+                hits[w.worker_id].num_device_blocks, hits[w.worker_id].num_any_tier_blocks
             )
             for w in workers
         }

@@ -34,6 +34,21 @@ class RouterConfig:
         default=8192,
         metadata={DOC: "cache_aware guard: a queue gap past which cache credit is dropped"},
     )
+    # The cost policy's prices (router/prefix_pricing.py); the prefill rate is the one flow
+    # control measures (router/prefill_rate.py).
+    peer_pull_tokens_per_s: float = field(
+        default=65536.0,
+        metadata={DOC: "cost policy: prompt tokens a peer pull moves per second, until measured"},
+    )
+    peer_pull_overhead_s: float = field(
+        default=0.01, metadata={DOC: "cost policy: a peer pull's fixed cost (its lease round trip)"}
+    )
+    host_load_tokens_per_s: float = field(
+        default=262144.0,
+        metadata={
+            DOC: "cost policy: prompt tokens a worker copies in from its host tier per second"
+        },
+    )
     # Conditional disaggregation: no transfer.
     local_prefill_tokens: int = field(
         default=32,
@@ -130,6 +145,11 @@ class RouterConfig:
         if self.decode_policy not in DECODE_POLICIES:
             names = [p.value for p in DECODE_POLICIES]
             raise ValueError(f"decode_policy must be one of {names}, got {self.decode_policy}")
+        for name in ("peer_pull_tokens_per_s", "host_load_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.peer_pull_overhead_s >= 0:
+            raise ValueError(f"peer_pull_overhead_s must be >= 0, got {self.peer_pull_overhead_s}")
         if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:
             raise ValueError("cache_alpha, imbalance_tokens and local_prefill_tokens must be >= 0")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,8 +27,9 @@ from router.cluster_state import ClusterState
 from router.config import RouterConfig
 from router.decode_admission import DecodeAdmission, Metadata
 from router.failures import Action, Phase, Seen, classify
-from router.plan import Facts, Plan, Route, plan
+from router.plan import Facts, Plan, Pull, Route, plan
 from router.policy import RoutingPolicy
+from router.prefix_pricing import Holding, Rates
 from router.worker_errors import (
     WorkerError,
     WorkerLost,
@@ -61,6 +62,9 @@ class Dispatcher:
         self.cluster = cluster
         self.releaser = LeaseReleaser(pool.channels)
         self.admission = DecodeAdmission(config, pool, self.renew)
+        # Prompt tokens per second per prefill worker, as flow control measures them (the
+        # cost policy's price of computing); the prior until the router wires it.
+        self.prefill_tokens_per_s: Callable[[], float] = lambda: config.flow.prefill_tokens_per_s
 
     async def close(self) -> None:
         await self.releaser.close()
@@ -81,10 +85,12 @@ class Dispatcher:
         decode = {w.address: w for w in pool.decode.values()}
         index = self.cluster.index is not None
         cache_aware = config.prefill_policy is RoutingPolicy.CACHE_AWARE and index
+        priced = config.prefill_policy is RoutingPolicy.COST and index
         local_lookup = local and not config.colocated and config.local_prefill_tokens > 0
-        prefill_cached, decode_cached = await asyncio.gather(
+        prefill_cached, decode_cached, holdings = await asyncio.gather(
             self._cached(prompt_ids, prefill.values(), cache_aware),
             self._cached(prompt_ids, decode.values(), local_lookup),
+            self._holdings(prompt_ids, prefill.values(), priced),
         )
         facts = Facts(
             num_prompt_tokens=len(prompt_ids),
@@ -97,6 +103,8 @@ class Dispatcher:
             avoid=avoid,
             exclude=exclude,
             local=local,
+            prefill_holdings=holdings if priced else None,
+            rates=self._rates() if priced else None,
         )
         chosen = plan(facts, config)
         # Each pool's rotation turns once per attempt that uses it: the prefill pool's when the
@@ -118,6 +126,21 @@ class Dispatcher:
     ) -> dict[str, int]:
         healthy = [w for w in workers if w.routable]
         return await self.cluster.cached_tokens(prompt_ids, healthy) if wanted else {}
+
+    async def _holdings(
+        self, prompt_ids: list[int], workers: Iterable[Worker], wanted: bool
+    ) -> dict[str, Holding]:
+        healthy = [w for w in workers if w.routable]
+        return await self.cluster.prefix_holdings(prompt_ids, healthy) if wanted else {}
+
+    def _rates(self) -> Rates:
+        config = self.config
+        return Rates(
+            self.prefill_tokens_per_s(),
+            config.peer_pull_tokens_per_s,
+            config.peer_pull_overhead_s,
+            config.host_load_tokens_per_s,
+        )
 
     def _count(self, chosen: Plan) -> None:
         """By the pool whose choice it was, and how: the prefill policy, or (a decode worker
@@ -144,9 +167,11 @@ class Dispatcher:
         for worker in placement.prefill:
             if worker.departed:  # left the pool (its channel may be closed) since the plan
                 continue
+            # The plan's pull is its first choice's (another worker prices it anew next time).
+            sent = with_pull(request, placement.plan.pull, worker is placement.prefill[0])
             with self.pool.dispatched(worker, num_prompt_tokens - predicted):
                 call = worker.prefill_stub.Prefill(
-                    request, timeout=self.config.prefill_timeout_s, metadata=metadata or None
+                    sent, timeout=self.config.prefill_timeout_s, metadata=metadata or None
                 )
                 what = f"prefill worker {worker.address}"
                 try:
@@ -252,6 +277,21 @@ class Dispatcher:
 
     def release_later(self, worker: Worker, request_id: str, lease_token: str) -> None:
         self.releaser.release_later(worker.address, request_id, lease_token)
+
+
+def with_pull(
+    request: prefill_pb2.PrefillRequest, pull: Pull | None, first: bool
+) -> prefill_pb2.PrefillRequest:
+    """``request`` naming the plan's holder to pull the prompt's prefix from, when the plan
+    chose a pull and this is its first choice; else ``request`` as it is."""
+    if pull is None or not first:
+        return request
+    sent = prefill_pb2.PrefillRequest()
+    sent.CopyFrom(request)
+    sent.prefix.CopyFrom(
+        prefill_pb2.PrefixSource(holder_address=pull.holder, num_blocks=pull.num_blocks)
+    )
+    return sent
 
 
 def prefill_request(

@@ -26,6 +26,7 @@ from router.policy import (
     rank_round_robin,
     takes_kv_of,
 )
+from router.prefix_pricing import Holding, Rates, price
 
 
 class Route(Enum):
@@ -61,6 +62,19 @@ class Facts:
     avoid: frozenset[str] = frozenset()  # this request failed there: tried last
     exclude: frozenset[str] = frozenset()  # turned this attempt away: not a candidate
     local: bool = True  # False: a local prefill turned the attempt away, disaggregate
+    # The cost policy's inputs: what each prefill worker caches of the prompt (None: not looked
+    # up) and the rates it prices with.
+    prefill_holdings: Mapping[str, Holding] | None = None
+    rates: Rates | None = None
+
+
+@dataclass(frozen=True)
+class Pull:
+    """The first prefill choice pulls the prompt's prefix from ``holder`` (its device run of
+    ``num_blocks`` leading blocks) before computing the rest (docs/kv-sharing.md)."""
+
+    holder: str
+    num_blocks: int
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,7 @@ class Plan:
     cached_tokens: int  # what the index predicts the first prefill (or local) choice holds
     reason: str  # pdserve_routing_decisions_total's reason label
     unserved: Unserved | None = None  # set when there is no first candidate
+    pull: Pull | None = None  # the cost policy chose a peer pull for the first prefill choice
 
 
 def _last(order: list[str], avoid: frozenset[str]) -> tuple[str, ...]:
@@ -104,24 +119,39 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
         if w.routable and w.address not in facts.exclude and (not w.stats_known or w.can_hold(n))
     ]
     able = [w for w in fit if any(takes_kv_of(by_address[a], w) for a in decode)]
-    order, reason, predicted = _rank_prefill(able, facts, config)
+    order, reason, predicted, pull = _rank_prefill(able, facts, config)
     prefill = _last(order, facts.avoid)
     if prefill[:1] != tuple(order[:1]):
-        predicted = 0  # the prediction was for a worker now tried last
+        predicted, pull = 0, None  # the prediction was for a worker now tried last
     unserved = None
     if not prefill:  # NO_PAIR: some were left out only for their KV's tensor parallelism
         unserved = Unserved.NO_PAIR if fit and decode else Unserved.NO_WORKER
     if prefill:  # the decode workers that can take the first choice's KV
         first = next(w for w in able if w.address == prefill[0])
         decode = tuple(a for a in decode if takes_kv_of(by_address[a], first))
-    return Plan(Route.DISAGGREGATED, prefill, decode, predicted, reason, unserved)
+    return Plan(Route.DISAGGREGATED, prefill, decode, predicted, reason, unserved, pull)
 
 
 def _rank_prefill(
     able: list[WorkerLoad], facts: Facts, config: RouterConfig
-) -> tuple[list[str], str, int]:
-    """Prefill workers best first, the reason, and the cached tokens predicted for the first."""
+) -> tuple[list[str], str, int, Pull | None]:
+    """Prefill workers best first, the reason, the cached tokens predicted for the first (a
+    pull's included), and the first's pull."""
     policy = config.prefill_policy
+    if policy is RoutingPolicy.COST and facts.prefill_holdings is not None and facts.rates:
+        n, holdings = facts.num_prompt_tokens, facts.prefill_holdings
+        lenders = [w for w in facts.prefill if w.stats_known]  # a cache too small may lend
+        priced = price(able, holdings, n, facts.rates, facts.prefill_turn, lenders)
+        if not priced:
+            return [], "load", 0, None
+        first = priced[0]
+        pull = None
+        predicted = first.cached_tokens
+        if first.pull_from is not None:
+            pull = Pull(first.pull_from, first.pull_blocks)
+            size = next(w.block_size for w in able if w.address == first.address)
+            predicted = first.pull_blocks * size
+        return [p.address for p in priced], first.option.value, predicted, pull
     if policy is RoutingPolicy.CACHE_AWARE and facts.prefill_cached:
         choice = rank_cache_aware(
             able,
@@ -130,8 +160,9 @@ def _rank_prefill(
             config.imbalance_tokens,
             facts.prefill_turn,
         )
-        return choice.order, choice.reason, choice.cached_tokens
-    reason = "no_index" if policy is RoutingPolicy.CACHE_AWARE else "load"
+        return choice.order, choice.reason, choice.cached_tokens, None
+    cache_policies = (RoutingPolicy.CACHE_AWARE, RoutingPolicy.COST)
+    reason = "no_index" if policy in cache_policies else "load"
     if policy is RoutingPolicy.ROUND_ROBIN:
-        return rank_round_robin(able, facts.prefill_turn), reason, 0
-    return rank_prefill(able, facts.prefill_turn), reason, 0
+        return rank_round_robin(able, facts.prefill_turn), reason, 0, None
+    return rank_prefill(able, facts.prefill_turn), reason, 0, None

@@ -3,6 +3,7 @@
 - ``round_robin``: healthy workers in turn.
 - ``least_loaded``: fewest requests this router has in flight there, then most free KV blocks,
   then round-robin among equals so sequential requests spread too.
+- ``cost`` (prefill): every option priced in seconds (``router/prefix_pricing.py``).
 - ``cache_aware`` (prefill default): score = cached prompt tokens - alpha x queued prefill
   tokens, ties broken as least_loaded. Load-imbalance guard: a worker whose queued prefill
   tokens exceed the least-queued worker's by more than ``imbalance_tokens`` loses its cache
@@ -25,6 +26,9 @@ class RoutingPolicy(enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
     CACHE_AWARE = "cache_aware"
+    # The cheapest of computing where the prefix is cached, pulling it from a peer, or
+    # recomputing, priced in seconds (router/prefix_pricing.py; docs/kv-sharing.md).
+    COST = "cost"
 
 
 # Decode placement follows free KV blocks; cache_aware is a prefill policy only.

@@ -110,6 +110,13 @@ class RequestCore:
         self._room = WaitingRoom(
             config.flow, self._prompt_workers, num_decode_workers=self._decode_workers
         )
+        room = self._room
+
+        def per_worker() -> float:  # what flow control measures, for the cost policy
+            workers = max(1, self._prompt_workers())
+            return room.rate.tokens_per_s(workers) / workers
+
+        dispatch.prefill_tokens_per_s = per_worker
         await self._cluster.wait_ready(config.ready_timeout_s, needs_prefill=not config.colocated)
         self._cluster.start(config.stats_interval_s)
 

@@ -60,9 +60,12 @@ class RequestTrace:
             self._end_span(now)
             self._span = self._start(phase, now, attrs)
 
-    def routed(self, route: Route) -> None:
-        """The attempt's plan chose ``route`` (the last one is the request's path)."""
+    def routed(self, route: Route, reason: str = "") -> None:
+        """The attempt's plan chose ``route`` (the last one is the request's path), for
+        ``reason`` (the routing decision's: on the plan's span)."""
         self.path = route.value
+        if self._span is not None and reason:
+            self._span.set_attribute("pdserve.route_reason", reason)
 
     def count(self, name: str, value: int) -> None:
         """Adds a worker's count (host-tier tokens, speculation) to the root span's

@@ -7,8 +7,9 @@ from typing import Any
 
 from engine.kv_layout import KVCacheLayout
 from router.config import RouterConfig
-from router.plan import Facts, Plan, Route, Unserved, plan
+from router.plan import Facts, Plan, Pull, Route, Unserved, plan
 from router.policy import RoutingPolicy, WorkerLoad, host_credited_tokens
+from router.prefix_pricing import Holding, Rates
 
 CONFIG = RouterConfig(
     model="m", prefill_addresses=("p",), decode_addresses=("d",), local_prefill_tokens=32
@@ -166,3 +167,37 @@ def test_a_prefill_worker_pairs_only_with_decode_workers_that_can_take_its_shard
     cuda = (tp("d1", 1, page="vllm/FA/B16x4x128/NHC"), tp("d2", 2, page="vllm/FA/B16x2x128/NHC"))
     got = plan(facts(prefill=(tp("p2", 2, page="vllm/FA/B16x2x128/NHC"),), decode=cuda), config)
     assert got.decode == ("d2",)
+
+
+def test_the_cost_policy_plans_a_pull_to_the_cheapest_worker() -> None:
+    cost = dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.COST)
+    layout = KVCacheLayout("fp", "float32", 16, 2, 2, 64)
+    idle, busy = (
+        load("a", kv_layout=layout),
+        load("b", kv_layout=layout, queued_prefill_tokens=4000),
+    )
+    rates = Rates(1000.0, 10000.0, 0.01, 20000.0)
+    holdings = {"b": Holding(20, 20)}
+    got = plan(facts(401, (idle, busy), prefill_holdings=holdings, rates=rates), cost)
+    # a pulls b's 20 blocks (320 tokens: the prediction) and computes the rest.
+    assert got == Plan(
+        Route.DISAGGREGATED, ("a", "b"), ("d2", "d1", "d3"), 320, "pull", None, Pull("b", 20)
+    )
+    # b's queue short: go to the holder, no pull.
+    short = dataclasses.replace(busy, queued_prefill_tokens=10)
+    got = plan(facts(401, (idle, short), prefill_holdings=holdings, rates=rates), cost)
+    assert (got.prefill, got.reason, got.cached_tokens, got.pull) == (
+        ("b", "a"),
+        "holder",
+        320,
+        None,
+    )
+    # The request failed on a: it goes last, and its pull with it.
+    got = plan(
+        facts(401, (idle, busy), prefill_holdings=holdings, rates=rates, avoid=frozenset({"a"})),
+        cost,
+    )
+    assert (got.prefill, got.cached_tokens, got.pull) == (("b", "a"), 0, None)
+    # No index: the load order.
+    got = plan(facts(401, (idle, busy)), cost)
+    assert (got.prefill, got.reason, got.pull) == (("a", "b"), "no_index", None)

@@ -1,0 +1,149 @@
+"""The ``cost`` prefill policy (docs/kv-sharing.md): every option a prompt's cached prefix gives
+is priced in seconds to its first prompt token computed, and the cheapest wins. Pure, no I/O;
+exact-value tests in ``tests/unit/test_prefix_pricing.py``.
+
+Per candidate prefill worker ``w``, with ``n`` prompt tokens of which the first ``u`` whole
+blocks may be cached (every block but the one holding the last token, as the engine counts):
+- **at w, from its own cache** (``holder`` when it holds any, else ``recompute``): its queue
+  (the uncached prompt tokens this router sent it, not yet done, at the prefill rate), its
+  host-tier blocks copied in, and the rest computed;
+- **at w, pulling from a peer** (``pull``): the peer that holds the longest run of the prompt's
+  blocks in its device cache (only those can be lent), when that run is longer than what ``w``
+  holds in any tier: the queue, a pull's fixed cost, the blocks ``w`` lacks from its device run
+  to the peer's end at the pull rate, the rest computed.
+
+A busy holder is priced by its queue, so the cheapest of "go to the holder", "go elsewhere and
+pull" and "go elsewhere and recompute" falls out of one comparison ("wait for the holder" is
+the first when its queue is short). Workers are ranked by their cheapest option; ties keep the
+load order (``rank_prefill``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.kv_layout import NATIVE_PAGE_LAYOUT
+from router.policy import WorkerLoad, rank_prefill
+
+
+class Option(enum.Enum):
+    """What a prompt's prefix costs at a worker: its reason label in routing decisions."""
+
+    HOLDER = "holder"  # computed where (part of) its prefix is cached
+    PULL = "pull"  # its prefix pulled from a peer first
+    RECOMPUTE = "recompute"  # nothing of it cached anywhere that pays
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a worker caches of the prompt, in leading whole blocks (the prefix index's)."""
+
+    device_blocks: int = 0
+    any_tier_blocks: int = 0  # device and host together (>= device_blocks)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Per worker: prompt tokens computed per second, tokens a peer pull moves per second and
+    its fixed cost, and tokens per second copied in from a host tier."""
+
+    prefill_tokens_per_s: float
+    pull_tokens_per_s: float
+    pull_overhead_s: float
+    host_tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "pull_tokens_per_s", "host_tokens_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value}")
+        if not (math.isfinite(self.pull_overhead_s) and self.pull_overhead_s >= 0):
+            raise ValueError(f"pull_overhead_s must be finite and >= 0, got {self.pull_overhead_s}")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A worker's cheapest option and its parts (seconds)."""
+
+    address: str
+    option: Option
+    cost_s: float
+    wait_s: float
+    cached_tokens: int  # served from its own cache (device, and host copied in)
+    pull_from: str | None = None  # the holder, for PULL
+    pull_blocks: int = 0  # the holder's run: the PrefixSource's num_blocks
+
+
+def usable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Leading whole blocks a cache may serve: one token is always computed."""
+    return max(0, num_prompt_tokens - 1) // block_size
+
+
+def price(
+    workers: list[WorkerLoad],
+    holdings: Mapping[str, Holding],
+    num_prompt_tokens: int,
+    rates: Rates,
+    turn: int = 0,
+    holders: list[WorkerLoad] | None = None,
+) -> list[Priced]:
+    """The routable ``workers``, cheapest first, each with its cheapest option. ``holders``:
+    the routable ones a pull may come from (default: ``workers``); a worker whose cache is too
+    small for the whole prompt may still lend its prefix."""
+    healthy = [w for w in workers if w.routable]
+    lenders = [w for w in (workers if holders is None else holders) if w.routable]
+    load_order = {a: i for i, a in enumerate(rank_prefill(healthy, turn))}
+    priced = [_cheapest(w, lenders, holdings, num_prompt_tokens, rates) for w in healthy]
+    return sorted(priced, key=lambda p: (p.cost_s, load_order[p.address]))
+
+
+def _cheapest(
+    w: WorkerLoad,
+    workers: list[WorkerLoad],
+    holdings: Mapping[str, Holding],
+    n: int,
+    rates: Rates,
+) -> Priced:
+    size, usable = w.block_size, usable_blocks(n, w.block_size)
+    mine = holdings.get(w.address, Holding())
+    device = min(mine.device_blocks, usable)
+    any_tier = max(device, min(mine.any_tier_blocks, usable))
+    wait = w.queued_prefill_tokens / rates.prefill_tokens_per_s
+    host_s = (any_tier - device) * size / rates.host_tokens_per_s
+    own_cost = wait + host_s + (n - any_tier * size) / rates.prefill_tokens_per_s
+    own = Option.HOLDER if any_tier else Option.RECOMPUTE
+    best = Priced(w.address, own, own_cost, wait, any_tier * size)
+    holder = _longest_peer_run(w, workers, holdings, usable)
+    if holder is not None:
+        address, run = holder
+        if run > any_tier:
+            pull_s = rates.pull_overhead_s + (run - device) * size / rates.pull_tokens_per_s
+            cost = wait + pull_s + (n - run * size) / rates.prefill_tokens_per_s
+            if cost < best.cost_s:
+                best = Priced(w.address, Option.PULL, cost, wait, device * size, address, run)
+    return best
+
+
+def can_lend_to(holder: WorkerLoad, puller: WorkerLoad) -> bool:
+    """Whether ``puller`` can take ``holder``'s blocks as they are: both native engines'
+    pages (vLLM's cannot be lent: docs/engines.md), of the same layout, both known."""
+    a, b = holder.kv_layout, puller.kv_layout
+    return a is not None and a == b and a.page_layout == NATIVE_PAGE_LAYOUT
+
+
+def _longest_peer_run(
+    w: WorkerLoad, workers: list[WorkerLoad], holdings: Mapping[str, Holding], usable: int
+) -> tuple[str, int] | None:
+    """The other worker with the longest device run of the prompt's blocks that ``w`` can
+    take (ties: the first listed), and that run; None when no such one holds any."""
+    found: tuple[str, int] | None = None
+    for other in workers:
+        if other.address == w.address or not can_lend_to(other, w):
+            continue
+        run = min(holdings.get(other.address, Holding()).device_blocks, usable)
+        if run > 0 and (found is None or run > found[1]):
+            found = (other.address, run)
+    return found
