@@ -19,7 +19,7 @@ Block ownership across two workers (who frees which block, and when) is the cont
   ``fill`` raises (or the caller is cancelled), the engine frees the blocks before
   ``admit_prefilled`` raises: the caller frees nothing.
 - ``abort`` stops a request wherever it is and frees what it holds.
-- Peer pull (docs/kv-sharing.md): a holder's ``lend_prefix`` pins cached prefix blocks under
+- Peer pull (docs/kv-cache.md): a holder's ``lend_prefix`` pins cached prefix blocks under
   a lease id as a pinned request's (``free_pinned`` frees them); a puller's ``borrow_prefix``
   writes the blocks it lacks into its prefix cache through ``fill``, and ``give_back`` drops
   what the borrow holds. An engine that cannot raises ``PeerPullUnsupported``.
@@ -233,7 +233,7 @@ class ServingEngine(ABC):
     async def abort(self, request_id: str) -> None:
         """Stops a request wherever it is and frees its blocks; a no-op when it is gone."""
 
-    # ---- peer pull: cached prefix blocks between workers (docs/kv-sharing.md) ---------------
+    # ---- peer pull: cached prefix blocks between workers (docs/kv-cache.md) ---------------
     async def lend_prefix(
         self, lease_id: str, token_ids: list[int], first_block: int, num_blocks: int
     ) -> list[int]:

@@ -16,7 +16,7 @@ the rule; the engine hooks, the lease manager, the release client and the servic
   cancellation), it has stopped writing: the caller may free or reuse the blocks at once.
 - After a pull, success or failure, the decode service ends the prefill lease (the "confirm").
   If it never does, the lease expires and the prefill side frees the blocks.
-- Peer pull (docs/kv-sharing.md): the same rule with the roles of a cached prefix. The holder
+- Peer pull (docs/kv-cache.md): the same rule with the roles of a cached prefix. The holder
   (a prefill worker) pins its cached blocks under a lease of its own making (``LeasePrefix``;
   engine ``lend_prefix``), freed as any lease is. The puller (``PrefixPuller``) allocates the
   destination blocks before ``pull`` (engine ``borrow_prefix``), owns them throughout, ends

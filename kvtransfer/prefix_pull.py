@@ -1,4 +1,4 @@
-"""A worker's side of a peer pull (docs/kv-sharing.md): before it computes a prompt, the blocks
+"""A worker's side of a peer pull (docs/kv-cache.md): before it computes a prompt, the blocks
 of the prompt's cached prefix it lacks are pulled from the prefill worker the router named
 (``PrefixSource``), through the same checked, leased KV transfer as prefill -> decode.
 

@@ -1,4 +1,4 @@
-"""The native engine's side of a peer pull (docs/kv-sharing.md): cached prefix blocks lent to
+"""The native engine's side of a peer pull (docs/kv-cache.md): cached prefix blocks lent to
 another engine, and blocks borrowed from one into this engine's prefix cache. Who calls what
 and who frees what is the contract in ``kvtransfer/base.py`` ("Peer pull"); here is only what
 each call does to the blocks. Every call runs between steps (``AsyncEngine.call``).

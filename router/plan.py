@@ -71,7 +71,7 @@ class Facts:
 @dataclass(frozen=True)
 class Pull:
     """The first prefill choice pulls the prompt's prefix from ``holder`` (its device run of
-    ``num_blocks`` leading blocks) before computing the rest (docs/kv-sharing.md)."""
+    ``num_blocks`` leading blocks) before computing the rest (docs/kv-cache.md)."""
 
     holder: str
     num_blocks: int

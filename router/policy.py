@@ -27,7 +27,7 @@ class RoutingPolicy(enum.Enum):
     LEAST_LOADED = "least_loaded"
     CACHE_AWARE = "cache_aware"
     # The cheapest of computing where the prefix is cached, pulling it from a peer, or
-    # recomputing, priced in seconds (router/prefix_pricing.py; docs/kv-sharing.md).
+    # recomputing, priced in seconds (router/prefix_pricing.py; docs/kv-cache.md).
     COST = "cost"
 
 

@@ -1,4 +1,4 @@
-"""The ``cost`` prefill policy (docs/kv-sharing.md): every option a prompt's cached prefix gives
+"""The ``cost`` prefill policy (docs/kv-cache.md): every option a prompt's cached prefix gives
 is priced in seconds to its first prompt token computed, and the cheapest wins. Pure, no I/O;
 exact-value tests in ``tests/unit/test_prefix_pricing.py``.
 

@@ -150,7 +150,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | N
 
 def add_peers_flag(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     """The prefill workers a worker may pull KV from (a decode worker: prompts; any worker:
-    cached prefixes, docs/kv-sharing.md), besides the registry's."""
+    cached prefixes, docs/kv-cache.md), besides the registry's."""
     add_flag(
         parser,
         "--prefill-peers",

@@ -246,7 +246,7 @@ TRANSFER_S = Histogram(
 )
 TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV pulls", ["reason"])
 
-# Peer pull of cached prefixes (docs/kv-sharing.md): the puller's and the holder's sides.
+# Peer pull of cached prefixes (docs/kv-cache.md): the puller's and the holder's sides.
 PEER_PULL_TOKENS = Counter(
     "pdserve_kv_peer_pull_tokens_total", "Prompt tokens whose KV was pulled from a peer's cache"
 )

@@ -94,7 +94,7 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LeasePrefix(self, request, context):
-        """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+        """Peer pull (docs/kv-cache.md): pins this worker's cached blocks of a prompt's prefix for
         another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -42,7 +42,7 @@ class PrefillWorkerStub:
     """Extends a lease while a decode worker waits for room."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]
     LeasePrefix: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.LeasePrefixRequest, _prefill_pb2.LeasePrefixResponse]
-    """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+    """Peer pull (docs/kv-cache.md): pins this worker's cached blocks of a prompt's prefix for
     another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
     """
 
@@ -59,7 +59,7 @@ class PrefillWorkerAsyncStub(PrefillWorkerStub):
     """Extends a lease while a decode worker waits for room."""
     GetStats: _aio.UnaryUnaryMultiCallable[_common_pb2.GetStatsRequest, _common_pb2.WorkerStats]  # type: ignore[assignment]
     LeasePrefix: _aio.UnaryUnaryMultiCallable[_prefill_pb2.LeasePrefixRequest, _prefill_pb2.LeasePrefixResponse]  # type: ignore[assignment]
-    """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+    """Peer pull (docs/kv-cache.md): pins this worker's cached blocks of a prompt's prefix for
     another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
     """
 
@@ -103,7 +103,7 @@ class PrefillWorkerServicer(metaclass=_abc_1.ABCMeta):
         request: _prefill_pb2.LeasePrefixRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prefill_pb2.LeasePrefixResponse, _abc.Awaitable[_prefill_pb2.LeasePrefixResponse]]:
-        """Peer pull (docs/kv-sharing.md): pins this worker's cached blocks of a prompt's prefix for
+        """Peer pull (docs/kv-cache.md): pins this worker's cached blocks of a prompt's prefix for
         another worker to pull, under a lease as Prefill's (ended with Release, or expiry).
         """
 

@@ -286,7 +286,7 @@ async def an_unread_request_gives_up_its_seat_then_gets_every_token(
 async def a_prefix_is_lent_and_borrowed_or_refused_by_name(
     engine: ServingEngine, prompt: list[int]
 ) -> None:
-    """Peer pull's engine side (docs/kv-sharing.md): a lease pins the cached run and frees it
+    """Peer pull's engine side (docs/kv-cache.md): a lease pins the cached run and frees it
     exactly once; a borrow of what is cached writes nothing; a failed fill publishes nothing;
     every block comes back. An engine that cannot says so by name, on every call."""
     free = engine.stats.num_free_blocks

@@ -1,4 +1,4 @@
-"""Peer pull's holder fails (docs/kv-sharing.md), real processes: prefill worker B caches a
+"""Peer pull's holder fails (docs/kv-cache.md), real processes: prefill worker B caches a
 prompt's prefix and A is asked to pull it from B before computing (the plan's ``PrefixSource``,
 sent here directly: the router's part is tests/services/test_peer_pull_routing.py). B frozen
 (SIGSTOP: no reset, no answer): A's lease call hits its deadline and A computes the prompt.

@@ -1,4 +1,4 @@
-"""Peer pull through the real services (docs/kv-sharing.md): prefill worker A is asked to pull
+"""Peer pull through the real services (docs/kv-cache.md): prefill worker A is asked to pull
 the prompt's cached prefix from prefill worker B before computing it. A computes only the rest,
 the decoded output is one engine's, and every failure (an unknown holder, a holder whose blocks
 were evicted, a holder gone) falls back to computing the prompt; no block leaks on any side."""

@@ -1,4 +1,4 @@
-"""The cost policy routes a prompt to a worker that pulls its prefix (docs/kv-sharing.md), end
+"""The cost policy routes a prompt to a worker that pulls its prefix (docs/kv-cache.md), end
 to end: router, real Redis index, two prefill workers, a decode worker. Worker B caches the
 prompt's prefix but its cache is too small for the whole prompt; the plan sends the request to
 A with B as the holder; A pulls B's blocks, computes only the rest, and the client gets one
