@@ -53,6 +53,7 @@ class Pulled:
 
     num_blocks: int = 0
     num_tokens: int = 0
+    seconds: float = 0.0  # from the holder's lookup to the blocks cached
 
 
 class PrefixPuller:
@@ -120,10 +121,11 @@ class PrefixPuller:
             return _failed(request_id, "holder_" + exc.code().name.lower(), str(exc.details()))
         except (PeerPullUnsupported, ValueError) as exc:
             return _failed(request_id, "unsupported", str(exc))
+        seconds = time.monotonic() - started
         if written:
             metrics.PEER_PULL_TOKENS.inc(written * size)
-            metrics.PEER_PULL_S.observe(time.monotonic() - started)
-        return Pulled(written, written * size)
+            metrics.PEER_PULL_S.observe(seconds)
+        return Pulled(written, written * size, seconds if written else 0.0)
 
     async def _lease_and_pull(
         self, holder: str, kv_sender: str, prompt: list[int], first: int, block_ids: list[int]

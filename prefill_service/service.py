@@ -149,7 +149,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             pulls = await self.puller()
             async with pulls.pulled(request_id, prompt, request.prefix) as got:
                 response = await self._prefill(request, context, params, received_s)
-                response.num_pulled_tokens = got.num_tokens
+                response.num_pulled_tokens, response.pull_s = got.num_tokens, got.seconds
                 return response
 
     async def _prefill(

@@ -30,6 +30,7 @@ from router.failures import Action, Phase, Seen, classify
 from router.plan import Facts, Plan, Pull, Route, plan
 from router.policy import RoutingPolicy
 from router.prefix_pricing import Holding, Rates
+from router.pull_rate import PullRate
 from router.worker_errors import (
     WorkerError,
     WorkerLost,
@@ -62,6 +63,7 @@ class Dispatcher:
         self.cluster = cluster
         self.releaser = LeaseReleaser(pool.channels)
         self.admission = DecodeAdmission(config, pool, self.renew)
+        self.pull_rate = PullRate(config.peer_pull_tokens_per_s, config.peer_pull_overhead_s)
         # Prompt tokens per second per prefill worker, as flow control measures them (the
         # cost policy's price of computing); the prior until the router wires it.
         self.prefill_tokens_per_s: Callable[[], float] = lambda: config.flow.prefill_tokens_per_s
@@ -134,12 +136,12 @@ class Dispatcher:
         return await self.cluster.prefix_holdings(prompt_ids, healthy) if wanted else {}
 
     def _rates(self) -> Rates:
-        config = self.config
+        pull_tokens_per_s, pull_overhead_s = self.pull_rate.price()
         return Rates(
             self.prefill_tokens_per_s(),
-            config.peer_pull_tokens_per_s,
-            config.peer_pull_overhead_s,
-            config.host_load_tokens_per_s,
+            pull_tokens_per_s,
+            pull_overhead_s,
+            self.config.host_load_tokens_per_s,
         )
 
     def _count(self, chosen: Plan) -> None:
@@ -183,6 +185,7 @@ class Dispatcher:
                             "finish",
                         )
                     self.count_prefix(num_prompt_tokens, predicted, response.num_cached_tokens)
+                    self.pull_rate.observe(response.num_pulled_tokens, response.pull_s)
                     return worker, response
                 # Given up on (an error, a stall, the client gone), the call is cancelled: the
                 # worker aborts the request. Had it just finished, its lease, whose token never

@@ -206,6 +206,7 @@ class PrefillResponse(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _builtins.int
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_PULLED_TOKENS_FIELD_NUMBER: _builtins.int
+    PULL_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
@@ -220,6 +221,8 @@ class PrefillResponse(_message.Message):
     """of num_cached_tokens, loaded from the host tier"""
     num_pulled_tokens: _builtins.int
     """of num_cached_tokens, pulled from a peer (PrefixSource)"""
+    pull_s: _builtins.float
+    """the pull's time on this worker, lookup to blocks cached (0: none)"""
     @_builtins.property
     def first_token_logprobs(self) -> _common_pb2.TokenLogprobs:
         """set when sampling.logprobs is set"""
@@ -244,10 +247,11 @@ class PrefillResponse(_message.Message):
         compute_s: _builtins.float = ...,
         num_host_cached_tokens: _builtins.int = ...,
         num_pulled_tokens: _builtins.int = ...,
+        pull_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "outcome", b"outcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_pulled_tokens", b"num_pulled_tokens", "outcome", b"outcome", "prompt_logprobs", b"prompt_logprobs", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_pulled_tokens", b"num_pulled_tokens", "outcome", b"outcome", "prompt_logprobs", b"prompt_logprobs", "pull_s", b"pull_s", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["finished", "lease"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015

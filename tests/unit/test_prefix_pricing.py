@@ -12,6 +12,8 @@ import pytest
 from engine.kv_layout import KVCacheLayout
 from router.policy import WorkerLoad
 from router.prefix_pricing import Holding, Option, Priced, Rates, price, usable_blocks
+from router.pull_rate import PullRate
+from router.ttft_fit import MIN_SAMPLES
 
 LAYOUT = KVCacheLayout("fp", "float32", 16, 2, 2, 64)
 # 1000 prompt tokens per s computed, 10000 per s pulled plus 10 ms, 20000 per s from host.
@@ -99,3 +101,15 @@ def test_rates_are_checked_and_unroutable_workers_are_not_priced() -> None:
         Rates(1.0, 1.0, -1.0, 1.0)
     got = price([worker("a", routable=False), worker("b")], {"a": Holding(20, 20)}, 401, RATES)
     assert [(p.address, p.option) for p in got] == [("b", Option.RECOMPUTE)]
+
+
+def test_the_pull_rate_is_the_priors_until_measured_then_the_fitted_line() -> None:
+    rate = PullRate(prior_tokens_per_s=65536.0, prior_overhead_s=0.01)
+    rate.observe(0, 1.0)  # no pull: nothing learnt
+    for _ in range(MIN_SAMPLES - 1):
+        rate.observe(1000, 0.02 + 1000 / 50000)
+    assert rate.price() == (65536.0, 0.01)  # not enough samples yet
+    for tokens in (2000, 4000, 8000, 500):  # seconds = 20 ms + tokens / 50000
+        rate.observe(tokens, 0.02 + tokens / 50000)
+    tokens_per_s, overhead_s = rate.price()
+    assert tokens_per_s == pytest.approx(50000.0) and overhead_s == pytest.approx(0.02)
