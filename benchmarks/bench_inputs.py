@@ -1,5 +1,5 @@
 """What the benchmarks share: a cached random-init checkpoint, random prompts, fixed leases, the
-decode phase's time."""
+decode phase's time, a local cluster's prompt tokens computed."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from pathlib import Path
 
 import torch
 
+from app.client import router_channel
+from app.local_cluster import LocalCluster
 from app.make_model import make_model
 from engine import SamplingParams
 from engine.outputs import RequestOutput
 from kvtransfer.base import BlockLeases
 from native_engine import LLM
+from pdserve.v1 import common_pb2, prefill_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,3 +62,15 @@ def decode_phase(
     first = [o.first_token_s for o in outputs if o.first_token_s is not None]
     last = [o.last_token_s for o in outputs if o.last_token_s is not None]
     return (max(last) - max(first) if first else 0.0), outputs
+
+
+async def prefill_tokens_computed(cluster: LocalCluster) -> int:
+    """Prompt tokens a local cluster's prefill workers computed (their own counters, exact)."""
+    total = 0
+    for component in cluster.prefill:
+        async with router_channel(component.address) as channel:
+            stats = await prefill_pb2_grpc.PrefillWorkerStub(channel).GetStats(
+                common_pb2.GetStatsRequest()
+            )
+        total += stats.num_prompt_tokens_computed
+    return total

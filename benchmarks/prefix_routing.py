@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_inputs import ensure_model  # sibling module
+from bench_inputs import ensure_model, prefill_tokens_computed  # sibling module
 
 from app.client import GenerateResult, generate, router_channel
 from app.embedded_redis import EmbeddedRedis
@@ -33,7 +33,7 @@ from engine.block_hash import hash_blocks, root_hash
 from engine.kv_events import CacheTier, KVEvents
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
-from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 GOAL = 1.1
 
@@ -78,17 +78,6 @@ async def _run_workload(address: str, args: argparse.Namespace) -> list[Generate
     return results
 
 
-async def _prefill_tokens(cluster: LocalCluster) -> int:
-    total = 0
-    for component in cluster.prefill:
-        async with router_channel(component.address) as channel:
-            stats = await prefill_pb2_grpc.PrefillWorkerStub(channel).GetStats(
-                common_pb2.GetStatsRequest()
-            )
-        total += stats.num_prompt_tokens_computed
-    return total
-
-
 def run_policy(policy: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     with EmbeddedRedis() as redis:
         config = ClusterConfig(
@@ -103,7 +92,7 @@ def run_policy(policy: str, model_dir: Path, args: argparse.Namespace) -> dict[s
             start = time.perf_counter()
             results = asyncio.run(_run_workload(cluster.address, args))
             wall_s = time.perf_counter() - start
-            computed = asyncio.run(_prefill_tokens(cluster))
+            computed = asyncio.run(prefill_tokens_computed(cluster))
     ideal = args.prompts * args.system_len + args.prompts * args.turns * args.user_len
     ttft = sorted(r.ttft_s for r in results)
     return {

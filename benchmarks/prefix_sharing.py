@@ -26,12 +26,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench_inputs import ensure_model  # sibling module
+from bench_inputs import ensure_model, prefill_tokens_computed  # sibling module
 
 from app.client import GenerateResult, generate, router_channel
 from app.embedded_redis import EmbeddedRedis
 from app.local_cluster import ClusterConfig, LocalCluster
-from pdserve.v1 import common_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 POLICIES = ("round_robin", "cache_aware", "cost")
 GOALS = {"rr_over_cost_p90": 2.0, "ca_over_cost_p90": 1.3, "over_ideal": 1.1}
@@ -117,62 +117,57 @@ def _scrape(cluster: LocalCluster, name: str) -> float:
     return total
 
 
-async def _computed(cluster: LocalCluster) -> int:
-    """Prompt tokens the prefill workers computed (their own counters, exact)."""
-    total = 0
-    for component in cluster.prefill:
-        async with router_channel(component.address) as channel:
-            stats = await prefill_pb2_grpc.PrefillWorkerStub(channel).GetStats(
-                common_pb2.GetStatsRequest()
-            )
-        total += stats.num_prompt_tokens_computed
-    return total
-
-
 def _counters(cluster: LocalCluster) -> dict[str, float]:
     return {
-        "computed": float(asyncio.run(_computed(cluster))),
+        "computed": float(asyncio.run(prefill_tokens_computed(cluster))),
         "pulled": _scrape(cluster, "pdserve_kv_peer_pull_tokens_total"),
         "pull_s": _scrape(cluster, "pdserve_kv_peer_pull_seconds_sum"),
     }
 
 
+def _config(model: Path, redis_url: str, policy: str, args: argparse.Namespace) -> ClusterConfig:
+    """Router + 2 prefill workers (``--num-blocks`` each) + 1 decode worker, every request
+    disaggregated."""
+    return ClusterConfig(
+        model=str(model),
+        num_prefill=2,
+        num_decode=1,
+        redis_url=redis_url,
+        log_level="WARNING",
+        prefill_args=("--num-blocks", str(args.num_blocks)),
+        router_args=("--prefill-policy", policy, "--local-prefill-tokens", "0"),
+    )
+
+
 def run_policy(
     policy: str, model: Path, args: argparse.Namespace, load: Workload, rates: list[float]
 ) -> dict[str, Any]:
-    with EmbeddedRedis() as redis:
-        config = ClusterConfig(
-            model=str(model),
-            num_prefill=2,
-            num_decode=1,
-            redis_url=redis.url,
-            log_level="WARNING",
-            prefill_args=("--num-blocks", str(args.num_blocks)),
-            router_args=("--prefill-policy", policy, "--local-prefill-tokens", "0"),
-        )
-        with LocalCluster(config) as cluster:
-            bytes_per_token = _scrape(cluster, "pdserve_kv_cache_bytes_per_token") / 2
-            points = []
-            for i, rate in enumerate(rates):
-                before = _counters(cluster)
-                results, wall_s = asyncio.run(load.run(cluster.address, load.requests(rate, i)))
-                after = _counters(cluster)
-                delta = {k: after[k] - before[k] for k in after}
-                ttft = sorted(r.ttft_s for r in results)
-                points.append(
-                    {
-                        "rate_rps": rate,
-                        "requests": len(results),
-                        "goodput_rps": len(results) / wall_s,
-                        "ttft_p50_s": statistics.median(ttft),
-                        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
-                        "prefill_tokens": delta["computed"],
-                        "pulled_tokens": delta["pulled"],
-                        "pulled_bytes": delta["pulled"] * bytes_per_token,
-                        "pull_s": delta["pull_s"],
-                    }
-                )
-                print(f"  {policy} {rate:.2f} req/s: {points[-1]}", flush=True)
+    with (
+        EmbeddedRedis() as redis,
+        LocalCluster(_config(model, redis.url, policy, args)) as cluster,
+    ):
+        bytes_per_token = _scrape(cluster, "pdserve_kv_cache_bytes_per_token") / 2
+        points = []
+        for i, rate in enumerate(rates):
+            before = _counters(cluster)
+            results, wall_s = asyncio.run(load.run(cluster.address, load.requests(rate, i)))
+            after = _counters(cluster)
+            delta = {k: after[k] - before[k] for k in after}
+            ttft = sorted(r.ttft_s for r in results)
+            points.append(
+                {
+                    "rate_rps": rate,
+                    "requests": len(results),
+                    "goodput_rps": len(results) / wall_s,
+                    "ttft_p50_s": statistics.median(ttft),
+                    "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+                    "prefill_tokens": delta["computed"],
+                    "pulled_tokens": delta["pulled"],
+                    "pulled_bytes": delta["pulled"] * bytes_per_token,
+                    "pull_s": delta["pull_s"],
+                }
+            )
+            print(f"  {policy} {rate:.2f} req/s: {points[-1]}", flush=True)
     return {"policy": policy, "points": points}
 
 
@@ -184,18 +179,12 @@ def calibrate(model: Path, args: argparse.Namespace) -> tuple[float, float]:
     prompts = [
         [rng.randrange(3, 1024) for _ in range(args.prefix_len + args.user_len)] for _ in range(9)
     ]
-    with EmbeddedRedis() as redis:
-        config = ClusterConfig(
-            model=str(model),
-            num_prefill=2,
-            num_decode=1,
-            redis_url=redis.url,
-            log_level="WARNING",
-            router_args=("--prefill-policy", "round_robin", "--local-prefill-tokens", "0"),
-        )
-        with LocalCluster(config) as cluster:
-            alone, _ = asyncio.run(load.run(cluster.address, [(0.0, prompts[0])]))
-            _, wall_s = asyncio.run(load.run(cluster.address, [(0.0, p) for p in prompts[1:]]))
+    with (
+        EmbeddedRedis() as redis,
+        LocalCluster(_config(model, redis.url, "round_robin", args)) as cluster,
+    ):
+        alone, _ = asyncio.run(load.run(cluster.address, [(0.0, prompts[0])]))
+        _, wall_s = asyncio.run(load.run(cluster.address, [(0.0, p) for p in prompts[1:]]))
     return (len(prompts) - 1) / wall_s, alone[0].ttft_s
 
 

@@ -199,7 +199,16 @@ class AsyncEngine(ServingEngine):
         self, lease_id: str, token_ids: list[int], first_block: int, num_blocks: int
     ) -> list[int]:
         share = self.prefix_share
-        return await self.call(lambda: share.lend(lease_id, token_ids, first_block, num_blocks))
+        lent = await self.call(lambda: share.lend(lease_id, token_ids, first_block, num_blocks))
+        if lent.copy is not None:  # host-tier blocks: copied in before anything reads them
+            copy = asyncio.wrap_future(lent.copy)
+            try:
+                await asyncio.shield(copy)
+            except BaseException:
+                await asyncio.wait([copy])  # it stops writing before the blocks go back
+                await self.free_pinned(lease_id)
+                raise
+        return lent.block_ids
 
     async def borrow_prefix(
         self,

@@ -5,11 +5,13 @@ each call does to the blocks. Every call runs between steps (``AsyncEngine.call`
 
 The holder:
 - ``lend(lease_id, token_ids, first_block, num_blocks)`` takes a reference on each of its
-  device-cached blocks ``[first_block, n)`` of the prefix ``token_ids`` starts with, ``n`` the
-  cached run from block 0, at most ``num_blocks``, and lists them in the engine's ``pinned``
-  under ``lease_id``. From there the lease is a pinned request's: the KV sender reads the
-  blocks, ``free_pinned`` drops the references, exactly once. A lent block is never evicted
-  while referenced; concurrent leases of one block share it (a reference each).
+  cached blocks ``[first_block, n)`` of the prefix ``token_ids`` starts with, ``n`` the run
+  cached from block 0 (device, then host tier), at most ``num_blocks``, and lists them in the
+  engine's ``pinned`` under ``lease_id``. Blocks of the run in the host tier are copied into
+  fresh device blocks first (``Lent.copy``: nothing reads them before it lands). From there
+  the lease is a pinned request's: the KV sender reads the blocks, ``free_pinned`` drops the
+  references, exactly once. A lent block is never evicted while referenced; concurrent leases
+  of one block share it (a reference each).
 
 The puller:
 - ``borrow(borrow_id, token_ids, num_blocks)`` takes a reference on the blocks of that prefix
@@ -24,6 +26,7 @@ The puller:
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
@@ -33,6 +36,16 @@ from native_engine.llm_engine import LLMEngine
 from native_engine.paged_sequence import PagedSequence
 
 _PARAMS = SamplingParams(max_tokens=1)  # a lease or a borrow is blocks, not a request
+
+
+@dataclass(frozen=True)
+class Lent:
+    """Blocks pinned for a lease, in order; ``copy``: the host-tier copy into the last
+    ``num_from_host`` of them, which must land before any is read (None: none)."""
+
+    block_ids: list[int]
+    copy: Future[None] | None = None
+    num_from_host: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,26 +64,41 @@ class PrefixShare:
         self.num_lent_blocks = 0  # over the engine's life, as counters
         self.num_borrowed_blocks = 0  # landed
 
-    def lend(
-        self, lease_id: str, token_ids: list[int], first_block: int, num_blocks: int
-    ) -> list[int]:
+    def lend(self, lease_id: str, token_ids: list[int], first_block: int, num_blocks: int) -> Lent:
         """The blocks lent (none: nothing of it is cached past ``first_block``, and nothing
-        is pinned). Raises ValueError for a lease id in use or ids out of the vocabulary."""
-        engine = self.engine
+        is pinned), and the copy to wait for before any is read, when the run continues in
+        the host tier. Raises ValueError for a lease id in use or ids out of the vocabulary."""
+        engine, manager = self.engine, self.engine.block_manager
         engine.check_new_request(lease_id)
         if first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {first_block}")
         seq = self._sequence(lease_id, token_ids, num_blocks)
         if seq is None:
-            return []
-        hits = engine.block_manager.find_cached_prefix(seq.block_hashes, num_blocks)
-        lent = hits[first_block:]
-        if not lent:
-            return []
-        assert engine.block_manager.allocate_slots(seq, 0, lent)  # references only: no room needed
+            return Lent([])
+        hits = manager.find_cached_prefix(seq.block_hashes, num_blocks)
+        host = self._host_run(seq, len(hits), num_blocks)[max(0, first_block - len(hits)) :]
+        device = hits[first_block:]
+        size = engine.block_size
+        if not host or not manager.allocate_slots(seq, len(host) * size, device):
+            host = []  # no room to copy the host run in: the device run alone
+            if not device:
+                return Lent([])
+            assert manager.allocate_slots(seq, 0, device)  # references only: no room needed
+        copy = None
+        if host:
+            pairs = list(zip(host, seq.block_table[len(device) :], strict=True))
+            assert engine.host_loads is not None and engine.host_tier is not None
+            # Pending stores into the fresh blocks finish first; the slots read are kept.
+            engine.host_loads.sync(protected=set(host))
+            copy = engine.host_tier.load(pairs)
         engine.pinned[lease_id] = seq
-        self.num_lent_blocks += len(lent)
-        return lent
+        self.num_lent_blocks += len(seq.block_table)
+        return Lent(list(seq.block_table), copy, len(host))
+
+    def _host_run(self, seq: PagedSequence, num_device: int, num_blocks: int) -> list[int]:
+        """Host-tier slots of the blocks right after the device run, as far as it holds them."""
+        index = self.engine.block_manager.host_index
+        return index.lookup(seq.block_hashes[num_device:num_blocks]) if index is not None else []
 
     def borrow(self, borrow_id: str, token_ids: list[int], num_blocks: int) -> Borrowed | None:
         """Room for the prefix's first ``num_blocks`` blocks: None when the cache has none

@@ -8,9 +8,10 @@ blocks may be cached (every block but the one holding the last token, as the eng
   (the uncached prompt tokens this router sent it, not yet done, at the prefill rate), its
   host-tier blocks copied in, and the rest computed;
 - **at w, pulling from a peer** (``pull``): the peer that holds the longest run of the prompt's
-  blocks in its device cache (only those can be lent), when that run is longer than what ``w``
-  holds in any tier: the queue, a pull's fixed cost, the blocks ``w`` lacks from its device run
-  to the peer's end at the pull rate, the rest computed.
+  blocks (its device cache, then its host tier), when that run is longer than what ``w`` holds
+  in any tier: the queue, a pull's fixed cost, the blocks ``w`` lacks from its device run to
+  the peer's end at the pull rate, the peer's host-tier part copied in first, the rest
+  computed.
 
 A busy holder is priced by its queue, so the cheapest of "go to the holder", "go elsewhere and
 pull" and "go elsewhere and recompute" falls out of one comparison ("wait for the holder" is
@@ -118,9 +119,11 @@ def _cheapest(
     best = Priced(w.address, own, own_cost, wait, any_tier * size)
     holder = _longest_peer_run(w, workers, holdings, usable)
     if holder is not None:
-        address, run = holder
+        address, run, holder_device = holder
         if run > any_tier:
             pull_s = rates.pull_overhead_s + (run - device) * size / rates.pull_tokens_per_s
+            # What the holder lends from its host tier is copied into its device first.
+            pull_s += max(0, run - max(holder_device, device)) * size / rates.host_tokens_per_s
             cost = wait + pull_s + (n - run * size) / rates.prefill_tokens_per_s
             if cost < best.cost_s:
                 best = Priced(w.address, Option.PULL, cost, wait, device * size, address, run)
@@ -136,14 +139,16 @@ def can_lend_to(holder: WorkerLoad, puller: WorkerLoad) -> bool:
 
 def _longest_peer_run(
     w: WorkerLoad, workers: list[WorkerLoad], holdings: Mapping[str, Holding], usable: int
-) -> tuple[str, int] | None:
-    """The other worker with the longest device run of the prompt's blocks that ``w`` can
-    take (ties: the first listed), and that run; None when no such one holds any."""
-    found: tuple[str, int] | None = None
+) -> tuple[str, int, int] | None:
+    """The other worker with the longest run of the prompt's blocks (its device, then its
+    host tier) that ``w`` can take (ties: the first listed): its address, that run and the
+    run's device part; None when no such one holds any."""
+    found: tuple[str, int, int] | None = None
     for other in workers:
         if other.address == w.address or not can_lend_to(other, w):
             continue
-        run = min(holdings.get(other.address, Holding()).device_blocks, usable)
+        held = holdings.get(other.address, Holding())
+        run = min(max(held.any_tier_blocks, held.device_blocks), usable)
         if run > 0 and (found is None or run > found[1]):
-            found = (other.address, run)
+            found = (other.address, run, min(held.device_blocks, usable))
     return found

@@ -27,7 +27,7 @@ def _pull(puller: LLMEngine, holder: LLMEngine, prompt: list[int], lease: str) -
     assert borrowed is not None
     written = 0
     if borrowed.block_ids:
-        lent = give.lend(lease, prompt, borrowed.first_block, num_blocks)
+        lent = give.lend(lease, prompt, borrowed.first_block, num_blocks).block_ids
         assert len(lent) == len(borrowed.block_ids)
         for layer in range(holder.kv_layout.num_layers):
             puller.kv_cache.write_layer(
@@ -88,7 +88,7 @@ def test_leases_pin_share_and_free_exactly_once(
     prompt = list(range(100, 100 + 2 * size + 1))
     holder.generate([prompt], SamplingParams(max_tokens=1))
     share = PrefixShare(engine)
-    one, two = share.lend("l1", prompt, 0, 2), share.lend("l2", prompt, 0, 2)
+    one, two = share.lend("l1", prompt, 0, 2).block_ids, share.lend("l2", prompt, 0, 2).block_ids
     assert one == two and len(one) == 2  # one copy, a reference each
     assert [engine.block_manager.blocks[b].ref_count for b in one] == [2, 2]
     snapshot = [engine.kv_cache.read_layer(0, one).clone()]
@@ -104,7 +104,7 @@ def test_leases_pin_share_and_free_exactly_once(
     engine.free_pinned("l2")
     with pytest.raises(KeyError):
         engine.free_pinned("l2")  # exactly once
-    assert share.lend("l3", prompt, 5, 2) == [] and "l3" not in engine.pinned
+    assert share.lend("l3", prompt, 5, 2).block_ids == [] and "l3" not in engine.pinned
     with pytest.raises(ValueError, match="vocabulary"):
         share.lend("l4", [10**9] * (2 * size), 0, 2)  # ids outside the vocabulary: named
 
@@ -137,7 +137,7 @@ def test_a_holder_lending_fewer_blocks_than_asked_publishes_only_those(
     take, give = PrefixShare(puller.engine), PrefixShare(holder.engine)
     borrowed = take.borrow("b", prompt, 3)
     assert borrowed is not None and (borrowed.first_block, len(borrowed.block_ids)) == (0, 3)
-    lent = give.lend("lease", prompt, 0, 3)
+    lent = give.lend("lease", prompt, 0, 3).block_ids
     assert len(lent) == 2  # the run it caches
     for layer in range(holder.engine.kv_layout.num_layers):
         puller.engine.kv_cache.write_layer(
@@ -152,3 +152,40 @@ def test_a_holder_lending_fewer_blocks_than_asked_publishes_only_those(
         reference.generate([prompt], params)[0].token_ids
     )
     assert puller.engine.stats().num_prompt_tokens_computed == size + 2
+
+
+def test_a_holder_lends_a_prefix_its_host_tier_holds(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    # 24 device blocks of 8: three 64-token prompts of other tenants evict the first one.
+    holder = make_llm(llama_dir, host_cache_gib=0.05, num_blocks=24, block_size=8)
+    puller, reference = make_llm(llama_dir, block_size=8), make_llm(llama_dir, block_size=8)
+    engine = holder.engine
+    prompt = list(range(200, 200 + 6 * 8 + 3))  # 6 whole blocks, then 3 tokens
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    holder.generate([prompt], SamplingParams(max_tokens=1))
+    for i in range(3):
+        holder.generate([list(range(400 + 70 * i, 464 + 70 * i))], SamplingParams(max_tokens=1))
+    give, take = PrefixShare(engine), PrefixShare(puller.engine)
+    hashes = take._sequence("h", prompt, 6)
+    assert hashes is not None
+    device = engine.block_manager.find_cached_prefix(hashes.block_hashes, 6)
+    assert len(device) < 6  # evicted from the device cache, at least in part
+    borrowed = take.borrow("b", prompt, 6)
+    assert borrowed is not None and len(borrowed.block_ids) == 6
+    lent = give.lend("lease", prompt, 0, 6)
+    assert len(lent.block_ids) == 6 and lent.num_from_host == 6 - len(device)
+    assert lent.copy is not None
+    lent.copy.result()  # lands before anything reads the blocks
+    for layer in range(engine.kv_layout.num_layers):
+        puller.engine.kv_cache.write_layer(
+            layer, borrowed.block_ids, engine.kv_cache.read_layer(layer, lent.block_ids)
+        )
+    engine.free_pinned("lease")
+    take.landed("b", 6)
+    take.give_back("b")
+    assert puller.generate([prompt], params)[0].token_ids == (
+        reference.generate([prompt], params)[0].token_ids
+    )
+    assert puller.engine.stats().num_prompt_tokens_computed == 3
+    engine.host_tier.index.check()  # type: ignore[union-attr]

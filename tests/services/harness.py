@@ -33,11 +33,15 @@ def engine_config(
     num_blocks: int = 256,
     max_num_batched_tokens: int = 2048,
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    host_cache_gib: float = 0.0,
 ) -> EngineConfig:
     return EngineConfig(
         model=str(model),
         cache=CacheConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_dtype=kv_cache_dtype,
+            host_cache_gib=host_cache_gib,
         ),
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens),
     )
@@ -55,6 +59,7 @@ async def start_prefill(
     max_num_batched_tokens: int = 2048,
     num_blocks: int = 256,
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    host_cache_gib: float = 0.0,
     **kwargs: object,
 ) -> tuple[PrefillService, ServiceServer]:
     engine = engine_config(
@@ -62,6 +67,7 @@ async def start_prefill(
         num_blocks=num_blocks,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_dtype=kv_cache_dtype,
+        host_cache_gib=host_cache_gib,
     )
     service = PrefillService(PrefillConfig(engine=engine, **kwargs), build_native_engine)  # type: ignore[arg-type]
     return service, await start(service)

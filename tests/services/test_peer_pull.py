@@ -99,3 +99,36 @@ def test_a_pull_that_cannot_happen_computes_the_prompt_instead(llama_dir: Path) 
                 await server.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_prefix_in_the_holders_host_tier_is_pulled_too(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    p1, p2 = list(range(3, 300)), list(range(303, 600))
+    want = make_llm(llama_dir).generate([p1], PARAMS)[0].token_ids
+
+    async def run() -> None:
+        # 24 device blocks: p2 after p1 evicts p1's blocks to B's host tier.
+        b, b_server = await start_prefill(llama_dir, num_blocks=24, host_cache_gib=0.05)
+        a, a_server = await start_prefill(llama_dir, prefill_peers=(b.address,))
+        _, d_server = await start_decode(llama_dir, peers=[a_server, b_server])
+        try:
+            for name, prompt in (("p1", p1), ("p2", p2)):
+                await disaggregated(b_server, d_server, prompt, PARAMS, name)
+                await wait_for(lambda: all_blocks_free(prefill_stub(b_server)), 30.0, "B free")
+            assert (
+                b.engine.stats.num_host_cached_blocks > 0 == b.engine.stats.num_host_loaded_blocks
+            )
+            source = prefill_pb2.PrefixSource(holder_address=b.address, num_blocks=18)
+            got = await disaggregated(a_server, d_server, p1, PARAMS, "on-a", source)
+            assert got == want[1:]
+            assert await _computed(a_server) == len(p1) - 18 * 16  # all 18 blocks came from B
+            assert b.engine.stats.num_host_loaded_blocks >= 13  # most of them from its host tier
+            for stub in (prefill_stub(a_server), prefill_stub(b_server), decode_stub(d_server)):
+                await wait_for(lambda s=stub: all_blocks_free(s), 30.0, "every block freed")
+            assert not a.leases and not b.leases
+        finally:
+            for server in (d_server, a_server, b_server):
+                await server.shutdown()
+
+    asyncio.run(run())

@@ -76,6 +76,14 @@ def test_a_puller_pulls_only_past_its_own_device_run_and_prices_its_host_tier() 
     assert got[0] == Priced("a", Option.PULL, pytest.approx(pull), 0.0, 80, "b", 20)
 
 
+def test_a_holder_lends_its_host_tier_too_at_the_price_of_its_copy() -> None:
+    # b holds 10 blocks on device and 20 with its host tier: the run is 20, 10 copied in.
+    holdings = {"b": Holding(10, 20)}
+    got = price([worker("a"), worker("b", queued=5000)], holdings, 401, RATES)
+    pull = 0.01 + 20 * 16 / 10000 + 10 * 16 / 20000 + (401 - 320) / 1000
+    assert got[0] == Priced("a", Option.PULL, pytest.approx(pull), 0.0, 0, "b", 20)
+
+
 def test_only_native_pages_of_the_same_layout_are_lent() -> None:
     holdings = {"b": Holding(20, 20)}
     other = dataclasses.replace(LAYOUT, page_layout="vllm")
