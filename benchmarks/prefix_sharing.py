@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loads", default="0.25,0.5,1,1.5", help="offered load, x capacity")
     p.add_argument("--seconds", type=float, default=15.0, help="arrivals per load point")
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--policies", default=",".join(POLICIES), help="which policies to run")
+    p.add_argument("--cost-args", default="", help="more router flags for the cost policy")
     p.add_argument("--size", choices=("tiny", "small"), default="small", help="checkpoint size")
     p.add_argument("--model", type=Path, help="HF checkpoint dir (default models/bench-llama-*)")
     p.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -135,7 +137,13 @@ def _config(model: Path, redis_url: str, policy: str, args: argparse.Namespace) 
         redis_url=redis_url,
         log_level="WARNING",
         prefill_args=("--num-blocks", str(args.num_blocks)),
-        router_args=("--prefill-policy", policy, "--local-prefill-tokens", "0"),
+        router_args=(
+            "--prefill-policy",
+            policy,
+            "--local-prefill-tokens",
+            "0",
+            *(args.cost_args.split() if policy == "cost" else ()),
+        ),
     )
 
 
@@ -200,7 +208,8 @@ def main() -> None:
         f"req/s, an uncached prompt's TTFT {compute_s * 1e3:.0f} ms",
         flush=True,
     )
-    runs = {policy: run_policy(policy, model, args, load, rates) for policy in POLICIES}
+    chosen = [p for p in POLICIES if p in args.policies.split(",")]
+    runs = {policy: run_policy(policy, model, args, load, rates) for policy in chosen}
     ideal = load.ideal_tokens(rates)
     head = ("policy", "load", "TTFT p50", "TTFT p90", "goodput", "prefill tok", "pulled tok")
     print("\n" + " ".join(f"{h:>11}" for h in head))
@@ -217,6 +226,9 @@ def main() -> None:
         "prefill tokens over the sweep / ideal: "
         + ", ".join(f"{policy} {run['over_ideal']:.2f}" for policy, run in runs.items())
     )
+    if set(chosen) != set(POLICIES):  # a tuning run: no goals to read
+        print(json.dumps({"benchmark": "prefix_sharing", "ideal_tokens": ideal, "runs": runs}))
+        return
     rr = runs["round_robin"]["points"]
     bound = 5 * rr[0]["ttft_p90_s"]
     within = [i for i, p in enumerate(rr) if p["ttft_p90_s"] <= bound] or [0]

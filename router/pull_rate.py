@@ -1,9 +1,9 @@
 """What the router measures of peer pulls (docs/kv-cache.md), for the cost policy's price of one
 (``router/prefix_pricing.py``): each pull's tokens and its seconds on the puller
 (``PrefillResponse.num_pulled_tokens``, ``pull_s``) fit ``seconds = overhead + tokens / rate``,
-the exponentially weighted line of ``router/ttft_fit.py``. Until the fit has its samples, or
-while it says nothing sensible (no positive slope), the configured priors are the price. Pure:
-the dispatcher feeds it.
+the exponentially weighted line of ``router/ttft_fit.py``. Until the fit has its samples the
+configured priors are the price; a fit without a slope prices every pull at its fixed time.
+Pure: the dispatcher feeds it.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 
 from router.ttft_fit import MIN_SAMPLES, TtftFit
+
+_UNBOUNDED_TOKENS_PER_S = 1e12  # a rate the size of a pull never shows in
 
 
 class PullRate:
@@ -24,10 +26,11 @@ class PullRate:
             self._fit.observe(float(tokens), seconds)
 
     def price(self) -> tuple[float, float]:
-        """(tokens per second, a pull's fixed seconds): measured, else the priors."""
+        """(tokens per second, a pull's fixed seconds): measured, else the priors. A fit with
+        no slope says the pulls' time does not grow with their size: all of it is fixed."""
         if self._fit.samples < MIN_SAMPLES:
             return self.prior
         line = self._fit.correction()
         if line.slope <= 0:
-            return self.prior
-        return 1.0 / line.slope, line.intercept_s
+            return _UNBOUNDED_TOKENS_PER_S, line.intercept_s
+        return min(_UNBOUNDED_TOKENS_PER_S, 1.0 / line.slope), line.intercept_s

@@ -121,3 +121,9 @@ def test_the_pull_rate_is_the_priors_until_measured_then_the_fitted_line() -> No
         rate.observe(tokens, 0.02 + tokens / 50000)
     tokens_per_s, overhead_s = rate.price()
     assert tokens_per_s == pytest.approx(50000.0) and overhead_s == pytest.approx(0.02)
+    # Pulls whose time does not grow with their size (waiting on steps): all of it fixed.
+    flat = PullRate(65536.0, 0.01)
+    for tokens in (512, 256, 512, 128, 512, 256, 384, 512):
+        flat.observe(tokens, 0.7)
+    tokens_per_s, overhead_s = flat.price()
+    assert tokens_per_s == 1e12 and overhead_s == pytest.approx(0.7)
