@@ -114,9 +114,13 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                     verify=self.config.kv_verify,
                     ucx_tls=self.config.ucx_tls,
                 )
-                receiver = await asyncio.to_thread(
-                    engine_receiver, self.engine, self.config.kv_backend, options
-                )
+                try:
+                    receiver = await asyncio.to_thread(
+                        engine_receiver, self.engine, self.config.kv_backend, options
+                    )
+                except Exception:  # no pull then (each counted "unsupported"), never a failure
+                    logger.exception("peer pull: no KV receiver; prompts are computed here")
+                    receiver = None
                 registry = self.membership.registry if self.membership is not None else None
                 static = self.config.prefill_peers
                 self._peers = PeerDirectory(static, registry, self._channels)

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from engine import SamplingParams
@@ -130,5 +131,31 @@ def test_a_prefix_in_the_holders_host_tier_is_pulled_too(
         finally:
             for server in (d_server, a_server, b_server):
                 await server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_lease_prefix_refuses_bad_input_by_name(llama_dir: Path) -> None:
+    async def run() -> None:
+        b, b_server = await start_prefill(llama_dir)
+        stub = prefill_stub(b_server)
+        try:
+            for ids, field in (
+                ([], "whole blocks"),
+                (list(range(3, 20)), "whole blocks"),  # 17 tokens
+                ([5000] * 16, "vocabulary"),
+            ):
+                request = prefill_pb2.LeasePrefixRequest(prompt_token_ids=ids, first_block=0)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.LeasePrefix(request)
+                assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert field in (caught.value.details() or "")
+            # Nothing cached: no lease, nothing pinned.
+            empty = await stub.LeasePrefix(
+                prefill_pb2.LeasePrefixRequest(prompt_token_ids=list(range(3, 35)))
+            )
+            assert not empty.HasField("lease") and not b.leases
+        finally:
+            await b_server.shutdown()
 
     asyncio.run(run())
