@@ -22,12 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
-from engine.serving_engine import PeerPullUnsupported, ServingEngine
+from engine.serving_engine import EngineDeadError, PeerPullUnsupported, ServingEngine
 from kvtransfer import KVReceiver, KVTransferError
 from kvtransfer.base import KVHandle, prompt_digest
 from kvtransfer.wire import handle_from_proto
@@ -84,14 +85,16 @@ class PrefixPuller:
     ) -> AsyncIterator[Pulled]:
         """Pulls what ``source`` offers of ``prompt``'s prefix (nothing without one), and
         holds it in the engine for the body's request; never raises for a failed pull."""
-        borrow_id = f"{request_id}/prefix"
+        # Its own id: a second call under the same request id must never touch this one's.
+        borrow_id = f"{request_id}/prefix-{uuid.uuid4().hex[:12]}"
         try:
             got = Pulled()
             if source is not None and source.holder_address and source.num_blocks:
                 got = await self._pull(request_id, borrow_id, prompt, source)
             yield got
         finally:
-            with contextlib.suppress(PeerPullUnsupported):
+            # A dead engine's blocks go with it; the request's own call says it died.
+            with contextlib.suppress(PeerPullUnsupported, EngineDeadError):
                 await self.engine.give_back(borrow_id)
 
     async def _pull(
@@ -121,6 +124,8 @@ class PrefixPuller:
             return _failed(request_id, "holder_" + exc.code().name.lower(), str(exc.details()))
         except (PeerPullUnsupported, ValueError) as exc:
             return _failed(request_id, "unsupported", str(exc))
+        except EngineDeadError as exc:  # the request's own engine call reports it, by name
+            return _failed(request_id, "engine_dead", str(exc))
         seconds = time.monotonic() - started
         if written:
             metrics.PEER_PULL_TOKENS.inc(written * size)
@@ -139,8 +144,9 @@ class PrefixPuller:
         reply = await stub.LeasePrefix(request, timeout=self.timeout_s)
         if not reply.HasField("lease"):
             raise PullRefused("not_cached", f"{holder} no longer caches block {first}")
-        handle = handle_from_proto(reply.lease)
+        lease = reply.lease
         try:
+            handle = handle_from_proto(lease)
             n = handle.num_blocks
             _check(handle, kv_sender, prompt[: (first + n) * size], 1 <= n <= len(block_ids))
             assert self.receiver is not None  # checked before the borrow
@@ -151,8 +157,8 @@ class PrefixPuller:
                 pull.cancel()  # it stops writing before the engine gives the blocks back
                 await asyncio.wait([pull])
                 raise
-        finally:
-            self.releaser.release_later(holder, handle.request_id, handle.lease_token)
+        finally:  # success or not, and whatever the handle held (expiry is the backstop)
+            self.releaser.release_later(holder, lease.request_id, lease.lease_token)
         metrics.TRANSFER_BYTES.labels("peer_received").inc(stats.num_bytes)
         return n
 

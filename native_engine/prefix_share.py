@@ -70,6 +70,8 @@ class PrefixShare:
         the host tier. Raises ValueError for a lease id in use or ids out of the vocabulary."""
         engine, manager = self.engine, self.engine.block_manager
         engine.check_new_request(lease_id)
+        if not manager.enable_prefix_caching:
+            raise PeerPullUnsupported("nothing is lent from a cache without prefix caching")
         if first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {first_block}")
         seq = self._sequence(lease_id, token_ids, num_blocks)
@@ -83,14 +85,19 @@ class PrefixShare:
             host = []  # no room to copy the host run in: the device run alone
             if not device:
                 return Lent([])
-            assert manager.allocate_slots(seq, 0, device)  # references only: no room needed
+            referenced = manager.allocate_slots(seq, 0, device)
+            assert referenced  # references only: no room needed
         copy = None
         if host:
             pairs = list(zip(host, seq.block_table[len(device) :], strict=True))
             assert engine.host_loads is not None and engine.host_tier is not None
-            # Pending stores into the fresh blocks finish first; the slots read are kept.
-            engine.host_loads.sync(protected=set(host))
-            copy = engine.host_tier.load(pairs)
+            try:
+                # Pending stores into the fresh blocks finish first; the slots read are kept.
+                engine.host_loads.sync(protected=set(host))
+                copy = engine.host_tier.load(pairs)
+            except BaseException:
+                manager.free(seq)
+                raise
         engine.pinned[lease_id] = seq
         self.num_lent_blocks += len(seq.block_table)
         return Lent(list(seq.block_table), copy, len(host))

@@ -36,7 +36,7 @@ class PrefillConfig:
         default=10.0,
         metadata={
             DOC: "a peer pull's bound on the holder's answer (the pull itself is bounded by "
-            "the holder's max_pull_s); past it, the prompt is computed here"
+            "this worker's max_pull_s); past it, the prompt is computed here"
         },
     )
     kv_verify: bool = True  # --kv-backend nixl: record a digest with each handle

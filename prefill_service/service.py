@@ -236,25 +236,23 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 f"({self.engine.max_model_len}), got {len(ids)}",
             )
         lease_id = f"prefix-{uuid.uuid4().hex}"
-        lend = asyncio.ensure_future(
-            self.engine.lend_prefix(lease_id, ids, request.first_block, len(ids) // size)
-        )
+
+        async def lend_and_lease() -> tuple[list[int], str]:
+            """Leased in the same breath as pinned: a caller that leaves (however often it is
+            cancelled) leaves a lease that expires, never blocks pinned without one."""
+            lent = await self.engine.lend_prefix(
+                lease_id, ids, request.first_block, len(ids) // size
+            )
+            return lent, self.leases.grant(lease_id, lent) if lent else ""
+
         try:
-            lent = await asyncio.shield(lend)
-        except asyncio.CancelledError:
-            # The caller left: what the engine pinned meanwhile is freed, never stranded.
-            await asyncio.wait([lend])
-            if not lend.cancelled() and lend.exception() is None and lend.result():
-                await self.engine.free_pinned(lease_id)
-            raise
+            lent, token = await asyncio.shield(asyncio.ensure_future(lend_and_lease()))
         except PeerPullUnsupported as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not lent:
             return prefill_pb2.LeasePrefixResponse()
-        # Pinned: leased before the next await, as Prefill's blocks are.
-        token = self.leases.grant(lease_id, lent)
         metrics.PEER_LENT_BLOCKS.inc(len(lent))
         assert self._sender is not None
         end = (request.first_block + len(lent)) * size

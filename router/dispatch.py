@@ -142,6 +142,7 @@ class Dispatcher:
             pull_tokens_per_s,
             pull_overhead_s,
             self.config.host_load_tokens_per_s,
+            self.pull_rate.measured,
         )
 
     def _count(self, chosen: Plan) -> None:

@@ -55,6 +55,9 @@ class Rates:
     pull_tokens_per_s: float
     pull_overhead_s: float
     host_tokens_per_s: float
+    # The pull price is measured (router/pull_rate.py): a holder's host-tier copy, done before
+    # it answers, is in it already.
+    pull_measured: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "pull_tokens_per_s", "host_tokens_per_s"):
@@ -122,8 +125,9 @@ def _cheapest(
         address, run, holder_device = holder
         if run > any_tier:
             pull_s = rates.pull_overhead_s + (run - device) * size / rates.pull_tokens_per_s
-            # What the holder lends from its host tier is copied into its device first.
-            pull_s += max(0, run - max(holder_device, device)) * size / rates.host_tokens_per_s
+            if not rates.pull_measured:  # the holder copies its host-tier part in first
+                host_part = max(0, run - max(holder_device, device))
+                pull_s += host_part * size / rates.host_tokens_per_s
             cost = wait + pull_s + (n - run * size) / rates.prefill_tokens_per_s
             if cost < best.cost_s:
                 best = Priced(w.address, Option.PULL, cost, wait, device * size, address, run)

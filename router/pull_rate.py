@@ -25,6 +25,11 @@ class PullRate:
         if tokens > 0 and math.isfinite(seconds) and seconds > 0:
             self._fit.observe(float(tokens), seconds)
 
+    @property
+    def measured(self) -> bool:
+        """Whether ``price`` is measured (else it is the priors)."""
+        return self._fit.samples >= MIN_SAMPLES
+
     def price(self) -> tuple[float, float]:
         """(tokens per second, a pull's fixed seconds): measured, else the priors. A fit with
         no slope says the pulls' time does not grow with their size: all of it is fixed."""

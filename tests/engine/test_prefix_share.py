@@ -122,8 +122,10 @@ def test_a_failed_pull_publishes_nothing_and_a_cache_without_prefixes_refuses(
     share.give_back("b")  # idempotent
     assert puller.engine.block_manager.num_cached_blocks == 0
     plain = make_llm(llama_dir, enable_prefix_caching=False)
-    with pytest.raises(PeerPullUnsupported, match="prefix cache"):
+    with pytest.raises(PeerPullUnsupported, match="prefix cach"):
         PrefixShare(plain.engine).borrow("b", prompt, 2)
+    with pytest.raises(PeerPullUnsupported, match="prefix cach"):
+        PrefixShare(plain.engine).lend("l", prompt, 0, 2)
 
 
 def test_a_holder_lending_fewer_blocks_than_asked_publishes_only_those(

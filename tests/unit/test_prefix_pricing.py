@@ -82,6 +82,10 @@ def test_a_holder_lends_its_host_tier_too_at_the_price_of_its_copy() -> None:
     got = price([worker("a"), worker("b", queued=5000)], holdings, 401, RATES)
     pull = 0.01 + 20 * 16 / 10000 + 10 * 16 / 20000 + (401 - 320) / 1000
     assert got[0] == Priced("a", Option.PULL, pytest.approx(pull), 0.0, 0, "b", 20)
+    # A measured pull price has the holder's copy in it already.
+    measured = dataclasses.replace(RATES, pull_measured=True)
+    got = price([worker("a"), worker("b", queued=5000)], holdings, 401, measured)
+    assert got[0].cost_s == pytest.approx(pull - 10 * 16 / 20000)
 
 
 def test_only_native_pages_of_the_same_layout_are_lent() -> None:
