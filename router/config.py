@@ -43,6 +43,13 @@ class RouterConfig:
     peer_pull_overhead_s: float = field(
         default=0.01, metadata={DOC: "cost policy: a peer pull's fixed cost (its lease round trip)"}
     )
+    eviction_reuse: float = field(
+        default=1.0,
+        metadata={
+            DOC: "cost policy: the share of cached blocks evicted to make room that are "
+            "needed again (each priced at its recompute; 0: evictions are free)"
+        },
+    )
     host_load_tokens_per_s: float = field(
         default=262144.0,
         metadata={
@@ -148,6 +155,8 @@ class RouterConfig:
         for name in ("peer_pull_tokens_per_s", "host_load_tokens_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.eviction_reuse <= 1:
+            raise ValueError(f"eviction_reuse must be in [0, 1], got {self.eviction_reuse}")
         if not self.peer_pull_overhead_s >= 0:
             raise ValueError(f"peer_pull_overhead_s must be >= 0, got {self.peer_pull_overhead_s}")
         if self.cache_alpha < 0 or self.imbalance_tokens < 0 or self.local_prefill_tokens < 0:

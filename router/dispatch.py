@@ -143,6 +143,7 @@ class Dispatcher:
             pull_overhead_s,
             self.config.host_load_tokens_per_s,
             self.pull_rate.measured,
+            self.config.eviction_reuse,
         )
 
     def _count(self, chosen: Plan) -> None:

@@ -63,6 +63,7 @@ class WorkerLoad:
     block_size: int = 16
     routable: bool = True  # healthy, not suspected, draining or refused (Worker.routable)
     queued_prefill_tokens: int = 0  # uncached prompt tokens this router has sent, not yet done
+    num_cached_blocks: int = 0  # from its last stats: blocks holding a prefix-cache entry
     stats_known: bool = True  # False until its first stats answer (sizes read 0 until then)
     # Its KV layout (its stats' rank 0's: tensor parallelism, heads per rank, page layout);
     # None until its stats come (then it counts as one rank).

@@ -15,7 +15,10 @@ blocks may be cached (every block but the one holding the last token, as the eng
 
 A busy holder is priced by its queue, so the cheapest of "go to the holder", "go elsewhere and
 pull" and "go elsewhere and recompute" falls out of one comparison ("wait for the holder" is
-the first when its queue is short). Workers are ranked by their cheapest option; ties keep the
+the first when its queue is short). Either option at a worker writes the blocks past its device
+run; those its spare blocks (free, holding no cache entry) cannot take evict cached ones, each
+priced at ``eviction_reuse`` x its recompute: going elsewhere makes a replica, and a replica in
+a full cache costs another prefix. Workers are ranked by their cheapest option; ties keep the
 load order (``rank_prefill``).
 """
 
@@ -58,6 +61,9 @@ class Rates:
     # The pull price is measured (router/pull_rate.py): a holder's host-tier copy, done before
     # it answers, is in it already.
     pull_measured: bool = False
+    # The share of the cached blocks a worker evicts to make room that is needed again: each
+    # costs its recompute (0: evictions are free).
+    eviction_reuse: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "pull_tokens_per_s", "host_tokens_per_s"):
@@ -66,6 +72,8 @@ class Rates:
                 raise ValueError(f"{name} must be finite and > 0, got {value}")
         if not (math.isfinite(self.pull_overhead_s) and self.pull_overhead_s >= 0):
             raise ValueError(f"pull_overhead_s must be finite and >= 0, got {self.pull_overhead_s}")
+        if not 0 <= self.eviction_reuse <= 1:
+            raise ValueError(f"eviction_reuse must be in [0, 1], got {self.eviction_reuse}")
 
 
 @dataclass(frozen=True)
@@ -116,8 +124,13 @@ def _cheapest(
     device = min(mine.device_blocks, usable)
     any_tier = max(device, min(mine.any_tier_blocks, usable))
     wait = w.queued_prefill_tokens / rates.prefill_tokens_per_s
+    # Either option writes every block past its device run: what its free blocks that hold
+    # no cache entry cannot take evicts cached ones (a replica of a prefix costs another).
+    writes = w.blocks_for(n) - device
+    spare = max(0, w.num_free_blocks - w.num_cached_blocks)
+    evicted = max(0, writes - spare) * size / rates.prefill_tokens_per_s * rates.eviction_reuse
     host_s = (any_tier - device) * size / rates.host_tokens_per_s
-    own_cost = wait + host_s + (n - any_tier * size) / rates.prefill_tokens_per_s
+    own_cost = wait + evicted + host_s + (n - any_tier * size) / rates.prefill_tokens_per_s
     own = Option.HOLDER if any_tier else Option.RECOMPUTE
     best = Priced(w.address, own, own_cost, wait, any_tier * size)
     holder = _longest_peer_run(w, workers, holdings, usable)
@@ -128,7 +141,7 @@ def _cheapest(
             if not rates.pull_measured:  # the holder copies its host-tier part in first
                 host_part = max(0, run - max(holder_device, device))
                 pull_s += host_part * size / rates.host_tokens_per_s
-            cost = wait + pull_s + (n - run * size) / rates.prefill_tokens_per_s
+            cost = wait + evicted + pull_s + (n - run * size) / rates.prefill_tokens_per_s
             if cost < best.cost_s:
                 best = Priced(w.address, Option.PULL, cost, wait, device * size, address, run)
     return best

@@ -126,6 +126,7 @@ class Worker:
             block_size=stats.block_size if stats and stats.block_size else 1,
             routable=self.routable,
             queued_prefill_tokens=self.queued_prefill_tokens,
+            num_cached_blocks=stats.num_cached_blocks if stats else 0,
             stats_known=stats is not None,
             kv_layout=self.kv_layout,
         )

@@ -30,6 +30,7 @@ ROUTER_FIELDS = (
     "imbalance_tokens",
     "peer_pull_tokens_per_s",
     "peer_pull_overhead_s",
+    "eviction_reuse",
     "host_load_tokens_per_s",
     "local_prefill_tokens",
     "admission_timeout_s",

@@ -88,6 +88,22 @@ def test_a_holder_lends_its_host_tier_too_at_the_price_of_its_copy() -> None:
     assert got[0].cost_s == pytest.approx(pull - 10 * 16 / 20000)
 
 
+def test_a_replica_in_a_full_cache_costs_the_prefix_it_evicts() -> None:
+    # a's 100 blocks all hold cache entries (free, but cached): the 26 it writes evict 26.
+    full = worker("a", num_cached_blocks=100)
+    holdings = {"b": Holding(20, 20)}
+    b = worker("b", queued=300)  # 0.3 s of queue
+    got = price([full, b], holdings, 401, RATES)
+    assert (got[0].address, got[0].option) == ("a", Option.PULL)  # evictions free: 0.123 s
+    reuse = dataclasses.replace(RATES, eviction_reuse=1.0)
+    got = price([full, b], holdings, 401, reuse)
+    # a: 0.123 + 26 x 16 / 1000 = 0.539; b writes 6 blocks into spare ones: 0.3 + 0.081.
+    assert [(p.address, p.option) for p in got] == [("b", Option.HOLDER), ("a", Option.PULL)]
+    assert [p.cost_s for p in got] == [pytest.approx(0.381), pytest.approx(0.539)]
+    with pytest.raises(ValueError, match="eviction_reuse"):
+        Rates(1.0, 1.0, 0.0, 1.0, eviction_reuse=2.0)
+
+
 def test_only_native_pages_of_the_same_layout_are_lent() -> None:
     holdings = {"b": Holding(20, 20)}
     other = dataclasses.replace(LAYOUT, page_layout="vllm")
