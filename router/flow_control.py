@@ -176,6 +176,8 @@ class FlowQueues:
                 shed.append(waiting)
         dispatch: list[Ticket] = []
         while self._where:
+            if max_running and running >= max_running:
+                break  # full for every share: no peek needed
             following = self._peek()
             if max_running and running >= max(1, math.floor(max_running * following.share)):
                 break

@@ -6,17 +6,15 @@ one engine's tokens."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.local_cluster import LocalCluster
 from engine import SamplingParams
 from native_engine import LLM
-from tests.faults.faults_util import kill_the_busiest_decode_worker
+from tests.faults.faults_util import kill_the_busiest_decode_worker, metric
 from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan, traced_cluster
 
 pytestmark = pytest.mark.slow
@@ -40,8 +38,7 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
             return "pdserve.request" in names and names.count("prefill_worker.prefill") == 2
 
         spans = otlp_receiver.wait(complete)
-        assert cluster.router is not None and cluster.router.metrics_address
-        admitted = _samples(cluster.router.metrics_address, "pdserve_flow_admitted_total")
+        admitted = metric(cluster.router, "pdserve_flow_admitted_total")
 
     (stream,) = streams
     assert stream.token_ids == make_llm(llama_dir).generate([prompt], params)[0].token_ids
@@ -49,7 +46,7 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
     (root,) = [s for s in spans if s.name == "pdserve.request"]
     assert root.attributes["pdserve.migrations"] == 1
     # Flow control admitted it once: the continuation kept its place, it did not queue again.
-    assert admitted == [1.0]
+    assert admitted == 1.0
     mine = [s for s in spans if s.trace_id == root.trace_id and s.parent_id == root.span_id]
     attempts = {s.attributes["pdserve.attempt"]: [] for s in mine}
     for s in sorted(mine, key=lambda s: s.start_ns):
@@ -84,14 +81,3 @@ def test_a_migrated_request_shows_both_attempts_in_one_trace(
         s for s in mine if s.name == "pdserve.decode_admission" and s.attributes["pdserve.attempt"]
     ]
     otlp_receiver.wait(lambda got: any(s.parent_id == second.span_id for s in got))
-
-
-def _samples(address: str, name: str) -> list[float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        page = reply.read().decode()
-    return [
-        sample.value
-        for family in text_string_to_metric_families(page)
-        for sample in family.samples
-        if sample.name == name
-    ]

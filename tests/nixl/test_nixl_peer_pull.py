@@ -12,13 +12,11 @@ from engine import SamplingParams
 from native_engine import LLM
 from pdserve.v1 import common_pb2, prefill_pb2
 from tests.services.harness import (
-    all_blocks_free,
-    decode_stub,
+    both_sides_freed,
     disaggregated,
     prefill_stub,
     start_decode,
     start_prefill,
-    wait_for,
 )
 
 PROMPT = list(range(3, 300))
@@ -41,8 +39,8 @@ def test_a_prefix_pulled_over_nixl_is_computed_once(
             assert got == want[1:]
             stats = await prefill_stub(a_server).GetStats(common_pb2.GetStatsRequest())
             assert stats.num_prompt_tokens_computed == len(PROMPT) - 18 * 16
-            for stub in (prefill_stub(a_server), prefill_stub(b_server), decode_stub(d_server)):
-                await wait_for(lambda s=stub: all_blocks_free(s), 30.0, "every block freed")
+            await both_sides_freed(a_server, d_server)
+            await both_sides_freed(b_server, d_server)
             assert not a.leases and not b.leases
         finally:
             for server in (d_server, a_server, b_server):

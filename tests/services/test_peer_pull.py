@@ -17,6 +17,7 @@ from native_engine import LLM
 from pdserve.v1 import common_pb2, prefill_pb2
 from tests.services.harness import (
     all_blocks_free,
+    both_sides_freed,
     decode_stub,
     disaggregated,
     prefill_stub,
@@ -56,9 +57,8 @@ def test_a_prefix_pulled_from_a_peer_is_computed_once_and_decodes_the_same(
                 t async for r in decode_stub(d_server).Decode(request) for t in r.tokens.token_ids
             ]
             assert tokens == want[1:]
-            for server in (a_server, b_server, d_server):
-                stub = prefill_stub(server) if server is not d_server else decode_stub(server)
-                await wait_for(lambda s=stub: all_blocks_free(s), 30.0, "blocks freed")
+            await both_sides_freed(a_server, d_server)
+            await both_sides_freed(b_server, d_server)
             assert not a.leases and not b.leases
         finally:
             for server in (d_server, a_server, b_server):
@@ -125,8 +125,8 @@ def test_a_prefix_in_the_holders_host_tier_is_pulled_too(
             assert got == want[1:]
             assert await _computed(a_server) == len(p1) - 18 * 16  # all 18 blocks came from B
             assert b.engine.stats.num_host_loaded_blocks >= 13  # most of them from its host tier
-            for stub in (prefill_stub(a_server), prefill_stub(b_server), decode_stub(d_server)):
-                await wait_for(lambda s=stub: all_blocks_free(s), 30.0, "every block freed")
+            await both_sides_freed(a_server, d_server)
+            await both_sides_freed(b_server, d_server)
             assert not a.leases and not b.leases
         finally:
             for server in (d_server, a_server, b_server):

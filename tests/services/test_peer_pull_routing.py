@@ -26,8 +26,7 @@ from router.config import RouterConfig
 from router.policy import RoutingPolicy
 from router.service import RouterService
 from tests.services.harness import (
-    all_blocks_free,
-    decode_stub,
+    both_sides_freed,
     prefill_stub,
     start,
     start_decode,
@@ -91,8 +90,8 @@ def test_the_plan_sends_a_prompt_to_a_worker_that_pulls_its_prefix(
             stats = await prefill_stub(a_server).GetStats(common_pb2.GetStatsRequest())
             assert stats.num_prompt_tokens_computed == 200  # the prefix came from B
             assert stats.num_prefix_hit_tokens == 18 * BS
-            for stub in (prefill_stub(a_server), prefill_stub(b_server), decode_stub(d_server)):
-                await wait_for(lambda s=stub: all_blocks_free(s), 30.0, "every block freed")
+            await both_sides_freed(a_server, d_server)
+            await both_sides_freed(b_server, d_server)
             assert not a.leases and not b.leases
         finally:
             await index.close()
