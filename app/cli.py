@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         (Role.PREFILL, "run a prefill worker"),
         (Role.DECODE, "run a decode worker"),
         (Role.ROUTER, "run the router"),
+        (Role.KVSTORE, "run a KV store (host-memory blocks workers offload and pull)"),
     ):
         component = sub.add_parser(role.value, help=text)
         settings.add_service_flags(component, role)

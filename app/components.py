@@ -10,6 +10,7 @@ from app.settings import ServiceConfig
 from decode_service.config import DecodeConfig
 from engine.config import EngineBackend, EngineConfig
 from engine.serving_engine import EngineBuilder
+from kvstore_service.config import KVStoreConfig
 from kvtransfer import require_backend
 from pdserve.common.role import Role
 from pdserve.common.server import ServerConfig, Service
@@ -31,6 +32,13 @@ def build_service(config: ServiceConfig) -> ServiceSpec:
         from router.service import RouterService
 
         return ServiceSpec(Role.ROUTER, RouterService(config), config.server, reflect=True)
+    if isinstance(config, KVStoreConfig):
+        from kvstore_service.service import KVStoreService
+
+        require_backend(config.kv_backend)
+        if config.kv_backend == "ray":
+            connect_ray("auto")
+        return ServiceSpec(Role.KVSTORE, KVStoreService(config), config.server)
     require_backend(config.kv_backend)  # a missing optional library: refused before the model
     build_engine = engine_builder(config.engine)
     if config.kv_backend == "ray":

@@ -27,7 +27,9 @@ from app import settings
 from app.component import Component, start_component
 from app.cpu_share import CoreShare, WorkerConfig
 from app.settings import ServiceConfig
+from decode_service.config import DecodeConfig
 from pdserve.common.role import Role
+from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
 
 
@@ -152,7 +154,7 @@ class LocalCluster:
                 args += ["--prefill-peers", ",".join(w.address for w in self.prefill)]
             args += list(cfg.decode_args)
         config = settings.parse_service_flags(role, [*args, *extra_args], with_environment=True)
-        assert not isinstance(config, RouterConfig)
+        assert isinstance(config, PrefillConfig | DecodeConfig)
         return config
 
     def spawn_worker(self, role: Role, extra_args: tuple[str, ...] = ()) -> Component:

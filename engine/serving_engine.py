@@ -48,6 +48,7 @@ from engine.kv_pages import KVPages
 from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.request_error import RequestError
 from engine.sampling_params import SamplingParams
+from engine.spilled_block import SpillSink
 from engine.step_progress import StepProgress
 
 T = TypeVar("T")
@@ -265,6 +266,13 @@ class ServingEngine(ABC):
         """Drops what ``borrow_id`` holds (a no-op when it holds nothing). Not cancellable
         half-way."""
         raise PeerPullUnsupported.of(self)
+
+    def spill_evicted(self, sink: SpillSink) -> bool:
+        """Called once by the worker service, before any request: from then on the engine
+        hands ``sink`` (from any of its threads) the blocks its last cache tier gives up, with
+        their bytes, instead of only dropping them (a KV store takes them: docs/kv-cache.md).
+        False: it has no tier that spills; ``sink`` is never called."""
+        return False
 
     # ---- the prefix index's view ------------------------------------------------------------
     @abstractmethod

@@ -33,6 +33,7 @@ from engine.serving_engine import (
     ServingEngine,
     raise_on_error,
 )
+from engine.spilled_block import SpillSink
 from engine.step_loop import StepLoop, Stepping
 from engine.step_progress import StepProgress
 from engine.update_queue import UpdateQueue
@@ -228,6 +229,14 @@ class AsyncEngine(ServingEngine):
     async def give_back(self, borrow_id: str) -> None:
         if self.error is None:  # a dead engine's blocks go with it
             await asyncio.shield(self.call(lambda: self.prefix_share.give_back(borrow_id)))
+
+    def spill_evicted(self, sink: SpillSink) -> bool:
+        """The host tier's evictions (blocks the device cache evicts go to the host tier)."""
+        tier = self._engine.host_tier
+        if tier is None:
+            return False
+        tier.spill = sink
+        return True
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs a (fast) engine call between steps."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEventLog
-from native_engine.host_index import HostIndex
+from native_engine.host_index import FreedBlock, HostIndex
 from native_engine.paged_sequence import PagedSequence
 
 
@@ -55,7 +55,7 @@ class BlockManager:
         # the engine owes it: blocks that became cached-free (to store) and blocks handed
         # out again (whose pending stores must finish before anything overwrites them).
         self.host_index = host_index
-        self._to_store: list[tuple[int, BlockHash]] = []
+        self._to_store: list[FreedBlock] = []
         self._reused: list[int] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -104,8 +104,8 @@ class BlockManager:
         end = (seq.num_tokens - 1) // self.block_size
         return self.host_index.lookup(seq.block_hashes[num_device_hits:end])
 
-    def drain_to_store(self) -> list[tuple[int, BlockHash]]:
-        """Blocks that became cached-free since the last drain: (block id, hash) to copy."""
+    def drain_to_store(self) -> list[FreedBlock]:
+        """Blocks that became cached-free since the last drain, to copy."""
         work, self._to_store = self._to_store, []
         return work
 
@@ -192,7 +192,8 @@ class BlockManager:
     def free(self, seq: PagedSequence) -> None:
         """Drop the sequence's references. Tail blocks are queued for eviction before the head
         (heads are the prefixes other requests share); unhashed blocks are reused first."""
-        for block_id in reversed(seq.block_table):
+        for i in reversed(range(len(seq.block_table))):
+            block_id = seq.block_table[i]
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block_id} freed twice (request {seq.request_id})")
@@ -202,7 +203,9 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
                 elif self.host_index is not None:  # evictable from here on: keep a copy
-                    self._to_store.append((block_id, block.block_hash))
+                    parent = seq.block_hashes[i - 1] if i else b""
+                    head = seq.block_hashes[0]
+                    self._to_store.append(FreedBlock(block_id, block.block_hash, parent, head))
         seq.block_table = []
         seq.num_registered_blocks = 0
 

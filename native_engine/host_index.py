@@ -9,9 +9,28 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 from engine.block_hash import BlockHash
 from engine.kv_events import KVEventLog
+
+
+class FreedBlock(NamedTuple):
+    """A device block that became cached-free: the host tier copies it (``HostTier.store``)."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent: BlockHash  # the block before it in its prompt (b"" for the prompt's first)
+    head: BlockHash  # its prompt's first block: a KV store places a prefix by it
+
+
+class Evicted(NamedTuple):
+    """A block the host tier gave up (its slot is reused): spilled to a KV store, if any."""
+
+    block_hash: BlockHash
+    slot: int
+    parent: BlockHash
+    head: BlockHash
 
 
 class HostIndex:
@@ -23,6 +42,8 @@ class HostIndex:
         self._free = list(range(num_slots - 1, -1, -1))  # slot 0 handed out first
         self.kv_events = KVEventLog()
         self.num_evicted = 0
+        self._lineage: dict[BlockHash, tuple[BlockHash, BlockHash]] = {}  # hash -> parent, head
+        self.evicted: list[Evicted] = []  # since the last ``take_evicted``
 
     @property
     def num_used(self) -> int:
@@ -52,11 +73,21 @@ class HostIndex:
             slots.append(slot)
         return slots
 
-    def reserve(self, block_hash: BlockHash, protected: Collection[int] = ()) -> int | None:
+    def take_evicted(self) -> list[Evicted]:
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def reserve(
+        self,
+        block_hash: BlockHash,
+        protected: Collection[int] = (),
+        lineage: tuple[BlockHash, BlockHash] = (b"", b""),
+    ) -> int | None:
         """The slot to copy a block with this hash into; None when it is held already (then
         it is made most recently used) or when every slot is ``protected`` (read by a copy
         queued after this one: it must not be overwritten first). A full pool gives up its
-        least recently used unprotected slot."""
+        least recently used unprotected slot (listed in ``evicted``). ``lineage``: the block's
+        parent and its prompt's first block."""
         if block_hash in self._slots:
             self._slots.move_to_end(block_hash)
             return None
@@ -69,6 +100,8 @@ class HostIndex:
             slot = self._slots.pop(victim)
             self.kv_events.removed(victim)
             self.num_evicted += 1
+            self.evicted.append(Evicted(victim, slot, *self._lineage.pop(victim, (b"", b""))))
         self._slots[block_hash] = slot
+        self._lineage[block_hash] = lineage
         self.kv_events.stored(block_hash)
         return slot

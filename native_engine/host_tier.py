@@ -19,15 +19,18 @@ recomputed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.block_hash import BlockHash
 from engine.config import CacheConfig
-from native_engine.host_index import HostIndex
+from engine.spilled_block import SpilledBlock, SpillSink
+from native_engine.host_index import Evicted, FreedBlock, HostIndex
 from native_engine.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
 
 
 class HostTier:
@@ -48,17 +51,29 @@ class HostTier:
         self._failure: BaseException | None = None
         self.num_stored_blocks = 0
         self.num_loaded_blocks = 0
+        # The blocks this tier evicts go there (a KV store), from the copy thread; None: dropped.
+        self.spill: SpillSink | None = None
 
-    def store(self, blocks: list[tuple[int, BlockHash]], protected: Collection[int] = ()) -> None:
-        """``protected``: slots a load queued after these stores reads (never evicted here)."""
+    def store(self, blocks: list[FreedBlock], protected: Collection[int] = ()) -> None:
+        """``protected``: slots a load queued after these stores reads (never evicted here).
+        The blocks evicted for them are read out (for ``spill``) before they are overwritten,
+        but those evicted in this same call: their bytes never reached the pool."""
         self.raise_if_failed()
-        pairs = [
-            (b, slot) for b, h in blocks if (slot := self.index.reserve(h, protected)) is not None
-        ]
+        pairs: list[tuple[int, int]] = []
+        reserved = set()
+        for b in blocks:
+            slot = self.index.reserve(b.block_hash, protected, (b.parent, b.head))
+            if slot is not None:
+                pairs.append((b.block_id, slot))
+                reserved.add(b.block_hash)
+        evicted = self.index.take_evicted()
+        if self.spill is None:
+            evicted = []
+        evicted = [e for e in evicted if e.block_hash not in reserved]
         if not pairs:
             return
         ready = self._compute_done()
-        future = self._thread.submit(self._copy_out, pairs, ready)
+        future = self._thread.submit(self._copy_out, pairs, ready, evicted)
         for block_id, _ in pairs:
             self._stores[block_id] = future
         self.num_stored_blocks += len(pairs)
@@ -101,8 +116,15 @@ class HostTier:
         event.record(torch.cuda.current_stream(self.cache.tensor.device))
         return event
 
-    def _copy_out(self, pairs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
+    def _copy_out(
+        self,
+        pairs: list[tuple[int, int]],
+        ready: torch.cuda.Event | None,
+        evicted: list[Evicted],
+    ) -> None:
         try:
+            if evicted and self.spill is not None:
+                self._spill(self.spill, evicted)
             self._copy_out_now(pairs, ready)
         except BaseException as exc:
             self._failure = exc
@@ -120,6 +142,22 @@ class HostTier:
             blocks = torch.tensor([b for b, _ in pairs], device=self.cache.tensor.device)
             data = self.cache.words.index_select(2, blocks).movedim(2, 0).to("cpu")
         self.pool[slots] = data
+
+    def _spill(self, spill: SpillSink, evicted: list[Evicted]) -> None:
+        """A spill only saves a later recompute: its failure is logged, never the tier's."""
+        try:
+            spill(self._read_out(evicted))
+        except Exception:
+            logger.exception("spilling %d evicted host-tier blocks failed", len(evicted))
+
+    def _read_out(self, evicted: list[Evicted]) -> list[SpilledBlock]:
+        """The evicted blocks' bytes, before this copy overwrites their slots."""
+        data = self.pool[torch.tensor([e.slot for e in evicted])]  # a copy
+        raw = data.view(torch.uint8).reshape(len(evicted), -1).numpy()
+        return [
+            SpilledBlock(e.block_hash, e.parent, e.head, raw[i].tobytes())
+            for i, e in enumerate(evicted)
+        ]
 
     def _copy_in(self, pairs: list[tuple[int, int]]) -> None:
         slots = torch.tensor([s for s, _ in pairs])

@@ -39,6 +39,12 @@ class PrefillConfig:
             "this worker's max_pull_s); past it, the prompt is computed here"
         },
     )
+    # KV stores (docs/kv-cache.md) besides the registry's: what its host tier evicts is
+    # offloaded to them, and prefixes are pulled back from them as from a peer (host:port).
+    kv_stores: tuple[str, ...] = ()
+    kv_store_replicas: int = field(
+        default=1, metadata={DOC: "KV stores each offloaded prefix is written to"}
+    )
     kv_verify: bool = True  # --kv-backend nixl: record a digest with each handle
     ucx_tls: str | None = None  # --kv-backend nixl: UCX_TLS (None: UCX's own choice)
 
@@ -51,5 +57,7 @@ class PrefillConfig:
         for name in ("max_pull_s", "peer_pull_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_store_replicas < 1:
+            raise ValueError(f"kv_store_replicas must be >= 1, got {self.kv_store_replicas}")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")

@@ -1,7 +1,7 @@
 """The prefill worker's gRPC service: prefill-only engine, leases, KV sender.
 
 The engine pins a request's blocks when its first token is sampled; the ``LeaseManager`` then
-owns their one free (see ``prefill_service/lease_manager.py`` and the contract in
+owns their one free (see ``kvtransfer/lease_manager.py`` and the contract in
 ``kvtransfer/base.py``).
 """
 
@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.serving_engine import EngineBuilder, EngineDeadError, PeerPullUnsupported
 from kvtransfer import KVSender, ReceiverOptions, SenderOptions
 from kvtransfer.base import prompt_digest
+from kvtransfer.lease_manager import LeaseManager
 from kvtransfer.prefix_pull import PrefixPuller
 from kvtransfer.sharded import engine_receiver, engine_sender
 from kvtransfer.wire import handle_to_proto
@@ -33,8 +34,8 @@ from pdserve.common.role import Role
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from pdserve.worker.peers import PeerDirectory
 from pdserve.worker.service import WorkerService
+from pdserve.worker.store_offload import StoreOffloader
 from prefill_service.config import PrefillConfig
-from prefill_service.lease_manager import LeaseManager
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,35 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         self._peers: PeerDirectory | None = None
         self._puller: PrefixPuller | None = None
         self._puller_lock = asyncio.Lock()
+        self._offloader: StoreOffloader | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
+
+    async def load(self) -> None:
+        await super().load()
+        # Offload to KV stores: what the host tier evicts (an engine without one spills none).
+        offloader = StoreOffloader(
+            lambda: self.directory().stores(),
+            self._channels,
+            self.engine.kv_layout,
+            self.config.kv_store_replicas,
+        )
+        if self.engine.spill_evicted(offloader.sink):
+            offloader.start()
+            self._offloader = offloader
+
+    def directory(self) -> PeerDirectory:
+        """The prefill peers and KV stores it pulls from (and offloads to), made once the
+        registry is joined."""
+        if self._peers is None:
+            registry = self.membership.registry if self.membership is not None else None
+            static = self.config.prefill_peers
+            self._peers = PeerDirectory(
+                static, registry, self._channels, stores=self.config.kv_stores
+            )
+            self._peers.start()
+        return self._peers
 
     async def prepare(self) -> None:
         # Before the first heartbeat: a record without the KV sender's address would make
@@ -72,7 +99,7 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         )
         self._sender = engine_sender(self.engine, self.config.kv_backend, self.leases, options)
         await self._sender.start()
-        self.leases.start(self.engine, self._sender)
+        self.leases.start(self.engine.free_pinned, self._sender)
         logger.info("kv sender (%s) at %s", self._sender.backend, self._sender.address)
 
     def num_inflight(self) -> int:
@@ -91,6 +118,8 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         return stats
 
     async def close(self) -> None:
+        if self._offloader is not None:
+            await self._offloader.stop()
         await self.leases.stop_reaper()
         if self._sender is not None:
             await self._sender.stop()  # no read is in flight past this
@@ -121,15 +150,11 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 except Exception:  # no pull then (each counted "unsupported"), never a failure
                     logger.exception("peer pull: no KV receiver; prompts are computed here")
                     receiver = None
-                registry = self.membership.registry if self.membership is not None else None
-                static = self.config.prefill_peers
-                self._peers = PeerDirectory(static, registry, self._channels)
-                self._peers.start()
                 timeout_s = self.config.peer_pull_timeout_s
                 self._puller = PrefixPuller(
                     self.engine,
                     receiver,
-                    self._peers.kv_sender,
+                    self.directory().kv_sender,
                     self._channels,
                     self._releaser,
                     timeout_s,

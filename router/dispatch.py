@@ -85,6 +85,7 @@ class Dispatcher:
         # One snapshot: a worker may leave the pool while Redis answers.
         prefill = {} if config.colocated else {w.address: w for w in pool.prefill.values()}
         decode = {w.address: w for w in pool.decode.values()}
+        stores = [] if config.colocated else list(pool.stores.values())
         index = self.cluster.index is not None
         cache_aware = config.prefill_policy is RoutingPolicy.CACHE_AWARE and index
         priced = config.prefill_policy is RoutingPolicy.COST and index
@@ -92,7 +93,7 @@ class Dispatcher:
         prefill_cached, decode_cached, holdings = await asyncio.gather(
             self._cached(prompt_ids, prefill.values(), cache_aware),
             self._cached(prompt_ids, decode.values(), local_lookup),
-            self._holdings(prompt_ids, prefill.values(), priced),
+            self._holdings(prompt_ids, [*prefill.values(), *stores], priced),
         )
         facts = Facts(
             num_prompt_tokens=len(prompt_ids),
@@ -106,6 +107,7 @@ class Dispatcher:
             exclude=exclude,
             local=local,
             prefill_holdings=holdings if priced else None,
+            stores=tuple(w.load() for w in stores if w.routable) if priced else (),
             rates=self._rates() if priced else None,
         )
         chosen = plan(facts, config)

@@ -66,6 +66,13 @@ class Facts:
     # up) and the rates it prices with.
     prefill_holdings: Mapping[str, Holding] | None = None
     rates: Rates | None = None
+    # KV stores (docs/kv-cache.md): holders a prefill worker may pull from, never routed to;
+    # their holdings are in ``prefill_holdings`` (a store's blocks read as its device run).
+    stores: tuple[WorkerLoad, ...] = ()
+
+
+# The reason of a pull from a KV store (``Option.PULL`` is a peer's).
+STORE_PULL = "store"
 
 
 @dataclass(frozen=True)
@@ -141,17 +148,20 @@ def _rank_prefill(
     if policy is RoutingPolicy.COST and facts.prefill_holdings is not None and facts.rates:
         n, holdings = facts.num_prompt_tokens, facts.prefill_holdings
         lenders = [w for w in facts.prefill if w.stats_known]  # a cache too small may lend
+        lenders += [w for w in facts.stores if w.stats_known]
         priced = price(able, holdings, n, facts.rates, facts.prefill_turn, lenders)
         if not priced:
             return [], "load", 0, None
         first = priced[0]
-        pull = None
+        pull, reason = None, first.option.value
         predicted = first.cached_tokens
         if first.pull_from is not None:
             pull = Pull(first.pull_from, first.pull_blocks)
             size = next(w.block_size for w in able if w.address == first.address)
             predicted = first.pull_blocks * size
-        return [p.address for p in priced], first.option.value, predicted, pull
+            if any(s.address == first.pull_from for s in facts.stores):
+                reason = STORE_PULL
+        return [p.address for p in priced], reason, predicted, pull
     if policy is RoutingPolicy.CACHE_AWARE and facts.prefill_cached:
         choice = rank_cache_aware(
             able,

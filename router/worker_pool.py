@@ -154,7 +154,8 @@ class Worker:
         """Asks for its stats; ``fingerprint`` and ``block_size`` are the router's, which its
         stats' layout must match (a restart at the same address may bring another model); an
         engine that completed no step for ``stall_timeout_s`` makes it unhealthy."""
-        stub = self.prefill_stub if self.role is Role.PREFILL else self.decode_stub
+        # A KV store answers the holder half of the prefill worker's service.
+        stub = self.decode_stub if self.role is Role.DECODE else self.prefill_stub
         try:
             self.stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
@@ -208,7 +209,13 @@ class WorkerPool:
         self.channels = ChannelPool(tls=tls)
         self.stall_timeout_s = stall_timeout_s  # an engine this long without a step: unhealthy
         self.decode_policy = decode_policy
-        self.pools: dict[Role, dict[str, Worker]] = {Role.PREFILL: {}, Role.DECODE: {}}
+        # KV stores (docs/kv-cache.md) are holders a prefill worker may pull from, never routed
+        # to: kept apart from ``workers``, their stats refreshed like a worker's.
+        self.pools: dict[Role, dict[str, Worker]] = {
+            Role.PREFILL: {},
+            Role.DECODE: {},
+            Role.KVSTORE: {},
+        }
         for role, addresses in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             for address in addresses:
                 self.pools[role][address] = Worker(address, role, self.channels)
@@ -228,7 +235,12 @@ class WorkerPool:
         return self.pools[Role.DECODE]
 
     @property
+    def stores(self) -> dict[str, Worker]:
+        return self.pools[Role.KVSTORE]
+
+    @property
     def workers(self) -> list[Worker]:
+        """The prefill and decode workers (not the stores)."""
         return [*self.prefill.values(), *self.decode.values()]
 
     def sync(
@@ -306,12 +318,13 @@ class WorkerPool:
         """Closes channels to peers that left once nothing is in flight to them (a draining
         worker's last streams finish first). Call after ``sync``."""
         self._departed = [w for w in self._departed if w.num_inflight > 0]
-        in_use = {w.address for w in [*self.workers, *self._departed]}
+        in_use = {w.address for w in [*self.workers, *self.stores.values(), *self._departed]}
         await self.channels.retain(in_use | self._static)
 
     async def refresh(self, fingerprint: str, block_size: int) -> None:
         stall_s = self.stall_timeout_s
-        await asyncio.gather(*(w.refresh(fingerprint, block_size, stall_s) for w in self.workers))
+        everyone = [*self.workers, *self.stores.values()]
+        await asyncio.gather(*(w.refresh(fingerprint, block_size, stall_s) for w in everyone))
         for role, pool in self.pools.items():
             workers = pool.values()
             metrics.HEALTHY_WORKERS.labels(role.value).set(sum(w.routable for w in workers))

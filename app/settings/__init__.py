@@ -36,6 +36,7 @@ from app.settings.flags import (
     server_config,
     tls_config,
 )
+from app.settings.kvstore import add_kvstore_flags, kvstore_config
 from app.settings.layout_flags import add_layout_flags, layout_of
 from app.settings.router import add_router_flags, router_config
 from app.settings.serialized import ServiceConfig, from_json, role_of, to_json
@@ -90,6 +91,7 @@ def add_service_flags(
         Role.PREFILL: add_prefill_flags,
         Role.DECODE: add_decode_flags,
         Role.ROUTER: add_router_flags,
+        Role.KVSTORE: add_kvstore_flags,
     }
     adders[role](parser, env)
 
@@ -98,6 +100,8 @@ def service_config(role: Role, args: argparse.Namespace) -> ServiceConfig:
     """One component's flags as its frozen config (validated on construction)."""
     if role is Role.ROUTER:
         return router_config(args)
+    if role is Role.KVSTORE:
+        return kvstore_config(args)
     if role is Role.PREFILL:
         return prefill_config(args)
     return decode_config(args)

@@ -17,16 +17,18 @@ import typing
 from typing import Any
 
 from decode_service.config import DecodeConfig
+from kvstore_service.config import KVStoreConfig
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
 
-ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig
+ServiceConfig = RouterConfig | PrefillConfig | DecodeConfig | KVStoreConfig
 
 CONFIG_TYPES: dict[Role, type[ServiceConfig]] = {
     Role.ROUTER: RouterConfig,
     Role.PREFILL: PrefillConfig,
     Role.DECODE: DecodeConfig,
+    Role.KVSTORE: KVStoreConfig,
 }
 
 

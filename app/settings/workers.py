@@ -54,7 +54,7 @@ ENGINE_FIELDS = (
     "liveness_stall_s",
 )
 CACHE_FIELDS = ("num_blocks", "kv_cache_bytes", "host_cache_gib")
-PREFILL_FIELDS = ("lease_s", "max_pull_s", "peer_pull_timeout_s")
+PREFILL_FIELDS = ("lease_s", "max_pull_s", "peer_pull_timeout_s", "kv_store_replicas")
 DECODE_FIELDS = ("transfer_timeout_s", "max_buffered_tokens", "heartbeat_s")
 
 
@@ -138,6 +138,15 @@ def add_prefill_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | 
         parser, "--kv-port", env, type=int, default=50071, help="KV sender port (0: ephemeral)"
     )
     add_peers_flag(parser, env)
+    add_flag(
+        parser,
+        "--kv-stores",
+        env,
+        type=csv,
+        default=(),
+        help="KV stores (h:p,...) to offload evicted blocks to and pull from, besides the "
+        "registry's",
+    )
 
 
 def add_decode_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
@@ -185,6 +194,7 @@ def prefill_config(args: argparse.Namespace) -> PrefillConfig:
         ucx_tls=args.ucx_tls,
         ray_address=args.ray_address,
         prefill_peers=args.prefill_peers,
+        kv_stores=args.kv_stores,
         redis=redis_config(args),
         worker_id=args.worker_id,
         **field_values(args, PrefillConfig, PREFILL_FIELDS),

@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from engine.serving_engine import ServingEngine
+from engine.block_hash import BlockHash
+from engine.kv_events import CacheTier, KVEvents
 from pdserve.cluster.config import RedisConfig, connect
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.cluster.registry import Registry, WorkerRecord
@@ -27,11 +29,22 @@ logger = logging.getLogger(__name__)
 _INDEX_TTL_FACTOR = 10
 
 
+class CachedBlocks(Protocol):
+    """What a member publishes to the prefix index: a worker's engine (``ServingEngine``), or
+    a KV store's pool."""
+
+    collect_kv_events: bool
+
+    def take_kv_events(self) -> list[KVEvents]: ...
+
+    async def snapshot_cached_hashes(self) -> dict[CacheTier, list[BlockHash]]: ...
+
+
 class Membership:
     def __init__(
         self,
         config: RedisConfig,
-        engine: ServingEngine,
+        engine: CachedBlocks,
         record: Callable[[], WorkerRecord],
         on_drain_request: Callable[[], None],
     ) -> None:

@@ -264,6 +264,14 @@ PEER_LENT_BLOCKS = Counter(
     "pdserve_kv_peer_lent_blocks_total", "Cached blocks this worker leased to a peer's pull"
 )
 
+# A worker's offloads to the KV store (pdserve/worker/store_offload.py); the store's own side is
+# kvstore_service/store_metrics.py.
+STORE_OFFLOADS = Counter(
+    "pdserve_kv_store_offloads_total",
+    "Blocks this worker's host tier evicted and offloaded to a KV store, per store copy, by "
+    "result (stored, held, refused by the store; failed, dropped, no_store here)",
+    ["result"],
+)
 
 KV_BYTES_PER_TOKEN = Gauge(
     "pdserve_kv_cache_bytes_per_token",

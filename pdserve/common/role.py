@@ -10,10 +10,12 @@ class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"
+    KVSTORE = "kvstore"  # a KV store (kvstore_service/): holds blocks workers offload
 
     @property
     def is_worker(self) -> bool:
-        """A worker (it registers in Redis and serves requests); the router is not one."""
+        """It registers in Redis (a worker serving requests, or a KV store); the router does
+        not."""
         return self is not Role.ROUTER
 
 

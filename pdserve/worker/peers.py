@@ -1,4 +1,4 @@
-"""The prefill workers a worker pulls KV from: never an address a caller names.
+"""The prefill workers (and KV stores) a worker pulls KV from: never an address a caller names.
 
 A ``Decode`` request names its prefill worker (``prefill_address``, for ``Release``) and the KV
 sender (``handle.address``); a peer pull's ``PrefixSource`` names the holder. Each must be a
@@ -55,10 +55,16 @@ class PeerDirectory:
         channels: ChannelPool,
         last_known: LastKnownWorkers | None = None,
         on_change: Callable[[Mapping[str, str]], Awaitable[None]] | None = None,
+        stores: tuple[str, ...] | None = None,
     ) -> None:
         """``on_change(peers)`` is awaited after a refresh that changed the peers (control
-        address -> KV sender): the owner drops what it keeps for departed ones."""
+        address -> KV sender): the owner drops what it keeps for departed ones. ``stores``:
+        KV stores count as holders too (a prefill worker's pulls and offloads; None: they do
+        not, as for a decode worker), those of the registry and these addresses."""
         self.static = static
+        self.with_stores = stores is not None
+        self.static_stores = stores or ()
+        self._stores: set[str] = set()  # the holders that are KV stores
         self.on_change = on_change
         self.registry = registry
         self.channels = channels
@@ -90,6 +96,17 @@ class PeerDirectory:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_REFRESH_S if self._peers else _MIN_REFRESH_S):
                     await self._stopping.wait()
+
+    @property
+    def _roles(self) -> tuple[Role, ...]:
+        return (Role.PREFILL, Role.KVSTORE) if self.with_stores else (Role.PREFILL,)
+
+    async def stores(self) -> list[str]:
+        """The KV stores known (answering, or in the registry), by control address; looked up
+        once more (rate-bounded) while none is known."""
+        if not self._stores and self.with_stores:
+            await self.refresh(since_s=asyncio.get_running_loop().time())
+        return sorted(self._stores)
 
     async def kv_sender(self, prefill_address: str) -> str | None:
         """The KV sender of a known prefill worker, or None (looked up once more, as in
@@ -125,29 +142,32 @@ class PeerDirectory:
                 return
             self._refreshed_s = loop.time()
             peers: dict[str, str] = {}
+            stores = set(self._stores)
             if self.registry is not None:
                 try:
                     records = [
                         r
                         for r in await self.registry.workers()
-                        if r.role is Role.PREFILL and r.kv_address
+                        if r.role in self._roles and r.kv_address
                     ]
                 except (RedisError, OSError) as exc:
                     logger.warning("prefill peers: registry unavailable (%s)", exc)
                     peers.update(self._peers)
                 else:
                     peers.update((r.address, r.kv_address) for r in records)
-                    self.last_known.save(records)
+                    stores = {r.address for r in records if r.role is Role.KVSTORE}
+                    self.last_known.save([r for r in records if r.role is Role.PREFILL])
                     self._remembered.clear()
             # Static peers, remembered ones, and known ones whose record is gone (Redis
             # restarted empty): kept while they answer, with the KV sender they name.
-            probed = sorted(
-                {*self.static, *self._remembered, *(a for a in self._peers if a not in peers)}
-            )
+            gone = (a for a in self._peers if a not in peers)
+            probed = sorted({*self.static, *self.static_stores, *self._remembered, *gone})
             kv_addresses = await asyncio.gather(*(self._kv_address(a) for a in probed))
             for address, kv_address in zip(probed, kv_addresses, strict=True):
                 if kv_address:
                     peers[address] = kv_address
+            stores.update(self.static_stores)
+            self._stores = stores & set(peers)
             changed, self._peers = peers != self._peers, peers
             if changed and self.on_change is not None:
                 await self.on_change(peers)
@@ -157,6 +177,6 @@ class PeerDirectory:
         try:
             stats = await stub.GetStats(common_pb2.GetStatsRequest(), timeout=_STATS_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            logger.warning("prefill peer %s: %s", address, exc.code().name)
+            logger.warning("peer %s: %s", address, exc.code().name)
             return ""
         return str(stats.kv_address)

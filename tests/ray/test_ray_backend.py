@@ -17,13 +17,13 @@ import ray
 
 from app.ray_deploy.objects import live_objects
 from kvtransfer import KVHandle, KVReceiver, ReceiverOptions, make_receiver
+from kvtransfer.lease_manager import LeaseManager
 from kvtransfer.ray_mailbox import LayerRange
 from kvtransfer.ray_object_store import Payload, RayKVSender
 from kvtransfer.wire import handle_from_proto
 from native_engine.llm_engine import LLMEngine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
-from prefill_service.lease_manager import LeaseManager
 from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
 from tests.ray_util import no_new_objects
 from tests.services.harness import (

@@ -60,7 +60,7 @@ def test_a_host_hit_is_admitted_into_loading_then_takes_a_seat() -> None:
     bm.free(seq)
     to_store, reused = bm.drain_to_store(), bm.drain_reused()
     # Every full block became cached-free (to store); blocks 0..3 were handed out.
-    assert [b for b, _ in to_store] == [2, 1, 0] and reused == [0, 1, 2, 3]
+    assert [b.block_id for b in to_store] == [2, 1, 0] and reused == [0, 1, 2, 3]
     bm.check_no_leaks()
 
 

@@ -56,6 +56,17 @@ LAYERS: dict[str, frozenset[str]] = {
             "pdserve.worker",
         }
     ),
+    # The KV store (docs/kv-cache.md): holds no model, so no engine behind the contract.
+    "kvstore_service": frozenset(
+        {
+            "engine",
+            "pdserve.common",
+            "pdserve.v1",
+            "kvtransfer",
+            "pdserve.cluster",
+            "pdserve.worker",
+        }
+    ),
     "router": frozenset({"engine", "pdserve.common", "pdserve.v1", "pdserve.cluster"}),
     "app": frozenset(
         {
@@ -67,6 +78,7 @@ LAYERS: dict[str, frozenset[str]] = {
             "pdserve.worker",
             "prefill_service",
             "decode_service",
+            "kvstore_service",
             "router",
             "native_engine",
             "vllm_engine",
@@ -75,7 +87,7 @@ LAYERS: dict[str, frozenset[str]] = {
     # The runtime base's root (its subpackages are nodes of their own): nothing of ours.
     "pdserve": frozenset(),
 }
-SERVICES = ("prefill_service", "decode_service", "router")
+SERVICES = ("prefill_service", "decode_service", "kvstore_service", "router")
 
 PURE_CORE = [
     "engine.block_hash",
@@ -98,7 +110,7 @@ PURE_CORE = [
     "engine.checkpoint",
     "engine.serving_engine",
     "pdserve.cluster.prefix_index",
-    "prefill_service.lease_table",
+    "kvtransfer.lease_table",
     "router.policy",
     # Flow control's decisions: the waiting room's order, admission on predicted TTFT.
     "router.request_class",
@@ -356,6 +368,8 @@ ENGINE_CONTRACT = frozenset(
         "engine.kv_layout",
         "engine.kv_events",
         "engine.block_hash",
+        # What ``spill_evicted`` hands a worker: blocks its last cache tier gave up.
+        "engine.spilled_block",
         # The errors a request's stream or admission raises (its own, a taken request id).
         "engine.request_error",
     }

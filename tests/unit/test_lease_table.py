@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_service.lease_table import LeaseTable
+from kvtransfer.lease_table import LeaseTable
 
 
 def test_end_frees_once() -> None:

@@ -201,3 +201,28 @@ def test_the_cost_policy_plans_a_pull_to_the_cheapest_worker() -> None:
     # No index: the load order.
     got = plan(facts(401, (idle, busy)), cost)
     assert (got.prefill, got.reason, got.pull) == (("a", "b"), "no_index", None)
+
+
+def test_the_cost_policy_plans_a_pull_from_a_kv_store() -> None:
+    """A store is a holder, never a candidate: its run is pulled by the cheapest worker, with
+    the reason "store"; a worker's own longer run, or a store of another layout, wins over it."""
+    cost = dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.COST)
+    layout = KVCacheLayout("fp", "float32", 16, 2, 2, 64)
+    a, b = load("a", kv_layout=layout), load("b", kv_layout=layout, inflight=1)
+    store = load("s", kv_layout=layout, num_blocks=1000)
+    rates = Rates(1000.0, 10000.0, 0.01, 20000.0)
+    holdings = {"s": Holding(20, 20)}
+    got = plan(facts(401, (a, b), prefill_holdings=holdings, rates=rates, stores=(store,)), cost)
+    # Either pulls the store's 20 blocks: 0.01 + 320 / 10000 + 81 / 1000 = 0.123 s (a: less
+    # loaded); a recompute would cost 0.401 s.
+    assert got == Plan(
+        Route.DISAGGREGATED, ("a", "b"), ("d2", "d1", "d3"), 320, "store", None, Pull("s", 20)
+    )
+    # b caches the first 4 blocks: it pulls only the other 16 (0.1166 s) and goes first.
+    holdings = {"s": Holding(20, 20), "b": Holding(4, 4)}
+    got = plan(facts(401, (a, b), prefill_holdings=holdings, rates=rates, stores=(store,)), cost)
+    assert (got.prefill, got.reason, got.pull) == (("b", "a"), "store", Pull("s", 20))
+    # A store of another layout lends nothing: b computes what it lacks, a all of it.
+    other = load("s", kv_layout=KVCacheLayout("other", "float32", 16, 2, 2, 64))
+    got = plan(facts(401, (a, b), prefill_holdings=holdings, rates=rates, stores=(other,)), cost)
+    assert (got.prefill, got.reason, got.pull) == (("b", "a"), "holder", None)

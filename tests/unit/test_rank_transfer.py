@@ -24,10 +24,10 @@ from kvtransfer import (
     make_sender,
 )
 from kvtransfer.base import BlockLeases, KVHandle, prompt_digest
+from kvtransfer.lease_table import LeaseTable
 from kvtransfer.shard_receiver import ShardReceiver, source_addresses
 from pdserve.common.convert import layout_from_proto, layout_to_proto
 from pdserve.common.tls import TlsConfig
-from prefill_service.lease_table import LeaseTable
 from tests.security.tls_util import make_pki
 from vllm_engine.bridge import Reports
 from vllm_engine.kv_pages import VllmKVPages

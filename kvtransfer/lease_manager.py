@@ -1,11 +1,12 @@
-"""Every lease of one prefill worker: the table, the reaper, and the one path that frees.
+"""Every lease of one KV holder (a prefill worker, a KV store): the table, the reaper, and the
+one path that frees.
 
 The rule it enforces is the block-ownership contract in ``kvtransfer/base.py``; the bookkeeping
 (pure, clock passed in) is ``LeaseTable``. Callers: the prefill service grants a lease when the
 engine pins a request's first token and calls ``end`` for the RPC ``Release``; the KV sender
 reads between ``checkout`` and ``checkin`` (``BlockLeases``); the reaper expires leases nobody
-came for. The blocks are freed once, through ``_free``: the engine's ``free_pinned``, then the
-sender's ``lease_ended``.
+came for. The blocks are freed once, through ``_free``: the holder's ``free_pinned`` (a prefill
+worker's engine's; a store's pool's), then the sender's ``lease_ended``.
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
-from engine.serving_engine import ServingEngine
 from kvtransfer.base import BlockLeases, KVSender, new_lease_token
+from kvtransfer.lease_table import LeaseTable
 from pdserve.common import metrics
-from prefill_service.lease_table import LeaseTable
 
 logger = logging.getLogger(__name__)
 
 
 class LeaseManager(BlockLeases):
     """Exists from the service's construction (``Release`` before the engine loaded answers
-    "no such lease"); ``start`` attaches the engine and sender once they exist."""
+    "no such lease"); ``start`` attaches the holder's free and the sender once they exist."""
 
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
-        self._engine: ServingEngine | None = None
+        self._free_pinned: Callable[[str], Awaitable[None]] | None = None
         self._sender: KVSender | None = None  # told when a lease ends
         self._table = LeaseTable(lease_s)
         self._changed = asyncio.Event()
@@ -38,8 +39,9 @@ class LeaseManager(BlockLeases):
     def __len__(self) -> int:
         return len(self._table)
 
-    def start(self, engine: ServingEngine, sender: KVSender) -> None:
-        self._engine, self._sender = engine, sender
+    def start(self, free_pinned: Callable[[str], Awaitable[None]], sender: KVSender) -> None:
+        """``free_pinned(lease id)`` frees what the holder pinned under it (once per lease)."""
+        self._free_pinned, self._sender = free_pinned, sender
         self._reaper = asyncio.create_task(self._expire_forever(), name="lease-reaper")
 
     async def stop_reaper(self) -> None:
@@ -96,9 +98,9 @@ class LeaseManager(BlockLeases):
         await asyncio.shield(task)
 
     async def _free_now(self, request_id: str) -> None:
-        assert self._engine is not None, "a lease exists only once the engine does"
+        assert self._free_pinned is not None, "a lease exists only once the holder does"
         try:
-            await self._engine.free_pinned(request_id)
+            await self._free_pinned(request_id)
         finally:
             if self._sender is not None:
                 self._sender.lease_ended(request_id)

@@ -1,0 +1,197 @@
+"""The KV store through the real services (docs/kv-cache.md, "The store"): a prefill worker's
+host tier offloads what it evicts to the store; a fresh prefill worker pulls a prompt's prefix
+back from it, computes only the rest and decodes what one engine does; a store that is gone,
+or holds nothing, costs a recompute; a prefix written to two stores survives one of them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import SamplingParams
+from kvstore_service.config import KVStoreConfig
+from kvstore_service.service import KVStoreService, store_layout
+from native_engine import LLM
+from pdserve.common import metrics
+from pdserve.common.server import ServiceServer
+from pdserve.v1 import common_pb2, prefill_pb2
+from tests.services.harness import (
+    both_sides_freed,
+    decode_stub,
+    disaggregated,
+    prefill_stub,
+    prefilled_request,
+    start,
+    start_decode,
+    start_prefill,
+    wait_for,
+)
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+PROMPTS = [[(7 * k + i) % 1000 + 3 for i in range(297)] for k in range(3)]  # 18 blocks + 9
+PULLABLE = 18  # whole blocks of 16 before each prompt's last token
+
+
+def host_gib(model: Path, num_blocks: int) -> float:
+    return num_blocks * store_layout(KVStoreConfig(model=str(model))).block_bytes / 2**30
+
+
+async def start_store(model: Path, capacity_blocks: int = 256) -> ServiceServer:
+    capacity = host_gib(model, capacity_blocks)
+    return await start(KVStoreService(KVStoreConfig(model=str(model), capacity_gib=capacity)))
+
+
+async def start_offloading(model: Path, stores: list[ServiceServer], replicas: int = 1) -> object:
+    """A prefill worker whose caches hold little (24 device blocks, 20 host-tier blocks):
+    a prompt of 18 blocks pushes the one before it out of the host tier, to the stores."""
+    _, server = await start_prefill(
+        model,
+        num_blocks=24,
+        host_cache_gib=host_gib(model, 20),
+        kv_stores=tuple(s.service.address for s in stores),
+        kv_store_replicas=replicas,
+    )
+    return server
+
+
+async def shut(servers: list[Any]) -> None:
+    """Shuts down every server still serving (a test may have stopped a store already)."""
+    for server in servers:
+        if server.service.serving:
+            await server.shutdown()
+
+
+async def stop(server: ServiceServer) -> None:
+    await shut([server])
+
+
+async def held(store: ServiceServer) -> int:
+    stats = await prefill_stub(store).GetStats(common_pb2.GetStatsRequest())
+    return int(stats.num_cached_blocks)
+
+
+async def computed(server: object) -> int:
+    stats = await prefill_stub(server).GetStats(common_pb2.GetStatsRequest())
+    return int(stats.num_prompt_tokens_computed)
+
+
+async def offload_first_prompt(
+    writer: object, decode: ServiceServer, stores: list[ServiceServer], params: SamplingParams
+) -> None:
+    """Runs every prompt on ``writer``; the first one's blocks end up in the stores."""
+    for i, prompt in enumerate(PROMPTS):
+        await disaggregated(writer, decode, prompt, params, f"w{i}")
+    for store in stores:
+        await wait_for(lambda s=store: _holds(s), 30.0, "the first prompt offloaded")
+
+
+async def _holds(store: ServiceServer) -> bool:
+    return await held(store) >= PULLABLE
+
+
+@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+def test_evicted_blocks_land_in_the_store_and_a_fresh_worker_pulls_them(
+    llama_dir: Path, make_llm: Callable[..., LLM], params: SamplingParams
+) -> None:
+    want = make_llm(llama_dir).generate([PROMPTS[0]], params)[0].token_ids
+
+    async def run() -> None:
+        store = await start_store(llama_dir)
+        writer = await start_offloading(llama_dir, [store])
+        _, fresh = await start_prefill(llama_dir, kv_stores=(store.service.address,))
+        _, d_server = await start_decode(llama_dir, peers=[writer, fresh])  # type: ignore[list-item]
+        try:
+            await offload_first_prompt(writer, d_server, [store], params)
+            source = prefill_pb2.PrefixSource(
+                holder_address=store.service.address, num_blocks=PULLABLE
+            )
+            request = await prefilled_request(fresh, PROMPTS[0], params, "fresh", source)
+            assert request.first_token_id == want[0]
+            assert await computed(fresh) == len(PROMPTS[0]) - PULLABLE * 16  # the rest only
+            tokens = [
+                t async for r in decode_stub(d_server).Decode(request) for t in r.tokens.token_ids
+            ]
+            assert tokens == want[1:]
+            await both_sides_freed(fresh, d_server)
+            stats = await prefill_stub(store).GetStats(common_pb2.GetStatsRequest())
+            await wait_for(lambda: _no_leases(store), 30.0, "the store's lease released")
+            assert stats.num_blocks == 256
+        finally:
+            await shut([fresh, d_server, writer, store])
+
+    asyncio.run(run())
+
+
+async def _no_leases(store: ServiceServer) -> bool:
+    stats = await prefill_stub(store).GetStats(common_pb2.GetStatsRequest())
+    return stats.num_pinned == 0 and stats.num_inflight == 0
+
+
+def test_a_store_that_is_gone_or_holds_nothing_costs_a_recompute(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    want, other = (
+        o.token_ids for o in make_llm(llama_dir).generate([PROMPTS[1], PROMPTS[2]], PARAMS)
+    )
+
+    async def run() -> None:
+        store = await start_store(llama_dir)
+        _, fresh = await start_prefill(llama_dir, kv_stores=(store.service.address,))
+        _, d_server = await start_decode(llama_dir, peers=[fresh])
+        address = store.service.address
+        source = prefill_pb2.PrefixSource(holder_address=address, num_blocks=PULLABLE)
+        try:
+            # The store holds nothing of the prompt: its answer has no lease.
+            empty = failures("not_cached")
+            tokens = await disaggregated(fresh, d_server, PROMPTS[1], PARAMS, "empty", source)
+            assert tokens == want[1:] and failures("not_cached") == empty + 1
+            assert await computed(fresh) == len(PROMPTS[1])
+            # The store is gone: the worker computes what its own cache lacks (none of it now).
+            await stop(store)
+            gone = failures("holder_unavailable")
+            tokens = await disaggregated(fresh, d_server, PROMPTS[2], PARAMS, "gone", source)
+            assert tokens == other[1:] and failures("holder_unavailable") == gone + 1
+            assert await computed(fresh) == len(PROMPTS[1]) + len(PROMPTS[2])
+            await both_sides_freed(fresh, d_server)
+        finally:
+            await shut([fresh, d_server, store])
+
+    asyncio.run(run())
+
+
+def failures(reason: str) -> float:
+    return float(metrics.PEER_PULL_FAILURES.labels(reason)._value.get())
+
+
+def test_a_prefix_written_to_two_stores_survives_one(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    want = make_llm(llama_dir).generate([PROMPTS[0]], PARAMS)[0].token_ids
+
+    async def run() -> None:
+        stores = [await start_store(llama_dir), await start_store(llama_dir)]
+        writer = await start_offloading(llama_dir, stores, replicas=2)
+        survivor = stores[1]
+        _, fresh = await start_prefill(
+            llama_dir, kv_stores=tuple(s.service.address for s in stores)
+        )
+        _, d_server = await start_decode(llama_dir, peers=[writer, fresh])  # type: ignore[list-item]
+        try:
+            await offload_first_prompt(writer, d_server, stores, PARAMS)
+            await stop(stores[0])
+            source = prefill_pb2.PrefixSource(
+                holder_address=survivor.service.address, num_blocks=PULLABLE
+            )
+            tokens = await disaggregated(fresh, d_server, PROMPTS[0], PARAMS, "r", source)
+            assert tokens == want[1:]
+            assert await computed(fresh) == len(PROMPTS[0]) - PULLABLE * 16
+            await both_sides_freed(fresh, d_server)
+        finally:
+            await shut([fresh, d_server, writer, *stores])
+
+    asyncio.run(run())
