@@ -28,6 +28,7 @@ from app.component import Component, start_component
 from app.cpu_share import CoreShare, WorkerConfig
 from app.settings import ServiceConfig
 from decode_service.config import DecodeConfig
+from kvstore_service.config import KVStoreConfig
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 from router.config import RouterConfig
@@ -38,6 +39,8 @@ class ClusterConfig:
     model: str
     num_prefill: int = 1
     num_decode: int = 1
+    num_kvstore: int = 0  # KV stores (docs/kv-cache.md)
+    kvstore_args: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     router_port: int = 0
     router_http_port: int | None = None  # the OpenAI HTTP API (0: ephemeral); None: off
@@ -68,6 +71,8 @@ class ClusterConfig:
             raise ValueError(
                 "a cluster needs num_decode >= 1 and num_prefill >= 1 (0 when colocated)"
             )
+        if self.num_kvstore < 0:
+            raise ValueError(f"num_kvstore must be >= 0, got {self.num_kvstore}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if not 0 < self.restart_delay_s <= self.restart_delay_max_s:
@@ -84,6 +89,7 @@ class LocalCluster:
         self.config = config
         self.prefill: list[Component] = []
         self.decode: list[Component] = []
+        self.kvstores: list[Component] = []
         self.router: Component | None = None
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # the component lists, against the supervisors
@@ -125,7 +131,8 @@ class LocalCluster:
     @property
     def components(self) -> list[Component]:
         with self._lock:
-            return [*self.prefill, *self.decode, *([self.router] if self.router else [])]
+            router = [self.router] if self.router else []
+            return [*self.kvstores, *self.prefill, *self.decode, *router]
 
     def _spawn(self, name: str, config: ServiceConfig, restarts: int = 0) -> Component:
         cfg = self.config
@@ -148,6 +155,8 @@ class LocalCluster:
         args += self._redis_args(name)
         if role is Role.PREFILL:
             args += ["--kv-port", "0", *cfg.prefill_args]
+            if not cfg.redis_url and self.kvstores:  # no registry to learn them from
+                args += ["--kv-stores", ",".join(s.address for s in self.kvstores)]
         else:
             if not cfg.redis_url and self.prefill:
                 # No registry to learn them from: the prefill workers it may pull KV from.
@@ -155,6 +164,15 @@ class LocalCluster:
             args += list(cfg.decode_args)
         config = settings.parse_service_flags(role, [*args, *extra_args], with_environment=True)
         assert isinstance(config, PrefillConfig | DecodeConfig)
+        return config
+
+    def _kvstore_config(self, i: int) -> KVStoreConfig:
+        cfg = self.config
+        name = f"kvstore-{i}"
+        args = ["--host", cfg.host, "--port", "0", "--metrics-port", "0", "--model", cfg.model]
+        args += ["--kv-port", "0", *self._redis_args(name), *cfg.kvstore_args]
+        config = settings.parse_service_flags(Role.KVSTORE, args, with_environment=True)
+        assert isinstance(config, KVStoreConfig)
         return config
 
     def spawn_worker(self, role: Role, extra_args: tuple[str, ...] = ()) -> Component:
@@ -203,6 +221,10 @@ class LocalCluster:
         planned = [(Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)]
         self._cores.plan([(self._worker_config(role, role.value), n) for role, n in planned if n])
         try:
+            for i in range(cfg.num_kvstore):
+                self.kvstores.append(self._spawn(f"kvstore-{i}", self._kvstore_config(i)))
+            for store in self.kvstores:  # prefill workers offload to them from the start
+                store.wait_ready(cfg.ready_timeout_s)
             for _ in range(cfg.num_prefill):
                 self.spawn_worker(Role.PREFILL)
             if not cfg.redis_url:  # decode workers are told their prefill peers' addresses
@@ -293,7 +315,7 @@ class LocalCluster:
             if self._stopping.is_set():
                 return None
             new = self._spawn(old.name, config, old.num_restarts + 1)
-            for group in (self.prefill, self.decode):
+            for group in (self.prefill, self.decode, self.kvstores):
                 if old in group:
                     group[group.index(old)] = new
             if self.router is old:
@@ -307,7 +329,8 @@ class LocalCluster:
         self._stopping.set()
         codes: dict[str, int] = {}
         with self._lock:
-            groups = ([*self.prefill, *self.decode], [self.router] if self.router else [])
+            workers = [*self.prefill, *self.decode]
+            groups = (workers, self.kvstores, [self.router] if self.router else [])
         for group in groups:
             for c in group:
                 if c.process.poll() is None:

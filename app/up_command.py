@@ -46,6 +46,15 @@ def add_up_command(sub: Any) -> None:
         help="the pools' control RPC for `pdserve autoscale --target local` (0: ephemeral; "
         "unset: off). Mutual TLS with --tls-*; else whoever reaches it can resize the pools",
     )
+    add_flag(
+        up,
+        "--kvstore",
+        type=int,
+        default=0,
+        help="KV stores: prefill workers offload what their host tier (--host-cache-gib) evicts "
+        "to them and pull prefixes back (docs/kv-cache.md)",
+    )
+    add_flag(up, "--kvstore-args", default="", help="extra flags for every KV store")
     add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         add_flag(up, flag, default=None, help="mutual TLS for every component (all three)")
@@ -113,10 +122,15 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     settings.parse_service_flags(Role.DECODE, ["--model", args.model, *decode_args])
     if not args.colocated:
         settings.parse_service_flags(Role.PREFILL, ["--model", args.model, *prefill_args])
+    kvstore_args = (*shared, *transfer[:2], *shlex.split(args.kvstore_args))
+    if args.kvstore:
+        settings.parse_service_flags(Role.KVSTORE, ["--model", args.model, *kvstore_args])
     return ClusterConfig(
         model=args.model,
         num_prefill=0 if args.colocated else args.prefill,
         num_decode=args.decode,
+        num_kvstore=args.kvstore,
+        kvstore_args=kvstore_args,
         router_port=args.port,
         router_http_port=args.http_port,
         redis_url=args.redis_url,

@@ -10,6 +10,7 @@ heartbeats); a paused request keeps its blocks in the engine, with no seat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -222,7 +223,13 @@ class AsyncEngine(ServingEngine):
         borrowed = await self.call(lambda: share.borrow(borrow_id, token_ids, num_blocks))
         if borrowed is None or not borrowed.block_ids:
             return 0
-        written = await fill(borrowed.first_block, borrowed.block_ids)
+        try:
+            written = await fill(borrowed.first_block, borrowed.block_ids)
+        except BaseException:
+            # Nothing landed: the blocks it took go back now, not with the request.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.call(lambda: share.landed(borrow_id, 0)))
+            raise
         await self.call(lambda: share.landed(borrow_id, written))
         return written
 

@@ -135,8 +135,9 @@ class PrefixShare:
 
     def landed(self, borrow_id: str, num_written: int) -> list[BlockHash]:
         """The first ``num_written`` blocks to write are written (a holder may lend fewer than
-        asked): they join the prefix cache; the rest stay unpublished until ``give_back``.
-        Returns the hashes newly cached."""
+        asked; 0: the pull failed): they join the prefix cache, and the rest go back at once
+        (never hashed): held until the request is done, they could keep a full cache from
+        ever seating it. Returns the hashes newly cached."""
         seq = self.borrowed[borrow_id]
         size = self.engine.block_size
         first = seq.num_computed_tokens // size
@@ -144,7 +145,10 @@ class PrefixShare:
             raise ValueError(f"num_written must be in [0, {len(seq.block_table) - first}]")
         seq.num_computed_tokens = (first + num_written) * size
         self.num_borrowed_blocks += num_written
-        return self.engine.block_manager.register_computed_blocks(seq)
+        manager = self.engine.block_manager
+        cached = manager.register_computed_blocks(seq)
+        manager.trim(seq, seq.num_computed_tokens)
+        return cached
 
     def give_back(self, borrow_id: str) -> None:
         """Drops the borrow's references (a no-op when it holds none)."""

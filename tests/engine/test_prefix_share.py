@@ -116,9 +116,14 @@ def test_a_failed_pull_publishes_nothing_and_a_cache_without_prefixes_refuses(
     size = puller.engine.block_size
     prompt = list(range(300, 300 + 2 * size + 1))
     share = PrefixShare(puller.engine)
+    manager = puller.engine.block_manager
+    free = manager.num_free_blocks
     borrowed = share.borrow("b", prompt, 2)
     assert borrowed is not None and len(borrowed.block_ids) == 2
-    share.give_back("b")  # the fill failed: given back unpublished
+    assert manager.num_free_blocks == free - 2
+    # The fill failed: the blocks go back at once (a full cache must seat the request).
+    assert share.landed("b", 0) == [] and manager.num_free_blocks == free
+    share.give_back("b")
     share.give_back("b")  # idempotent
     assert puller.engine.block_manager.num_cached_blocks == 0
     plain = make_llm(llama_dir, enable_prefix_caching=False)
@@ -148,7 +153,9 @@ def test_a_holder_lending_fewer_blocks_than_asked_publishes_only_those(
     holder.engine.free_pinned("lease")
     with pytest.raises(ValueError, match="num_written"):
         take.landed("b", 4)
+    free = puller.engine.block_manager.num_free_blocks
     assert len(take.landed("b", 2)) == 2
+    assert puller.engine.block_manager.num_free_blocks == free + 1  # the unwritten one
     take.give_back("b")
     assert puller.generate([prompt], params)[0].token_ids == (
         reference.generate([prompt], params)[0].token_ids

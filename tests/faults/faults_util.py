@@ -179,10 +179,10 @@ async def restarted(cluster: LocalCluster, victim: Component) -> bool:
 
 async def stats(component: Component) -> common_pb2.WorkerStats:
     async with grpc.aio.insecure_channel(component.address) as channel:
-        stub = (
-            prefill_pb2_grpc.PrefillWorkerStub(channel)
-            if component.role is Role.PREFILL
-            else decode_pb2_grpc.DecodeWorkerStub(channel)
+        stub = (  # a KV store answers the prefill worker's GetStats
+            decode_pb2_grpc.DecodeWorkerStub(channel)
+            if component.role is Role.DECODE
+            else prefill_pb2_grpc.PrefillWorkerStub(channel)
         )
         return await stub.GetStats(common_pb2.GetStatsRequest(), timeout=10)
 

@@ -6,19 +6,29 @@ or holds nothing, costs a recompute; a prefix written to two stores survives one
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from app.client import generate
 from engine import SamplingParams
+from engine.block_hash import hash_blocks, root_hash
 from kvstore_service.config import KVStoreConfig
 from kvstore_service.service import KVStoreService, store_layout
 from native_engine import LLM
+from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common import metrics
+from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServiceServer
-from pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.v1 import common_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from router.config import RouterConfig
+from router.policy import RoutingPolicy
+from router.service import RouterService
 from tests.services.harness import (
     both_sides_freed,
     decode_stub,
@@ -193,5 +203,62 @@ def test_a_prefix_written_to_two_stores_survives_one(
             await both_sides_freed(fresh, d_server)
         finally:
             await shut([fresh, d_server, writer, *stores])
+
+    asyncio.run(run())
+
+
+def test_the_plan_pulls_a_prefix_from_the_store_the_index_names(
+    llama_dir: Path, redis_url: str, make_llm: Callable[..., LLM]
+) -> None:
+    """End to end with the registry and the prefix index: the store registers, publishes what
+    it holds, and the router's cost policy plans the pull from it (reason "store")."""
+    want = make_llm(llama_dir).generate([PROMPTS[0]], PARAMS)[0].token_ids
+
+    async def run() -> None:
+        redis = RedisConfig(url=redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+        capacity = host_gib(llama_dir, 256)
+        store_config = KVStoreConfig(model=str(llama_dir), capacity_gib=capacity, redis=redis)
+        store = await start(KVStoreService(store_config))
+        _, writer = await start_prefill(
+            llama_dir, num_blocks=24, host_cache_gib=host_gib(llama_dir, 20), redis=redis
+        )
+        _, fresh = await start_prefill(llama_dir, redis=redis)
+        _, d_server = await start_decode(llama_dir, redis=redis)
+        config = RouterConfig(
+            model=str(llama_dir),
+            redis=redis,
+            prefill_policy=RoutingPolicy.COST,
+            local_prefill_tokens=0,
+        )
+        router = await start(RouterService(config))
+        index = RedisPrefixIndex.from_url(redis_url, redis.namespace)
+        servers = [router, fresh, d_server, writer, store]
+        try:
+            await offload_first_prompt(writer, d_server, [store], PARAMS)
+            layout = store_layout(store_config)
+            keys = hash_blocks(root_hash(layout.model_fingerprint), PROMPTS[0][:288], 16)
+            store_id = store.service.worker_id
+
+            async def indexed() -> bool:
+                return (await index.longest_prefixes(keys, [store_id]))[store_id] == PULLABLE
+
+            await wait_for(indexed, 30.0, "the store's blocks published to the index")
+            before = await computed(writer) + await computed(fresh)
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                request = router_pb2.GenerateRequest(
+                    prompt_token_ids=PROMPTS[0], sampling=sampling_to_proto(PARAMS)
+                )
+                result = await generate(stub, request)
+            assert result.token_ids == want
+            # One of the two pulled the store's 18 blocks and computed the rest.
+            assert await computed(writer) + await computed(fresh) == before + 9
+            decisions = metrics.ROUTING_DECISIONS.labels("prefill", "cost", "store")
+            assert decisions._value.get() >= 1
+            await both_sides_freed(fresh, d_server)
+            await both_sides_freed(writer, d_server)
+        finally:
+            await index.close()
+            await shut(servers)
 
     asyncio.run(run())
