@@ -177,7 +177,11 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
                 return await self._prefill(request, context, params, received_s)
             pulls = await self.puller()
             async with pulls.pulled(request_id, prompt, request.prefix) as got:
-                response = await self._prefill(request, context, params, received_s)
+                # The pull (done or failed) is its own phase, not the engine queue's.
+                pulled_s = time.monotonic()
+                response = await self._prefill(
+                    request, context, params, pulled_s, pulled_s - received_s
+                )
                 response.num_pulled_tokens, response.pull_s = got.num_tokens, got.seconds
                 return response
 
@@ -187,7 +191,10 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         context: grpc.aio.ServicerContext,
         params: SamplingParams,
         received_s: float,
+        pulling_s: float = 0.0,
     ) -> prefill_pb2.PrefillResponse:
+        """``received_s``: when the request was ready to queue (after a pull, which took
+        ``pulling_s``)."""
         request_id, prompt = request.request_id, list(request.prompt_token_ids)
         last: RequestUpdate | None = None
         stream = self.engine.generate(
@@ -219,11 +226,18 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             queue_s=queue_s,
             compute_s=compute_s,
             num_host_cached_tokens=last.num_host_cached_tokens,
+            peer_pull_phase_s=pulling_s,
         )
+        phases: tuple[tuple[str, float], ...] = (
+            ("prefill_worker.queue", queue_s),
+            ("prefill_worker.compute", compute_s),
+        )
+        if pulling_s:
+            phases = (("prefill_worker.kv_peer_pull", pulling_s), *phases)
         tracing.record_call(
             context.invocation_metadata(),
             "prefill_worker.prefill",
-            (("prefill_worker.queue", queue_s), ("prefill_worker.compute", compute_s)),
+            phases,
             {
                 "pdserve.prompt_tokens": len(prompt),
                 "pdserve.cached_tokens": last.num_cached_tokens,

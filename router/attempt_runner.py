@@ -102,7 +102,9 @@ class AttemptRunner:
             first = out.chunk([prefilled.first_token_id], first_logprobs, prompt_logprobs)
             then = RequestPhase.DECODE_ADMISSION if leased else RequestPhase.DECODE
             sent_s = out.last_token_s or time.perf_counter()
-            trace.prefilled(sent_s, prefilled.queue_s, prefilled.compute_s, then)
+            trace.prefilled(
+                sent_s, prefilled.queue_s, prefilled.compute_s, then, prefilled.peer_pull_phase_s
+            )
             trace.count("host_cached_tokens", prefilled.num_host_cached_tokens)
             trace.count("pulled_tokens", prefilled.num_pulled_tokens)
             yield first

@@ -21,6 +21,7 @@ class RequestPhase(enum.Enum):
     ROUTER = "router"  # received -> first plan: auth, parsing, validation, tokenization
     FLOW_QUEUE = "flow_queue"  # waiting in the router's flow control queues (docs/slo.md)
     ROUTE = "route"  # the plan: load snapshot, prefix-index lookups
+    KV_PEER_PULL = "kv_peer_pull"  # the prefill worker pulls the prompt's prefix (a plan's)
     PREFILL_QUEUE = "prefill_queue"  # on the prefill worker: call received -> its first step
     PREFILL_COMPUTE = "prefill_compute"  # its first step -> the first token sampled
     PREFILL_RPC = "prefill_rpc"  # the rest of the Prefill call: network, (de)serialization

@@ -84,23 +84,33 @@ class RequestTrace:
         return tracing.metadata(self._span)
 
     def prefilled(
-        self, first_token_s: float, queue_s: float, compute_s: float, then: RequestPhase
+        self,
+        first_token_s: float,
+        queue_s: float,
+        compute_s: float,
+        then: RequestPhase,
+        pull_s: float = 0.0,
     ) -> None:
         """The Prefill call answered and its first token went out at ``first_token_s``: the call
-        splits into the worker's queue and compute and the call's own cost; ``then`` opens
-        (decode admission, or nothing more to do when the first token ended the request)."""
+        splits into the worker's peer pull (``pull_s``), queue and compute and the call's own
+        cost; ``then`` opens (decode admission, or nothing more to do when the first token
+        ended the request)."""
         if self._span is not None:
             self._span.set_attribute("pdserve.prefill_queue_s", queue_s)
             self._span.set_attribute("pdserve.prefill_compute_s", compute_s)
+            if pull_s:
+                self._span.set_attribute("pdserve.kv_peer_pull_s", pull_s)
         self.enter(then, first_token_s)
         call = self._last(RequestPhase.PREFILL_RPC)
         if call is not None:
-            self.clock.split(
-                call,
-                (RequestPhase.PREFILL_QUEUE, RequestPhase.PREFILL_COMPUTE),
-                (queue_s, compute_s),
-                RequestPhase.PREFILL_RPC,
+            parts: tuple[RequestPhase, ...] = (
+                RequestPhase.PREFILL_QUEUE,
+                RequestPhase.PREFILL_COMPUTE,
             )
+            seconds: tuple[float, ...] = (queue_s, compute_s)
+            if pull_s:
+                parts, seconds = (RequestPhase.KV_PEER_PULL, *parts), (pull_s, *seconds)
+            self.clock.split(call, parts, seconds, RequestPhase.PREFILL_RPC)
 
     def admitted(self, kv_pull_s: float) -> None:
         """A decode worker admitted the request after pulling its KV in ``kv_pull_s``."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\":\n\x0cPrefixSource\x12\x16\n\x0eholder_address\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\xb4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\x12(\n\x06prefix\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\"C\n\x12LeasePrefixRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\":\n\x13LeasePrefixResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"\xbc\x01\n\x08KVHandle\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12)\n\x06layout\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x13\n\x0blease_token\x18\x07 \x01(\t\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\"\x94\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12,\n\x08\x66inished\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReasonH\x00\x12%\n\x05lease\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x1e\n\x16num_host_cached_tokens\x18\n \x01(\r\x12\x19\n\x11num_pulled_tokens\x18\x0b \x01(\r\x12\x0e\n\x06pull_s\x18\x0c \x01(\x01\x42\t\n\x07outcome\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"<\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"6\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x32\xf6\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12N\n\x0bLeasePrefix\x12\x1e.pdserve.v1.LeasePrefixRequest\x1a\x1f.pdserve.v1.LeasePrefixResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\":\n\x0cPrefixSource\x12\x16\n\x0eholder_address\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\xb4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\x12(\n\x06prefix\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\"C\n\x12LeasePrefixRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\":\n\x13LeasePrefixResponse\x12#\n\x05lease\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\"\xbc\x01\n\x08KVHandle\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12)\n\x06layout\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVCacheLayout\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x13\n\x0blease_token\x18\x07 \x01(\t\x12\x15\n\rprompt_digest\x18\x08 \x01(\x0c\"\xaf\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12,\n\x08\x66inished\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReasonH\x00\x12%\n\x05lease\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x1e\n\x16num_host_cached_tokens\x18\n \x01(\r\x12\x19\n\x11num_pulled_tokens\x18\x0b \x01(\r\x12\x0e\n\x06pull_s\x18\x0c \x01(\x01\x12\x19\n\x11peer_pull_phase_s\x18\r \x01(\x01\x42\t\n\x07outcome\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"<\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0blease_token\x18\x02 \x01(\t\"6\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x32\xf6\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStats\x12N\n\x0bLeasePrefix\x12\x1e.pdserve.v1.LeasePrefixRequest\x1a\x1f.pdserve.v1.LeasePrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,15 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHANDLE']._serialized_start=438
   _globals['_KVHANDLE']._serialized_end=626
   _globals['_PREFILLRESPONSE']._serialized_start=629
-  _globals['_PREFILLRESPONSE']._serialized_end=1033
-  _globals['_RELEASEREQUEST']._serialized_start=1035
-  _globals['_RELEASEREQUEST']._serialized_end=1092
-  _globals['_RELEASERESPONSE']._serialized_start=1094
-  _globals['_RELEASERESPONSE']._serialized_end=1129
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1131
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1191
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1193
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1247
-  _globals['_PREFILLWORKER']._serialized_start=1250
-  _globals['_PREFILLWORKER']._serialized_end=1624
+  _globals['_PREFILLRESPONSE']._serialized_end=1060
+  _globals['_RELEASEREQUEST']._serialized_start=1062
+  _globals['_RELEASEREQUEST']._serialized_end=1119
+  _globals['_RELEASERESPONSE']._serialized_start=1121
+  _globals['_RELEASERESPONSE']._serialized_end=1156
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1158
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1218
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1220
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1274
+  _globals['_PREFILLWORKER']._serialized_start=1277
+  _globals['_PREFILLWORKER']._serialized_end=1651
 # @@protoc_insertion_point(module_scope)

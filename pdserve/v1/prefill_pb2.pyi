@@ -207,6 +207,7 @@ class PrefillResponse(_message.Message):
     NUM_HOST_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_PULLED_TOKENS_FIELD_NUMBER: _builtins.int
     PULL_S_FIELD_NUMBER: _builtins.int
+    PEER_PULL_PHASE_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
@@ -223,6 +224,10 @@ class PrefillResponse(_message.Message):
     """of num_cached_tokens, pulled from a peer (PrefixSource)"""
     pull_s: _builtins.float
     """the pull's time on this worker, lookup to blocks cached (0: none)"""
+    peer_pull_phase_s: _builtins.float
+    """Seconds the call spent on the peer pull before its prompt queued, done or failed (the
+    kv_peer_pull phase; queue_s starts after it).
+    """
     @_builtins.property
     def first_token_logprobs(self) -> _common_pb2.TokenLogprobs:
         """set when sampling.logprobs is set"""
@@ -248,10 +253,11 @@ class PrefillResponse(_message.Message):
         num_host_cached_tokens: _builtins.int = ...,
         num_pulled_tokens: _builtins.int = ...,
         pull_s: _builtins.float = ...,
+        peer_pull_phase_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "outcome", b"outcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_pulled_tokens", b"num_pulled_tokens", "outcome", b"outcome", "prompt_logprobs", b"prompt_logprobs", "pull_s", b"pull_s", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_s", b"compute_s", "finished", b"finished", "first_token_id", b"first_token_id", "first_token_logprobs", b"first_token_logprobs", "lease", b"lease", "num_cached_tokens", b"num_cached_tokens", "num_host_cached_tokens", b"num_host_cached_tokens", "num_pulled_tokens", b"num_pulled_tokens", "outcome", b"outcome", "peer_pull_phase_s", b"peer_pull_phase_s", "prompt_logprobs", b"prompt_logprobs", "pull_s", b"pull_s", "queue_s", b"queue_s", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["finished", "lease"]  # noqa: Y015
     _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015

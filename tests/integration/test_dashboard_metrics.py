@@ -62,6 +62,7 @@ def declared(name: str) -> set[str]:
     # Every module that defines the metrics of a process the test scrapes: a test that ran
     # before in this process must not be what registered them.
     import app.capacity.autoscaler  # noqa: F401
+    import kvstore_service.store_metrics  # noqa: F401
     import pdserve.common.metrics  # noqa: F401
 
     collector = REGISTRY._names_to_collectors.get(name)  # type: ignore[attr-defined]
@@ -82,6 +83,7 @@ def test_every_dashboard_query_reads_metrics_a_running_cluster_exports(
         redis_namespace=tmp_path.name,
         log_dir=tmp_path,
         router_args=("--local-prefill-tokens", "0"),
+        num_kvstore=1,
     )
     profile = tmp_path / "profile.json"
     save(constant_profile(prefill_s=0.01, decode_s=0.01), profile)

@@ -4,6 +4,7 @@ totals before the first token. Exact values on a scripted clock."""
 from __future__ import annotations
 
 from router.phases import PhaseClock, RequestPhase, Segment
+from router.request_trace import RequestTrace
 
 P = RequestPhase
 
@@ -89,3 +90,18 @@ def test_a_migration_starts_the_next_attempt_and_phases_add_over_attempts() -> N
 def test_a_clock_running_backwards_gives_an_empty_segment_not_a_negative_one() -> None:
     clock = PhaseClock(5.0)
     assert clock.enter(P.ROUTE, 4.0) == Segment(P.ROUTER, 5.0, 5.0, 0)
+
+
+def test_a_peer_pull_is_its_own_phase_before_the_prefill_queue() -> None:
+    """``RequestTrace.prefilled`` with the worker's ``peer_pull_phase_s``: the Prefill call
+    splits into the pull, the queue, the compute, and the rest (the call's own)."""
+    trace = RequestTrace("r", 0.0)
+    trace.enter(RequestPhase.PREFILL_RPC, 1.0)
+    trace.prefilled(3.0, 0.25, 1.0, RequestPhase.DECODE_ADMISSION, pull_s=0.5)
+    assert trace.breakdown() == {
+        "router": 1.0,
+        "kv_peer_pull": 0.5,
+        "prefill_queue": 0.25,
+        "prefill_compute": 1.0,
+        "prefill_rpc": 0.25,
+    }
