@@ -19,7 +19,9 @@ from app import settings
 from app.embedded_redis import DISABLED_COMMANDS
 from app.settings.flags import PEER_TOKEN_ENV, REDIS_PASSWORD_ENV
 from engine.kv_layout import KVCacheDtype
+from kvstore_service.config import KVStoreConfig
 from pdserve.common.role import Role
+from prefill_service.config import PrefillConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdserve"
@@ -184,9 +186,8 @@ def test_every_pdserve_variable_is_a_real_flag_and_pools_share_one_shape(helm: s
         unknown = names[role] - _flags(role) - {"PDSERVE_LOG_LEVEL"}  # the top-level flag
         assert not unknown, f"{role}: the chart sets {unknown}, which pdserve {role} ignores"
     # One helper renders both pools: they differ only in their role-specific flags.
-    assert names["prefill"] - {"PDSERVE_KV_PORT", "PDSERVE_LEASE_S"} == names["decode"] - {
-        "PDSERVE_TRANSFER_TIMEOUT_S"
-    }
+    prefill_only = {"PDSERVE_KV_PORT", "PDSERVE_LEASE_S", "PDSERVE_KV_STORE_REPLICAS"}
+    assert names["prefill"] - prefill_only == names["decode"] - {"PDSERVE_TRANSFER_TIMEOUT_S"}
     prefill, decode = pod_spec(manifests, "prefill"), pod_spec(manifests, "decode")
     assert prefill.keys() == decode.keys()
     assert prefill["containers"][0].keys() == decode["containers"][0].keys()
@@ -555,3 +556,30 @@ def test_tracing_reaches_every_component_and_bad_values_are_refused(helm: str) -
             [helm, "template", "rel", str(CHART), *flags], capture_output=True, text=True
         )
         assert done.returncode != 0 and named in done.stderr, done.stderr
+
+
+def test_kv_stores_render_with_real_flags_and_the_prefill_pool_writes_to_them(helm: str) -> None:
+    """``kvstore.replicas`` renders the stores (none by default); every variable the chart
+    gives a store or the prefill pool is a flag their configs read."""
+    assert not [m for m in render(helm) if m["metadata"]["name"].endswith("-kvstore")]
+    manifests = render(helm, "-f", str(CHART / "ci" / "kvstore-values.yaml"))
+    deployment = find(manifests, "Deployment", "rel-pdserve-kvstore")
+    assert deployment["spec"]["replicas"] == 2
+    assert {m["kind"] for m in manifests if m["metadata"]["name"] == "rel-pdserve-kvstore"} == {
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+    }
+    configs = {}
+    for role in (Role.KVSTORE, Role.PREFILL):
+        c = container(manifests, role.value)
+        assert c["args"][0] == role.value
+        variables = {k: v for k, v in env(c).items() if isinstance(v, str)}
+        unknown = {n for n in variables if n.startswith("PDSERVE_")} - _flags(role.value)
+        assert not unknown - {"PDSERVE_LOG_LEVEL"}, f"{role.value}: {unknown}"
+        parser = argparse.ArgumentParser()
+        settings.add_service_flags(parser, role, env={**variables, "PDSERVE_MODEL": "/m"})
+        configs[role] = settings.service_config(role, parser.parse_args([]))
+    store, prefill = configs[Role.KVSTORE], configs[Role.PREFILL]
+    assert isinstance(store, KVStoreConfig) and isinstance(prefill, PrefillConfig)
+    assert (store.capacity_gib, store.kv_port, prefill.kv_store_replicas) == (8.0, 50091, 2)

@@ -97,6 +97,8 @@ spec:
               value: {{ $root.Values.kvTransfer.port | quote }}
             - name: PDSERVE_LEASE_S
               value: {{ $root.Values.kvTransfer.leaseSeconds | quote }}
+            - name: PDSERVE_KV_STORE_REPLICAS
+              value: {{ $root.Values.kvstore.prefixCopies | quote }}
             {{- else }}
             - name: PDSERVE_TRANSFER_TIMEOUT_S
               value: {{ $root.Values.kvTransfer.timeoutSeconds | quote }}
