@@ -209,12 +209,12 @@ def test_slo_control_quick_run_sweeps_both_modes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_prefix_sharing_quick_run_sweeps_three_policies(tmp_path: Path) -> None:
+def test_prefix_sharing_quick_run_sweeps_the_policies_and_the_store(tmp_path: Path) -> None:
     report = quick_run("prefix_sharing.py", tmp_path / "bench-model")
-    assert set(report["runs"]) == {"round_robin", "cache_aware", "cost"}
+    assert set(report["runs"]) == {"round_robin", "cache_aware", "cost", "cost+store"}
     for run in report["runs"].values():
         assert len(run["points"]) == 2 and run["over_ideal"] >= 1.0  # never below the ideal
         for point in run["points"]:
             assert point["requests"] > 0 and point["ttft_p50_s"] > 0
     assert report["runs"]["round_robin"]["points"][0]["pulled_tokens"] == 0  # only cost pulls
-    assert set(report["ratios"]) == set(report["goals"])
+    assert set(report["ratios"]) == set(report["store_ratios"]) == set(report["goals"])
