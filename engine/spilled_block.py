@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
@@ -17,5 +17,21 @@ class SpilledBlock:
     data: bytes  # layer-major slabs, as the engine's KV layout stores them
 
 
-# Called from the engine's own threads: it must only hand the blocks over (a queue), never block.
-SpillSink = Callable[[list[SpilledBlock]], None]
+class SpillSink(ABC):
+    """Where an engine's spilled blocks go (a worker's ``StoreOffloader``). The engine calls
+    both methods from its own threads (the host tier's copy thread): they only look at flags
+    and hand over (a queue); neither may block."""
+
+    @abstractmethod
+    def wanted(self) -> bool:
+        """Whether blocks are taken now (a store is known, the queue has room). False: the
+        engine does not even read the evicted blocks out."""
+
+    @abstractmethod
+    def take(self, blocks: list[SpilledBlock]) -> None:
+        """The blocks (their bytes copied out of the engine's memory: the sink owns them)."""
+
+
+# The most blocks one KVStore.Offload call carries: the store refuses more, and a worker's
+# offloader sends at most this many (docs/kv-cache.md, "The store").
+MAX_BLOCKS_PER_OFFLOAD = 256

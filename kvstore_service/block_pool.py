@@ -52,6 +52,8 @@ class BlockPool:
         slot = self.index.admit(block_hash, parent)
         if slot is None:
             return None
+        if not self.collect_kv_events:  # nobody publishes them (no Redis): keep none
+            self.index.kv_events.drain()
         words = self.pages.words  # [layers, 2, slots, *slab]
         block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(words.dtype)
         words[:, :, slot] = block.view(words.shape[0], words.shape[1], *words.shape[3:])

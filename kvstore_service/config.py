@@ -33,9 +33,6 @@ class KVStoreConfig:
     max_pull_s: float = field(
         default=60.0, metadata={DOC: "the longest one KV pull may keep the blocks checked out"}
     )
-    max_offload_blocks: int = field(
-        default=256, metadata={DOC: "the most blocks one Offload call may carry"}
-    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -52,7 +49,5 @@ class KVStoreConfig:
         for name in ("lease_s", "max_pull_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_offload_blocks < 1:
-            raise ValueError(f"max_offload_blocks must be >= 1, got {self.max_offload_blocks}")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port}")

@@ -21,6 +21,7 @@ from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import engine_fingerprint
 from engine.kv_layout import KVCacheLayout
 from engine.model_config import ModelConfig
+from engine.spilled_block import MAX_BLOCKS_PER_OFFLOAD
 from kvstore_service import store_metrics
 from kvstore_service.block_pool import BlockPool
 from kvstore_service.config import KVStoreConfig
@@ -92,7 +93,7 @@ class KVStoreService(
     async def load(self) -> None:
         layout = store_layout(self.config)
         self._max_len = ModelConfig.from_dir(self.config.model).max_position_embeddings
-        self._pool = pool = BlockPool(layout, int(self.config.capacity_gib * 2**30))
+        pool = BlockPool(layout, int(self.config.capacity_gib * 2**30))
         self._root = root_hash(layout.model_fingerprint)
         options = SenderOptions(
             self.config.server.host,
@@ -104,6 +105,7 @@ class KVStoreService(
         self._sender = make_sender(self.config.kv_backend, pool.pages, self.leases, options)
         await self._sender.start()
         self.leases.start(pool.free_pinned, self._sender)
+        self._pool = pool  # last: no call finds the pool before its sender and leases run
         store_metrics.observe(pool)
         logger.info(
             "kv store: %d blocks of %d bytes (%.1f MiB); kv sender (%s) at %s",
@@ -163,7 +165,7 @@ class KVStoreService(
         mismatch = remote_layout_mismatch(pool.layout, request.layout)
         if mismatch is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"layout: {mismatch}")
-        limit = self.config.max_offload_blocks
+        limit = MAX_BLOCKS_PER_OFFLOAD
         if len(request.blocks) > limit:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -264,6 +266,8 @@ def _block_refusal(block: kv_store_pb2.OffloadedBlock, block_bytes: int) -> str 
         return f"block_hash must be {_HASH_BYTES} bytes, got {len(block.block_hash)}"
     if len(block.parent_hash) not in (0, _HASH_BYTES):
         return f"parent_hash must be empty or {_HASH_BYTES} bytes, got {len(block.parent_hash)}"
+    if block.parent_hash == block.block_hash:
+        return "parent_hash is the block's own hash"
     if len(block.data) != block_bytes:
         return f"data must be {block_bytes} bytes (one block), got {len(block.data)}"
     if zlib.crc32(block.data) != block.crc32:

@@ -15,7 +15,7 @@ bytes are written into the slot before any await (nobody can lend a slot between
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,9 +26,8 @@ from engine.kv_events import KVEventLog
 @dataclass
 class _Entry:
     slot: int
-    parent: BlockHash
+    parent: BlockHash  # b"": a prompt's first block
     refs: int = 0  # leases pinning it
-    children: int = 0  # held blocks whose parent it is
 
 
 class StoreIndex:
@@ -38,6 +37,10 @@ class StoreIndex:
         self.num_slots = num_slots
         self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()  # least recent first
         self._free = list(range(num_slots - 1, -1, -1))  # slot 0 handed out first
+        # Held blocks per parent hash, whether the parent is held or not: blocks arrive tail
+        # first (a worker evicts a prompt's tail first), so a child often comes before its
+        # parent, which must count it when it comes.
+        self._children: Counter[BlockHash] = Counter()
         self.kv_events = KVEventLog()
         self.num_stored = 0
         self.num_evicted = 0
@@ -71,8 +74,8 @@ class StoreIndex:
             self.num_refused += 1
             return None
         self._entries[block_hash] = _Entry(slot, parent)
-        if (up := self._entries.get(parent)) is not None:
-            up.children += 1
+        if parent:
+            self._children[parent] += 1
         self.kv_events.stored(block_hash)
         self.num_stored += 1
         return slot
@@ -105,14 +108,19 @@ class StoreIndex:
             entry.refs -= 1
 
     def _evict(self) -> int | None:
+        # A scan from the least recently used end; leaves are usually near it (a lookup
+        # makes a run's head the most recent).
         victim = next(
-            (h for h, e in self._entries.items() if e.refs == 0 and e.children == 0), None
+            (h for h, e in self._entries.items() if e.refs == 0 and not self._children[h]),
+            None,
         )
         if victim is None:
             return None
         entry = self._entries.pop(victim)
-        if (up := self._entries.get(entry.parent)) is not None:
-            up.children -= 1
+        if entry.parent:
+            self._children[entry.parent] -= 1
+            if not self._children[entry.parent]:
+                del self._children[entry.parent]
         self.kv_events.removed(victim)
         self.num_evicted += 1
         return entry.slot
@@ -122,7 +130,6 @@ class StoreIndex:
         held = sorted(e.slot for e in self._entries.values())
         if sorted(held + self._free) != list(range(self.num_slots)):
             raise AssertionError(f"store slots inconsistent: {held} held, {self._free} free")
-        for block_hash, entry in self._entries.items():
-            children = sum(e.parent == block_hash for e in self._entries.values())
-            if children != entry.children or entry.refs < 0:
-                raise AssertionError(f"block {block_hash.hex()}: counts inconsistent")
+        counted = Counter(e.parent for e in self._entries.values() if e.parent)
+        if counted != self._children or any(e.refs < 0 for e in self._entries.values()):
+            raise AssertionError("store child or reference counts inconsistent")

@@ -154,8 +154,10 @@ class PrefixPuller:
             try:
                 stats = await asyncio.shield(pull)
             except asyncio.CancelledError:
-                pull.cancel()  # it stops writing before the engine gives the blocks back
-                await asyncio.wait([pull])
+                pull.cancel()  # it stops writing before the engine gives the blocks back,
+                while not pull.done():  # however often this caller is cancelled meanwhile
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([pull])
                 raise
         finally:  # success or not, and whatever the handle held (expiry is the backstop)
             self.releaser.release_later(holder, lease.request_id, lease.lease_token)

@@ -203,7 +203,8 @@ class BlockManager:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
                 elif self.host_index is not None:  # evictable from here on: keep a copy
-                    parent = seq.block_hashes[i - 1] if i else b""
+                    n = seq.block_offset + i  # its block number in the prompt
+                    parent = seq.block_hashes[n - 1] if n else b""
                     head = seq.block_hashes[0]
                     self._to_store.append(FreedBlock(block_id, block.block_hash, parent, head))
         seq.block_table = []

@@ -51,7 +51,7 @@ class HostTier:
         self._failure: BaseException | None = None
         self.num_stored_blocks = 0
         self.num_loaded_blocks = 0
-        # The blocks this tier evicts go there (a KV store), from the copy thread; None: dropped.
+        # Where the blocks this tier evicts go (a KV store), from the copy thread; None: dropped.
         self.spill: SpillSink | None = None
 
     def store(self, blocks: list[FreedBlock], protected: Collection[int] = ()) -> None:
@@ -59,24 +59,28 @@ class HostTier:
         The blocks evicted for them are read out (for ``spill``) before they are overwritten,
         but those evicted in this same call: their bytes never reached the pool."""
         self.raise_if_failed()
-        pairs: list[tuple[int, int]] = []
-        reserved = set()
+        pairs: dict[int, int] = {}  # slot -> the device block copied into it (the last one)
+        spilled: list[Evicted] = []
         for b in blocks:
             slot = self.index.reserve(b.block_hash, protected, (b.parent, b.head))
-            if slot is not None:
-                pairs.append((b.block_id, slot))
-                reserved.add(b.block_hash)
-        evicted = self.index.take_evicted()
-        if self.spill is None:
-            evicted = []
-        evicted = [e for e in evicted if e.block_hash not in reserved]
+            if slot is None:
+                continue
+            for e in self.index.take_evicted():
+                # A slot filled earlier in this call (a tier smaller than the call) holds no
+                # bytes of its evicted block yet: that copy is dropped, and nothing spilled.
+                if pairs.pop(e.slot, None) is None:
+                    spilled.append(e)
+            pairs[slot] = b.block_id
+        if self.spill is None or not self.spill.wanted():
+            spilled = []
         if not pairs:
             return
+        copies = [(block_id, slot) for slot, block_id in pairs.items()]
         ready = self._compute_done()
-        future = self._thread.submit(self._copy_out, pairs, ready, evicted)
-        for block_id, _ in pairs:
+        future = self._thread.submit(self._copy_out, copies, ready, spilled)
+        for block_id, _ in copies:
             self._stores[block_id] = future
-        self.num_stored_blocks += len(pairs)
+        self.num_stored_blocks += len(copies)
 
     def raise_if_failed(self) -> None:
         """A store that failed left its hash indexed over stale bytes: the tier (and so the
@@ -146,7 +150,7 @@ class HostTier:
     def _spill(self, spill: SpillSink, evicted: list[Evicted]) -> None:
         """A spill only saves a later recompute: its failure is logged, never the tier's."""
         try:
-            spill(self._read_out(evicted))
+            spill.take(self._read_out(evicted))
         except Exception:
             logger.exception("spilling %d evicted host-tier blocks failed", len(evicted))
 

@@ -19,6 +19,9 @@ class PagedSequence(Sequence):
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Blocks of block_table already published to the prefix cache.
     num_registered_blocks: int = 0
+    # block_table[0] is the prompt's block number block_offset (a lent prefix's run starts
+    # where the puller's own cache ends: native_engine/prefix_share.py); 0 otherwise.
+    block_offset: int = 0
     # Prefill-only requests keep their blocks pinned after the first token (disaggregation).
     prefill_only: bool = False
     # ``params.prompt_logprobs`` on the engine that prefills the client's prompt (not a

@@ -78,6 +78,7 @@ class PrefixShare:
         if seq is None:
             return Lent([])
         hits = manager.find_cached_prefix(seq.block_hashes, num_blocks)
+        seq.block_offset = first_block
         host = self._host_run(seq, len(hits), num_blocks)[max(0, first_block - len(hits)) :]
         device = hits[first_block:]
         size = engine.block_size

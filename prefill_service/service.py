@@ -69,8 +69,8 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             self.engine.kv_layout,
             self.config.kv_store_replicas,
         )
-        if self.engine.spill_evicted(offloader.sink):
-            offloader.start()
+        if self.engine.spill_evicted(offloader):
+            await offloader.start()
             self._offloader = offloader
 
     def directory(self) -> PeerDirectory:

@@ -18,7 +18,7 @@ from app.settings.layout_flags import add_layout_flags, layout_of
 from kvstore_service.config import KVStoreConfig
 from kvtransfer import NETWORK_BACKENDS
 
-KVSTORE_FIELDS = ("capacity_gib", "lease_s", "max_pull_s", "max_offload_blocks")
+KVSTORE_FIELDS = ("capacity_gib", "lease_s", "max_pull_s")
 
 
 def add_kvstore_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:

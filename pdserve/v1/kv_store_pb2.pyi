@@ -34,7 +34,7 @@ class OffloadedBlock(_message.Message):
     block_hash: _builtins.bytes
     """engine/block_hash.py: 16 bytes"""
     parent_hash: _builtins.bytes
-    """the block before it in its prompt (the root hash for block 0)"""
+    """the block before it in its prompt (empty for a prompt's first)"""
     data: _builtins.bytes
     """the block's slabs, layer-major, as the layout stores them"""
     crc32: _builtins.int
@@ -66,7 +66,9 @@ class OffloadRequest(_message.Message):
         """must equal the store's"""
 
     @_builtins.property
-    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___OffloadedBlock]: ...
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___OffloadedBlock]:
+        """at most 256 (engine/spilled_block.py)"""
+
     def __init__(
         self,
         *,

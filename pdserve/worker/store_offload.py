@@ -4,10 +4,11 @@ evicts are offloaded to the store(s) that place their prefix, instead of only be
 - Placement (``placement``, pure): a prefix's blocks all go to the same ``replicas`` stores,
   chosen by rendezvous hashing on the prompt's first block, so one store holds a prefix's whole
   run (a pull comes from one holder) and a store that joins or leaves moves only its share.
-- The engine hands blocks over from its copy thread (``sink``); they wait in a bounded queue
-  (the oldest dropped first, counted) and are sent in batches, one ``Offload`` call per store,
-  each bounded by ``timeout_s``. A failed or refused offload only costs a later recompute:
-  counted by result, never retried, never the worker's failure.
+- The engine hands blocks over from its copy thread (``SpillSink.take``), only while a store
+  is known (``wanted``: else it does not read them out at all); they wait in a queue bounded
+  in bytes (the oldest dropped first, counted) and are sent in batches, one ``Offload`` call
+  per store, each bounded by ``timeout_s``. A failed or refused offload only costs a later
+  recompute: counted by result, never retried, never the worker's failure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 
 from engine.kv_layout import KVCacheLayout
-from engine.spilled_block import SpilledBlock
+from engine.spilled_block import MAX_BLOCKS_PER_OFFLOAD, SpilledBlock, SpillSink
 from pdserve.common import metrics
 from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import layout_to_proto
@@ -31,8 +32,8 @@ from pdserve.v1 import kv_store_pb2, kv_store_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-_BATCH_BYTES = 2 * 2**20  # under gRPC's default 4 MiB message limit, with room to spare
-_MAX_BATCH_BLOCKS = 256  # the store's default max_offload_blocks
+_BATCH_BYTES = 2 * 2**20  # under gRPC's default 4 MiB message limit (a bigger block: alone)
+_REFRESH_S = 1.0  # how often the stores known are looked up again
 
 
 def placement(head: bytes, stores: Sequence[str], replicas: int) -> list[str]:
@@ -45,14 +46,14 @@ def placement(head: bytes, stores: Sequence[str], replicas: int) -> list[str]:
     return sorted(stores, key=score, reverse=True)[:replicas]
 
 
-class StoreOffloader:
+class StoreOffloader(SpillSink):
     def __init__(
         self,
         stores: Callable[[], Awaitable[list[str]]],
         channels: ChannelPool,
         layout: KVCacheLayout,
         replicas: int,
-        max_queued_blocks: int = 4096,
+        max_queued_bytes: int = 256 * 2**20,
         timeout_s: float = 5.0,
     ) -> None:
         """``stores()``: the KV stores' addresses known (``PeerDirectory.stores``)."""
@@ -62,16 +63,24 @@ class StoreOffloader:
         self.channels = channels
         self.layout = layout_to_proto(layout)
         self.replicas = replicas
-        self.max_queued_blocks = max_queued_blocks
+        self.max_queued_bytes = max_queued_bytes
         self.timeout_s = timeout_s
         self._queue: deque[SpilledBlock] = deque()
+        self._queued_bytes = 0
+        self._stores: list[str] = []  # as last looked up (read from the engine's threads)
         self._ready = asyncio.Event()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Looks the stores up once (bounded by the directory's calls), then keeps them
+        current and sends what comes."""
         self._loop = asyncio.get_running_loop()
+        try:
+            self._stores = await self.stores()
+        except Exception:  # looked up again each round
+            logger.exception("kv stores: the first lookup failed")
         self._task = asyncio.create_task(self._run(), name="kv-store-offload")
 
     async def stop(self) -> None:
@@ -82,19 +91,25 @@ class StoreOffloader:
             await asyncio.gather(self._task, return_exceptions=True)
         metrics.STORE_OFFLOADS.labels("dropped").inc(len(self._queue))
         self._queue.clear()
+        self._queued_bytes = 0
 
-    def sink(self, blocks: list[SpilledBlock]) -> None:
-        """The engine's ``SpillSink``: called from its threads, hands the blocks to the loop."""
+    # ---- SpillSink: called from the engine's threads ----------------------------------------
+    def wanted(self) -> bool:
+        return bool(self._stores) and not self._stopping
+
+    def take(self, blocks: list[SpilledBlock]) -> None:
         loop = self._loop
         if loop is not None and not self._stopping:
             with contextlib.suppress(RuntimeError):  # the loop closed: the worker is stopping
-                loop.call_soon_threadsafe(self._take, blocks)
+                loop.call_soon_threadsafe(self._enqueue, blocks)
 
-    def _take(self, blocks: list[SpilledBlock]) -> None:
+    # ---- on the event loop ------------------------------------------------------------------
+    def _enqueue(self, blocks: list[SpilledBlock]) -> None:
         self._queue.extend(blocks)
+        self._queued_bytes += sum(len(b.data) for b in blocks)
         dropped = 0
-        while len(self._queue) > self.max_queued_blocks:
-            self._queue.popleft()
+        while self._queued_bytes > self.max_queued_bytes:
+            self._queued_bytes -= len(self._queue.popleft().data)
             dropped += 1
         if dropped:
             metrics.STORE_OFFLOADS.labels("dropped").inc(dropped)
@@ -102,27 +117,30 @@ class StoreOffloader:
 
     async def _run(self) -> None:
         while not self._stopping:
-            await self._ready.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_REFRESH_S):
+                    await self._ready.wait()
             self._ready.clear()
-            while self._queue and not self._stopping:
-                try:
+            try:
+                self._stores = await self.stores()  # a store that joined or left
+                while self._queue and not self._stopping:
                     await self._send(self._batch())
-                except Exception:  # the loop must outlive one bad batch
-                    logger.exception("offloading KV blocks to the store failed")
+            except Exception:  # the loop must outlive one bad round
+                logger.exception("offloading KV blocks to the store failed")
 
     def _batch(self) -> list[SpilledBlock]:
-        batch, size = [self._queue.popleft()], 0
+        batch = [self._queue.popleft()]
         size = len(batch[0].data)
-        while self._queue and len(batch) < _MAX_BATCH_BLOCKS:
+        while self._queue and len(batch) < MAX_BLOCKS_PER_OFFLOAD:
             if size + len(self._queue[0].data) > _BATCH_BYTES:
                 break
-            block = self._queue.popleft()
-            batch.append(block)
-            size += len(block.data)
+            batch.append(self._queue.popleft())
+            size += len(batch[-1].data)
+        self._queued_bytes -= size
         return batch
 
     async def _send(self, batch: list[SpilledBlock]) -> None:
-        stores = await self.stores()
+        stores = self._stores
         if not stores:
             metrics.STORE_OFFLOADS.labels("no_store").inc(len(batch))
             return

@@ -6,7 +6,9 @@ or holds nothing, costs a recompute; a prefix written to two stores survives one
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,15 +19,25 @@ import pytest
 from app.client import generate
 from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
+from engine.kv_layout import KVCacheDtype
+from engine.model_layout import ModelLayout
 from kvstore_service.config import KVStoreConfig
 from kvstore_service.service import KVStoreService, store_layout
 from native_engine import LLM
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common import metrics
-from pdserve.common.convert import sampling_to_proto
+from pdserve.common.convert import layout_to_proto, sampling_to_proto
 from pdserve.common.server import ServiceServer
-from pdserve.v1 import common_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    kv_store_pb2,
+    kv_store_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+)
 from router.config import RouterConfig
 from router.policy import RoutingPolicy
 from router.service import RouterService
@@ -47,22 +59,33 @@ PROMPTS = [[(7 * k + i) % 1000 + 3 for i in range(297)] for k in range(3)]  # 18
 PULLABLE = 18  # whole blocks of 16 before each prompt's last token
 
 
-def host_gib(model: Path, num_blocks: int) -> float:
-    return num_blocks * store_layout(KVStoreConfig(model=str(model))).block_bytes / 2**30
+FULL = KVCacheDtype.AUTO
 
 
-async def start_store(model: Path, capacity_blocks: int = 256) -> ServiceServer:
-    capacity = host_gib(model, capacity_blocks)
-    return await start(KVStoreService(KVStoreConfig(model=str(model), capacity_gib=capacity)))
+def host_gib(model: Path, num_blocks: int, kv: KVCacheDtype = FULL) -> float:
+    config = KVStoreConfig(model=str(model), layout=ModelLayout(kv_cache_dtype=kv))
+    return num_blocks * store_layout(config).block_bytes / 2**30
 
 
-async def start_offloading(model: Path, stores: list[ServiceServer], replicas: int = 1) -> object:
+async def start_store(
+    model: Path, capacity_blocks: int = 256, kv: KVCacheDtype = FULL
+) -> ServiceServer:
+    capacity = host_gib(model, capacity_blocks, kv)
+    layout = ModelLayout(kv_cache_dtype=kv)
+    config = KVStoreConfig(model=str(model), layout=layout, capacity_gib=capacity)
+    return await start(KVStoreService(config))
+
+
+async def start_offloading(
+    model: Path, stores: list[ServiceServer], replicas: int = 1, kv: KVCacheDtype = FULL
+) -> object:
     """A prefill worker whose caches hold little (24 device blocks, 20 host-tier blocks):
     a prompt of 18 blocks pushes the one before it out of the host tier, to the stores."""
     _, server = await start_prefill(
         model,
         num_blocks=24,
-        host_cache_gib=host_gib(model, 20),
+        host_cache_gib=host_gib(model, 20, kv),
+        kv_cache_dtype=kv,
         kv_stores=tuple(s.service.address for s in stores),
         kv_store_replicas=replicas,
     )
@@ -104,17 +127,26 @@ async def _holds(store: ServiceServer) -> bool:
     return await held(store) >= PULLABLE
 
 
-@pytest.mark.parametrize("params", [PARAMS, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    ("params", "kv"),
+    [(PARAMS, FULL), (SEEDED, FULL), (PARAMS, KVCacheDtype.INT8)],
+    ids=["greedy", "seeded", "greedy-int8"],
+)
 def test_evicted_blocks_land_in_the_store_and_a_fresh_worker_pulls_them(
-    llama_dir: Path, make_llm: Callable[..., LLM], params: SamplingParams
+    llama_dir: Path, make_llm: Callable[..., LLM], params: SamplingParams, kv: KVCacheDtype
 ) -> None:
-    want = make_llm(llama_dir).generate([PROMPTS[0]], params)[0].token_ids
+    """Quantized too: the bytes pulled are the codes and scales the writer computed, so the
+    output is one int8 engine's."""
+    want = make_llm(llama_dir, kv_cache_dtype=kv.value).generate([PROMPTS[0]], params)[0]
+    want = want.token_ids
 
     async def run() -> None:
-        store = await start_store(llama_dir)
-        writer = await start_offloading(llama_dir, [store])
-        _, fresh = await start_prefill(llama_dir, kv_stores=(store.service.address,))
-        _, d_server = await start_decode(llama_dir, peers=[writer, fresh])  # type: ignore[list-item]
+        store = await start_store(llama_dir, kv=kv)
+        writer = await start_offloading(llama_dir, [store], kv=kv)
+        stores = (store.service.address,)
+        _, fresh = await start_prefill(llama_dir, kv_cache_dtype=kv, kv_stores=stores)
+        peers = [writer, fresh]
+        _, d_server = await start_decode(llama_dir, peers=peers, kv_cache_dtype=kv)  # type: ignore[arg-type]
         try:
             await offload_first_prompt(writer, d_server, [store], params)
             source = prefill_pb2.PrefixSource(
@@ -260,5 +292,60 @@ def test_the_plan_pulls_a_prefix_from_the_store_the_index_names(
         finally:
             await index.close()
             await shut(servers)
+
+    asyncio.run(run())
+
+
+def test_bad_offloads_and_leases_are_refused_by_name_and_store_nothing(llama_dir: Path) -> None:
+    async def run() -> None:
+        store = await start_store(llama_dir, capacity_blocks=8)
+        layout = store_layout(KVStoreConfig(model=str(llama_dir)))
+        channel = grpc.aio.insecure_channel(store.service.address)
+        stub = kv_store_pb2_grpc.KVStoreStub(channel)
+        data = bytes(layout.block_bytes)
+        good = kv_store_pb2.OffloadedBlock(
+            block_hash=b"\x01" * 16, data=data, crc32=zlib.crc32(data)
+        )
+
+        async def refused(request: kv_store_pb2.OffloadRequest) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Offload(request)
+            return caught.value.code(), str(caught.value.details())
+
+        try:
+            right = layout_to_proto(layout)
+            other = layout_to_proto(dataclasses.replace(layout, num_layers=layout.num_layers + 1))
+            code, text = await refused(kv_store_pb2.OffloadRequest(layout=other, blocks=[good]))
+            assert code is grpc.StatusCode.FAILED_PRECONDITION and "layout" in text
+            short = kv_store_pb2.OffloadedBlock(block_hash=b"\x02" * 8, data=data, crc32=good.crc32)
+            code, text = await refused(
+                kv_store_pb2.OffloadRequest(layout=right, blocks=[good, short])
+            )
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and "blocks[1].block_hash" in text
+            bad_crc = kv_store_pb2.OffloadedBlock(block_hash=b"\x03" * 16, data=data, crc32=7)
+            code, text = await refused(kv_store_pb2.OffloadRequest(layout=right, blocks=[bad_crc]))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and "blocks[0].crc32" in text
+            cut = kv_store_pb2.OffloadedBlock(block_hash=b"\x04" * 16, data=data[:-4])
+            code, text = await refused(kv_store_pb2.OffloadRequest(layout=right, blocks=[cut]))
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and "blocks[0].data" in text
+            many = kv_store_pb2.OffloadRequest(layout=right, blocks=[good] * 257)
+            code, text = await refused(many)
+            assert code is grpc.StatusCode.INVALID_ARGUMENT and "at most 256" in text
+            assert await held(store) == 0  # not even the good block of a refused call
+            reply = await stub.Offload(kv_store_pb2.OffloadRequest(layout=right, blocks=[good]))
+            assert (reply.num_stored, reply.num_held, reply.num_refused) == (1, 0, 0)
+            lease = prefill_pb2_grpc.PrefillWorkerStub(channel).LeasePrefix
+            for ids, first, named in (
+                (list(range(20)), 0, "whole blocks"),
+                (list(range(32)), 2, "first_block"),
+            ):
+                request = prefill_pb2.LeasePrefixRequest(prompt_token_ids=ids, first_block=first)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await lease(request)
+                assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert named in str(caught.value.details())
+        finally:
+            await channel.close()
+            await shut([store])
 
     asyncio.run(run())

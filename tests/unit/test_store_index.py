@@ -79,3 +79,17 @@ def test_kv_events_name_what_came_and_went() -> None:
     index.admit(h(2), b"")
     events = index.kv_events.drain()
     assert events.stored == [h(2)] and events.removed == [h(1)]
+
+
+def test_a_chain_that_arrives_tail_first_is_still_evicted_tail_first() -> None:
+    """Workers evict (and so offload) a prompt's tail first: a child is admitted before its
+    parent, and the parent must count it."""
+    index = StoreIndex(4)
+    for i, parent in ((3, h(2)), (2, h(1)), (1, b"")):  # 1 -> 2 -> 3, tail first
+        index.admit(h(i), parent)
+    index.check()
+    index.admit(h(9), b"")  # full now
+    assert index.admit(h(10), b"") == 0 and h(3) not in index  # the tail, not the head
+    assert index.admit(h(11), b"") == 1 and h(2) not in index
+    assert index.run([h(1)]) == [h(1)]
+    index.check()
