@@ -46,15 +46,6 @@ def add_up_command(sub: Any) -> None:
         help="the pools' control RPC for `pdserve autoscale --target local` (0: ephemeral; "
         "unset: off). Mutual TLS with --tls-*; else whoever reaches it can resize the pools",
     )
-    add_flag(
-        up,
-        "--kvstore",
-        type=int,
-        default=0,
-        help="KV stores: prefill workers offload what their host tier (--host-cache-gib) evicts "
-        "to them and pull prefixes back (docs/kv-cache.md)",
-    )
-    add_flag(up, "--kvstore-args", default="", help="extra flags for every KV store")
     add_flag(up, "--api-key-file", default=None, help="the router's API keys, one per line")
     for flag in ("--tls-cert", "--tls-key", "--tls-ca"):
         add_flag(up, flag, default=None, help="mutual TLS for every component (all three)")

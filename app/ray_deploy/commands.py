@@ -70,6 +70,8 @@ def _deployment_spec(args: argparse.Namespace) -> DeploymentSpec:
         prefill_args=[*traced, *worker_passthrough(args), *shlex.split(args.prefill_args)],
         decode_args=[*traced, *decode_passthrough(args), *shlex.split(args.decode_args)],
         router_args=[*traced, *router_passthrough(args), *shlex.split(args.router_args)],
+        num_kvstore=args.kvstore,
+        kvstore_args=[*traced, *shlex.split(args.kvstore_args)],
     )
 
 

@@ -1,5 +1,5 @@
 """The controller of one deployment on Ray: a detached actor that owns Redis (embedded unless
-given), the router and the two worker pools, and changes them on request.
+given), the router, the two worker pools and the KV stores, and changes them on request.
 
 Ownership: the worker and router actors are the controller's (not detached), so they share its
 fate; removing the controller removes the deployment. Each worker actor may be restarted by Ray
@@ -43,7 +43,16 @@ class Controller:
             self._redis.supervise()  # the registry outlives a killed redis-server
             self.redis_url = self._redis.url
         self._router = self._spawn(Role.ROUTER.value, spec.router_config(self.redis_url), 0.0, 0.0)
-        self._pools: dict[Role, dict[int, Any]] = {Role.PREFILL: {}, Role.DECODE: {}}
+        self._pools: dict[Role, dict[int, Any]] = {
+            Role.KVSTORE: {},
+            Role.PREFILL: {},
+            Role.DECODE: {},
+        }
+        # KV stores first: the prefill workers look them up when they start.
+        for index in range(spec.num_kvstore):
+            self._add(Role.KVSTORE, index)
+        stores = list(self._pools[Role.KVSTORE].values())
+        ray.get([a.ready.remote(spec.ready_timeout_s) for a in stores])
         for role, count in ((Role.PREFILL, spec.num_prefill), (Role.DECODE, spec.num_decode)):
             for index in range(count):
                 self._add(role, index)
@@ -61,11 +70,12 @@ class Controller:
 
     def _add(self, role: Role, index: int) -> Any:
         spec = self.spec
+        store = role is Role.KVSTORE  # host memory and the network only: no model to run
         actor = self._spawn(
             f"{role.value}-{index}",
             spec.worker_config(role, self.redis_url),
-            spec.num_cpus_per_worker,
-            spec.num_gpus_per_worker,
+            0.0 if store else spec.num_cpus_per_worker,
+            0.0 if store else spec.num_gpus_per_worker,
         )
         self._pools[role][index] = actor
         return actor

@@ -11,6 +11,7 @@ from app.settings import parse_service_flags
 from decode_service.config import DecodeConfig
 from engine.config import EngineBackend
 from engine.model_layout import DEFAULT_LAYOUT, ModelLayout
+from kvstore_service.config import KVStoreConfig
 from kvtransfer import NETWORK_BACKENDS
 from pdserve.cluster.config import RedisConfig
 from pdserve.common.role import Role
@@ -29,8 +30,10 @@ class DeploymentSpec:
     prefill: PrefillConfig  # every prefill worker's config, before the controller fills Redis in
     decode: DecodeConfig
     router: RouterConfig
+    kvstore: KVStoreConfig | None = None  # every KV store's config (None: no stores)
     num_prefill: int = 1
     num_decode: int = 1
+    num_kvstore: int = 0
     num_gpus_per_worker: float = 0.0  # Ray places each worker on a node with this many GPUs
     num_cpus_per_worker: float = 1.0
     redis_url: str = ""  # "": an embedded redis-server in the controller (single-node only)
@@ -41,6 +44,8 @@ class DeploymentSpec:
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("a deployment needs num_prefill >= 1 and num_decode >= 1")
+        if self.num_kvstore < 0 or (self.num_kvstore and self.kvstore is None):
+            raise ValueError("num_kvstore must be >= 0, and KV stores need their config")
         if self.num_gpus_per_worker < 0 or self.num_cpus_per_worker < 0:
             raise ValueError("num_gpus_per_worker and num_cpus_per_worker must be >= 0")
         if self.max_restarts < 0:
@@ -57,11 +62,14 @@ class DeploymentSpec:
                 f"kv_backend must be one of {NETWORK_BACKENDS}, got {self.prefill.kv_backend!r}"
             )
 
-    def worker_config(self, role: Role, redis_url: str) -> PrefillConfig | DecodeConfig:
-        """One more worker of ``role``: its own worker id is drawn when it starts."""
-        template: PrefillConfig | DecodeConfig = (
-            self.prefill if role is Role.PREFILL else self.decode
-        )
+    def worker_config(
+        self, role: Role, redis_url: str
+    ) -> PrefillConfig | DecodeConfig | KVStoreConfig:
+        """One more worker (or KV store) of ``role``: its own id is drawn when it starts."""
+        template: PrefillConfig | DecodeConfig | KVStoreConfig | None = self.kvstore
+        if role is not Role.KVSTORE:
+            template = self.prefill if role is Role.PREFILL else self.decode
+        assert template is not None, "no KV store config: num_kvstore is 0"
         return replace(template, redis=_with_url(template.redis, redis_url), worker_id=None)
 
     def router_config(self, redis_url: str) -> RouterConfig:
@@ -88,6 +96,8 @@ def deployment_spec(
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
     router_args: Sequence[str] = (),
+    num_kvstore: int = 0,
+    kvstore_args: Sequence[str] = (),
 ) -> DeploymentSpec:
     """Parses each role's flags (the common ones, then the extra ones, which win) into its
     config, as ``pdserve prefill|decode|router`` would, ignoring this process's environment:
@@ -114,12 +124,20 @@ def deployment_spec(
     )
     assert isinstance(prefill, PrefillConfig) and isinstance(decode, DecodeConfig)
     assert isinstance(router, RouterConfig)
+    kvstore = None
+    if num_kvstore:
+        store = [*common, "--port", "0", "--metrics-port", "0", "--kv-backend", kv_backend]
+        parsed = parse_service_flags(Role.KVSTORE, [*store, "--kv-port", "0", *kvstore_args])
+        assert isinstance(parsed, KVStoreConfig)
+        kvstore = parsed
     return DeploymentSpec(
         prefill=prefill,
         decode=decode,
         router=router,
+        kvstore=kvstore,
         num_prefill=num_prefill,
         num_decode=num_decode,
+        num_kvstore=num_kvstore,
         num_gpus_per_worker=num_gpus_per_worker,
         num_cpus_per_worker=num_cpus_per_worker,
         redis_url=redis_url,

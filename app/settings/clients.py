@@ -47,6 +47,15 @@ def add_cluster_flags(parser: argparse.ArgumentParser, default_kv_backend: str) 
         help="KV transfer backend (every worker's --kv-backend)",
     )
     add_tracing_flags(parser, None)  # every component's: tracing_passthrough
+    add_flag(
+        parser,
+        "--kvstore",
+        type=int,
+        default=0,
+        help="KV stores: prefill workers offload what their host tier (--host-cache-gib) evicts "
+        "to them and pull prefixes back (docs/kv-cache.md)",
+    )
+    add_flag(parser, "--kvstore-args", default="", help="extra flags for every KV store")
     add_flag(parser, "--prefill-args", default="", help="extra flags for every prefill worker")
     add_flag(parser, "--decode-args", default="", help="extra flags for every decode worker")
     add_flag(parser, "--router-args", default="", help="extra flags for the router")

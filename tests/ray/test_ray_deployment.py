@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,11 +41,12 @@ def _cli(address: str, namespace: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def namespace(ray_address: str, llama_dir: Path) -> Iterator[str]:
-    """One deployment (1 prefill + 2 decode, Ray transfer, embedded Redis) for the module."""
+    """One deployment (1 prefill + 2 decode + a KV store, Ray transfer, embedded Redis) for
+    the module."""
     name = f"pdserve-{uuid.uuid4().hex[:8]}"
     out = _cli(
         ray_address, name, "up", "--model", str(llama_dir), "--prefill", "1", "--decode", "2",
-        "--num-cpus-per-worker", "0", "--port", "0", "--kv-backend", "ray",
+        "--num-cpus-per-worker", "0", "--port", "0", "--kv-backend", "ray", "--kvstore", "1",
         "--router-args", "--local-prefill-tokens 0",  # every request takes the transfer path
     )  # fmt: skip
     assert "pdserve on ray ready: router " in out
@@ -244,3 +246,31 @@ def test_the_autoscaler_resizes_a_ray_deployment(namespace: str) -> None:
     decision = {d.pool: d for d in scaler.tick()}[Role.DECODE]  # nothing arrived since
     assert (decision.target, decision.reason) == (1, Reason.DOWN)
     assert target.replicas(Role.DECODE) == 1
+
+
+def test_a_kv_store_actor_registers_and_the_router_knows_it(namespace: str) -> None:
+    """``pdserve ray up --kvstore 1``: the store is an actor of the deployment, serves its
+    stats, and the router counts it among its routable stores (it learned it from Redis)."""
+    store = _worker(namespace, "pdserve-kvstore-0")
+    assert store.role is Role.KVSTORE and store.worker_id.startswith("kvstore")
+
+    async def stats() -> common_pb2.WorkerStats:
+        async with grpc.aio.insecure_channel(store.address) as channel:
+            stub = prefill_pb2_grpc.PrefillWorkerStub(channel)
+            return await stub.GetStats(common_pb2.GetStatsRequest())
+
+    assert run(stats()).num_blocks > 0
+    router = _worker(namespace, "pdserve-router")
+
+    async def known() -> bool:
+        return (
+            _scrape(router.metrics_address, 'pdserve_router_healthy_workers{pool="kvstore"}') == 1
+        )
+
+    run(wait_for(known, 30.0, "the router sees the store"))
+
+
+def _scrape(address: str, sample: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(sample + " "))

@@ -8,6 +8,7 @@ import pytest
 from app.ray_deploy.spec import EMBEDDED_REDIS_URL, deployment_spec
 from decode_service.config import DecodeConfig
 from engine.model_layout import ModelLayout
+from kvstore_service.config import KVStoreConfig
 from pdserve.common.role import Role
 from prefill_service.config import PrefillConfig
 
@@ -27,6 +28,8 @@ REDIS = "redis://127.0.0.1:6379/0"
         ({"drain_timeout_s": 0.0}, "drain_timeout_s"),
         ({"prefill_args": ["--lease-s", "x"]}, "prefill flags"),
         ({"decode_args": ["--bogus"]}, "decode flags: unrecognized arguments: --bogus"),
+        ({"num_kvstore": -1}, "num_kvstore"),
+        ({"num_kvstore": 1, "kvstore_args": ["--capacity-gib", "0"]}, "capacity_gib"),
     ],
 )
 def test_bad_spec_is_rejected_naming_the_field(fields: dict[str, object], message: str) -> None:
@@ -79,3 +82,20 @@ def test_an_embedded_redis_is_filled_in_by_the_controller() -> None:
     router = spec.router_config(REDIS)
     assert router.redis is not None
     assert (router.redis.url, router.redis.namespace) == (REDIS, "blue")
+
+
+def test_kv_stores_get_the_deployments_layout_redis_and_backend() -> None:
+    spec = deployment_spec(
+        model="/m",
+        redis_url=REDIS,
+        num_kvstore=2,
+        layout=ModelLayout.parse("bfloat16", None, "int8", "native"),
+        kvstore_args=["--capacity-gib", "3"],
+    )
+    store = spec.worker_config(Role.KVSTORE, REDIS)
+    assert isinstance(store, KVStoreConfig) and spec.num_kvstore == 2
+    layout = ModelLayout.of_engine(spec.prefill.engine)  # the workers' own
+    assert (store.model, store.layout, store.capacity_gib) == ("/m", layout, 3.0)
+    assert store.redis is not None and store.redis.url == REDIS
+    assert (store.kv_backend, store.kv_port, store.worker_id) == ("ray", 0, None)
+    assert deployment_spec(model="/m").kvstore is None
