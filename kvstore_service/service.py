@@ -26,9 +26,8 @@ from kvstore_service import store_metrics
 from kvstore_service.block_pool import BlockPool
 from kvstore_service.config import KVStoreConfig
 from kvtransfer import KVSender, SenderOptions, make_sender
-from kvtransfer.base import prompt_digest
 from kvtransfer.lease_manager import LeaseManager
-from kvtransfer.wire import handle_to_proto
+from kvtransfer.prefix_holder import PrefixHolderRpcs, lease_prefix_refusal, prefix_lease
 from pdserve.cluster.membership import Membership
 from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common.convert import layout_to_proto, remote_layout_mismatch
@@ -58,7 +57,10 @@ def store_layout(config: KVStoreConfig) -> KVCacheLayout:
 
 
 class KVStoreService(
-    Service, kv_store_pb2_grpc.KVStoreServicer, prefill_pb2_grpc.PrefillWorkerServicer
+    PrefixHolderRpcs,
+    Service,
+    kv_store_pb2_grpc.KVStoreServicer,
+    prefill_pb2_grpc.PrefillWorkerServicer,
 ):
     name = "pdserve.v1.KVStore"
     trace_name = "pdserve-kvstore"
@@ -205,43 +207,16 @@ class KVStoreService(
         its own (id and token made here), as a prefill worker lends its cached prefix."""
         pool = await self._loaded(context)
         size = pool.layout.block_size
-        ids = list(request.prompt_token_ids)
-        if not ids or len(ids) % size or len(ids) > self._max_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_token_ids must be whole blocks of {size} tokens, at most "
-                f"{self._max_len}, got {len(ids)}",
-            )
-        if not 0 <= request.first_block < len(ids) // size:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"first_block {request.first_block} out of range [0, {len(ids) // size})",
-            )
-        hashes = hash_blocks(self._root, ids, size)[request.first_block :]
+        why = lease_prefix_refusal(request, size, self._max_len)
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        hashes = hash_blocks(self._root, list(request.prompt_token_ids), size)
         lease_id = f"store-{uuid.uuid4().hex}"
-        slots = pool.lend(lease_id, hashes)
-        if not slots:
-            return prefill_pb2.LeasePrefixResponse()
-        token = self.leases.grant(lease_id, slots)  # no await since the pin
+        slots = pool.lend(lease_id, hashes[request.first_block :])
+        token = self.leases.grant(lease_id, slots) if slots else ""  # no await since the pin
         store_metrics.LENT_BLOCKS.inc(len(slots))
         assert self._sender is not None
-        end = (request.first_block + len(slots)) * size
-        handle = self._sender.handle(
-            lease_id, len(slots), self.config.lease_s, token, prompt_digest(ids[:end])
-        )
-        return prefill_pb2.LeasePrefixResponse(lease=handle_to_proto(handle))
-
-    async def Release(
-        self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.ReleaseResponse:
-        released = await self.leases.end(request.request_id, request.lease_token)
-        return prefill_pb2.ReleaseResponse(released=released)
-
-    async def RenewLease(
-        self, request: prefill_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.RenewLeaseResponse:
-        renewed = self.leases.renew(request.request_id, request.lease_token)
-        return prefill_pb2.RenewLeaseResponse(renewed=renewed, lease_s=self.config.lease_s)
+        return prefix_lease(self._sender, lease_id, len(slots), self.config.lease_s, token, request)
 
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

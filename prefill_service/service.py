@@ -22,6 +22,7 @@ from engine.serving_engine import EngineBuilder, EngineDeadError, PeerPullUnsupp
 from kvtransfer import KVSender, ReceiverOptions, SenderOptions
 from kvtransfer.base import prompt_digest
 from kvtransfer.lease_manager import LeaseManager
+from kvtransfer.prefix_holder import PrefixHolderRpcs, lease_prefix_refusal, prefix_lease
 from kvtransfer.prefix_pull import PrefixPuller
 from kvtransfer.sharded import engine_receiver, engine_sender
 from kvtransfer.wire import handle_to_proto
@@ -40,7 +41,7 @@ from prefill_service.config import PrefillConfig
 logger = logging.getLogger(__name__)
 
 
-class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
+class PrefillService(PrefixHolderRpcs, WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
     role = Role.PREFILL
     name = "pdserve.v1.PrefillWorker"
 
@@ -268,12 +269,9 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
         """Pins the cached blocks of a peer's prompt prefix under a lease of its own (id and
         token made here: a caller names neither), as ``Prefill``'s are leased."""
         ids, size = list(request.prompt_token_ids), self.engine.block_size
-        if not ids or len(ids) % size or len(ids) > self.engine.max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_token_ids must be whole blocks of {size} tokens, at most max_model_len "
-                f"({self.engine.max_model_len}), got {len(ids)}",
-            )
+        why = lease_prefix_refusal(request, size, self.engine.max_model_len)
+        if why is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         lease_id = f"prefix-{uuid.uuid4().hex}"
 
         async def lend_and_lease() -> tuple[list[int], str]:
@@ -290,27 +288,9 @@ class PrefillService(WorkerService, prefill_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not lent:
-            return prefill_pb2.LeasePrefixResponse()
         metrics.PEER_LENT_BLOCKS.inc(len(lent))
         assert self._sender is not None
-        end = (request.first_block + len(lent)) * size
-        handle = self._sender.handle(
-            lease_id, len(lent), self.config.lease_s, token, prompt_digest(ids[:end])
-        )
-        return prefill_pb2.LeasePrefixResponse(lease=handle_to_proto(handle))
-
-    async def Release(
-        self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.ReleaseResponse:
-        released = await self.leases.end(request.request_id, request.lease_token)
-        return prefill_pb2.ReleaseResponse(released=released)
-
-    async def RenewLease(
-        self, request: prefill_pb2.RenewLeaseRequest, context: grpc.aio.ServicerContext
-    ) -> prefill_pb2.RenewLeaseResponse:
-        renewed = self.leases.renew(request.request_id, request.lease_token)
-        return prefill_pb2.RenewLeaseResponse(renewed=renewed, lease_s=self.config.lease_s)
+        return prefix_lease(self._sender, lease_id, len(lent), self.config.lease_s, token, request)
 
     async def GetStats(
         self, request: common_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

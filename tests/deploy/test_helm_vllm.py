@@ -72,9 +72,8 @@ def test_the_vllm_engine_and_its_options_reach_every_component(helm: str) -> Non
         unknown = names[role] - _flags(role) - {"PDSERVE_LOG_LEVEL"}
         assert not unknown, f"{role}: the chart sets {unknown}, which pdserve {role} ignores"
     assert not names["router"] & VLLM_VARIABLES  # the router runs no engine
-    assert names["prefill"] - {"PDSERVE_KV_PORT", "PDSERVE_LEASE_S"} == names["decode"] - {
-        "PDSERVE_TRANSFER_TIMEOUT_S"
-    }
+    prefill_only = {"PDSERVE_KV_PORT", "PDSERVE_LEASE_S", "PDSERVE_KV_STORE_REPLICAS"}
+    assert names["prefill"] - prefill_only == names["decode"] - {"PDSERVE_TRANSFER_TIMEOUT_S"}
 
 
 def test_workers_run_the_vllm_image_and_the_router_the_plain_one(helm: str) -> None:

@@ -275,6 +275,12 @@ def test_the_plan_pulls_a_prefix_from_the_store_the_index_names(
                 return (await index.longest_prefixes(keys, [store_id]))[store_id] == PULLABLE
 
             await wait_for(indexed, 30.0, "the store's blocks published to the index")
+            pool = router.service.pool
+
+            async def priced() -> bool:  # the router knows the store and its layout
+                return any(w.routable and w.kv_layout for w in pool.stores.values())
+
+            await wait_for(priced, 30.0, "the router knows the store")
             before = await computed(writer) + await computed(fresh)
             async with grpc.aio.insecure_channel(router.address) as channel:
                 stub = router_pb2_grpc.RouterStub(channel)
