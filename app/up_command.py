@@ -73,6 +73,34 @@ def check_model(model: str, engine: str) -> None:
     ModelConfig.from_dir(model)
 
 
+def kvstore_warnings(config: ClusterConfig) -> list[str]:
+    """What makes KV stores useless in this cluster (docs/kv-cache.md, "The store")."""
+    from prefill_service.config import PrefillConfig
+    from router.config import RouterConfig
+    from router.policy import RoutingPolicy
+
+    if not config.num_kvstore:
+        return []
+    warnings = []
+    model = ["--model", config.model]
+    prefill = settings.parse_service_flags(Role.PREFILL, [*model, *config.prefill_args])
+    assert isinstance(prefill, PrefillConfig)
+    if not prefill.engine.cache.host_cache_gib:
+        warnings.append(
+            "--kvstore: the prefill workers have no host tier (--host-cache-gib) to offload from"
+        )
+    # Its Redis comes when it starts (not in router_args): any URL reads the policy.
+    redis = ("--redis", "redis://redis.invalid:6379/0")
+    router = settings.parse_service_flags(Role.ROUTER, [*model, *redis, *config.router_args])
+    assert isinstance(router, RouterConfig)
+    if router.prefill_policy is not RoutingPolicy.COST:
+        warnings.append(
+            f"--kvstore: the router's --prefill-policy is {router.prefill_policy.value}; only "
+            "cost plans pulls from the stores"
+        )
+    return warnings
+
+
 def cluster_config(args: argparse.Namespace) -> ClusterConfig:
     from app.local_cluster import ClusterConfig
 
@@ -145,7 +173,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     check_model(args.model, args.engine)  # before anything is started
     args.redis_url = args.redis
-    cluster_config(args)  # bad worker flags are refused by name before anything starts, too
+    for warning in kvstore_warnings(cluster_config(args)):  # bad flags refused by name, too
+        print(f"pdserve up: {warning}", file=sys.stderr, flush=True)
     if args.kv_backend == "ray":
         args.ray_address = _local_ray(args.ray_address)
     stop = threading.Event()

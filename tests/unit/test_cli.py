@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from app.cli import main
+from kvstore_service.config import KVStoreConfig
 from pdserve.common.role import Role
 
 
@@ -159,3 +160,23 @@ def test_up_gives_each_native_worker_its_share_of_the_cpus() -> None:
         assert configs[role].engine.num_threads == max(1, cores // 2)
     assert _up_configs("--decode", "3")["decode"].engine.num_threads == max(1, cores // 4)
     assert _up_configs("--engine", "vllm")["decode"].engine.num_threads is None
+
+
+def test_up_with_kv_stores_passes_them_their_flags_and_warns_what_makes_them_useless() -> None:
+    from app import settings
+    from app.cli import build_parser
+    from app.up_command import cluster_config, kvstore_warnings
+
+    def up(*flags: str) -> Any:
+        args = build_parser().parse_args(["up", "--model", "/m", "--kvstore", "2", *flags])
+        args.redis_url = "redis://127.0.0.1:1"
+        return cluster_config(args)
+
+    cluster = up("--kvstore-args", "--capacity-gib 3", "--kv-cache-dtype", "int8")
+    store = settings.parse_service_flags(Role.KVSTORE, ["--model", "/m", *cluster.kvstore_args])
+    assert isinstance(store, KVStoreConfig) and cluster.num_kvstore == 2
+    assert (store.capacity_gib, store.layout.kv_cache_dtype.value) == (3.0, "int8")
+    warnings = kvstore_warnings(cluster)
+    assert len(warnings) == 2 and "--host-cache-gib" in warnings[0] and "cost" in warnings[1]
+    quiet = up("--host-cache-gib", "1", "--router-args", "--prefill-policy cost")
+    assert kvstore_warnings(quiet) == []
