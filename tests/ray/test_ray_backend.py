@@ -16,25 +16,32 @@ import pytest
 import ray
 
 from app.ray_deploy.objects import live_objects
+from kvstore_service.config import KVStoreConfig
+from kvstore_service.service import KVStoreService
 from kvtransfer import KVHandle, KVReceiver, ReceiverOptions, make_receiver
 from kvtransfer.lease_manager import LeaseManager
 from kvtransfer.ray_mailbox import LayerRange
 from kvtransfer.ray_object_store import Payload, RayKVSender
 from kvtransfer.wire import handle_from_proto
+from native_engine import LLM
 from native_engine.llm_engine import LLMEngine
 from pdserve.common.convert import sampling_to_proto
-from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.contract.test_kvtransfer_contract import GREEDY, _prefilled
 from tests.ray_util import no_new_objects
 from tests.services.harness import (
     both_sides_freed,
+    disaggregated,
     engine_config,
     failed_decode,
     prefill_stub,
+    start,
     start_decode,
     start_prefill,
     wait_for,
 )
+from tests.services.test_kv_store import PROMPTS as STORE_PROMPTS
+from tests.services.test_kv_store import PULLABLE, host_gib, offload_first_prompt
 from tests.services.test_transfer_failures import PARAMS, PROMPT
 
 
@@ -202,5 +209,48 @@ def test_a_lost_mailbox_is_replaced_under_the_same_name(llama_dir: Path) -> None
             stats = await p.receiver.pull(p.handle, p.block_ids)  # a handle from before
             assert stats.num_bytes == p.num_bytes
             assert await p.release()
+
+    asyncio.run(run())
+
+
+def test_a_prefix_offloaded_to_a_store_is_pulled_back_over_ray(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """docs/kv-cache.md, "The store": with the Ray backend, the store's sender stages its
+    leased blocks in the object store; a fresh worker pulls them and computes only the rest,
+    and the release drops the staged object (``no_new_objects``)."""
+    want = make_llm(llama_dir).generate([STORE_PROMPTS[0]], GREEDY)[0].token_ids
+
+    async def run() -> None:
+        capacity = host_gib(llama_dir, 256)
+        config = KVStoreConfig(model=str(llama_dir), capacity_gib=capacity, kv_backend="ray")
+        store = await start(KVStoreService(config))
+        stores = (store.service.address,)
+        _, writer = await start_prefill(
+            llama_dir,
+            num_blocks=24,
+            host_cache_gib=host_gib(llama_dir, 20),
+            kv_backend="ray",
+            kv_stores=stores,
+        )
+        _, fresh = await start_prefill(llama_dir, kv_backend="ray", kv_stores=stores)
+        peers = [writer, fresh]
+        _, decode = await start_decode(llama_dir, kv_backend="ray", peers=peers)
+        try:
+            await offload_first_prompt(writer, decode, [store], GREEDY)
+            source = prefill_pb2.PrefixSource(
+                holder_address=store.service.address, num_blocks=PULLABLE
+            )
+            tokens = await disaggregated(fresh, decode, STORE_PROMPTS[0], GREEDY, "r", source)
+            assert tokens == want[1:]
+            stats = await prefill_stub(fresh).GetStats(common_pb2.GetStatsRequest())
+            assert stats.num_prompt_tokens_computed == len(STORE_PROMPTS[0]) - PULLABLE * 16
+            await both_sides_freed(fresh, decode)
+            sender = store.service._sender
+            assert isinstance(sender, RayKVSender)
+            await wait_for(_staged_none(sender), 30.0, "the store's staged object dropped")
+        finally:
+            for server in (fresh, decode, writer, store):
+                await server.shutdown()
 
     asyncio.run(run())
