@@ -29,6 +29,7 @@ from kvtransfer import (
     TransferErrorCode,
 )
 from kvtransfer.base import prompt_digest
+from kvtransfer.prefix_pull import PrefixPuller
 from kvtransfer.sharded import engine_receiver
 from kvtransfer.wire import handle_from_proto
 from pdserve.cluster.last_known import LastKnownWorkers
@@ -37,7 +38,7 @@ from pdserve.common.channels import ChannelPool
 from pdserve.common.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
 from pdserve.common.lease_release import LEASE_ENDED, LeaseReleaser
 from pdserve.common.role import Role
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2
 from pdserve.worker.peers import PeerDirectory
 from pdserve.worker.service import WorkerService
 
@@ -69,6 +70,10 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         self._channels = ChannelPool(tls=config.server.tls)
         self._releaser = LeaseReleaser(self._channels, config.release_timeout_s)
         self._peers: PeerDirectory | None = None
+        # A local prefill's peer pull (docs/kv-cache.md): the holders it may pull a prompt's
+        # prefix from (prefill workers and KV stores), made at the first pull.
+        self._holders: PeerDirectory | None = None
+        self._puller: PrefixPuller | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
@@ -94,15 +99,43 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         )
         self._peers.start()
 
-    async def _peers_changed(self, peers: Mapping[str, str]) -> None:
-        """Departed prefill peers: their channels retire, the receiver forgets their senders."""
+    async def _peers_changed(self, _: Mapping[str, str]) -> None:
+        """Departed prefill peers (and holders): their channels retire, the receiver forgets
+        their senders."""
+        peers = {
+            **(self._peers.known() if self._peers is not None else {}),
+            **(self._holders.known() if self._holders is not None else {}),
+        }
         await self._channels.retain(set(peers))
         if self._receiver is not None:
             await self._receiver.retain_peers(set(peers.values()))
 
+    def puller(self) -> PrefixPuller:
+        """The local prefill's peer puller, made at its first pull."""
+        if self._puller is None:
+            registry = self.membership.registry if self.membership is not None else None
+            self._holders = PeerDirectory(
+                self.config.prefill_peers,
+                registry,
+                self._channels,
+                on_change=self._peers_changed,
+                stores=(),
+            )
+            self._holders.start()
+            self._puller = PrefixPuller(
+                self.engine,
+                self._receiver,
+                self._holders.kv_sender,
+                self._channels,
+                self._releaser,
+                self.config.transfer_timeout_s,
+            )
+        return self._puller
+
     async def close(self) -> None:
-        if self._peers is not None:
-            await self._peers.stop()
+        for directory in (self._peers, self._holders):
+            if directory is not None:
+                await directory.stop()
         await self._releaser.close()
         if self._receiver is not None:
             await self._receiver.close()
@@ -218,20 +251,26 @@ class DecodeService(WorkerService, decode_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         await self.check_fits(context, len(prompt))
         self.inject_faults(request.request_id, prompt)
+        # A pull saves prompt compute; prompt logprobs need every position computed here.
+        source = request.prefix if request.HasField("prefix") else None
+        if params.prompt_logprobs is not None:
+            source = None
         with self.in_flight():
             # Queued: the scheduler takes it like any other.
             yield decode_pb2.DecodeResponse(queued=decode_pb2.Queued())
             try:
-                stream = self.engine.generate(
-                    request.request_id,
-                    prompt,
-                    params,
-                    num_generated_tokens=request.num_generated_tokens,
-                )
-                async with contextlib.aclosing(stream) as updates:
-                    async for update in updates:
-                        for event in events_of(update, 0):
-                            yield event
+                pulls = self.puller() if source is not None else None
+                async with _pulled(pulls, request.request_id, prompt, source):
+                    stream = self.engine.generate(
+                        request.request_id,
+                        prompt,
+                        params,
+                        num_generated_tokens=request.num_generated_tokens,
+                    )
+                    async with contextlib.aclosing(stream) as updates:
+                        async for update in updates:
+                            for event in events_of(update, 0):
+                                yield event
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except EngineDeadError as exc:
@@ -317,3 +356,18 @@ def events_of(update: RequestUpdate, skip: int) -> list[decode_pb2.DecodeRespons
         )
         events.append(decode_pb2.DecodeResponse(finished=finished))
     return events or [HEARTBEAT]
+
+
+@contextlib.asynccontextmanager
+async def _pulled(
+    puller: PrefixPuller | None,
+    request_id: str,
+    prompt: list[int],
+    source: prefill_pb2.PrefixSource | None,
+) -> AsyncIterator[None]:
+    """``PrefixPuller.pulled`` when there is a source to pull from; else nothing."""
+    if puller is None or source is None:
+        yield
+        return
+    async with puller.pulled(request_id, prompt, source):
+        yield

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.common.convert import finish_reason_from_proto, logprobs_from_proto
-from pdserve.v1 import decode_pb2
+from pdserve.v1 import decode_pb2, prefill_pb2
 from router.attempt import (
     Attempt,
     AttemptEvent,
@@ -29,7 +29,7 @@ from router.dispatch import Dispatcher, Placement, prefill_request
 from router.failures import Action, Phase, classify
 from router.output_stream import OutputStream
 from router.phases import RequestPhase
-from router.plan import Route
+from router.plan import Pull, Route
 from router.request_trace import RequestTrace
 from router.worker_errors import event, failure, stalled
 from router.worker_pool import Worker, WorkerPool
@@ -68,7 +68,8 @@ class AttemptRunner:
                 return
             worker = placement.decode[0]
             try:
-                async for event in self._local(attempt, worker, route, out, trace):
+                pull = placement.plan.pull
+                async for event in self._local(attempt, worker, route, out, trace, pull):
                     yield event
             except TurnedAway:
                 exclude |= {worker.address}
@@ -142,10 +143,11 @@ class AttemptRunner:
         route: Route,
         out: OutputStream,
         trace: RequestTrace,
+        pull: Pull | None = None,
     ) -> AsyncIterator[AttemptEvent]:
         """Conditional disaggregation (or colocated: ``route``): the decode worker prefills the
-        prompt's uncached part. Raises ``TurnedAway`` (before any token) when it cannot take it
-        now."""
+        prompt's uncached part, after pulling its prefix from ``pull``'s holder when the plan
+        chose one. Raises ``TurnedAway`` (before any token) when it cannot take it now."""
         request = decode_pb2.PrefillAndDecodeRequest(
             request_id=attempt.request_id,
             prompt_token_ids=attempt.continuation.prompt_token_ids,
@@ -153,6 +155,10 @@ class AttemptRunner:
             num_generated_tokens=attempt.continuation.num_generated_tokens,
             model_fingerprint=self.dispatch.cluster.fingerprint,
         )
+        if pull is not None:
+            request.prefix.CopyFrom(
+                prefill_pb2.PrefixSource(holder_address=pull.holder, num_blocks=pull.num_blocks)
+            )
         trace.enter(RequestPhase.LOCAL_PREFILL)
         call = worker.decode_stub.PrefillAndDecode(request, metadata=trace.metadata() or None)
         worker.track(call)  # a relay: a certificate renewal must not cut it

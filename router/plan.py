@@ -26,7 +26,7 @@ from router.policy import (
     rank_round_robin,
     takes_kv_of,
 )
-from router.prefix_pricing import Holding, Rates, price
+from router.prefix_pricing import Holding, Rates, local_pull, price
 
 
 class Route(Enum):
@@ -73,6 +73,8 @@ class Facts:
 
 # The reason of a pull from a KV store (``Option.PULL`` is a peer's).
 STORE_PULL = "store"
+# A decode worker prefills the prompt after pulling its prefix from a holder.
+LOCAL_PULL = "local_prefill_pull"
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ class Plan:
     cached_tokens: int  # what the index predicts the first prefill (or local) choice holds
     reason: str  # pdserve_routing_decisions_total's reason label
     unserved: Unserved | None = None  # set when there is no first candidate
-    pull: Pull | None = None  # the cost policy chose a peer pull for the first prefill choice
+    # The cost policy chose a pull for the first prefill choice (or, LOCAL, the decode worker).
+    pull: Pull | None = None
 
 
 def _last(order: list[str], avoid: frozenset[str]) -> tuple[str, ...]:
@@ -113,9 +116,14 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
     if facts.local and threshold > 0 and decode:
         cached = facts.decode_cached
         best = max(decode, key=lambda a: cached.get(a, 0))  # ties: the ranked order
+        rest = tuple(a for a in decode if a != best)
         if n - cached.get(best, 0) < threshold:
-            rest = tuple(a for a in decode if a != best)
             return Plan(Route.LOCAL, (), (best, *rest), cached.get(best, 0), "local_prefill")
+        pull = _local_pull(facts, best, cached.get(best, 0), threshold)
+        if pull is not None:  # short enough once it pulled its prefix from a holder
+            size = next(w.block_size for w in candidates if w.address == best)
+            predicted = pull.num_blocks * size
+            return Plan(Route.LOCAL, (), (best, *rest), predicted, LOCAL_PULL, None, pull)
     # Only workers whose cache could hold the prompt (one whose stats have not come yet may):
     # a small one would answer RESOURCE_EXHAUSTED while a larger one can serve it.
     # And only those whose KV some decode candidate can take (tensor parallelism).
@@ -137,6 +145,17 @@ def plan(facts: Facts, config: RouterConfig) -> Plan:
         first = next(w for w in able if w.address == prefill[0])
         decode = tuple(a for a in decode if takes_kv_of(by_address[a], first))
     return Plan(Route.DISAGGREGATED, prefill, decode, predicted, reason, unserved, pull)
+
+
+def _local_pull(facts: Facts, address: str, own_tokens: int, threshold: int) -> Pull | None:
+    """The cost policy's pull for a local prefill on decode worker ``address``, if any."""
+    if facts.prefill_holdings is None or not facts.rates:
+        return None
+    worker = next(w for w in facts.decode if w.address == address)
+    lenders = [w for w in (*facts.prefill, *facts.stores) if w.stats_known]
+    n, holdings = facts.num_prompt_tokens, facts.prefill_holdings
+    found = local_pull(worker, own_tokens, lenders, holdings, n, facts.rates, threshold)
+    return None if found is None else Pull(*found)
 
 
 def _rank_prefill(

@@ -147,6 +147,34 @@ def _cheapest(
     return best
 
 
+def local_pull(
+    worker: WorkerLoad,
+    own_tokens: int,
+    holders: list[WorkerLoad],
+    holdings: Mapping[str, Holding],
+    num_prompt_tokens: int,
+    rates: Rates,
+    local_tokens: int,
+) -> tuple[str, int] | None:
+    """A decode worker that would prefill the prompt itself (a local prefill: what is left
+    to compute is under ``local_tokens``) once it pulled a longer run of its prefix than the
+    ``own_tokens`` it caches: the holder (a prefill worker or a KV store) and its run in
+    blocks, when the pull costs less than computing those blocks there; else None."""
+    size = worker.block_size
+    usable = usable_blocks(num_prompt_tokens, size)
+    found = _longest_peer_run(worker, [h for h in holders if h.routable], holdings, usable)
+    own = own_tokens // size
+    if found is None or found[1] <= own or num_prompt_tokens - found[1] * size >= local_tokens:
+        return None
+    address, run, holder_device = found
+    pull_s = rates.pull_overhead_s + (run - own) * size / rates.pull_tokens_per_s
+    if not rates.pull_measured:  # the holder copies its host-tier part in first
+        pull_s += max(0, run - max(holder_device, own)) * size / rates.host_tokens_per_s
+    if pull_s >= (run - own) * size / rates.prefill_tokens_per_s:
+        return None
+    return address, run
+
+
 def can_lend_to(holder: WorkerLoad, puller: WorkerLoad) -> bool:
     """Whether ``puller`` can take ``holder``'s blocks as they are: both native engines'
     pages (vLLM's cannot be lent: docs/engines.md), of the same layout, both known."""

@@ -26,7 +26,7 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import prefill_pb2 as pdserve_dot_v1_dot_prefill__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x99\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12$\n\x06handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x17\n\x0fprefill_address\x18\x07 \x01(\t\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\r\"\xae\x01\n\x17PrefillAndDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\"\xeb\x01\n\x0e\x44\x65\x63odeResponse\x12*\n\theartbeat\x18\r \x01(\x0b\x32\x15.pdserve.v1.HeartbeatH\x00\x12(\n\x08\x61\x64mitted\x18\x0e \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12$\n\x06queued\x18\x0f \x01(\x0b\x32\x12.pdserve.v1.QueuedH\x00\x12$\n\x06tokens\x18\x10 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x11 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\r\"\x0b\n\tHeartbeat\"1\n\x08\x41\x64mitted\x12\x12\n\ntransfer_s\x18\x01 \x01(\x01\x12\x11\n\tkv_pull_s\x18\x02 \x01(\x01\"\x08\n\x06Queued\"\xb7\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1e\n\x16num_host_cached_tokens\x18\x05 \x01(\r\"x\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x18num_spec_proposed_tokens\x18\x02 \x01(\r\x12 \n\x18num_spec_accepted_tokens\x18\x03 \x01(\r2\xea\x01\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12U\n\x10PrefillAndDecode\x12#.pdserve.v1.PrefillAndDecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x18pdserve/v1/prefill.proto\"\x99\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x37\n\x14\x66irst_token_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12$\n\x06handle\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x17\n\x0fprefill_address\x18\x07 \x01(\t\x12\x1c\n\x14num_generated_tokens\x18\x08 \x01(\r\"\xd8\x01\n\x17PrefillAndDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1c\n\x14num_generated_tokens\x18\x04 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12(\n\x06prefix\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.PrefixSource\"\xeb\x01\n\x0e\x44\x65\x63odeResponse\x12*\n\theartbeat\x18\r \x01(\x0b\x32\x15.pdserve.v1.HeartbeatH\x00\x12(\n\x08\x61\x64mitted\x18\x0e \x01(\x0b\x32\x14.pdserve.v1.AdmittedH\x00\x12$\n\x06queued\x18\x0f \x01(\x0b\x32\x12.pdserve.v1.QueuedH\x00\x12$\n\x06tokens\x18\x10 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x12(\n\x08\x66inished\x18\x11 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x42\x07\n\x05\x65ventJ\x04\x08\x01\x10\r\"\x0b\n\tHeartbeat\"1\n\x08\x41\x64mitted\x12\x12\n\ntransfer_s\x18\x01 \x01(\x01\x12\x11\n\tkv_pull_s\x18\x02 \x01(\x01\"\x08\n\x06Queued\"\xb7\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1e\n\x16num_host_cached_tokens\x18\x05 \x01(\r\"x\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x18num_spec_proposed_tokens\x18\x02 \x01(\r\x12 \n\x18num_spec_accepted_tokens\x18\x03 \x01(\r2\xea\x01\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12U\n\x10PrefillAndDecode\x12#.pdserve.v1.PrefillAndDecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12@\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=91
   _globals['_DECODEREQUEST']._serialized_end=372
   _globals['_PREFILLANDDECODEREQUEST']._serialized_start=375
-  _globals['_PREFILLANDDECODEREQUEST']._serialized_end=549
-  _globals['_DECODERESPONSE']._serialized_start=552
-  _globals['_DECODERESPONSE']._serialized_end=787
-  _globals['_HEARTBEAT']._serialized_start=789
-  _globals['_HEARTBEAT']._serialized_end=800
-  _globals['_ADMITTED']._serialized_start=802
-  _globals['_ADMITTED']._serialized_end=851
-  _globals['_QUEUED']._serialized_start=853
-  _globals['_QUEUED']._serialized_end=861
-  _globals['_TOKENS']._serialized_start=864
-  _globals['_TOKENS']._serialized_end=1047
-  _globals['_FINISHED']._serialized_start=1049
-  _globals['_FINISHED']._serialized_end=1169
-  _globals['_DECODEWORKER']._serialized_start=1172
-  _globals['_DECODEWORKER']._serialized_end=1406
+  _globals['_PREFILLANDDECODEREQUEST']._serialized_end=591
+  _globals['_DECODERESPONSE']._serialized_start=594
+  _globals['_DECODERESPONSE']._serialized_end=829
+  _globals['_HEARTBEAT']._serialized_start=831
+  _globals['_HEARTBEAT']._serialized_end=842
+  _globals['_ADMITTED']._serialized_start=844
+  _globals['_ADMITTED']._serialized_end=893
+  _globals['_QUEUED']._serialized_start=895
+  _globals['_QUEUED']._serialized_end=903
+  _globals['_TOKENS']._serialized_start=906
+  _globals['_TOKENS']._serialized_end=1089
+  _globals['_FINISHED']._serialized_start=1091
+  _globals['_FINISHED']._serialized_end=1211
+  _globals['_DECODEWORKER']._serialized_start=1214
+  _globals['_DECODEWORKER']._serialized_end=1448
 # @@protoc_insertion_point(module_scope)

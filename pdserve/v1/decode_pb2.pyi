@@ -77,6 +77,7 @@ class PrefillAndDecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     num_generated_tokens: _builtins.int
     """A migrated request: as in PrefillRequest."""
@@ -89,6 +90,12 @@ class PrefillAndDecodeRequest(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams: ...
+    @_builtins.property
+    def prefix(self) -> _prefill_pb2.PrefixSource:
+        """Where this worker may pull the prompt's cached prefix from before computing the rest, as
+        in PrefillRequest.prefix (docs/kv-cache.md): a prefill worker or a KV store it knows.
+        """
+
     def __init__(
         self,
         *,
@@ -97,10 +104,11 @@ class PrefillAndDecodeRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         num_generated_tokens: _builtins.int = ...,
         model_fingerprint: _builtins.str = ...,
+        prefix: _prefill_pb2.PrefixSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prefix", b"prefix", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_fingerprint", b"model_fingerprint", "num_generated_tokens", b"num_generated_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_fingerprint", b"model_fingerprint", "num_generated_tokens", b"num_generated_tokens", "prefix", b"prefix", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

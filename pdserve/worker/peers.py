@@ -97,6 +97,10 @@ class PeerDirectory:
                 async with asyncio.timeout(_REFRESH_S if self._peers else _MIN_REFRESH_S):
                     await self._stopping.wait()
 
+    def known(self) -> dict[str, str]:
+        """The peers known now: control address -> KV sender."""
+        return dict(self._peers)
+
     @property
     def _roles(self) -> tuple[Role, ...]:
         return (Role.PREFILL, Role.KVSTORE) if self.with_stores else (Role.PREFILL,)

@@ -14,7 +14,8 @@ import pytest
 
 from engine import SamplingParams
 from native_engine import LLM
-from pdserve.v1 import common_pb2, prefill_pb2
+from pdserve.common.convert import sampling_to_proto
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from tests.services.harness import (
     all_blocks_free,
     both_sides_freed,
@@ -157,5 +158,43 @@ def test_lease_prefix_refuses_bad_input_by_name(llama_dir: Path) -> None:
             assert not empty.HasField("lease") and not b.leases
         finally:
             await b_server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_local_prefill_pulls_its_prefix_from_a_peer_first(
+    llama_dir: Path, make_llm: Callable[..., LLM]
+) -> None:
+    """A decode worker asked to prefill locally (``PrefillAndDecode``) with a ``PrefixSource``
+    pulls the prefix from the holder, computes only the rest, and streams one engine's
+    tokens; an unknown holder costs a recompute."""
+    want = make_llm(llama_dir).generate([PROMPT], PARAMS)[0].token_ids
+
+    async def run() -> None:
+        b, b_server = await start_prefill(llama_dir)
+        _, d_server = await start_decode(llama_dir, peers=[b_server])
+        stub = decode_stub(d_server)
+
+        async def local(request_id: str, holder: str) -> list[int]:
+            source = prefill_pb2.PrefixSource(holder_address=holder, num_blocks=18)
+            request = decode_pb2.PrefillAndDecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=PROMPT,
+                sampling=sampling_to_proto(PARAMS),
+                prefix=source,
+            )
+            return [t async for r in stub.PrefillAndDecode(request) for t in r.tokens.token_ids]
+
+        try:
+            assert await disaggregated(b_server, d_server, PROMPT, PARAMS, "on-b") == want[1:]
+            await both_sides_freed(b_server, d_server)
+            assert await local("local", b.address) == want
+            stats = await stub.GetStats(common_pb2.GetStatsRequest())
+            assert stats.num_prompt_tokens_computed == len(PROMPT) - 18 * 16  # the rest only
+            assert await local("unknown", "127.0.0.1:9") == want  # its own cache now: a hit
+            await both_sides_freed(b_server, d_server)
+        finally:
+            for server in (d_server, b_server):
+                await server.shutdown()
 
     asyncio.run(run())

@@ -226,3 +226,31 @@ def test_the_cost_policy_plans_a_pull_from_a_kv_store() -> None:
     other = load("s", kv_layout=KVCacheLayout("other", "float32", 16, 2, 2, 64))
     got = plan(facts(401, (a, b), prefill_holdings=holdings, rates=rates, stores=(other,)), cost)
     assert (got.prefill, got.reason, got.pull) == (("b", "a"), "holder", None)
+
+
+def test_a_local_prefill_pulls_a_prefix_that_makes_the_rest_short() -> None:
+    """The cost policy lets a decode worker prefill locally once it pulled a holder's run of
+    the prompt (a prefill worker's or a store's) when what is left is under the local bound
+    and the pull costs less than computing those blocks; reason "local_prefill_pull"."""
+    cost = dataclasses.replace(CONFIG, prefill_policy=RoutingPolicy.COST, local_prefill_tokens=64)
+    layout = KVCacheLayout("fp", "float32", 16, 2, 2, 64)
+    prefill = (load("p", kv_layout=layout),)
+    decode = (load("d1", kv_layout=layout), load("d2", kv_layout=layout, inflight=1))
+    store = load("s", kv_layout=layout)
+    rates = Rates(1000.0, 10000.0, 0.01, 20000.0)
+    # 401 tokens: the store holds 20 blocks (320), d2 caches 8 (128): the rest is 81 >= 64.
+    holdings = {"s": Holding(20, 20)}
+    base = facts(401, prefill, decode, prefill_holdings=holdings, rates=rates, stores=(store,))
+    got = plan(dataclasses.replace(base, decode_cached={"d2": 128}), cost)
+    assert got.route is Route.DISAGGREGATED  # the rest after the pull is not short
+    # 370 tokens: after the pull, 50 are left. d2 pulls blocks 8..19: 0.01 + 192 / 10000 s
+    # against 192 / 1000 s to compute them.
+    short = dataclasses.replace(base, num_prompt_tokens=370, decode_cached={"d2": 128})
+    assert plan(short, cost) == Plan(
+        Route.LOCAL, (), ("d2", "d1"), 320, "local_prefill_pull", None, Pull("s", 20)
+    )
+    # A pull dearer than the compute (a slow link): no pull, the prompt disaggregates.
+    slow = dataclasses.replace(short, rates=Rates(1000.0, 100.0, 0.01, 20000.0))
+    assert plan(slow, cost).route is Route.DISAGGREGATED
+    # Without the cost policy (no holdings looked up): no pull.
+    assert plan(dataclasses.replace(short, prefill_holdings=None, rates=None), cost).pull is None
