@@ -73,6 +73,7 @@ class PrefillService(PrefixHolderRpcs, WorkerService, prefill_pb2_grpc.PrefillWo
         if self.engine.spill_evicted(offloader):
             await offloader.start()
             self._offloader = offloader
+            metrics.STORE_REPLICAS.set(self.config.kv_store_replicas)
 
     def directory(self) -> PeerDirectory:
         """The prefill peers and KV stores it pulls from (and offloads to), made once the

@@ -31,8 +31,9 @@ from router.output_stream import OutputStream
 from router.phases import RequestPhase
 from router.plan import Pull, Route
 from router.request_trace import RequestTrace
+from router.worker import Worker
 from router.worker_errors import event, failure, stalled
-from router.worker_pool import Worker, WorkerPool
+from router.worker_pool import WorkerPool
 
 
 class AttemptRunner:

@@ -20,7 +20,8 @@ from pdserve.cluster.registry import Registry
 from pdserve.common import metrics
 from router.policy import host_credited_tokens
 from router.prefix_pricing import Holding
-from router.worker_pool import Worker, WorkerPool
+from router.worker import Worker
+from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,9 @@ from pdserve.common import metrics
 from pdserve.v1 import decode_pb2
 from router.config import RouterConfig
 from router.failures import Action, Phase, classify
+from router.worker import Worker
 from router.worker_errors import WorkerError, event, failure, stalled
-from router.worker_pool import Worker, WorkerPool
+from router.worker_pool import WorkerPool
 
 _RETRY_FIRST_S = 0.01
 _RETRY_MAX_S = 0.25

@@ -31,6 +31,7 @@ from router.plan import Facts, Plan, Pull, Route, plan
 from router.policy import RoutingPolicy
 from router.prefix_pricing import Holding, Rates
 from router.pull_rate import PullRate
+from router.worker import Worker
 from router.worker_errors import (
     WorkerError,
     WorkerLost,
@@ -40,7 +41,7 @@ from router.worker_errors import (
     unserved,
     worker_error,
 )
-from router.worker_pool import Worker, WorkerPool
+from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 

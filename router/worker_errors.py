@@ -8,7 +8,7 @@ import grpc
 
 from router.failures import Action, Event, Phase, Seen, Verdict, classify, event_of
 from router.plan import Plan, Route, Unserved
-from router.worker_pool import Worker
+from router.worker import Worker
 
 
 class WorkerError(Exception):

@@ -272,6 +272,11 @@ STORE_OFFLOADS = Counter(
     "result (stored, held, refused by the store; failed, dropped, no_store here)",
     ["result"],
 )
+STORE_REPLICAS = Gauge(
+    "pdserve_kv_store_replicas",
+    "KV stores each prefix this worker offloads is written to (--kv-store-replicas); 0: it "
+    "offloads nothing (no host tier)",
+)
 
 KV_BYTES_PER_TOKEN = Gauge(
     "pdserve_kv_cache_bytes_per_token",

@@ -8,7 +8,8 @@ import asyncio
 from pdserve.cluster.registry import WorkerRecord, WorkerState
 from pdserve.common.role import Role
 from pdserve.common.wire_version import WIRE_VERSION
-from router.worker_pool import WorkerPool, worker_refusal
+from router.worker import worker_refusal
+from router.worker_pool import WorkerPool
 
 FP = "LlamaForCausalLM:abc:float32:bs16"
 
