@@ -152,10 +152,7 @@ class KVStoreService(
     async def close(self) -> None:
         if self._membership is not None:
             await self._membership.stop()
-        await self.leases.stop_reaper()
-        if self._sender is not None:
-            await self._sender.stop()  # no read is in flight past this
-        await self.leases.free_all()
+        await self.leases.close()  # the reaper, the sender, then what is still leased
 
     # ---- KVStore ---------------------------------------------------------------------------
     async def Offload(

@@ -44,6 +44,14 @@ class LeaseManager(BlockLeases):
         self._free_pinned, self._sender = free_pinned, sender
         self._reaper = asyncio.create_task(self._expire_forever(), name="lease-reaper")
 
+    async def close(self) -> None:
+        """A holder's shutdown, in the one safe order: no lease expires while the sender stops,
+        no read is in flight once it has, and then every lease still held is freed."""
+        await self.stop_reaper()
+        if self._sender is not None:
+            await self._sender.stop()
+        await self.free_all()
+
     async def stop_reaper(self) -> None:
         """First step of a shutdown: no lease expires while the sender stops."""
         if self._reaper is not None:

@@ -122,10 +122,7 @@ class PrefillService(PrefixHolderRpcs, WorkerService, prefill_pb2_grpc.PrefillWo
     async def close(self) -> None:
         if self._offloader is not None:
             await self._offloader.stop()
-        await self.leases.stop_reaper()
-        if self._sender is not None:
-            await self._sender.stop()  # no read is in flight past this
-        await self.leases.free_all()
+        await self.leases.close()  # the reaper, the sender, then what is still leased
         if self._peers is not None:
             await self._peers.stop()
         await self._releaser.close()

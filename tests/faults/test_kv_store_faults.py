@@ -16,7 +16,12 @@ import pytest
 from app.client import generate
 from app.local_cluster import ClusterConfig, LocalCluster
 from engine import SamplingParams
+from engine.block_hash import hash_blocks, root_hash
+from kvstore_service.config import KVStoreConfig
+from kvstore_service.service import store_layout
 from native_engine import LLM
+from pdserve.cluster.prefix_index import ANY_TIER
+from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from tests.faults.faults_util import metric, stats, survivors_hold_nothing
@@ -49,7 +54,11 @@ def cluster(llama_dir: Path, redis_url: str, tmp_path: Path) -> Iterator[LocalCl
 
 
 def test_a_store_killed_leaves_its_replica_then_a_recompute(
-    cluster: LocalCluster, llama_dir: Path, make_llm: Callable[..., LLM]
+    cluster: LocalCluster,
+    llama_dir: Path,
+    make_llm: Callable[..., LLM],
+    redis_url: str,
+    tmp_path: Path,
 ) -> None:
     want = [o.token_ids for o in make_llm(llama_dir).generate(PROMPTS[:2], PARAMS)]
     (prefill,), (decode,) = cluster.prefill, cluster.decode
@@ -60,6 +69,21 @@ def test_a_store_killed_leaves_its_replica_then_a_recompute(
     async def held_by_both() -> bool:
         held = [(await stats(s)).num_cached_blocks for s in stores]
         return min(held) >= 2 * PULLABLE
+
+    layout = store_layout(KVStoreConfig(model=str(llama_dir)))
+    keys = hash_blocks(root_hash(layout.model_fingerprint), PROMPTS[0][: PULLABLE * 16], 16)
+
+    async def only_in_stores() -> bool:
+        """The index shows the first prompt in the stores and no longer on the prefill
+        worker (its host tier's evictions published: else the router, rightly, sends the
+        prompt to the host tier it believes in)."""
+        index = RedisPrefixIndex.from_url(redis_url, tmp_path.name)
+        try:
+            ids = [prefill.worker_id, *(s.worker_id for s in stores)]
+            found = await index.longest_prefixes(keys, ids, ANY_TIER)
+        finally:
+            await index.close()
+        return found[prefill.worker_id] == 0 and min(found[s.worker_id] for s in stores) == 18
 
     async def routable_stores(n: int) -> bool:
         return metric(router, "pdserve_router_healthy_workers", 'pool="kvstore"') == n
@@ -76,6 +100,7 @@ def test_a_store_killed_leaves_its_replica_then_a_recompute(
             await disaggregated(prefill, decode, prompt, PARAMS, f"w{i}")
         await wait_for(held_by_both, 60.0, "the first two prompts offloaded to both stores")
         await wait_for(lambda: routable_stores(2), 60.0, "the router sees both stores")
+        await wait_for(only_in_stores, 60.0, "the index shows the prompt in the stores alone")
         stores[0].kill()
         await wait_for(lambda: routable_stores(1), 60.0, "the router sees one store")
         before = (await stats(prefill)).num_prompt_tokens_computed

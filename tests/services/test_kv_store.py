@@ -25,6 +25,7 @@ from kvstore_service.config import KVStoreConfig
 from kvstore_service.service import KVStoreService, store_layout
 from native_engine import LLM
 from pdserve.cluster.config import RedisConfig
+from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common import metrics
 from pdserve.common.convert import layout_to_proto, sampling_to_proto
@@ -271,10 +272,16 @@ def test_the_plan_pulls_a_prefix_from_the_store_the_index_names(
             keys = hash_blocks(root_hash(layout.model_fingerprint), PROMPTS[0][:288], 16)
             store_id = store.service.worker_id
 
-            async def indexed() -> bool:
-                return (await index.longest_prefixes(keys, [store_id]))[store_id] == PULLABLE
+            writer_id = writer.service.worker_id
 
-            await wait_for(indexed, 30.0, "the store's blocks published to the index")
+            async def indexed() -> bool:
+                # The store's blocks are published, and the writer's evictions too (else the
+                # router, rightly, sends the prompt to the writer's host tier it believes in).
+                stored = await index.longest_prefixes(keys, [store_id])
+                left = await index.longest_prefixes(keys, [writer_id], ANY_TIER)
+                return stored[store_id] == PULLABLE and left[writer_id] == 0
+
+            await wait_for(indexed, 30.0, "the index shows the prefix in the store alone")
             pool = router.service.pool
 
             async def priced() -> bool:  # the router knows the store and its layout
