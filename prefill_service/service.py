@@ -75,6 +75,11 @@ class PrefillService(PrefixHolderRpcs, WorkerService, prefill_pb2_grpc.PrefillWo
             self._offloader = offloader
             metrics.STORE_REPLICAS.set(self.config.kv_store_replicas)
 
+    @property
+    def offloader(self) -> StoreOffloader | None:
+        """What offloads the host tier's evictions to the KV stores (None: nothing does)."""
+        return self._offloader
+
     def directory(self) -> PeerDirectory:
         """The prefill peers and KV stores it pulls from (and offloads to), made once the
         registry is joined."""

@@ -267,6 +267,14 @@ def test_the_plan_pulls_a_prefix_from_the_store_the_index_names(
         index = RedisPrefixIndex.from_url(redis_url, redis.namespace)
         servers = [router, fresh, d_server, writer, store]
         try:
+            offloader = writer.service.offloader
+
+            async def knows_the_store() -> bool:
+                # Found in the registry, not named: what the writer evicts before it knows
+                # the store is dropped (it only saves a recompute), and this test needs it.
+                return offloader is not None and offloader.wanted()
+
+            await wait_for(knows_the_store, 30.0, "the writer knows the store")
             await offload_first_prompt(writer, d_server, [store], PARAMS)
             layout = store_layout(store_config)
             keys = hash_blocks(root_hash(layout.model_fingerprint), PROMPTS[0][:288], 16)
