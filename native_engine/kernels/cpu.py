@@ -1,11 +1,12 @@
-"""Native CPU kernel for paged decode attention, compiled on first use.
+"""Native CPU kernels, compiled on first use: paged decode attention (below), the small-M bf16
+GEMM (``small_gemm.py``) and the bf16 step's fused elementwise ops (``fused_ops.py``).
 
-The torch path gathers every decode sequence's K/V blocks into a padded copy and then runs
-attention over the copy: the cache is read twice and written once. This kernel walks the block
-table and reads each K/V row in place, once, prefetching rows ahead (blocks lie wherever the
-allocator put them, so without it every row waits on DRAM latency), and cuts long contexts
-into spans across threads (flash-decoding). It is built with ``torch.utils.cpp_extension``
-into torch's extension cache (~20 s, once per machine).
+Paged decode attention: the torch path gathers every decode sequence's K/V blocks into a
+padded copy and then runs attention over the copy: the cache is read twice and written once.
+This kernel walks the block table and reads each K/V row in place, once, prefetching rows
+ahead (blocks lie wherever the allocator put them, so without it every row waits on DRAM
+latency), and cuts long contexts into spans across threads (flash-decoding). All are built
+with ``torch.utils.cpp_extension`` into torch's extension cache (~20 s, once per machine).
 If the build fails the engine logs why and uses the torch path: never a silent slow path.
 """
 
@@ -17,13 +18,21 @@ import logging
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "paged_decode_attention_cpu.cpp", _CSRC / "decode_span.cpp"]
+_SOURCES = [
+    _CSRC / "paged_decode_attention_cpu.cpp",
+    _CSRC / "decode_span.cpp",
+    _CSRC / "small_gemm.cpp",
+    _CSRC / "small_gemm_avx.cpp",
+    _CSRC / "small_gemm_amx.cpp",
+    _CSRC / "fused_ops.cpp",
+]
 # A build takes ~20 s; a lock older than this was left by a killed process and would make
 # every later build wait on it forever.
 _STALE_LOCK_S = 600
@@ -90,6 +99,14 @@ def load_cpu_kernels() -> bool:
         logger.warning("native CPU attention kernel unavailable (%s); using the torch path", exc)
         return False
     return True
+
+
+def cpu_ops() -> Any:
+    """``torch.ops.pdserve_cpu``, built first; RuntimeError where it could not be built (a
+    caller that has a torch path checks ``load_cpu_kernels`` instead)."""
+    if not load_cpu_kernels():
+        raise RuntimeError("the native CPU kernels did not build here (the log says why)")
+    return torch.ops.pdserve_cpu
 
 
 def paged_decode_attention_cpu(

@@ -1,7 +1,8 @@
 """Building blocks shared by the decoder families: RMSNorm, rotary embedding, gated MLP.
 
 Numerics follow HF transformers on purpose (norm in fp32 then cast, rotary tables in fp32 then
-cast), because the engine's contract is token-for-token equality with it.
+cast), because the engine's contract is token-for-token equality with it. In bf16 on the CPU
+each takes one fused op (``native_engine/kernels/fused_ops.py``) that rounds as these do.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import RopeConfig, RopeScalingType
+from native_engine.kernels import fused_ops
 from native_engine.models.linear import Linear
 
 
@@ -23,12 +25,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] -> [..., size]
+        if x.dim() == 2 and x.stride(-1) == 1 and fused_ops.applies(x):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # HF: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps), cast back, times the weight in
         # x's dtype. rms_norm computes the same in fp32 and casts back (bit for bit, checked
         # by tests/engine/test_layers_exact.py) in one kernel instead of six.
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
+
+    def add_forward(
+        self, delta: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [rows, size] each -> the sum, its norm
+        """HF's ``x = residual + delta`` (in x's dtype) and then ``norm(x)``: both returned."""
+        if fused_ops.applies(residual) and delta.stride(-1) == residual.stride(-1) == 1:
+            return fused_ops.add_rms_norm(residual, delta, self.weight, self.eps)
+        total = residual + delta
+        return total, self(total)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2] fp32
@@ -85,6 +98,8 @@ def apply_rotary(
     signed_sin: torch.Tensor,  # RotaryEmbedding.lookup's
 ) -> torch.Tensor:
     """HF's ``x * cos + rotate_half(x) * sin``, rounded op by op as it is."""
+    if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and fused_ops.applies(x):
+        return fused_ops.rotary(x, cos, signed_sin)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
@@ -99,5 +114,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if fused_ops.applies(gate_up):
+            return self.down_proj(fused_ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -4,11 +4,15 @@ On CPU, torch's default ``F.linear`` goes through a path that is 2-4x slower tha
 small-M (decode) shapes that dominate serving. After loading, ``prepack`` reorders each weight
 once into oneDNN's blocked layout (the same private ops inductor's weight freezing uses): fp32
 always, bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX: oneDNN says so), and
-fp16 where it has AVX512-FP16 / AVX-NE-CONVERT. A packed bf16 GEMM gives the same bits as
-``F.linear`` in bf16 (measured: 1.3-2.2x faster at decode shapes on AVX512-BF16). A packed call
-costs ~50 us more up front, so weights under 128K elements stay on ``F.linear``. Every other
-weight always takes the packed path, whatever the batch size: choosing per call would make a
-request's numerics depend on how many others share its step.
+fp16 where it has AVX512-FP16 / AVX-NE-CONVERT. A packed call costs ~50 us more up front, so
+weights under 128K elements stay on ``F.linear``.
+
+In bf16, decode batches (M up to ``small_gemm.max_rows``) take pdserve's own kernel instead
+(``native_engine/kernels/small_gemm.py``): oneDNN's small-M path reads weights at 65-75 % of
+the memory's bandwidth, this one at about all of it, and a row's result does not depend on how
+many rows share the call (oneDNN's does). Both packed copies are kept: oneDNN's serves prefill.
+Results agree with ``F.linear`` in bf16 to the last bit but for a rounding in ~1e-4 of the
+elements (an fp32 sum in another order; tests/engine/test_small_gemm.py).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from native_engine.kernels import small_gemm
 
 _PACK_MIN_NUMEL = 1 << 17
 
@@ -61,20 +67,30 @@ class Linear(nn.Module):
         )
         self._owns_weight = shared_weight is None
         self._packed: torch.Tensor | None = None
+        self._small: torch.Tensor | None = None  # small_gemm's packing
+        self._small_isa: small_gemm.GemmIsa | None = None
+        self._small_rows = 0  # the largest M it serves
 
     def prepack(self) -> None:
         """Call once, after the weights are loaded."""
         w = self.weight
-        if w.device.type != "cpu" or not _onednn_packs(w.dtype):
+        if w.device.type != "cpu" or w.numel() < _PACK_MIN_NUMEL:
             return
-        if w.numel() < _PACK_MIN_NUMEL:
-            return
+        isa = small_gemm.chosen() if small_gemm.packs(w) else None
+        if isa is not None:
+            self._small = small_gemm.pack(w.data)
+            self._small_isa, self._small_rows = isa, small_gemm.max_rows(isa)
+        if not _onednn_packs(w.dtype):
+            return  # F.linear for larger M (prefill) on the weight as loaded
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data)
         if self._owns_weight:
             # The packed copy is the only one used from now on.
             w.data = torch.empty(0, dtype=w.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
+        if self._small_isa is not None and x.shape[0] <= self._small_rows:
+            assert self._small is not None
+            return small_gemm.gemm(x, self._small, self.bias, x.shape[1], self._small_isa)
         if self._packed is not None:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
                 x, self._packed, self.bias, "none", [], ""

@@ -68,13 +68,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
+        x: torch.Tensor,  # [num_tokens, hidden]: the last layer's output (or the embeddings)
+        residual: torch.Tensor | None,  # the stream before that output: None at layer 0
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: LayerCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's output, the stream before it
+        """HF's ``x = x + attn(norm(x)); x = x + mlp(norm(x))`` with each residual add done
+        where the next norm reads it (one pass: ``RMSNorm.add_forward``); same roundings."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, cache, meta)
+        residual, h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaFamilyForCausalLM(nn.Module):
@@ -112,9 +120,12 @@ class LlamaFamilyForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden] (final-normed)
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache[i], meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head(hidden).float()

@@ -1,0 +1,168 @@
+// The bf16 decode step's work outside the GEMMs, one pass each: RMSNorm (with the residual
+// add before it), rotary embedding, SiLU(gate) x up.
+//
+// Each rounds as HF transformers does op by op in bf16 (the engine's contract is HF's
+// tokens): an elementwise op computes in fp32 and rounds to bf16 where torch would, so
+// rotary and SiLU x up are HF's bit for bit. RMSNorm's mean of squares is one fp32 sum, in
+// the order the compiler vectorizes it (on the CPUs measured, torch's); where the order
+// differs a result moves by one bf16 rounding (tests/engine/test_fused_ops.py bounds it).
+//
+// Unfused, a layer's norms, rotary and activation are ~25 torch ops of 1-4 us each at decode
+// sizes, a third of a batch-1 step on the real model.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#include "bf16.h"
+
+namespace {
+
+using pdserve::bf16_to_float;
+using pdserve::float_to_bf16;
+using pdserve::round_bf16;
+
+const uint16_t* in(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+uint16_t* out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.stride(1) == 1, name,
+              " must be [rows, size] bf16 with unit column stride");
+}
+
+// HF's LlamaRMSNorm on one row: weight * bf16(x32 * rsqrt(mean(x32^2) + eps)).
+void norm_row(const uint16_t* x, const uint16_t* w, int64_t size, float eps, uint16_t* y) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < size; ++i) {
+    const float v = bf16_to_float(x[i]);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(size) + eps);
+  for (int64_t i = 0; i < size; ++i)
+    y[i] = float_to_bf16(bf16_to_float(w[i]) * round_bf16(bf16_to_float(x[i]) * inv));
+}
+
+}  // namespace
+
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm_bf16: x");
+  const int64_t rows = x.size(0), size = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == size &&
+                  weight.is_contiguous(),
+              "rms_norm_bf16: weight must be [size] bf16");
+  at::Tensor y = at::empty({rows, size}, x.options());
+  const uint16_t *px = in(x), *pw = in(weight);
+  uint16_t* py = out(y);
+  const int64_t ldx = x.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(px + r * ldx, pw, size, static_cast<float>(eps), py + r * size);
+  });
+  return y;
+}
+
+// residual + delta (rounded to bf16, as HF's ``x = x + attn(...)``), then its RMSNorm: the
+// sum (the next residual) and the normed rows, in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
+                                                     const at::Tensor& delta,
+                                                     const at::Tensor& weight, double eps) {
+  check_rows(residual, "add_rms_norm_bf16: residual");
+  check_rows(delta, "add_rms_norm_bf16: delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "add_rms_norm_bf16: shapes differ");
+  const int64_t rows = residual.size(0), size = residual.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == size &&
+                  weight.is_contiguous(),
+              "add_rms_norm_bf16: weight must be [size] bf16");
+  at::Tensor sum = at::empty({rows, size}, residual.options());
+  at::Tensor y = at::empty({rows, size}, residual.options());
+  const uint16_t *pr = in(residual), *pd = in(delta), *pw = in(weight);
+  uint16_t *ps = out(sum), *py = out(y);
+  const int64_t ldr = residual.stride(0), ldd = delta.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* s = ps + r * size;
+      for (int64_t i = 0; i < size; ++i)
+        s[i] = float_to_bf16(bf16_to_float(pr[r * ldr + i]) + bf16_to_float(pd[r * ldd + i]));
+      norm_row(s, pw, size, static_cast<float>(eps), py + r * size);
+    }
+  });
+  return {sum, y};
+}
+
+// HF's x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16; ``signed_sin``
+// is sin with its first half negated (RotaryEmbedding's table), so rotate_half is a roll.
+at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
+                       const at::Tensor& cos,    // [tokens, 1, head_dim]
+                       const at::Tensor& ssin) {  // [tokens, 1, head_dim]
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 &&
+                  x.stride(1) == x.size(2),
+              "rotary_bf16: x must be [tokens, heads, head_dim] bf16, rows contiguous");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0, "rotary_bf16: head_dim must be even");
+  for (const at::Tensor* t : {&cos, &ssin}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == tokens &&
+                    t->size(2) == dim && t->stride(2) == 1,
+                "rotary_bf16: cos and sin must be [tokens, 1, head_dim] bf16");
+  }
+  at::Tensor y = at::empty({tokens, heads, dim}, x.options());
+  const uint16_t *px = in(x), *pc = in(cos), *ps = in(ssin);
+  uint16_t* py = out(y);
+  const int64_t ldx = x.stride(0), ldc = cos.stride(0), lds = ssin.stride(0);
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t *c = pc + t * ldc, *s = ps + t * lds;
+      for (int64_t h = 0; h < heads; ++h) {
+        const uint16_t* row = px + t * ldx + h * dim;
+        uint16_t* o = py + (t * heads + h) * dim;
+        for (int64_t i = 0; i < dim; ++i) {
+          const float rolled = bf16_to_float(row[i < half ? i + half : i - half]);
+          o[i] = float_to_bf16(round_bf16(bf16_to_float(row[i]) * bf16_to_float(c[i])) +
+                         round_bf16(rolled * bf16_to_float(s[i])));
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// bf16(silu(gate)) * up, rounded: gate_up is [rows, 2 * size] (gate | up, as fused at load).
+// SiLU itself is torch's (its vectorized exp: a scalar exp correctly rounded is ~20x slower,
+// and a fast one is not torch's bits); the product is fused into the same pass over y.
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul_bf16: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul_bf16: gate_up must have an even width");
+  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
+  at::Tensor y = at::silu(gate_up.narrow(1, 0, size));  // contiguous [rows, size]
+  const uint16_t* pu = in(gate_up) + size;
+  uint16_t* py = out(y);
+  const int64_t ld = gate_up.stride(0);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < size; ++i)
+        py[r * size + i] = float_to_bf16(bf16_to_float(py[r * size + i]) * bf16_to_float(pu[r * ld + i]));
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_bf16(Tensor residual, Tensor delta, Tensor weight, float eps) -> "
+        "(Tensor, Tensor)");
+  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("rms_norm_bf16", rms_norm_bf16);
+  m.impl("add_rms_norm_bf16", add_rms_norm_bf16);
+  m.impl("rotary_bf16", rotary_bf16);
+  m.impl("silu_mul_bf16", silu_mul_bf16);
+}

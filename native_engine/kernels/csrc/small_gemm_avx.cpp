@@ -1,0 +1,143 @@
+// The small-M GEMM's vector kernels (see small_gemm.cpp for the layout). A tile is MR rows x
+// NB blocks of y over all of K: the NB weight lines of a k-pair are loaded once and used by
+// every row, the accumulators stay in registers for the whole of K.
+//   - AVX512-BF16: vdpbf16ps multiplies a line by the broadcast pair (x[2p], x[2p + 1]);
+//   - AVX2 + FMA (no bf16 hardware): the line's dwords are widened to fp32 in registers (a
+//     shift gives the even k, a mask the odd one; bf16 is fp32's top half), two FMAs.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "bf16.h"
+#include "small_gemm.h"
+
+namespace pdserve::gemm {
+namespace {
+
+// Calls Tile<mr, nb>::run for runtime mr <= MR, nb <= NB (the compiler unrolls each).
+template <template <int, int> class Tile, int MR, int NB>
+void run_tile(int mr, int nb, const Problem& pb, int64_t row0, int64_t block0) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return run_tile<Tile, MR - 1, NB>(mr, nb, pb, row0, block0);
+  }
+  if constexpr (NB > 1) {
+    if (nb < NB) return run_tile<Tile, MR, NB - 1>(mr, nb, pb, row0, block0);
+  }
+  Tile<MR, NB>::run(pb, row0, block0);
+}
+
+// Threads take contiguous block ranges (each reads its own sequential streams); within one,
+// NB blocks at a time, every MR rows against them (the lines are in cache after the first).
+template <template <int, int> class Tile, int MR, int NB>
+void solve(const Problem& pb) {
+  at::parallel_for(0, pb.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; b += NB) {
+      const int nb = static_cast<int>(std::min<int64_t>(NB, end - b));
+      for (int64_t r = 0; r < pb.m; r += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, pb.m - r));
+        run_tile<Tile, MR, NB>(mr, nb, pb, r, b);
+      }
+    }
+  });
+}
+
+inline void prefetch_line(const uint32_t* stream, int64_t p) {
+  _mm_prefetch(reinterpret_cast<const char*>(stream + (p + kPrefetchLines) * kBlockCols),
+               _MM_HINT_T0);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+template <int MR, int NB>
+struct Avx512Bf16Tile {
+  static void run(const Problem& pb, int64_t row0, int64_t block0) {
+    __m512 acc[MR][NB];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    const uint32_t* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = pb.block(block0 + j);
+    const int64_t full = pb.k / 2;  // pairs with both k's in x (K odd: the last has one)
+    for (int64_t p = 0; p < pb.pairs; ++p) {
+      __m512bh line[NB];
+      for (int j = 0; j < NB; ++j) {
+        prefetch_line(w[j], p);
+        line[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * kBlockCols);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const uint16_t* row = pb.x + (row0 + i) * pb.ldx;
+        uint32_t pair = row[2 * p];
+        if (p < full) std::memcpy(&pair, row + 2 * p, sizeof pair);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, line[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int i = 0; i < MR; ++i) store16(pb, acc[i][j], row0 + i, (block0 + j) * kBlockCols);
+  }
+};
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A block is two 8-lane halves; 16 ymm registers hold 2 rows x 2 blocks and their operands.
+template <int MR, int NB>
+struct Avx2Tile {
+  static void run(const Problem& pb, int64_t row0, int64_t block0) {
+    __m256 acc[MR][NB][2];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    const uint32_t* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = pb.block(block0 + j);
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t p = 0; p < pb.pairs; ++p) {
+      __m256 even[NB][2], odd[NB][2];
+      for (int j = 0; j < NB; ++j) {
+        prefetch_line(w[j], p);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i d = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(w[j] + p * kBlockCols + 8 * h));
+          even[j][h] = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
+          odd[j][h] = _mm256_castsi256_ps(_mm256_and_si256(d, high));
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const uint16_t* row = pb.x + (row0 + i) * pb.ldx;
+        const __m256 x0 = _mm256_set1_ps(bf16_to_float(row[2 * p]));
+        const __m256 x1 = _mm256_set1_ps(2 * p + 1 < pb.k ? bf16_to_float(row[2 * p + 1]) : 0.0f);
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 2; ++h)
+            acc[i][j][h] =
+                _mm256_fmadd_ps(x1, odd[j][h], _mm256_fmadd_ps(x0, even[j][h], acc[i][j][h]));
+      }
+    }
+    alignas(32) float lanes[8];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) {
+          _mm256_store_ps(lanes, acc[i][j][h]);
+          const int64_t col = (block0 + j) * kBlockCols + 8 * h;
+          uint16_t* out = pb.y + (row0 + i) * pb.n + col;
+          for (int c = 0; c < 8; ++c) {
+            const float bias = pb.bias != nullptr ? bf16_to_float(pb.bias[col + c]) : 0.0f;
+            out[c] = float_to_bf16(lanes[c] + bias);
+          }
+        }
+  }
+};
+#endif
+
+}  // namespace
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+void gemm_avx512bf16(const Problem& pb) { solve<Avx512Bf16Tile, 4, 4>(pb); }
+#else
+void gemm_avx512bf16(const Problem&) {}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+void gemm_avx2(const Problem& pb) { solve<Avx2Tile, 2, 2>(pb); }
+#else
+void gemm_avx2(const Problem&) {}
+#endif
+
+}  // namespace pdserve::gemm

@@ -1,0 +1,45 @@
+"""The bf16 step's elementwise work fused (``csrc/fused_ops.cpp``): RMSNorm with the residual
+add before it, rotary, SiLU x up. Called by ``native_engine.models.layers`` for bf16 tensors
+on the CPU; every other dtype and device takes torch's ops, which round the same way.
+
+Rotary and SiLU x up are torch's (and so HF's) bit for bit; RMSNorm's sum of squares is one
+fp32 sum whose order can differ from torch's on another CPU: a result then moves by one bf16
+rounding (tests/engine/test_fused_ops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from native_engine.kernels.cpu import cpu_ops, load_cpu_kernels
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the fused ops: bf16 on the CPU, the extension built."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and load_cpu_kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * bf16(x * rsqrt(mean(x²) + eps))`` over ``x`` [rows, size]'s last dim."""
+    y: torch.Tensor = cpu_ops().rms_norm_bf16(x, weight, eps)
+    return y
+
+
+def add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual + delta`` (rounded to bf16) and its RMSNorm, in one pass."""
+    total, normed = cpu_ops().add_rms_norm_bf16(residual, delta, weight, eps)
+    return total, normed
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``layers.apply_rotary``: x [tokens, heads, head_dim], rows contiguous."""
+    y: torch.Tensor = cpu_ops().rotary_bf16(x, cos, signed_sin)
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of gate_up [rows, 2 * size] (gate | up)."""
+    y: torch.Tensor = cpu_ops().silu_mul_bf16(gate_up)
+    return y

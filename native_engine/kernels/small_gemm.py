@@ -1,0 +1,83 @@
+"""The bf16 GEMM for decode shapes (``csrc/small_gemm.cpp``): which kernels this CPU has, the
+one chosen, where it hands over to oneDNN, and the calls.
+
+Called by ``native_engine.models.linear.Linear``: ``pack`` once per weight after loading (the
+packed copy is the layer's to keep), ``gemm`` per forward when the batch has at most
+``max_rows(isa)`` rows. A row's result does not depend on M up to that bound, on one ISA: a
+request's decode numerics do not change with how many share its step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+
+import torch
+
+from native_engine.kernels.cpu import cpu_ops, load_cpu_kernels
+
+logger = logging.getLogger(__name__)
+
+
+class GemmIsa(enum.IntEnum):
+    """The kernels, by the instructions they need (values: the C++ ``Isa``)."""
+
+    AVX2 = 1  # AVX2 + FMA: bf16 widened to fp32 in registers (no bf16 hardware)
+    AVX512_BF16 = 2  # vdpbf16ps
+    AMX = 3  # AMX tiles (tdpbf16ps); Sapphire Rapids and later
+
+
+# The largest M each kernel serves; above it, oneDNN (or F.linear where oneDNN has no bf16
+# path). Measured by benchmarks/small_gemm.py on weights streamed from memory (docs/engine.md):
+# AMX is ahead of oneDNN through M = 64 and behind at 256; vdpbf16ps is bound by its own
+# throughput past M = 8; the AVX2 kernel is measured against fp32-widening F.linear.
+_MAX_ROWS = {GemmIsa.AMX: 64, GemmIsa.AVX512_BF16: 8, GemmIsa.AVX2: 16}
+
+
+def available() -> list[GemmIsa]:
+    """The kernels this build has and this CPU runs (none when the extension does not load)."""
+    if not load_cpu_kernels():
+        return []
+    mask = int(cpu_ops().small_gemm_isas())
+    return [isa for isa in GemmIsa if mask >> isa.value & 1]
+
+
+@functools.cache
+def chosen() -> GemmIsa | None:
+    """The kernel the engine uses here: the fastest available (logged once)."""
+    isas = available()
+    isa = max(isas) if isas else None
+    logger.info("small-M bf16 GEMM: %s", isa.name if isa is not None else "none (oneDNN)")
+    return isa
+
+
+def max_rows(isa: GemmIsa) -> int:
+    return _MAX_ROWS[isa]
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether this weight can take the kernel: bf16 on the CPU, N a multiple of 16."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % 16 == 0
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The kernels' layout of ``weight`` [N, K]: a new tensor, the caller's to keep."""
+    packed: torch.Tensor = cpu_ops().pack_bf16_weight(weight)
+    return packed
+
+
+def gemm(
+    x: torch.Tensor,  # [M, K] bf16, unit column stride
+    packed: torch.Tensor,  # pack's
+    bias: torch.Tensor | None,  # [N] bf16
+    in_features: int,
+    isa: GemmIsa,
+) -> torch.Tensor:  # [M, N] bf16
+    out: torch.Tensor = cpu_ops().small_gemm_bf16(x, packed, bias, in_features, isa.value)
+    return out

@@ -1,0 +1,100 @@
+"""The bf16 step's fused ops (native_engine/kernels/csrc/fused_ops.cpp) against the torch ops
+they replace, which round as HF does: rotary and SiLU x up to the bit; the residual add to the
+bit; RMSNorm to the bit but where its fp32 sum of squares is ordered apart from torch's, then
+by one bf16 rounding in a few elements. And the layers take them in bf16 only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model_config import RopeConfig
+from native_engine.kernels import fused_ops
+from native_engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm, op by op."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def assert_within_one_rounding(got: torch.Tensor, expected: torch.Tensor) -> None:
+    differ = got != expected
+    assert differ.float().mean().item() <= 1e-3, f"{int(differ.sum())} of {got.numel()} differ"
+    step = expected.double().abs() * 2.0**-7
+    assert bool(((got.double() - expected.double()).abs() <= step)[differ].all())
+
+
+@pytest.mark.parametrize("size", [64, 576, 960, 2048])
+def test_rms_norm_and_the_residual_add_before_it(size: int) -> None:
+    gen = torch.Generator().manual_seed(size)
+    x = (torch.randn(37, size, generator=gen) * torch.rand(37, 1, generator=gen) * 20).bfloat16()
+    delta = torch.randn(37, size, generator=gen).bfloat16()
+    weight = torch.randn(size, generator=gen).bfloat16()
+    assert_within_one_rounding(fused_ops.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5))
+    total, normed = fused_ops.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta)
+    assert_within_one_rounding(normed, torch_rms_norm(x + delta, weight, 1e-5))
+    # Strided rows (a view of wider ones) read as they lie.
+    wide = torch.randn(37, size + 16, generator=gen).bfloat16()
+    assert torch.equal(
+        fused_ops.rms_norm(wide[:, :size], weight, 1e-5),
+        fused_ops.rms_norm(wide[:, :size].contiguous(), weight, 1e-5),
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_is_the_torch_ops_bit_for_bit_on_a_strided_qkv_view(head_dim: int) -> None:
+    tokens, heads, kv = 11, 12, 3
+    gen = torch.Generator().manual_seed(head_dim)
+    table = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 4096, torch.bfloat16)
+    cos, signed_sin = table.lookup(torch.randint(0, 4096, (tokens,), generator=gen))
+    qkv = torch.randn(tokens, (heads + kv) * head_dim, generator=gen).bfloat16()
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # as Attention splits it
+    expected = qk * cos + qk.roll(head_dim // 2, -1) * signed_sin
+    assert torch.equal(fused_ops.rotary(qk, cos, signed_sin), expected)
+    assert torch.equal(apply_rotary(qk, cos, signed_sin), expected)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_silu_times_up_is_the_torch_ops_bit_for_bit(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).bfloat16()
+    gate, up = gate_up.split(1536, dim=-1)
+    assert torch.equal(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_the_layers_fuse_in_bf16_and_keep_torch_ops_in_other_dtypes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen)
+    delta = torch.randn(5, 64, generator=gen)
+    assert fused_ops.applies(x.bfloat16()) and not fused_ops.applies(x)
+    assert not fused_ops.applies(x.half())
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        norm = RMSNorm(64, 1e-6, dtype)
+        norm.weight.copy_(torch.randn(64, generator=gen).to(dtype))
+        total, normed = norm.add_forward(delta.to(dtype), x.to(dtype))
+        assert torch.equal(total, x.to(dtype) + delta.to(dtype))
+        if dtype == torch.bfloat16:
+            assert_within_one_rounding(normed, torch_rms_norm(total, norm.weight, 1e-6))
+        else:
+            assert torch.equal(normed, norm(total))
+    mlp = GatedMLP(64, 96, torch.bfloat16)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen).bfloat16() * 0.1)
+    h = x.bfloat16()
+    gate, up = F.linear(h, mlp.gate_up_proj.weight).split(96, dim=-1)
+    assert torch.equal(mlp(h), F.linear(F.silu(gate) * up, mlp.down_proj.weight))
+
+
+def test_bad_shapes_are_refused_by_name() -> None:
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused_ops.rms_norm(x, torch.zeros(32, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        fused_ops.add_rms_norm(x, x[:2], torch.zeros(64, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="even width"):
+        fused_ops.silu_mul(torch.zeros(3, 63, dtype=torch.bfloat16))
