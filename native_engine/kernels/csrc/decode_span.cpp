@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,15 +42,12 @@ inline __m512 load16(const T* p) {
 template <typename T, int D>
 struct Rows {
   const T* base;
-  const int32_t* table;
-  int64_t block_size, token_stride;
-  const T* token(int64_t t) const {
-    return base + (table[t / block_size] * block_size + t % block_size) * token_stride;
-  }
+  const int64_t* offset;  // token t's row of every kv head: base + offset[t - t0]
+  int64_t t0, row_bytes;
+  const T* token(int64_t t) const { return base + offset[t - t0]; }
   void prefetch(int64_t t) const {
     const char* run = reinterpret_cast<const char*>(token(t));
-    const int64_t bytes = token_stride * static_cast<int64_t>(sizeof(T));
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(run + i, _MM_HINT_T0);
+    for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(run + i, _MM_HINT_T0);
   }
   // Token t's row of kv head h, widened into out[D / 16] (prefetching ahead when asked).
   void load(int64_t t, int64_t t1, int64_t h, bool ahead, __m512* out) const {
@@ -120,8 +118,15 @@ void for_chunks(const DecodeSpan& s, const Pass& pass) {
 template <typename T, int D>
 void run(const DecodeSpan& s) {
   const int64_t token_stride = s.num_kv_heads * D;
-  const Rows<T, D> keys{static_cast<const T*>(s.k), s.table, s.block_size, token_stride};
-  const Rows<T, D> values{static_cast<const T*>(s.v), s.table, s.block_size, token_stride};
+  // Where each token's rows lie, once per span: the block table's division, done per row
+  // read (every head, both passes, the prefetch) cost more than the arithmetic.
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(s.t1 - s.t0);
+  for (int64_t t = s.t0; t < s.t1; ++t)
+    offsets[t - s.t0] = (s.table[t / s.block_size] * s.block_size + t % s.block_size) * token_stride;
+  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+  const Rows<T, D> keys{static_cast<const T*>(s.k), offsets.data(), s.t0, row_bytes};
+  const Rows<T, D> values{static_cast<const T*>(s.v), offsets.data(), s.t0, row_bytes};
   for_chunks(s, [&](auto g, int64_t h, int64_t qh0, bool ahead) {
     scores_for<T, D, decltype(g)::value>(keys, s, h, qh0, ahead);
   });
