@@ -17,6 +17,7 @@ from engine.sampling import (
     seeded_noise,
 )
 from engine.sequence import TokenLogprobs
+from native_engine.kernels import fused_ops
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Sampler:
         # runs after vLLM took them): every engine reports the same, always finite, values.
         processed = processed_logits(guided_logits(logits, requests), requests)
         if all(r.params.greedy for r in requests):
-            token_ids = processed.argmax(dim=-1)
+            token_ids = fused_ops.argmax(processed)
         else:
             token_ids = self._sample(processed, requests)
         ids = token_ids.tolist()
@@ -53,8 +54,8 @@ class Sampler:
         for row, r in enumerate(requests):
             if r.params.seed is not None and not r.params.greedy:
                 noise[row] = seeded_noise(probs.shape[-1], logits.device, r)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = fused_ops.argmax(probs / noise)
+        return torch.where(greedy, fused_ops.argmax(logits), sampled)
 
     @staticmethod
     def _logprobs(

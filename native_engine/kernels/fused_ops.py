@@ -1,6 +1,7 @@
 """The bf16 step's elementwise work fused (``csrc/fused_ops.cpp``): RMSNorm with the residual
 add before it, rotary, SiLU x up. Called by ``native_engine.models.layers`` for bf16 tensors
-on the CPU; every other dtype and device takes torch's ops, which round the same way.
+on the CPU; every other dtype and device takes torch's ops, which round the same way. And the
+sampler's argmax over fp32 logits (``argmax``: torch's answer, ties and NaN included).
 
 Rotary and SiLU x up are torch's (and so HF's) bit for bit; RMSNorm's sum of squares is one
 fp32 sum whose order can differ from torch's on another CPU: a result then moves by one bf16
@@ -43,3 +44,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of gate_up [rows, 2 * size] (gate | up)."""
     y: torch.Tensor = cpu_ops().silu_mul_bf16(gate_up)
     return y
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of [rows, n] logits: the first largest, a NaN counting as
+    largest; rows in parallel on the CPU (torch's is one thread)."""
+    if (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
+        and load_cpu_kernels()
+    ):
+        out: torch.Tensor = cpu_ops().argmax_rows(x)
+        return out
+    return x.argmax(dim=-1)

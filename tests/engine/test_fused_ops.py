@@ -98,3 +98,18 @@ def test_bad_shapes_are_refused_by_name() -> None:
         fused_ops.add_rms_norm(x, x[:2], torch.zeros(64, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="even width"):
         fused_ops.silu_mul(torch.zeros(3, 63, dtype=torch.bfloat16))
+
+
+def test_argmax_is_torchs_with_ties_infinities_and_nans() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 49152 + 7, generator=gen)  # a tail past the last 16 lanes
+    x[1, :] = 2.0  # all tied: the first
+    x[2, 40] = x[2, 41] = float("inf")
+    x[3, 100] = x[3, 9000] = float("nan")  # the first NaN, past a larger value
+    x[3, 50] = float("inf")
+    x[4, -1] = float("nan")  # in the tail
+    x[5, :] = -float("inf")
+    x[6, 49152 + 3] = 1e30  # the largest in the tail
+    assert torch.equal(fused_ops.argmax(x), x.argmax(dim=-1))
+    view = x[:, :1000]  # strided rows
+    assert torch.equal(fused_ops.argmax(view), view.argmax(dim=-1))
