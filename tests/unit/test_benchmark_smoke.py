@@ -34,6 +34,18 @@ def test_engine_decode_benchmark_quick_run_emits_a_json_report(tmp_path: Path) -
     assert report["prefill"]["engine_tok_s"] > 0
 
 
+def test_small_gemm_benchmark_times_every_kernel_against_the_copy_bandwidth() -> None:
+    command = [sys.executable, "benchmarks/small_gemm.py", "--quick"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["copy_gb_s"] > 0 and "AVX2" in report["kernels"]
+    assert report["chosen"] in report["kernels"]
+    assert [row["m"] for row in report["model"]] == [1, 8]
+    for row in report["model"]:
+        assert all(gb_s > 0 for gb_s in row["gb_s"].values())
+
+
 @pytest.mark.slow
 def test_decode_attention_benchmark_quick_run_checks_and_times_both_paths() -> None:
     command = [sys.executable, "benchmarks/decode_attention.py", "--quick"]

@@ -31,5 +31,7 @@ def test_offline_engines_benchmark_runs_both_engines() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert [r["batch"] for r in report["rows"]] == [1, 2]
+    assert report["copy_gb_s"] > 0 and report["weight_bytes"] > 0
     for row in report["rows"]:
         assert row["native_tok_s"] > 0 and row["vllm_tok_s"] > 0
+        assert row["limit_tok_s"] > 0 and row["native_share_of_limit"] > 0
