@@ -29,10 +29,12 @@ class GemmIsa(enum.IntEnum):
 
 
 # The largest M each kernel serves; above it, oneDNN (or F.linear where oneDNN has no bf16
-# path). Measured by benchmarks/small_gemm.py on weights streamed from memory (docs/engine.md):
-# AMX is ahead of oneDNN through M = 64 and behind at 256; vdpbf16ps is bound by its own
-# throughput past M = 8; the AVX2 kernel is measured against fp32-widening F.linear.
-_MAX_ROWS = {GemmIsa.AMX: 64, GemmIsa.AVX512_BF16: 8, GemmIsa.AVX2: 16}
+# path). Measured by benchmarks/small_gemm.py on SmolLM2's shapes, weights read from memory
+# (docs/engine.md has the table): AMX moves 28 GB/s (the copy bandwidth) through M = 16, level
+# with oneDNN at 48, behind it at 64; vdpbf16ps is ahead through M = 4 and behind at 8, bound
+# by its own throughput. The AVX2 kernel's rival, F.linear in bf16 on a CPU without bf16
+# hardware, was not measured: 16 is where it falls to a third of the bandwidth.
+_MAX_ROWS = {GemmIsa.AMX: 48, GemmIsa.AVX512_BF16: 4, GemmIsa.AVX2: 16}
 
 
 def available() -> list[GemmIsa]:
