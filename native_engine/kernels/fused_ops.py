@@ -10,9 +10,15 @@ rounding (tests/engine/test_fused_ops.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from native_engine.kernels.cpu import cpu_ops, load_cpu_kernels
+from native_engine.kernels.small_gemm import GemmIsa
+
+if TYPE_CHECKING:
+    from native_engine.attention import AttentionMetadata
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -60,3 +66,50 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = cpu_ops().argmax_rows(x)
         return out
     return x.argmax(dim=-1)
+
+
+def decode_layer(
+    x: torch.Tensor,  # [tokens, hidden]
+    residual: torch.Tensor | None,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    qkv: torch.Tensor,  # the projections, packed by small_gemm.pack
+    qkv_bias: torch.Tensor | None,
+    o: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [tokens, 1, head_dim]
+    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim] bf16: written here
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_q_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    isa: GemmIsa,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer of a decode-only step (``DecoderLayer.fused_decode``): its output
+    and the residual stream before it."""
+    out, stream = cpu_ops().decode_layer_bf16(
+        x,
+        residual,
+        input_norm,
+        post_norm,
+        eps,
+        qkv,
+        qkv_bias,
+        o,
+        gate_up,
+        down,
+        *rope,
+        k_cache,
+        v_cache,
+        meta.slot_mapping,
+        meta.decode_block_tables,
+        meta.decode_context_lens,
+        num_q_heads,
+        num_kv_heads,
+        scale,
+        isa.value,
+    )
+    return out, stream

@@ -74,18 +74,26 @@ class Linear(nn.Module):
     def prepack(self) -> None:
         """Call once, after the weights are loaded."""
         w = self.weight
-        if w.device.type != "cpu" or w.numel() < _PACK_MIN_NUMEL:
+        if w.device.type != "cpu":
             return
+        # Any size: the kernel has no fixed cost to amortize, unlike oneDNN's packed call.
         isa = small_gemm.chosen() if small_gemm.packs(w) else None
         if isa is not None:
             self._small = small_gemm.pack(w.data)
             self._small_isa, self._small_rows = isa, small_gemm.max_rows(isa)
-        if not _onednn_packs(w.dtype):
+        if w.numel() < _PACK_MIN_NUMEL or not _onednn_packs(w.dtype):
             return  # F.linear for larger M (prefill) on the weight as loaded
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data)
         if self._owns_weight:
             # The packed copy is the only one used from now on.
             w.data = torch.empty(0, dtype=w.dtype)
+
+    def small_kernel(self) -> tuple[torch.Tensor, small_gemm.GemmIsa, int] | None:
+        """The small-M kernel's packing, its ISA and the largest M it serves; None where this
+        layer has none (a fused caller then takes ``forward``)."""
+        if self._small is None or self._small_isa is None:
+            return None
+        return self._small, self._small_isa, self._small_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self._small_isa is not None and x.shape[0] <= self._small_rows:

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import AttentionBackend
 from engine.model_config import ModelConfig
 from native_engine.attention import AttentionMetadata, paged_attention
+from native_engine.kernels import fused_ops
 from native_engine.kv_cache import LayerCache
 from native_engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from native_engine.models.linear import Linear
@@ -84,6 +86,56 @@ class DecoderLayer(nn.Module):
         residual, h = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
+    def fused_rows(self) -> int:
+        """The largest decode batch ``fused_decode`` runs (0: none): every GEMM on the same
+        small-M kernel, no q/k norm."""
+        attn, mlp = self.self_attn, self.mlp
+        kernels = [
+            p.small_kernel() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if attn.q_norm is not None or any(k is None for k in kernels):
+            return 0
+        if len({k[1] for k in kernels if k is not None}) != 1:
+            return 0
+        return min(k[2] for k in kernels if k is not None)
+
+    def fused_decode(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of a decode-only bf16 step in one C++ call, the same kernels in the same
+        order (so the same bits); the caller checked ``fused_rows``."""
+        attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.config
+        qkv = attn.qkv_proj.small_kernel()
+        kernels = [p.small_kernel() for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        assert qkv is not None and all(k is not None for k in kernels)
+        o, gate_up, down = (k[0] for k in kernels if k is not None)
+        out, stream = fused_ops.decode_layer(
+            x,
+            residual,
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            self.input_layernorm.eps,
+            qkv[0],
+            attn.qkv_proj.bias,
+            o,
+            gate_up,
+            down,
+            rope,
+            cache.k,
+            cache.v,
+            meta,
+            cfg.num_q_heads,
+            cfg.num_kv_heads,
+            attn.scale,
+            qkv[1],
+        )
+        return out, stream
+
 
 class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
@@ -95,6 +147,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._fused_rows = 0  # set by prepack: the largest decode batch run fused
         self.lm_head = Linear(
             config.vocab_size,
             config.hidden_size,
@@ -110,6 +163,20 @@ class LlamaFamilyForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
+        self._fused_rows = min((layer.fused_rows() for layer in self.decoder_layers()), default=0)
+
+    def _fused_decode(
+        self, x: torch.Tensor, kv_cache: list[LayerCache], meta: AttentionMetadata
+    ) -> bool:
+        """Whether this step runs each layer as one C++ call: decode rows only, bf16 on the
+        CPU kernels, a full-precision cache, and a batch the small-M GEMMs serve."""
+        return (
+            not meta.prefills
+            and meta.backend is AttentionBackend.CPU
+            and x.shape[0] <= self._fused_rows
+            and not kv_cache[0].quantized
+            and fused_ops.applies(x)
+        )
 
     def forward(
         self,
@@ -121,8 +188,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, kv_cache[i], meta)
+        fused = self._fused_decode(x, kv_cache, meta)
+        for i, layer in enumerate(self.decoder_layers()):
+            if fused:
+                x, residual = layer.fused_decode(x, residual, rope, kv_cache[i], meta)
+            else:
+                x, residual = layer(x, residual, rope, kv_cache[i], meta)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm.add_forward(x, residual)[1]

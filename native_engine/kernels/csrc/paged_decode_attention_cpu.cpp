@@ -311,6 +311,14 @@ at::Tensor paged_decode_attention_quantized(
 
 }  // namespace
 
+namespace pdserve {
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale);
+}
+}  // namespace pdserve
+
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
