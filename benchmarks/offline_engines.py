@@ -3,11 +3,12 @@
 Both engines load the same checkpoint in the same process (vLLM's engine core in-process, with
 its default torch.compile) and decode the same random prompts greedily, EOS ignored, one
 engine at a time. Decode tok/s = batch x (N - 1) / (t(max_tokens=N) - t(max_tokens=1)), best
-of the repeats, so prefill is left out. The same run measures this box's copy bandwidth
-(benchmarks/memory_limit.py) and reports each figure as a share of the weight-read limit,
-batch x bandwidth / the bytes of weights a step reads. Prints a table with ratios (native /
-vLLM) and shares, the native engine's GEMM kernel, then one JSON line. Run in the vLLM
-environment:
+of the repeats, so prefill is left out; prefill tok/s is the batch's prompt tokens over
+t(max_tokens=1) (one step: the prompts, and the first token). The same run measures this
+box's copy bandwidth (benchmarks/memory_limit.py) and reports each decode figure as a share
+of the weight-read limit, batch x bandwidth / the bytes of weights a step reads. Prints the
+tables with ratios (native / vLLM) and shares, the native engine's GEMM kernel, then one JSON
+line. Run in the vLLM environment:
 
     .venv-vllm/bin/python benchmarks/offline_engines.py [--dtype bfloat16] [--batches 1,8,32]
 """
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def native_runner(model: Path, dtype: str, quick: bool) -> Runner:
+def native_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runner:
     kv_bytes = QUICK_KV_BYTES if quick else DEFAULT_CPU_KV_CACHE_BYTES
     llm = LLM(str(model), dtype=dtype, block_size=32, kv_cache_bytes=kv_bytes)
 
@@ -67,7 +68,7 @@ def native_runner(model: Path, dtype: str, quick: bool) -> Runner:
     return run
 
 
-def vllm_runner(model: Path, dtype: str, quick: bool) -> Runner:
+def vllm_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runner:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmParams
@@ -77,7 +78,7 @@ def vllm_runner(model: Path, dtype: str, quick: bool) -> Runner:
         str(model),
         dtype=dtype,
         block_size=32,  # vLLM's CPU attention: a multiple of 32
-        max_model_len=512 if quick else 2048,
+        max_model_len=512 if quick else max(2048, prompt_len + 128),
         kv_cache_memory_bytes=QUICK_KV_BYTES if quick else DEFAULT_CPU_KV_CACHE_BYTES,
         enforce_eager=quick,  # torch.compile: seconds per start, nothing to gain on a tiny model
         seed=0,
@@ -94,14 +95,16 @@ def vllm_runner(model: Path, dtype: str, quick: bool) -> Runner:
     return run
 
 
-def decode_tok_s(run: Runner, batch: int, args: argparse.Namespace, vocab: int) -> float:
+def measure(run: Runner, batch: int, args: argparse.Namespace, vocab: int) -> tuple[float, float]:
+    """Decode tok/s, and prefill tok/s: the batch's prompt tokens over t(max_tokens=1)."""
+
     def prompts(seed: int) -> list[list[int]]:
         return make_prompts(seed, batch, args.prompt_len, vocab)
 
     run(prompts(batch), 4)  # warm-up: compiles, first-touch pages
     full = min(run(prompts(100 * batch + r), args.new_tokens) for r in range(args.repeats))
     first = min(run(prompts(200 * batch + r), 1) for r in range(args.repeats))
-    return batch * (args.new_tokens - 1) / (full - first)
+    return batch * (args.new_tokens - 1) / (full - first), batch * args.prompt_len / first
 
 
 def main() -> None:
@@ -113,9 +116,12 @@ def main() -> None:
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     batches = [int(b) for b in args.batches.split(",")]
     results: dict[str, dict[int, float]] = {}
+    prefill: dict[str, dict[int, float]] = {}  # prompt tok/s
     for name, build in (("native", native_runner), ("vllm", vllm_runner)):
-        run = build(model, args.dtype, args.quick)
-        results[name] = {b: decode_tok_s(run, b, args, vocab) for b in batches}
+        run = build(model, args.dtype, args.quick, args.prompt_len)
+        measured = {b: measure(run, b, args, vocab) for b in batches}
+        results[name] = {b: m[0] for b, m in measured.items()}
+        prefill[name] = {b: m[1] for b, m in measured.items()}
         del run
         gc.collect()
     gb_s = copy_gb_s(size_bytes=QUICK_KV_BYTES if args.quick else None)
@@ -140,11 +146,20 @@ def main() -> None:
                 "limit_tok_s": limit,
                 "native_share_of_limit": native / limit,
                 "vllm_share_of_limit": vllm / limit,
+                "native_prefill_tok_s": prefill["native"][b],
+                "vllm_prefill_tok_s": prefill["vllm"][b],
+                "prefill_ratio": prefill["native"][b] / prefill["vllm"][b],
             }
         )
         print(
             f"{b:>5} {native:>9.1f} {vllm:>9.1f} {native / vllm:>11.2f}x {limit:>8.1f}"
             f" {native / limit:>7.0%} {vllm / limit:>6.0%}"
+        )
+    print(f"prefill tok/s ({args.prompt_len}-token prompts, one step for the batch)")
+    for r in rows:
+        print(
+            f"{r['batch']:>5} {r['native_prefill_tok_s']:>9.1f} {r['vllm_prefill_tok_s']:>9.1f}"
+            f" {r['prefill_ratio']:>11.2f}x"
         )
     report = {
         "benchmark": "offline_engines",

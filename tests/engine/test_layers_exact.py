@@ -1,6 +1,9 @@
 """The engine's RMSNorm and rotary embedding against HF transformers' own code, bit for bit,
 in every model dtype: the fused forms (one ``rms_norm`` kernel; one roll against a signed sin
-table, queries and keys rotated side by side) round exactly as HF does op by op."""
+table, queries and keys rotated side by side) round exactly as HF does op by op. In bf16 on the
+CPU the norm is pdserve's C++ op, whose fp32 sum of squares is torch's order where the compiler
+vectorizes it so (this box) and otherwise moves a result by one bf16 rounding, rarely
+(``tests/engine/test_fused_ops.py`` bounds that): here it is held to the rarely."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from engine.model_config import RopeConfig
 from native_engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from tests.engine.test_fused_ops import assert_within_one_rounding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -30,7 +34,10 @@ def test_rms_norm_is_hf_bit_for_bit(dtype: torch.dtype, size: int) -> None:
         expected = hf(x)
     got = ours(x)
     assert got.dtype == expected.dtype == dtype
-    assert torch.equal(got, expected)
+    if dtype == torch.bfloat16:
+        assert_within_one_rounding(got, expected)
+    else:
+        assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

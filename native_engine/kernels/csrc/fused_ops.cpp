@@ -31,6 +31,11 @@ namespace {
 using pdserve::bf16_to_float;
 using pdserve::float_to_bf16;
 using pdserve::round_bf16;
+#if defined(__AVX512F__)
+using pdserve::bf16x16_to_float;
+using pdserve::round_bf16x16;
+using pdserve::store_bf16x16;
+#endif
 
 const uint16_t* in(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -51,8 +56,26 @@ void norm_row(const uint16_t* x, const uint16_t* w, int64_t size, float eps, uin
     sum += v * v;
   }
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(size) + eps);
-  for (int64_t i = 0; i < size; ++i)
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 inv_v = _mm512_set1_ps(inv);
+  for (; i + 16 <= size; i += 16) {
+    const __m512 normed = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(x + i), inv_v));
+    store_bf16x16(y + i, _mm512_mul_ps(bf16x16_to_float(w + i), normed));
+  }
+#endif
+  for (; i < size; ++i)
     y[i] = float_to_bf16(bf16_to_float(w[i]) * round_bf16(bf16_to_float(x[i]) * inv));
+}
+
+// a + b rounded to bf16, n elements.
+void add_row(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* sum) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    store_bf16x16(sum + i, _mm512_add_ps(bf16x16_to_float(a + i), bf16x16_to_float(b + i)));
+#endif
+  for (; i < n; ++i) sum[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
 }
 
 }  // namespace
@@ -94,8 +117,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       uint16_t* s = ps + r * size;
-      for (int64_t i = 0; i < size; ++i)
-        s[i] = float_to_bf16(bf16_to_float(pr[r * ldr + i]) + bf16_to_float(pd[r * ldd + i]));
+      add_row(pr + r * ldr, pd + r * ldd, size, s);
       norm_row(s, pw, size, static_cast<float>(eps), py + r * size);
     }
   });
@@ -127,10 +149,22 @@ at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
       for (int64_t h = 0; h < heads; ++h) {
         const uint16_t* row = px + t * ldx + h * dim;
         uint16_t* o = py + (t * heads + h) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if (half % 16 == 0) {  // the rolled row is whole vectors of the row
+          for (; i < dim; i += 16) {
+            const __m512 a = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(row + i),
+                                                         bf16x16_to_float(c + i)));
+            const __m512 b = round_bf16x16(_mm512_mul_ps(
+                bf16x16_to_float(row + (i < half ? i + half : i - half)), bf16x16_to_float(s + i)));
+            store_bf16x16(o + i, _mm512_add_ps(a, b));
+          }
+        }
+#endif
+        for (; i < dim; ++i) {
           const float rolled = bf16_to_float(row[i < half ? i + half : i - half]);
           o[i] = float_to_bf16(round_bf16(bf16_to_float(row[i]) * bf16_to_float(c[i])) +
-                         round_bf16(rolled * bf16_to_float(s[i])));
+                               round_bf16(rolled * bf16_to_float(s[i])));
         }
       }
     }
@@ -150,9 +184,16 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   uint16_t* py = out(y);
   const int64_t ld = gate_up.stride(0);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < size; ++i)
-        py[r * size + i] = float_to_bf16(bf16_to_float(py[r * size + i]) * bf16_to_float(pu[r * ld + i]));
+    for (int64_t r = begin; r < end; ++r) {
+      uint16_t* row = py + r * size;
+      const uint16_t* up = pu + r * ld;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= size; i += 16)
+        store_bf16x16(row + i, _mm512_mul_ps(bf16x16_to_float(row + i), bf16x16_to_float(up + i)));
+#endif
+      for (; i < size; ++i) row[i] = float_to_bf16(bf16_to_float(row[i]) * bf16_to_float(up[i]));
+    }
   });
   return y;
 }
