@@ -10,6 +10,7 @@ rounding (tests/engine/test_fused_ops.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,48 +69,57 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+@dataclass(frozen=True)
+class FusedLayerWeights:
+    """A decoder layer's constants for ``decode_layer``, gathered once after loading
+    (``DecoderLayer.fused_weights``)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: torch.Tensor  # the projections, packed by small_gemm.pack
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    num_q_heads: int
+    num_kv_heads: int
+    scale: float
+    isa: GemmIsa
+    max_rows: int  # the largest batch every GEMM's kernel serves
+
+
 def decode_layer(
     x: torch.Tensor,  # [tokens, hidden]
     residual: torch.Tensor | None,
-    input_norm: torch.Tensor,
-    post_norm: torch.Tensor,
-    eps: float,
-    qkv: torch.Tensor,  # the projections, packed by small_gemm.pack
-    qkv_bias: torch.Tensor | None,
-    o: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [tokens, 1, head_dim]
     k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim] bf16: written here
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    num_q_heads: int,
-    num_kv_heads: int,
-    scale: float,
-    isa: GemmIsa,
+    w: FusedLayerWeights,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of a decode-only step (``DecoderLayer.fused_decode``): its output
     and the residual stream before it."""
     out, stream = cpu_ops().decode_layer_bf16(
         x,
         residual,
-        input_norm,
-        post_norm,
-        eps,
-        qkv,
-        qkv_bias,
-        o,
-        gate_up,
-        down,
+        w.input_norm,
+        w.post_norm,
+        w.eps,
+        w.qkv,
+        w.qkv_bias,
+        w.o,
+        w.gate_up,
+        w.down,
         *rope,
         k_cache,
         v_cache,
         meta.slot_mapping,
         meta.decode_block_tables,
         meta.decode_context_lens,
-        num_q_heads,
-        num_kv_heads,
-        scale,
-        isa.value,
+        w.num_q_heads,
+        w.num_kv_heads,
+        w.scale,
+        w.isa.value,
     )
     return out, stream

@@ -67,6 +67,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype)
+        self._fused: fused_ops.FusedLayerWeights | None = None
 
     def forward(
         self,
@@ -86,18 +87,41 @@ class DecoderLayer(nn.Module):
         residual, h = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
 
-    def fused_rows(self) -> int:
-        """The largest decode batch ``fused_decode`` runs (0: none): every GEMM on the same
-        small-M kernel, no q/k norm."""
-        attn, mlp = self.self_attn, self.mlp
+    def fused_weights(self) -> fused_ops.FusedLayerWeights | None:
+        """What ``fused_decode`` passes of this layer (kept once found, after ``prepack``), or
+        None where it cannot run: a GEMM off the small-M kernel, kernels of two ISAs, a q/k
+        norm."""
+        if self._fused is not None:
+            return self._fused
+        attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.config
         kernels = [
             p.small_kernel() for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ]
-        if attn.q_norm is not None or any(k is None for k in kernels):
-            return 0
-        if len({k[1] for k in kernels if k is not None}) != 1:
-            return 0
-        return min(k[2] for k in kernels if k is not None)
+        found = [k for k in kernels if k is not None]
+        if attn.q_norm is not None or len(found) < 4 or len({k[1] for k in found}) != 1:
+            return None
+        (qkv, isa, _), (o, _, _), (gate_up, _, _), (down, _, _) = found
+        self._fused = fused_ops.FusedLayerWeights(
+            input_norm=self.input_layernorm.weight,
+            post_norm=self.post_attention_layernorm.weight,
+            eps=self.input_layernorm.eps,
+            qkv=qkv,
+            qkv_bias=attn.qkv_proj.bias,
+            o=o,
+            gate_up=gate_up,
+            down=down,
+            num_q_heads=cfg.num_q_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            scale=attn.scale,
+            isa=isa,
+            max_rows=min(k[2] for k in found),
+        )
+        return self._fused
+
+    def fused_rows(self) -> int:
+        """The largest decode batch ``fused_decode`` runs (0: none)."""
+        weights = self.fused_weights()
+        return weights.max_rows if weights is not None else 0
 
     def fused_decode(
         self,
@@ -109,32 +133,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` of a decode-only bf16 step in one C++ call, the same kernels in the same
         order (so the same bits); the caller checked ``fused_rows``."""
-        attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.config
-        qkv = attn.qkv_proj.small_kernel()
-        kernels = [p.small_kernel() for p in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        assert qkv is not None and all(k is not None for k in kernels)
-        o, gate_up, down = (k[0] for k in kernels if k is not None)
-        out, stream = fused_ops.decode_layer(
-            x,
-            residual,
-            self.input_layernorm.weight,
-            self.post_attention_layernorm.weight,
-            self.input_layernorm.eps,
-            qkv[0],
-            attn.qkv_proj.bias,
-            o,
-            gate_up,
-            down,
-            rope,
-            cache.k,
-            cache.v,
-            meta,
-            cfg.num_q_heads,
-            cfg.num_kv_heads,
-            attn.scale,
-            qkv[1],
-        )
-        return out, stream
+        weights = self._fused
+        assert weights is not None
+        return fused_ops.decode_layer(x, residual, rope, cache.k, cache.v, meta, weights)
 
 
 class LlamaFamilyForCausalLM(nn.Module):
