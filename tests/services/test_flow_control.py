@@ -183,18 +183,27 @@ def test_a_full_class_sheds_with_retry_after_and_an_unreachable_target_is_refuse
             assert "class 'bulk' has 2 requests waiting" in answer.json()["error"]["message"]
         assert metric(cluster.router, "pdserve_flow_shed_total", 'reason="queue_full"') >= 1
 
-        # Under load (a batch of requests one at a time in flight, the rest waiting), a
-        # request whose target its prediction misses is refused at once, never admitted.
+        # Under load (more urgent requests one at a time in flight, the rest waiting in the
+        # router, ahead of the default class), a request whose target its prediction misses
+        # is refused at once, never admitted. The work ahead must be the router's own queue:
+        # a worker's reported backlog can read 0 between two of its steps, and a request
+        # with nothing ahead is admitted whatever its target (there is nothing to wait for).
         shed = 'reason="slo_unreachable"'
         before = metric(cluster.router, "pdserve_flow_shed_total", shed)
         admitted = metric(cluster.router, "pdserve_flow_admitted_total", 'class="default"')
         async with grpc.aio.insecure_channel(cluster.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
-            load = [
-                asyncio.create_task(FirstTokens().run(stub, f"l{i}", _batch(p), "load"))
-                for i, p in enumerate(_prompts(12, 6))
+            urgent = [
+                router_pb2.GenerateRequest(
+                    prompt_token_ids=p, sampling=SAMPLING, service_class="interactive"
+                )
+                for p in _prompts(12, 6)
             ]
-            await _queued(cluster, "batch", 4)
+            load = [
+                asyncio.create_task(FirstTokens().run(stub, f"l{i}", r, "load"))
+                for i, r in enumerate(urgent)
+            ]
+            await _queued(cluster, "interactive", 8)
             request = router_pb2.GenerateRequest(
                 prompt_token_ids=prompts[0],
                 sampling=SAMPLING,
