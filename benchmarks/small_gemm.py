@@ -27,7 +27,7 @@ from memory_limit import copy_gb_s, gemm_shapes, last_level_cache_bytes  # sibli
 
 from app.fetch_model import fetch_model
 from native_engine.kernels import small_gemm
-from native_engine.models.linear import _onednn_packs
+from native_engine.models.linear import onednn_packs
 
 ONEDNN = "onednn"
 
@@ -51,7 +51,7 @@ def kernels() -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], tor
             return lambda x: small_gemm.gemm(x, packed, None, k, isa)
 
         made[isa.name] = ours
-    if _onednn_packs(torch.bfloat16):
+    if onednn_packs(torch.bfloat16):
 
         def onednn(w: torch.Tensor) -> Callable[..., torch.Tensor]:
             packed = torch.ops.mkldnn._reorder_linear_weight(w)

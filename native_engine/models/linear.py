@@ -26,7 +26,7 @@ from native_engine.kernels import small_gemm
 _PACK_MIN_NUMEL = 1 << 17
 
 
-def _onednn_packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs GEMMs of this dtype natively on this CPU."""
     if not (
         torch.backends.mkldnn.is_available()
@@ -81,7 +81,7 @@ class Linear(nn.Module):
         if isa is not None:
             self._small = small_gemm.pack(w.data)
             self._small_isa, self._small_rows = isa, small_gemm.max_rows(isa)
-        if w.numel() < _PACK_MIN_NUMEL or not _onednn_packs(w.dtype):
+        if w.numel() < _PACK_MIN_NUMEL or not onednn_packs(w.dtype):
             return  # F.linear for larger M (prefill) on the weight as loaded
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data)
         if self._owns_weight:
