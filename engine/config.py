@@ -9,6 +9,7 @@ import enum
 import re
 from dataclasses import dataclass, field
 
+from engine.dtype_choice import AUTO, DTYPE_FLAG_CHOICES, resolve_dtype
 from engine.dtypes import DTYPE_NAMES
 from engine.kv_layout import KVCacheDtype
 
@@ -283,7 +284,11 @@ class VllmOptions:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    # ``auto`` is resolved on construction, for this machine (engine/dtype_choice.py): a
+    # config always holds the dtype it runs.
+    dtype: str = field(
+        default="auto", metadata={DOC: "float32, bfloat16, float16, or auto (docs/engine.md)"}
+    )
     max_model_len: int | None = field(
         default=None, metadata={DOC: "longest request (default: the model's)"}
     )
@@ -329,8 +334,10 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.dtype == AUTO:
+            object.__setattr__(self, "dtype", resolve_dtype(AUTO, self.model).value)
         if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {DTYPE_FLAG_CHOICES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -24,7 +24,7 @@ class LLM:
         self,
         model: str,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,

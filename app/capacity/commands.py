@@ -99,7 +99,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         ),
         vllm=vllm_options(args),
     )
-    print(f"profiling {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    print(f"profiling {args.model} ({layout.dtype.value}) ...", file=sys.stderr, flush=True)
     profile = measure(config, args.kv_backend, QUICK if args.quick else ProfilePlan())
     if args.router is not None:
         profile = _calibrated(profile, args)

@@ -57,7 +57,7 @@ def test_the_real_template_renders_as_transformers(chat_model_dir: Path) -> None
 
 @pytest.fixture(scope="module")
 def engine(chat_model_dir: Path) -> LLM:
-    return LLM(str(chat_model_dir))
+    return LLM(str(chat_model_dir), dtype="float32")  # HF in float32 beside it
 
 
 def test_the_engine_decodes_as_hf_transformers(chat_model_dir: Path, engine: LLM) -> None:
@@ -96,9 +96,9 @@ def cluster(
         yield c
 
 
-def test_the_openai_api_answers_a_question(
-    cluster: LocalCluster, chat_model_dir: Path, engine: LLM
-) -> None:
+def test_the_openai_api_answers_a_question(cluster: LocalCluster, chat_model_dir: Path) -> None:
+    """The cluster runs the default dtype, ``auto`` (bfloat16 on a CPU with bf16 hardware):
+    its tokens are one engine's of that default."""
     client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="none", max_retries=0)
     r = client.chat.completions.create(
         model="smollm2",
@@ -110,6 +110,7 @@ def test_the_openai_api_answers_a_question(
     assert r.choices[0].message.content == "The capital of France is Paris."
     assert r.choices[0].finish_reason == "stop"
     prompt = hf_prompt(chat_model_dir, QUESTIONS[0])
+    engine = LLM(str(chat_model_dir))
     (ref,) = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))
     assert r.choices[0].model_extra["token_ids"] == ref.token_ids  # type: ignore[index]
 
@@ -165,7 +166,9 @@ def test_ngram_speculation_on_a_copy_answer_keeps_most_guesses(
         SamplingParams(max_tokens=64, temperature=0.0),
         SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1),
     ]
-    spec = LLM(str(chat_model_dir), speculative_method="ngram", num_speculative_tokens=4)
+    spec = LLM(
+        str(chat_model_dir), dtype="float32", speculative_method="ngram", num_speculative_tokens=4
+    )
     for p in params:
         before = spec.engine.stats()
         out = spec.generate([prompt], p)[0]

@@ -19,6 +19,7 @@ from engine.config import (
     SpecMethod,
     SpeculativeConfig,
 )
+from engine.dtype_choice import AUTO, resolve_dtype
 from pdserve.common.role import Role
 from pdserve.common.server import ServerConfig
 from prefill_service.config import PrefillConfig
@@ -35,8 +36,13 @@ def test_router_flag_defaults_are_the_config_defaults() -> None:
     built = router_config(args)
     default = RouterConfig(model="m", prefill_addresses=("p:1",), decode_addresses=("d:1",))
     for field in dataclasses.fields(RouterConfig):
-        if field.name not in NOT_FLAG_DEFAULTS:
+        if field.name not in NOT_FLAG_DEFAULTS | {"layout"}:
             assert getattr(built, field.name) == getattr(default, field.name), field.name
+    # A layout holds a resolved dtype; the flag's default is auto, resolved for the model on
+    # this machine (as the workers' EngineConfig resolves its own default).
+    auto = dataclasses.replace(default.layout, dtype=resolve_dtype(AUTO, "m"))
+    assert built.layout == auto
+    assert auto.dtype.value == EngineConfig(model="m").dtype
 
 
 def test_engine_flag_defaults_are_the_config_defaults() -> None:

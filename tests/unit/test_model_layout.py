@@ -15,12 +15,14 @@ from engine.model_layout import ModelLayout
 
 def _parsed(*argv: str, env: dict[str, str] | None = None) -> ModelLayout:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="m")  # every command with the layout flags has one
     add_layout_flags(parser, env or {})
     return layout_of(parser.parse_args(list(argv)))
 
 
 def test_the_flags_make_one_layout_and_the_layout_gives_the_same_flags_back() -> None:
-    assert _parsed() == ModelLayout() == ModelLayout(ModelDtype.FLOAT32, 16)
+    # Unset, --dtype is auto: this machine's choice (tests/unit/test_dtype_choice.py).
+    assert _parsed("--dtype", "float32") == ModelLayout() == ModelLayout(ModelDtype.FLOAT32, 16)
     assert _parsed("--engine", "vllm").block_size == 32  # the engine's default
     layout = _parsed("--dtype", "bfloat16", "--block-size", "64", "--kv-cache-dtype", "int8")
     assert layout == ModelLayout(ModelDtype.BFLOAT16, 64, KVCacheDtype.INT8, EngineBackend.NATIVE)
