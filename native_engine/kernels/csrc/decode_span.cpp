@@ -49,6 +49,13 @@ struct Rows {
     const char* run = reinterpret_cast<const char*>(token(t));
     for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(run + i, _MM_HINT_T0);
   }
+  // Into L2 only: its miss queue holds three times L1's, so fetching far ahead this way
+  // keeps more lines in flight than L1's fill buffers can (where those run out, a prefetch
+  // stalls the loop that asked for it).
+  void prefetch_l2(int64_t t) const {
+    const char* run = reinterpret_cast<const char*>(token(t));
+    for (int64_t i = 0; i < row_bytes; i += 64) _mm_prefetch(run + i, _MM_HINT_T1);
+  }
   // Token t's row of kv head h, widened into out[D / 16] (prefetching ahead when asked).
   void load(int64_t t, int64_t t1, int64_t h, bool ahead, __m512* out) const {
     if (ahead && t + kPrefetchAhead < t1) prefetch(t + kPrefetchAhead);
@@ -115,6 +122,81 @@ void for_chunks(const DecodeSpan& s, const Pass& pass) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// Sums each of 16 vectors' lanes at once, a transpose as it adds (45 shuffles and adds for 16
+// dot products, where a horizontal sum each is ~8 dependent ones): lane l of the result is
+// the sum of v[l / 4 + 4 * (l % 4)].
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s halves added; 8-15: v[2i + 1]'s
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter q: v[4i + q]'s four partial sums
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // quarter q: v[8i + q]'s two, v[8i + 4 + q]'s two
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                       _mm512_shuffle_ps(y[0], y[1], 0xDD));
+}
+
+// One query head's dot with one bf16 key row: `vdpbf16ps` takes the row as it lies (pairs of
+// dims), so nothing is widened. A bf16 query is exact as bf16 pairs, and each product of two
+// bf16 is exact in fp32: only the order of the fp32 sums differs from the widening path.
+template <int D>
+inline __m512 dot_bf16(const __m512bh* q, const c10::BFloat16* row) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int p = 0; p < D / 32; ++p)
+    acc = _mm512_dpbf16_ps(acc, q[p], (__m512bh)_mm512_loadu_si512(row + 32 * p));
+  return acc;
+}
+
+// The scores pass for a bf16 cache: 16 tokens at a time, every head of each token while its
+// row is in L1, one transposing sum per (16 tokens, query head). It fetches keys and values
+// two chunks ahead into L2, so the values pass finds its rows there.
+template <int D>
+void scores_bf16(const Rows<c10::BFloat16, D>& keys, const Rows<c10::BFloat16, D>& values,
+                 const DecodeSpan& s) {
+  constexpr int P = D / 32;
+  const int64_t n = s.t1 - s.t0, heads = s.num_kv_heads * s.group;
+  thread_local std::vector<__m512bh> q;
+  q.resize(heads * P);
+  for (int64_t qh = 0; qh < heads; ++qh)
+    for (int p = 0; p < P; ++p) {
+      const float* src = s.q + qh * D + 32 * p;
+      q[qh * P + p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    }
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  int64_t t = s.t0;
+  for (int64_t a = t + 16; a < std::min(s.t1, t + 32); ++a) {
+    keys.prefetch_l2(a);
+    values.prefetch_l2(a);
+  }
+  for (; t + 16 <= s.t1; t += 16) {
+    for (int64_t a = t + 32; a < std::min(s.t1, t + 48); ++a) {
+      keys.prefetch_l2(a);
+      values.prefetch_l2(a);
+    }
+    const c10::BFloat16* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = keys.token(t + j);
+    for (int64_t h = 0; h < s.num_kv_heads; ++h)
+      for (int64_t qh = h * s.group; qh < (h + 1) * s.group; ++qh) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j)  // token j into the slot whose sum lands in lane j
+          acc[j / 4 + 4 * (j % 4)] = dot_bf16<D>(&q[qh * P], rows[j] + h * D);
+        _mm512_storeu_ps(s.scores + qh * n + (t - s.t0), _mm512_mul_ps(sum16(acc), scale));
+      }
+  }
+  for (; t < s.t1; ++t)
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      const c10::BFloat16* row = keys.token(t) + (qh / s.group) * D;
+      const __m512 dot = dot_bf16<D>(&q[qh * P], row);
+      s.scores[qh * n + (t - s.t0)] = _mm512_reduce_add_ps(dot) * s.scale;
+    }
+}
+#endif
+
 template <typename T, int D>
 void run(const DecodeSpan& s) {
   const int64_t token_stride = s.num_kv_heads * D;
@@ -134,9 +216,16 @@ void run(const DecodeSpan& s) {
     keys.prefetch(t);
     values.prefetch(t);
   }
-  for_chunks(s, [&](auto g, int64_t h, int64_t qh0, bool ahead) {
-    scores_for<T, D, decltype(g)::value>(keys, s, h, qh0, ahead);
-  });
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    scores_bf16<D>(keys, values, s);
+  } else
+#endif
+  {
+    for_chunks(s, [&](auto g, int64_t h, int64_t qh0, bool ahead) {
+      scores_for<T, D, decltype(g)::value>(keys, s, h, qh0, ahead);
+    });
+  }
   const int64_t n = s.t1 - s.t0;
   for (int64_t qh = 0; qh < s.num_kv_heads * s.group; ++qh)
     softmax_span(s.scores + qh * n, n, s.part + qh * (D + 2), D);
