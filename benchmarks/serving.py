@@ -25,6 +25,7 @@ from bench_inputs import REPO  # sibling module
 from servers import (
     BASELINE,
     Load,
+    llama_cpp_serve,
     pdserve_client,
     pdserve_up,
     vllm_client,
@@ -107,6 +108,8 @@ def measure(args: argparse.Namespace, model: Path, logs: Path) -> dict[str, Any]
                 server = vllm_serve(args, dtype, model, logs)
             elif system == "vllm-pd":
                 server = vllm_pd(args, dtype, model, logs)
+            elif system.startswith("llama-cpp"):
+                server = llama_cpp_serve(args, system, logs)
             else:
                 server = pdserve_up(system, args, dtype, model, logs)
             try:
