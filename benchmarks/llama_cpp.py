@@ -77,7 +77,13 @@ def batched_bench(
 
 @contextlib.contextmanager
 def llama_server(
-    directory: Path, gguf: str, max_model_len: int, slots: int, port: int, log: Path
+    directory: Path,
+    gguf: str,
+    max_model_len: int,
+    slots: int,
+    port: int,
+    log: Path,
+    repack: bool = True,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """``llama-server`` on ``GGUFS[gguf]`` with ``slots`` sequences batched continuously, each
     up to ``max_model_len`` tokens, on every CPU this process may use."""
@@ -86,6 +92,7 @@ def llama_server(
         *("-m", str(directory / "models" / GGUFS[gguf]), "-t", str(threads())),
         *("--host", "127.0.0.1", "--port", str(port)),
         *("-c", str(slots * max_model_len), "-np", str(slots), "--cont-batching"),
+        *(() if repack else ("--no-repack",)),
     ]
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)

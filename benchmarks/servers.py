@@ -134,18 +134,27 @@ def vllm_serve(
 
 @contextlib.contextmanager
 def llama_cpp_serve(args: argparse.Namespace, system: str, logs: Path) -> Iterator[str]:
-    """``llama-server`` with as many slots as pdserve's decode batch is likely to reach here."""
+    """``llama-server`` with 16 slots (more than pdserve's decode batch reaches here). Its
+    weight repacking is tried first; where the server dies before it is ready (its Q4_1 AMX
+    path does on this box: SIGSEGV), it is started again without."""
     gguf = "q4_1" if system.endswith("q4_1") else "bf16"
-    port = free_port()
-    log = logs / f"{system}.log"
-    slots = 16
-    server = llama_cpp.llama_server(
-        llama_cpp.DEFAULT_DIR, gguf, args.max_model_len, slots, port, log
-    )
-    with server as process:
-        url = f"http://127.0.0.1:{port}"
-        wait_http(url, process)
-        yield url
+    for repack in (True, False):
+        port = free_port()
+        log = logs / f"{system}{'' if repack else '-no-repack'}.log"
+        server = llama_cpp.llama_server(
+            llama_cpp.DEFAULT_DIR, gguf, args.max_model_len, 16, port, log, repack
+        )
+        with server as process:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                wait_http(url, process)
+            except RuntimeError:
+                if not repack:
+                    raise
+                print(f"   {system}: exited {process.returncode} with repacking; again without")
+                continue
+            yield url
+            return
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
