@@ -1,14 +1,17 @@
 """``--dtype auto``: the dtype a machine serves a checkpoint fastest in, decided once per
 command from facts read without torch (the router resolves it too, and must agree).
 
-The rule (``choose_dtype``, pure) is written here and tabled in docs/engine.md:
+The rule (``choose_dtype``, pure) is written here and tabled in docs/engine.md. Its test is
+"fastest at equal exactness": a dtype is chosen only where the engine keeps its invariant in
+it (a row's numerics do not depend on its batch, so disaggregated output is one engine's):
 
 - a CUDA GPU: the checkpoint's own dtype (bfloat16 for a float32 checkpoint, as vLLM does);
-- a CPU with bf16 hardware (AMX-BF16 or AVX512-BF16): bfloat16. A decode step reads every
-  weight, and bf16 halves the bytes; our small-M kernel and fused decode layer run it near the
-  copy bandwidth (issue 40: SmolLM2-135M decodes 3.3x faster in bf16 than in fp32 there);
-- a CPU without (AVX2 / FMA only): float32. Without bf16 hardware every engine measured runs
-  bf16 about 3x slower than fp32 once batches pass a few rows (issue 40's AVX2 box);
+- a CPU with AMX-BF16: bfloat16. A decode step reads every weight and bf16 halves the bytes;
+  pdserve's AMX GEMM serves every M with the same sums, so every bf16 row is batch-invariant
+  (issue 40: SmolLM2-135M decodes 3.3x faster in bf16 than in fp32 there);
+- a CPU with AVX512-BF16 but no AMX, or AVX2 / FMA only: float32. The first's bf16 GEMMs above
+  4 rows are oneDNN's, whose rows move with M; without bf16 hardware every engine measured
+  runs bf16 about 3x slower than fp32 once batches pass a few rows (issue 40's AVX2 box);
 - a model under ``MIN_BF16_PARAMS`` parameters: float32 on any CPU. Its weights sit in the
   CPU's caches, a step is bound by per-op overhead, not by bytes, and bf16 only costs precision.
 
@@ -46,7 +49,7 @@ AUTO = "auto"
 DTYPE_FLAG_CHOICES = (AUTO, *DTYPE_NAMES)
 # 16 M parameters: 64 MB of fp32 weights, past the L2 of any CPU and most of an L3 slice.
 MIN_BF16_PARAMS = 16_000_000
-BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+AMX_BF16 = "amx_bf16"
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,13 @@ def choose_dtype(machine: MachineFacts, checkpoint: CheckpointFacts) -> DtypeCho
             ModelDtype.FLOAT32,
             f"CPU, {checkpoint.num_params} parameters (< {MIN_BF16_PARAMS}: weights in cache)",
         )
-    hardware = sorted(BF16_CPU_FLAGS & machine.cpu_flags)
-    if hardware:
-        return DtypeChoice(ModelDtype.BFLOAT16, f"CPU with {' and '.join(hardware)}")
-    return DtypeChoice(ModelDtype.FLOAT32, "CPU without bf16 hardware (no amx_bf16, avx512_bf16)")
+    if AMX_BF16 in machine.cpu_flags:
+        return DtypeChoice(ModelDtype.BFLOAT16, "CPU with amx_bf16: batch-invariant bf16 GEMMs")
+    if "avx512_bf16" in machine.cpu_flags:
+        return DtypeChoice(
+            ModelDtype.FLOAT32, "CPU with avx512_bf16, no amx_bf16: bf16 rows move with the batch"
+        )
+    return DtypeChoice(ModelDtype.FLOAT32, "CPU without bf16 hardware (no amx_bf16)")
 
 
 def machine_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> MachineFacts:

@@ -1,10 +1,12 @@
-"""The bf16 GEMM for decode shapes (``csrc/small_gemm.cpp``): which kernels this CPU has, the
-one chosen, where it hands over to oneDNN, and the calls.
+"""pdserve's bf16 GEMM (``csrc/small_gemm.cpp``): which kernels this CPU has, the one chosen,
+where it hands over to oneDNN, and the calls.
 
 Called by ``native_engine.models.linear.Linear``: ``pack`` once per weight after loading (the
 packed copy is the layer's to keep), ``gemm`` per forward when the batch has at most
 ``max_rows(isa)`` rows. A row's result does not depend on M up to that bound, on one ISA: a
-request's decode numerics do not change with how many share its step.
+request's numerics do not change with how many share its step. AMX serves every M (decode
+shapes stream the weights, prefill shapes take panels, bit for bit the same sums), so on AMX
+every bf16 GEMM row is batch-invariant; oneDNN's bf16 rows are not (they move with M).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import sys
 
 import torch
 
@@ -28,13 +31,16 @@ class GemmIsa(enum.IntEnum):
     AMX = 3  # AMX tiles (tdpbf16ps); Sapphire Rapids and later
 
 
+# Serves any batch.
+EVERY_M = sys.maxsize
 # The largest M each kernel serves; above it, oneDNN (or F.linear where oneDNN has no bf16
-# path). Measured by benchmarks/small_gemm.py on SmolLM2's shapes, weights read from memory
-# (docs/engine.md has the table): AMX moves 28 GB/s (the copy bandwidth) through M = 16, level
-# with oneDNN at 48, behind it at 64; vdpbf16ps is ahead through M = 4 and behind at 8, bound
-# by its own throughput. The AVX2 kernel's rival, F.linear in bf16 on a CPU without bf16
-# hardware, was not measured: 16 is where it falls to a third of the bandwidth.
-_MAX_ROWS = {GemmIsa.AMX: 48, GemmIsa.AVX512_BF16: 4, GemmIsa.AVX2: 16}
+# path). Measured by benchmarks/small_gemm.py on SmolLM2's shapes (docs/engine.md has the
+# table): AMX streams weights at the copy bandwidth through M = 16 and from 48 rows takes
+# 32 x 32 panels, level with oneDNN from 64 to 1024 rows (0.86-1.07x its time), 1.3x at 2048;
+# vdpbf16ps is ahead through M = 4 and behind at 8, bound by its own throughput. The AVX2
+# kernel's rival, F.linear in bf16 on a CPU without bf16 hardware, was not measured: 16 is
+# where it falls to a third of the bandwidth.
+_MAX_ROWS = {GemmIsa.AMX: EVERY_M, GemmIsa.AVX512_BF16: 4, GemmIsa.AVX2: 16}
 
 
 def available() -> list[GemmIsa]:

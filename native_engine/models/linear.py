@@ -7,10 +7,11 @@ always, bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX: one
 fp16 where it has AVX512-FP16 / AVX-NE-CONVERT. A packed call costs ~50 us more up front, so
 weights under 128K elements stay on ``F.linear``.
 
-In bf16, decode batches (M up to ``small_gemm.max_rows``) take pdserve's own kernel instead
+In bf16, batches of up to ``small_gemm.max_rows`` rows take pdserve's own kernel instead
 (``native_engine/kernels/small_gemm.py``): oneDNN's small-M path reads weights at 65-75 % of
 the memory's bandwidth, this one at about all of it, and a row's result does not depend on how
-many rows share the call (oneDNN's does). Both packed copies are kept: oneDNN's serves prefill.
+many rows share the call (oneDNN's does). On AMX it serves every M, prefill included, and its
+packing is the only copy kept; on the other kernels oneDNN's is kept too, for prefill.
 Results agree with ``F.linear`` in bf16 to the last bit but for a rounding in ~1e-4 of the
 elements (an fp32 sum in another order; tests/engine/test_small_gemm.py).
 """
@@ -81,8 +82,12 @@ class Linear(nn.Module):
         if isa is not None:
             self._small = small_gemm.pack(w.data)
             self._small_isa, self._small_rows = isa, small_gemm.max_rows(isa)
-        if w.numel() < _PACK_MIN_NUMEL or not onednn_packs(w.dtype):
-            return  # F.linear for larger M (prefill) on the weight as loaded
+        if self._small_rows == small_gemm.EVERY_M or (
+            w.numel() < _PACK_MIN_NUMEL or not onednn_packs(w.dtype)
+        ):
+            if self._small_rows == small_gemm.EVERY_M and self._owns_weight:
+                w.data = torch.empty(0, dtype=w.dtype)  # the kernel's packing serves every M
+            return  # else F.linear for larger M (prefill) on the weight as loaded
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.data)
         if self._owns_weight:
             # The packed copy is the only one used from now on.

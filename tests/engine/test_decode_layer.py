@@ -90,7 +90,8 @@ def test_the_fused_layer_is_the_python_layer_bit_for_bit(qkv_bias: bool) -> None
     shape = (BLOCKS, BLOCK, 3, 64)
     k0 = torch.randn(shape, generator=gen).bfloat16()
     v0 = torch.randn(shape, generator=gen).bfloat16()
-    for rows in sorted({1, 3, rows_served}):
+    # The largest batch the kernel serves, or (AMX: every M) one past its switch to panels.
+    for rows in sorted({1, 3, min(rows_served, 50)}):
         meta, positions = decode_step(rows, seed=rows)
         rope = rope_table.lookup(positions)
         x = torch.randn(rows, 576, generator=gen).bfloat16()

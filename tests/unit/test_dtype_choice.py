@@ -31,7 +31,7 @@ BIG = 135_000_000
     ("flags", "cuda", "own", "params", "want"),
     [
         (AMX, False, ModelDtype.BFLOAT16, BIG, ModelDtype.BFLOAT16),
-        (AVX512_BF16, False, ModelDtype.FLOAT32, BIG, ModelDtype.BFLOAT16),
+        (AVX512_BF16, False, ModelDtype.BFLOAT16, BIG, ModelDtype.FLOAT32),
         (AVX2, False, ModelDtype.BFLOAT16, BIG, ModelDtype.FLOAT32),
         (AMX, False, ModelDtype.BFLOAT16, MIN_BF16_PARAMS - 1, ModelDtype.FLOAT32),
         (AMX, False, ModelDtype.BFLOAT16, MIN_BF16_PARAMS, ModelDtype.BFLOAT16),

@@ -41,18 +41,19 @@ constexpr int64_t kPrefetchAhead = 8;
 
 // One sequence's context cut into spans of whole blocks (flash-decoding): small batches and
 // long contexts still give every thread work. Span `i` of sequence `s` is work item
-// first_item[s] + i.
+// first_item[s] + i. A span is a fixed number of tokens, whatever the batch and the thread
+// count: a sequence's partial sums, and the order they merge in, are its own, so its output
+// is the same bits in any batch (a bf16 output would otherwise move by a rounding now and
+// then with the batch around it).
 struct Spans {
   int64_t span_tokens;
   std::vector<int64_t> first_item;  // num_seqs + 1 prefix sums
 
   Spans(const int32_t* lens, int64_t num_seqs, int64_t block_size) : first_item(num_seqs + 1) {
-    int64_t total_blocks = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) total_blocks += (lens[s] + block_size - 1) / block_size;
-    // About four items per thread: enough to balance uneven lengths, few enough that merging
-    // the partial results stays cheap.
-    const int64_t target = 4 * static_cast<int64_t>(at::get_num_threads());
-    span_tokens = std::max<int64_t>(1, (total_blocks + target - 1) / target) * block_size;
+    // 64 tokens (whole blocks): a 300-token context is five items for the threads, and the
+    // merge of the partial results stays cheap.
+    constexpr int64_t kSpanTokens = 64;
+    span_tokens = std::max<int64_t>(1, kSpanTokens / block_size) * block_size;
     for (int64_t s = 0; s < num_seqs; ++s)
       first_item[s + 1] = first_item[s] + (lens[s] + span_tokens - 1) / span_tokens;
   }

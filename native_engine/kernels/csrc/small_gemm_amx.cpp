@@ -20,6 +20,8 @@ namespace {
 
 constexpr int kTileRows = 16;
 constexpr int64_t kPrefetchChunks = 2;  // weight tiles ahead in each block's stream (2 KiB)
+// Above this M, panels (below); at or under, each block's weights stream past the rows.
+constexpr int64_t kStreamMaxRows = 48;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -80,9 +82,111 @@ void tile(const Problem& pb, const uint16_t* xpad, int64_t ldxp, int64_t row0, i
 
 #undef PDSERVE_AMX_BLOCK
 
+// ---- Large M (prefill): panels --------------------------------------------------------------
+// Streaming each block's weights past 16 rows at a time re-reads them from L2 for every 16
+// rows; at prefill sizes that, not the multiplies, is the time (2.8x oneDNN at M = 2048). Here
+// threads split the rows, and a 32 x 32 output panel is four accumulator tiles (0-3) fed by
+// two x tiles (4, 5) and two weight tiles (6, 7) a k-step: each loaded tile is used twice.
+// Every accumulator still takes the same k-steps in the same order from zero, so each output
+// element is the same fp32 sum, bit for bit, as on the streaming path: a row's result does not
+// depend on M on either side of the switch.
+
+// x rows as AMX reads them: 64-byte tile rows at a byte stride, in place where K fills whole
+// tiles; otherwise (and for a last group of fewer than 16 rows) a zero-padded copy.
+struct XRows {
+  const uint16_t* x;  // row r's k-step c at x + r * ld + 32 * c
+  int64_t ld;
+};
+
+#define PDSERVE_AMX_PANEL_STEP(RA, NB)                                         \
+  _tile_loadd(4, a0 + 32 * c, lda0 * 2);                                       \
+  if (RA > 1) _tile_loadd(5, a1 + 32 * c, lda1 * 2);                           \
+  _tile_loadd(6, w0 + c * kTilePairs * kBlockCols, 64);                        \
+  if (NB > 1) _tile_loadd(7, w1 + c * kTilePairs * kBlockCols, 64);            \
+  _tile_dpbf16ps(0, 4, 6);                                                     \
+  if (NB > 1) _tile_dpbf16ps(1, 4, 7);                                         \
+  if (RA > 1) _tile_dpbf16ps(2, 5, 6);                                         \
+  if (RA > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7)
+
+// Rows (16 RA of them from a0 / a1, `rows` valid) x blocks b, b + 1 (NB of them), all of K.
+template <int RA, int NB>
+void panel(const Problem& pb, const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
+           int64_t row0, int64_t rows, int64_t b, float* scratch) {
+  const uint32_t* w0 = pb.block(b);
+  const uint32_t* w1 = NB > 1 ? pb.block(b + 1) : w0;
+  _tile_zero(0);
+  if (NB > 1) _tile_zero(1);
+  if (RA > 1) _tile_zero(2);
+  if (RA > 1 && NB > 1) _tile_zero(3);
+  for (int64_t c = 0; c < pb.k2 / kTilePairs; ++c) {
+    PDSERVE_AMX_PANEL_STEP(RA, NB);
+  }
+  _tile_stored(0, scratch, 64);
+  if (NB > 1) _tile_stored(1, scratch + 256, 64);
+  if (RA > 1) _tile_stored(2, scratch + 512, 64);
+  if (RA > 1 && NB > 1) _tile_stored(3, scratch + 768, 64);
+  for (int ra = 0; ra < RA; ++ra)
+    for (int j = 0; j < NB; ++j)
+      for (int64_t i = 0; i < std::min<int64_t>(kTileRows, rows - ra * kTileRows); ++i)
+        store16(pb, _mm512_loadu_ps(scratch + (2 * ra + j) * 256 + i * 16),
+                row0 + ra * kTileRows + i, (b + j) * kBlockCols);
+}
+
+#undef PDSERVE_AMX_PANEL_STEP
+
+// Rows [r0, r1) of y; r0 is a multiple of 16.
+void panels(const Problem& pb, int64_t r0, int64_t r1, std::vector<uint16_t>& pad) {
+  const int64_t ldp = 2 * pb.k2;  // a padded row: whole tiles of k
+  const bool in_place = pb.k == ldp;
+  // Where K fills whole tiles, only a last group of fewer than 16 rows is copied.
+  const int64_t copy_from = in_place ? r0 + (r1 - r0) / kTileRows * kTileRows : r0;
+  pad.assign((r1 - copy_from + kTileRows - 1) / kTileRows * kTileRows * ldp, 0);
+  for (int64_t r = copy_from; r < r1; ++r)
+    std::memcpy(pad.data() + (r - copy_from) * ldp, pb.x + r * pb.ldx, pb.k * sizeof(uint16_t));
+  const auto rows_at = [&](int64_t r) -> XRows {
+    return r < copy_from ? XRows{pb.x + r * pb.ldx, pb.ldx}
+                         : XRows{pad.data() + (r - copy_from) * ldp, ldp};
+  };
+  // x rows of one row block stay in L2 while every weight panel passes over them.
+  constexpr int64_t kRowBlock = 128;
+  alignas(64) float scratch[4 * 256];
+  const int64_t blocks = pb.n / kBlockCols;
+  for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+    const int64_t rb_end = std::min(r1, rb + kRowBlock);
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const bool two = b + 1 < blocks;
+      for (int64_t r = rb; r < rb_end; r += 2 * kTileRows) {
+        const XRows a0 = rows_at(r);
+        const int64_t rows = std::min<int64_t>(2 * kTileRows, rb_end - r);
+        if (rows > kTileRows) {
+          const XRows a1 = rows_at(r + kTileRows);
+          if (two) panel<2, 2>(pb, a0.x, a0.ld, a1.x, a1.ld, r, rows, b, scratch);
+          else panel<2, 1>(pb, a0.x, a0.ld, a1.x, a1.ld, r, rows, b, scratch);
+        } else if (two) {
+          panel<1, 2>(pb, a0.x, a0.ld, a0.x, a0.ld, r, rows, b, scratch);
+        } else {
+          panel<1, 1>(pb, a0.x, a0.ld, a0.x, a0.ld, r, rows, b, scratch);
+        }
+      }
+    }
+  }
+}
+
+void gemm_amx_panels(const Problem& pb) {
+  const int64_t groups = (pb.m + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    const TileConfig cfg = tile_config();
+    _tile_loadconfig(&cfg);  // per thread: the tile state is the thread's
+    thread_local std::vector<uint16_t> pad;
+    panels(pb, begin * kTileRows, std::min(pb.m, end * kTileRows), pad);
+    _tile_release();
+  });
+}
+
 }  // namespace
 
 void gemm_amx(const Problem& pb) {
+  if (pb.m > kStreamMaxRows) return gemm_amx_panels(pb);
   const int64_t rows = (pb.m + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t ldxp = 2 * pb.k2;
   thread_local std::vector<uint16_t> xpad;  // the caller's thread's; kept to spare a malloc
