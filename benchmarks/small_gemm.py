@@ -38,6 +38,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rows", default="1,8,32,64,256", help="M values")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="CI: small shapes, M 1 and 8, 64 MiB")
+    p.add_argument(
+        "--kernels",
+        default=None,
+        help="a subset, say AMX,oneDNN (prefill-sized M: the others take minutes a shape)",
+    )
     return p.parse_args()
 
 
@@ -62,13 +67,16 @@ def kernels() -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], tor
 
 
 def time_shape(
-    n: int, k: int, rows: list[int], total_bytes: int, repeats: int
+    n: int, k: int, rows: list[int], total_bytes: int, repeats: int, only: set[str] | None
 ) -> dict[str, dict[int, float]]:
-    """Seconds per call of each kernel at each M, the weights cold (copies cycled)."""
+    """Seconds per call of each kernel (``only`` those) at each M, the weights cold (copies
+    cycled)."""
     copies = max(2, total_bytes // (n * k * 2))
     base = (torch.randn(n, k) * 0.05).bfloat16()
     seconds: dict[str, dict[int, float]] = {}
     for name, make in kernels().items():
+        if only is not None and name not in only:
+            continue
         calls = [make(base) for _ in range(copies)]
         seconds[name] = {}
         for m in rows:
@@ -96,7 +104,10 @@ def main() -> None:
         rows, total = [int(m) for m in args.rows.split(",")], 4 * last_level_cache_bytes()
     stream = copy_gb_s(size_bytes=total if args.quick else None)
     chosen = small_gemm.chosen()
-    per_shape = {s: time_shape(n, k, rows, total, args.repeats) for s, (n, k) in shapes.items()}
+    only = set(args.kernels.split(",")) if args.kernels else None
+    per_shape = {
+        s: time_shape(n, k, rows, total, args.repeats, only) for s, (n, k) in shapes.items()
+    }
     names = list(next(iter(per_shape.values())))
     layer_bytes = {s: n * k * 2 for s, (n, k) in shapes.items()}
     name = chosen.name if chosen is not None else None
