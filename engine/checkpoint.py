@@ -64,6 +64,22 @@ def read_configs(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]
     return read_json(config_path), generation
 
 
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index.name}: weight_map must be a non-empty object")
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {model_dir}")
+    return files
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.checkpoint import checkpoint_files, read_configs
 from engine.dtypes import DTYPE_NAMES, ModelDtype
 
 __all__ = [
@@ -109,32 +111,27 @@ def checkpoint_facts(model: str | Path) -> CheckpointFacts:
     """A local checkpoint's dtype and size; an id no directory holds (a vLLM hub name) gives
     neither, and the rule treats it as a model past the size floor."""
     path = Path(model)
-    dtype: ModelDtype | None = None
+    if not (path / "config.json").is_file():
+        return CheckpointFacts(None, None)
     try:
-        raw = json.loads((path / "config.json").read_text())
-        text = raw.get("text_config") or raw
-        name = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype")
-        dtype = ModelDtype(name) if name in DTYPE_NAMES else None
-    except (OSError, ValueError, AttributeError):
-        pass
-    return CheckpointFacts(dtype, _num_params(path))
+        raw, _ = read_configs(path)
+    except ValueError:
+        return CheckpointFacts(None, None)
+    text = raw.get("text_config") or raw
+    name = text.get("dtype") or text.get("torch_dtype") or raw.get("torch_dtype")
+    return CheckpointFacts(ModelDtype(name) if name in DTYPE_NAMES else None, _num_params(path))
 
 
 def _num_params(path: Path) -> int | None:
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        return None
+    """Elements over the safetensors headers (shapes only: no tensor is read)."""
     total = 0
     try:
-        for file in files:
+        for file in checkpoint_files(path):
             with file.open("rb") as f:
                 header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
             for name, entry in header.items():
                 if name != "__metadata__":
-                    count = 1
-                    for dim in entry["shape"]:
-                        count *= int(dim)
-                    total += count
+                    total += math.prod(int(dim) for dim in entry["shape"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return total

@@ -4,10 +4,9 @@ router can compute it from the same checkpoint directory and refuse mismatched w
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
-from engine.checkpoint import CheckpointInfo
+from engine.checkpoint import CheckpointInfo, checkpoint_files
 from engine.config import EngineBackend
 from engine.kv_layout import KVCacheDtype
 from engine.model_config import ModelConfig
@@ -20,22 +19,6 @@ __all__ = [
     "model_fingerprint",
     "weights_identity",
 ]
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index.name}: weight_map must be a non-empty object")
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model: no *.safetensors files in {model_dir}")
-    return files
 
 
 def weights_identity(model_dir: Path) -> str:

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.fingerprint import checkpoint_files
+from engine.checkpoint import checkpoint_files
 from engine.model_config import ModelConfig
 from native_engine.models.llama import LlamaFamilyForCausalLM
 
