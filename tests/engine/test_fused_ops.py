@@ -67,6 +67,17 @@ def test_silu_times_up_is_the_torch_ops_bit_for_bit(rows: int) -> None:
     assert torch.equal(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+def test_silu_is_torchs_for_every_bf16_input() -> None:
+    """All 65536 bf16 values as gates (up = 1): the kernel's SiLU is at::silu's, infinities,
+    NaNs, denormals and overflowing exp(-x) included."""
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = every.reshape(64, 1024)
+    out = fused_ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    expected = F.silu(gate)
+    same = (out.view(torch.int16) == expected.view(torch.int16)) | (out.isnan() & expected.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} of 65536 inputs differ"
+
+
 def test_the_layers_fuse_in_bf16_and_keep_torch_ops_in_other_dtypes() -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=gen)
