@@ -5,7 +5,8 @@ decode sequence. K/V of the new tokens are written into the cache (by ``slot_map
 attention, so a sequence's keys are always read from the cache, never from a side buffer.
 
 The torch path runs anywhere; on CUDA the Triton kernels in ``native_engine.kernels`` replace
-the KV store and the decode attention (prefill stays on ``scaled_dot_product_attention``).
+the KV store and the decode attention (prefill stays on ``scaled_dot_product_attention``); on
+the CPU backend the C++ kernels take decode, and bf16 prefill where the CPU has AMX.
 
 A quantized cache (``native_engine.kv_quant``) is written by one torch store on every backend,
 and every attention (prefill included) reads the keys and values back from the cache: a token
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import AttentionBackend
+from native_engine.kernels import prefill_attention as amx_prefill
 from native_engine.kv_cache import LayerCache
 from native_engine.kv_quant import dequantize, store_quantized
 
@@ -126,7 +128,17 @@ def prefill_attention(
     cache: LayerCache,
     span: PrefillSpan,
     scale: float,
+    backend: AttentionBackend = AttentionBackend.TORCH,
 ) -> torch.Tensor:  # [query_len, num_q_heads, head_dim]
+    if (
+        backend is AttentionBackend.CPU
+        and not cache.quantized
+        and amx_prefill.applies(query, cache.k)
+    ):
+        # Chunk-invariant (kernels/prefill_attention.py); SDPA's rows move with the chunking.
+        return amx_prefill.paged_prefill_attention(
+            query, cache.k, cache.v, span.block_ids, span.context_len, scale
+        )
     # 4-D inputs: torch's fused CPU attention kernel does not take 3-D ones (math fallback).
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
     q = query.transpose(0, 1)[None]  # [1, num_q_heads, query_len, head_dim]
@@ -192,6 +204,7 @@ def paged_attention(
                 cache,
                 span,
                 scale,
+                meta.backend,
             )
         )
     if meta.num_decodes:

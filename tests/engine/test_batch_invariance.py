@@ -1,10 +1,9 @@
-"""bf16 decode on AMX is batch-invariant (docs/engine.md "Numerics"): a request's tokens are the
-same alone or among 56 others, whatever shares its decode steps (batches past the GEMM's old
-switch point at 48 rows, steps mixing other prompts' prefills), with or without its prefix
-cached. Every bf16 GEMM row is pdserve's AMX kernel's (the same sums at any M) and a decode
-sequence's attention is split into fixed spans. What is not yet invariant is prefill
-attention across chunkings (torch's SDPA; in float32 too, at its own rounding): here every
-prompt is prefilled in one chunk."""
+"""bf16 on AMX is batch- and chunk-invariant (docs/engine.md "Numerics"): a request's tokens
+and logprobs are the same bits alone or among 56 others, whatever shares its steps (batches
+past the GEMM's old switch point at 48 rows, steps mixing other prompts' prefills), however
+its prompt is chunked, and with or without its prefix cached. Every bf16 GEMM row is pdserve's
+AMX kernel's (the same sums at any M), a decode sequence's attention is split into fixed spans,
+and a prompt row's attention is the AMX prefill kernel's (its own keys, in order)."""
 
 from __future__ import annotations
 
@@ -52,3 +51,33 @@ def test_a_requests_bf16_tokens_do_not_depend_on_its_batch(
         assert crowd[20].token_ids == alone.token_ids
         # The same bits all the way: every logprob the model gave, not only the winners.
         assert crowd[20].logprobs == alone.logprobs
+
+
+def test_a_prompts_bf16_results_do_not_depend_on_its_chunking(
+    model_factory: Callable[..., Path], make_llm: Callable[..., LLM]
+) -> None:
+    model = model_factory("llama", "tiny64")
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 250) for _ in range(96)]
+    probe = [*shared, *(rng.randrange(3, 250) for _ in range(110))]
+    params = SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3, prompt_logprobs=2
+    )
+    # Whole: one 206-token chunk. Chunked: 40 tokens a step. Cached: the first 96 tokens come
+    # from the prefix cache (another prompt left them), so the prefill starts at token 96.
+    (whole,) = make_llm(model, dtype="bfloat16", max_num_batched_tokens=512).generate(
+        [probe], params
+    )
+    (chunked,) = make_llm(model, dtype="bfloat16", max_num_batched_tokens=40).generate(
+        [probe], params
+    )
+    cached_llm = make_llm(
+        model, dtype="bfloat16", max_num_batched_tokens=512, enable_prefix_caching=True
+    )
+    cached_llm.generate([[*shared, 7, 8, 9]], SamplingParams(max_tokens=1))
+    (cached,) = cached_llm.generate([probe], params)
+    for other in (chunked, cached):
+        assert other.token_ids == whole.token_ids
+        assert other.logprobs == whole.logprobs
+    # Prompt logprobs come from every prompt row: the cached rows are not recomputed there.
+    assert chunked.prompt_logprobs == whole.prompt_logprobs

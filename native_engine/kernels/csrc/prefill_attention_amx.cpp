@@ -1,0 +1,349 @@
+// Paged prefill attention in bf16 on AMX: one sequence's chunk of queries over its cached
+// context (the chunk's own keys included, already stored), causal, grouped-query.
+//
+// Why not torch's SDPA: its result for a prompt row moves with how the prompt is chunked (and
+// so with the step's token budget, a prefix-cache hit, or a re-prefill after a migration).
+// Here a query row's result is a function of that row and its keys alone, whatever chunk or
+// batch it comes in:
+//   - each score is one AMX accumulation over head_dim, in k order;
+//   - a row's max is the max of its own scores (exact, in any order), so its probabilities
+//     are its own; keys past the row's position (and past the context) weigh exactly 0;
+//   - its sum of probabilities is lane-wise over its keys in order, then one fixed reduction,
+//     and its value product one AMX accumulation over its keys in order, 32 at a time.
+// A block of queries may read more keys than one of its rows sees: they add exact zeros.
+//
+// The tiles: scores are S = Q K^T (query rows loaded in place; K packed once per call and kv
+// head as the pairs of dims AMX's second operand takes), probabilities are rounded to bf16 for
+// the value product (as torch's flash attention does in bf16), and O = P V takes V packed as
+// pairs of keys. Scores and probabilities of a block of 16 queries are kept whole (16 rows of
+// the context), which suits prompts and chunks up to some thousands of keys.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "bf16.h"
+#define PDSERVE_PREFILL_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kSpan = 32;    // keys per k-step of the value product
+constexpr int64_t kRows = 16;    // queries per block, keys per score tile, dims per output tile
+constexpr int64_t kDChunk = 32;  // head_dim per k-step of the scores
+// A masked score. Finite: the build is -ffast-math, under which infinities are not safe.
+constexpr float kMasked = -1e30f;
+
+#if defined(PDSERVE_PREFILL_AMX)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct Problem {
+  const uint16_t* q;   // [q_len, heads, dim] at row stride ldq
+  int64_t ldq;
+  const uint16_t* kp;  // K per 16-key tile: [kv_heads][tiles][dim / 32][16 dim pairs][16][2]
+  const uint16_t* vp;  // V per span: [kv_heads][spans][16 key pairs][dim][2]
+  uint16_t* out;       // [q_len, heads, dim]
+  int64_t q_len, heads, kv_heads, dim, context_len, spans;
+  float scale;
+
+  int64_t offset() const { return context_len - q_len; }  // query 0's position
+  int64_t padded() const { return spans * kSpan; }        // keys a score row holds
+  int64_t chunks() const { return dim / kDChunk; }
+};
+
+// exp(x) for the softmax (x <= 0 there): 2^n * e^r with n = round(x / ln 2) and r the rest
+// (ln 2 in two parts), e^r by its degree-6 Taylor polynomial on |r| <= ln 2 / 2: within a few
+// ulp of fp32, and the probabilities are rounded to bf16 for the value product anyway. scalef
+// takes 2^n to 0 smoothly below fp32's range.
+inline __m512 exp_ps(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// A thread's rows of one block of queries: padded() keys each.
+struct Scratch {
+  std::vector<float> scores;    // [16 queries][padded]
+  std::vector<uint16_t> probs;  // [16 queries][padded] bf16
+  std::vector<uint16_t> short_block;  // [16][dim]: the queries of a block of fewer than 16
+};
+
+// S = Q K^T for 16 queries (rows from q at byte stride ldq) over `spans` spans, a span (two
+// 16-key tiles, accumulators 0 and 1) at a time.
+void scores_of(const Problem& pb, const uint16_t* q, int64_t ldq, const uint16_t* kp,
+               int64_t spans, float* scores) {
+  const int64_t chunks = pb.chunks(), tile = kRows * kRows * 2;
+  for (int64_t s = 0; s < spans; ++s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(2, q + c * kDChunk, ldq);
+      const uint16_t* k0 = kp + (2 * s * chunks + c) * tile;
+      _tile_loadd(4, k0, 64);
+      _tile_loadd(5, k0 + chunks * tile, 64);
+      _tile_dpbf16ps(0, 2, 4);
+      _tile_dpbf16ps(1, 2, 5);
+    }
+    _tile_stored(0, scores + s * kSpan, pb.padded() * 4);
+    _tile_stored(1, scores + s * kSpan + kRows, pb.padded() * 4);
+  }
+}
+
+// One row: scale, mask (keys past `pos` score kMasked and weigh exactly 0), max, probabilities
+// as bf16 and their fp32 sum, lane-wise in key order, then reduced. Returns 1 / the sum.
+float softmax_row(float* row, uint16_t* probs, int64_t keys, int64_t pos, float scale) {
+  const __m512 scale_v = _mm512_set1_ps(scale), masked = _mm512_set1_ps(kMasked);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i last = _mm512_set1_epi32(static_cast<int32_t>(pos));
+  __m512 mv = masked;
+  for (int64_t k = 0; k < keys; k += kRows) {
+    const __m512i key = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(k)));
+    const __mmask16 live = _mm512_cmp_epi32_mask(key, last, _MM_CMPINT_LE);
+    const __m512 v = _mm512_mask_mul_ps(masked, live, _mm512_loadu_ps(row + k), scale_v);
+    _mm512_storeu_ps(row + k, v);
+    mv = _mm512_max_ps(mv, v);
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < keys; k += kRows) {
+    const __m512 v = _mm512_loadu_ps(row + k);
+    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, masked, _CMP_GT_OQ),
+                                         exp_ps(_mm512_sub_ps(v, m)));
+    sum = _mm512_add_ps(sum, p);
+    // vcvtneps2bf16: to nearest even, denormals to 0 (a probability below 1e-38 is 0 here).
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + k), (__m256i)_mm512_cvtneps_pbh(p));
+  }
+  // A row always sees its own key, whose probability is 1 (exp(0)): the sum is >= 1.
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// O = P V for 16 queries, four 16-dim blocks at a time (tiles 0-3) across every span, then
+// out = O / sum, rounded to bf16.
+void values_of(const Problem& pb, const uint16_t* probs, const uint16_t* vp, int64_t spans,
+               const float* inv, int64_t rows, uint16_t* out, int64_t ldo) {
+  alignas(64) float o[4 * kRows * kRows];
+  const int64_t ldv = pb.dim * 4, dblocks = pb.dim / kRows;
+  for (int64_t d0 = 0; d0 < dblocks; d0 += 4) {
+    const int64_t nd = std::min<int64_t>(4, dblocks - d0);
+    _tile_zero(0);
+    if (nd > 1) _tile_zero(1);
+    if (nd > 2) _tile_zero(2);
+    if (nd > 3) _tile_zero(3);
+    for (int64_t s = 0; s < spans; ++s) {
+      _tile_loadd(4, probs + s * kSpan, pb.padded() * 2);
+      const uint16_t* v = vp + (s * kRows * pb.dim + d0 * kRows) * 2;
+      _tile_loadd(5, v, ldv);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nd > 1) {
+        _tile_loadd(6, v + kRows * 2, ldv);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (nd > 2) {
+        _tile_loadd(7, v + 2 * kRows * 2, ldv);
+        _tile_dpbf16ps(2, 4, 7);
+      }
+      if (nd > 3) {
+        _tile_loadd(5, v + 3 * kRows * 2, ldv);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, o, 64);
+    if (nd > 1) _tile_stored(1, o + kRows * kRows, 64);
+    if (nd > 2) _tile_stored(2, o + 2 * kRows * kRows, 64);
+    if (nd > 3) _tile_stored(3, o + 3 * kRows * kRows, 64);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 inv_r = _mm512_set1_ps(inv[r]);
+      for (int64_t d = 0; d < nd; ++d)
+        pdserve::store_bf16x16(out + r * ldo + (d0 + d) * kRows,
+                               _mm512_mul_ps(_mm512_load_ps(o + (d * kRows + r) * kRows), inv_r));
+    }
+  }
+}
+
+// One block of 16 queries (from i0) of one head over every key the block can see.
+void query_block(const Problem& pb, int64_t head, int64_t i0, Scratch& sc) {
+  const int64_t kvh = head / (pb.heads / pb.kv_heads);
+  const int64_t rows = std::min(kRows, pb.q_len - i0);
+  const int64_t last = pb.offset() + i0 + rows - 1;  // the block's last position
+  const int64_t spans = last / kSpan + 1;
+  const int64_t tile = kRows * kRows * 2;
+  // A tile load reads 16 rows: a short block's are copied, zero-padded, first.
+  const uint16_t* q = pb.q + i0 * pb.ldq + head * pb.dim;
+  int64_t ldq = pb.ldq * 2;
+  if (rows < kRows) {
+    std::fill(sc.short_block.begin(), sc.short_block.end(), uint16_t{0});
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(q + r * pb.ldq, pb.dim, sc.short_block.data() + r * pb.dim);
+    q = sc.short_block.data();
+    ldq = pb.dim * 2;
+  }
+  scores_of(pb, q, ldq, pb.kp + kvh * pb.spans * 2 * pb.chunks() * tile, spans,
+            sc.scores.data());
+  alignas(64) float inv[kRows];
+  for (int64_t r = 0; r < rows; ++r)
+    inv[r] = softmax_row(sc.scores.data() + r * pb.padded(), sc.probs.data() + r * pb.padded(),
+                         spans * kSpan, pb.offset() + i0 + r, pb.scale);
+  for (int64_t r = rows; r < kRows; ++r) {  // rows past the chunk: zero probabilities
+    std::fill_n(sc.probs.data() + r * pb.padded(), spans * kSpan, uint16_t{0});
+    inv[r] = 0.0f;
+  }
+  values_of(pb, sc.probs.data(), pb.vp + kvh * pb.spans * kRows * pb.dim * 2, spans, inv, rows,
+            pb.out + (i0 * pb.heads + head) * pb.dim, pb.heads * pb.dim);
+}
+
+// K and V as AMX's second operand takes them, for kv head h, span s: pairs of dims (K, for
+// the scores) and of keys (V, for the value product) side by side. Positions past the context
+// stay zero: a stale row may hold a NaN, and a zero probability times a NaN is a NaN.
+void pack_span(const Problem& pb, const uint16_t* k_cache, const uint16_t* v_cache,
+               const int64_t* ids, int64_t block_size, int64_t h, int64_t s, uint16_t* kp,
+               uint16_t* vp) {
+  const int64_t dim = pb.dim, pairs = dim / 2;
+  const int64_t keys = std::min(kSpan, pb.context_len - s * kSpan);
+  auto row = [&](const uint16_t* cache, int64_t t) {
+    const int64_t pos = s * kSpan + t;
+    return cache + ((ids[pos / block_size] * block_size + pos % block_size) * pb.kv_heads + h) * dim;
+  };
+  // K, a dword (two dims) at a time: tile 2s + t / 16 is [dim pair][key t % 16], its chunks of
+  // 32 dims one after another, so dim pair j of key t lands at j * 16 + t % 16.
+  auto* kt = reinterpret_cast<uint32_t*>(kp) + (h * pb.spans * 2 + 2 * s) * pairs * kRows;
+  for (int64_t t = 0; t < keys; ++t) {
+    const auto* k = reinterpret_cast<const uint32_t*>(row(k_cache, t));
+    uint32_t* dst = kt + t / kRows * pairs * kRows + t % kRows;
+    for (int64_t j = 0; j < pairs; ++j) dst[j * kRows] = k[j];
+  }
+  // V, two keys at a time: key pair t / 2 is [dim][2], 16 dims a vector.
+  uint16_t* vt = vp + (h * pb.spans + s) * kRows * dim * 2;
+  for (int64_t t = 0; t < keys; t += 2) {
+    const uint16_t* v0 = row(v_cache, t);
+    auto* dst = reinterpret_cast<uint32_t*>(vt + t / 2 * dim * 2);
+    for (int64_t d = 0; d < dim; d += kRows) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
+      __m512i pair = lo;
+      if (t + 1 < keys) {
+        const __m512i hi = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(v_cache, t + 1) + d)));
+        pair = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+      }
+      _mm512_storeu_si512(dst + d, pair);
+    }
+  }
+}
+
+#endif  // PDSERVE_PREFILL_AMX
+
+const uint16_t* bf16_data(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+}  // namespace
+
+bool prefill_attention_amx_built() {
+#if defined(PDSERVE_PREFILL_AMX)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, heads, dim]
+                                        const at::Tensor& k_cache,  // [blocks, bs, kv_heads, dim]
+                                        const at::Tensor& v_cache,
+                                        const at::Tensor& block_ids,  // [n] int64
+                                        int64_t context_len, double scale) {
+  TORCH_CHECK(prefill_attention_amx_built(), "paged_prefill_attention_bf16: built without AMX");
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "paged_prefill_attention_bf16: query must be [q_len, heads, dim] bf16, rows whole");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
+              "paged_prefill_attention_bf16: caches must be contiguous bf16 [blocks, bs, kv, dim]");
+  const int64_t q_len = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && dim % kDChunk == 0,
+              "paged_prefill_attention_bf16: head_dim must be a multiple of 32");
+  TORCH_CHECK(heads % kv_heads == 0, "paged_prefill_attention_bf16: heads % kv_heads != 0");
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong &&
+                  block_ids.is_contiguous(),
+              "paged_prefill_attention_bf16: block_ids must be [n] int64");
+  TORCH_CHECK(q_len >= 1 && context_len >= q_len && context_len <= block_ids.size(0) * block_size,
+              "paged_prefill_attention_bf16: bad lengths: q_len ", q_len, ", context ",
+              context_len, ", blocks ", block_ids.size(0));
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (context_len + block_size - 1) / block_size; ++b)
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < k_cache.size(0), "paged_prefill_attention_bf16: block id ",
+                ids[b], " out of range");
+  at::Tensor out = at::empty({q_len, heads, dim}, query.options());
+#if defined(PDSERVE_PREFILL_AMX)
+  const int64_t spans = (context_len + kSpan - 1) / kSpan;
+  at::Tensor kp = at::zeros({kv_heads, spans * 2, dim / kDChunk, kRows, kRows, 2}, query.options());
+  at::Tensor vp = at::zeros({kv_heads, spans, kRows, dim, 2}, query.options());
+  const Problem pb{
+      bf16_data(query),
+      query.stride(0),
+      bf16_data(kp),
+      bf16_data(vp),
+      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+      q_len, heads, kv_heads, dim, context_len, spans,
+      static_cast<float>(scale),
+  };
+  auto* pkp = reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>());
+  auto* pvp = reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>());
+  at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item)
+      pack_span(pb, bf16_data(k_cache), bf16_data(v_cache), ids, block_size, item / spans,
+                item % spans, pkp, pvp);
+  });
+  const int64_t qblocks = (q_len + kRows - 1) / kRows;
+  at::parallel_for(0, heads * qblocks, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();  // per thread: the tile state is the thread's
+    Scratch sc{std::vector<float>(kRows * pb.padded()), std::vector<uint16_t>(kRows * pb.padded()),
+               std::vector<uint16_t>(kRows * dim)};
+    for (int64_t item = begin; item < end; ++item)
+      query_block(pb, item / qblocks, item % qblocks * kRows, sc);
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def("paged_prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_ids, int context_len, float scale) -> Tensor");
+  m.def("prefill_attention_amx_built() -> bool", prefill_attention_amx_built);
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("paged_prefill_attention_bf16", paged_prefill_attention_bf16);
+}

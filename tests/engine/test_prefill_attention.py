@@ -1,0 +1,111 @@
+"""The AMX prefill attention (native_engine/kernels/prefill_attention.py) against a float64
+reference, beside torch's SDPA in bf16 on the same inputs; and a row's bits whatever chunk it
+comes in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from native_engine.kernels import prefill_attention
+
+pytestmark = pytest.mark.skipif(
+    not prefill_attention.available(), reason="the prefill attention kernel needs AMX"
+)
+
+
+def paged(
+    keys: torch.Tensor, values: torch.Tensor, block_size: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys/values [ctx, kv_heads, dim] scattered into a cache of shuffled blocks whose other
+    slots hold NaN (stale rows must not reach a result)."""
+    ctx, kv_heads, dim = keys.shape
+    used = -(-ctx // block_size)
+    num_blocks = used + 5
+    ids = torch.randperm(num_blocks, generator=gen)[:used]
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"), dtype=keys.dtype)
+    v_cache = k_cache.clone()
+    slots = ids[torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
+    k_cache.view(-1, kv_heads, dim)[slots] = keys
+    v_cache.view(-1, kv_heads, dim)[slots] = values
+    return k_cache, v_cache, ids
+
+
+def reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    q_len, ctx = query.shape[0], keys.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + (ctx - q_len)
+    out = F.scaled_dot_product_attention(
+        *(t.to(dtype).transpose(0, 1)[None] for t in (query, keys, values)),
+        attn_mask=mask,
+        scale=query.shape[-1] ** -0.5,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("q_len", "ctx", "heads", "kv_heads", "dim", "block_size"),
+    [
+        (1, 1, 9, 3, 64, 32),
+        (17, 17, 9, 3, 64, 32),
+        (256, 256, 9, 3, 64, 32),
+        (100, 300, 9, 3, 64, 16),  # cached context, blocks smaller than a span
+        (5, 70, 4, 4, 32, 64),
+        (48, 130, 8, 2, 128, 32),
+    ],
+)
+def test_within_sdpas_error_of_float64(
+    q_len: int, ctx: int, heads: int, kv_heads: int, dim: int, block_size: int
+) -> None:
+    gen = torch.Generator().manual_seed(q_len * 1000 + ctx)
+    keys = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
+    values = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
+    # A strided query, as the model passes it: a view of q|k rows.
+    qk = torch.randn(q_len, heads + kv_heads, dim, generator=gen).bfloat16()
+    query = qk[:, :heads]
+    k_cache, v_cache, ids = paged(keys, values, block_size, gen)
+    out = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, ids, ctx, dim**-0.5)
+    exact = reference(query, keys, values, torch.float64)
+    sdpa = reference(query, keys, values, torch.bfloat16)
+    assert not out.isnan().any()
+    err, sdpa_err = (out.double() - exact).abs().max(), (sdpa.double() - exact).abs().max()
+    assert err <= 1.5 * sdpa_err + 1e-3, (err, sdpa_err)
+
+
+def test_a_rows_bits_do_not_depend_on_the_chunking() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ctx, heads, kv_heads, dim = 300, 9, 3, 64
+    keys = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
+    values = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
+    query = torch.randn(ctx, heads, dim, generator=gen).bfloat16()
+    k_cache, v_cache, ids = paged(keys, values, 32, gen)
+    whole = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, ids, ctx, dim**-0.5)
+    for cuts in ([7, 50, 64, 3, 176], [1] * 20 + [280], [299, 1], [16, 16, 268]):
+        parts, start = [], 0
+        for n in cuts:
+            parts.append(
+                prefill_attention.paged_prefill_attention(
+                    query[start : start + n], k_cache, v_cache, ids, start + n, dim**-0.5
+                )
+            )
+            start += n
+        assert torch.equal(torch.cat(parts), whole), cuts
+
+
+def test_bad_arguments_are_refused_by_name() -> None:
+    k_cache = torch.zeros(4, 32, 3, 64, dtype=torch.bfloat16)
+    query = torch.zeros(8, 9, 64, dtype=torch.bfloat16)
+    ids = torch.tensor([0, 1])
+    call = prefill_attention.paged_prefill_attention
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        call(query, k_cache, k_cache, ids, 65, 0.125)  # past the blocks given
+    with pytest.raises(RuntimeError, match="bad lengths"):
+        call(query, k_cache, k_cache, ids, 7, 0.125)  # shorter than the chunk
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        call(query, k_cache, k_cache, torch.tensor([0, 9]), 40, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 32"):
+        odd = torch.zeros(4, 32, 3, 48, dtype=torch.bfloat16)
+        call(torch.zeros(8, 9, 48, dtype=torch.bfloat16), odd, odd, ids, 8, 0.125)
