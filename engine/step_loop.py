@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -41,7 +42,15 @@ class Stepping(Generic[R]):
 class StepLoop(Generic[R]):
     """Owned by one engine: ``start`` on its event loop, ``close`` when the engine closes."""
 
-    def __init__(self, stepping: Stepping[R], name: str, progress: StepProgress) -> None:
+    def __init__(
+        self,
+        stepping: Stepping[R],
+        name: str,
+        progress: StepProgress,
+        thread: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """``thread``: the steps' thread (``step_executor``), when the engine was built on it;
+        else a new one."""
         self._stepping = stepping
         self._name = name
         self.progress = progress  # only this loop writes it
@@ -49,7 +58,8 @@ class StepLoop(Generic[R]):
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._thread = step_executor()  # steps never wait for a shared pool's thread
+        # Steps never wait for a shared pool's thread.
+        self._thread = thread if thread is not None else step_executor()
 
     def start(self, die: Callable[[BaseException], None]) -> None:
         self._task = asyncio.create_task(run_until_dead(self._iterate, die), name=self._name)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -37,6 +38,7 @@ from engine.serving_engine import (
 from engine.spilled_block import SpillSink
 from engine.step_loop import StepLoop, Stepping
 from engine.step_progress import StepProgress
+from engine.threads import finish_in_thread, step_executor
 from engine.update_queue import UpdateQueue
 from native_engine.kv_cache import KVCache
 from native_engine.llm_engine import LLMEngine
@@ -60,7 +62,10 @@ class AsyncEngine(ServingEngine):
         max_buffered_tokens: int = DEFAULT_MAX_BUFFERED_TOKENS,
         heartbeat_s: float | None = None,
         faults: FaultInjection | None = None,
+        step_thread: ThreadPoolExecutor | None = None,
     ) -> None:
+        """``step_thread``: the thread ``engine`` was built on (``build_native_engine``), for its
+        steps; else a new one."""
         if max_buffered_tokens < 2:
             raise ValueError(f"max_buffered_tokens must be >= 2, got {max_buffered_tokens}")
         if heartbeat_s is not None and not heartbeat_s > 0:
@@ -86,7 +91,7 @@ class AsyncEngine(ServingEngine):
             refresh=self._refresh_stats,
             before_step=self._wait_for_copy,
         )
-        self._loop = StepLoop(stepping, "engine-loop", StepProgress())
+        self._loop = StepLoop(stepping, "engine-loop", StepProgress(), step_thread)
         self.progress = self._loop.progress
         engine.wait_for_copies_in_step = False  # the loop waits for them, outside the lock
 
@@ -384,10 +389,13 @@ async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> Async
     the process's torch threads (``EngineConfig.num_threads``; by default the CPUs this process
     may run on): one engine per worker process."""
     torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
-    engine = await asyncio.to_thread(LLMEngine, config)
+    # Built on the thread that will step it: torch's parallel kernels then keep one OpenMP
+    # team in this process (engine/threads.py, ``step_executor``).
+    thread = step_executor()
+    engine = await finish_in_thread(LLMEngine, config, executor=thread)
     # Guided decoding's token table, before the worker is ready: building it holds the GIL
     # (~0.3 s), which would stall the first guided request's process mid-serving.
-    await asyncio.to_thread(engine.loaded.guides.warm)
+    await finish_in_thread(engine.loaded.guides.warm, executor=thread)
     return AsyncEngine(
         engine,
         on_stats=hooks.on_stats,
@@ -395,4 +403,5 @@ async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> Async
         max_buffered_tokens=hooks.max_buffered_tokens,
         heartbeat_s=hooks.heartbeat_s,
         faults=FaultInjection(config.fault_stall_at_step, config.fault_raise_on_token),
+        step_thread=thread,
     )

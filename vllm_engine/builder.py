@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import setproctitle
@@ -19,6 +20,7 @@ from engine.config import EngineConfig, VllmEngineCore
 from engine.fingerprint import engine_fingerprint
 from engine.model_layout import ModelLayout
 from engine.serving_engine import EngineHooks
+from engine.threads import finish_in_thread, step_executor
 from engine.tokenizer import Tokenizer
 from vllm_engine.args import ConnectorTarget, engine_args, engine_core_for
 from vllm_engine.bridge import Bridge
@@ -63,7 +65,11 @@ async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEng
         bridge_id = bridge.id if in_process else ""
         target = ConnectorTarget(bridge_id, fingerprint, version, hub_address, name)
         if hub is None:
-            core: CoreDriver = await asyncio.to_thread(_load_in_worker, config, bridge, target)
+            # Loaded on the thread that will step it: one OpenMP team (engine/threads.py).
+            thread = step_executor()
+            core: CoreDriver = await finish_in_thread(
+                _load_in_worker, config, bridge, target, thread, executor=thread
+            )
         else:
             core = await _start_process(config, bridge, target, hub)
         if hub is not None:  # each rank said hello while vLLM built it: this is a check
@@ -136,7 +142,9 @@ def _vllm_config(config: EngineConfig, target: ConnectorTarget, events_endpoint:
     return vllm_config
 
 
-def _load_in_worker(config: EngineConfig, bridge: Bridge, target: ConnectorTarget) -> CoreDriver:
+def _load_in_worker(
+    config: EngineConfig, bridge: Bridge, target: ConnectorTarget, thread: ThreadPoolExecutor
+) -> CoreDriver:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from vllm_engine.worker_core import WorkerCore
@@ -145,7 +153,7 @@ def _load_in_worker(config: EngineConfig, bridge: Bridge, target: ConnectorTarge
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     _set_environment(config)
     llm = LLMEngine.from_vllm_config(_vllm_config(config, target, ""), disable_log_stats=True)
-    return WorkerCore(llm, bridge)
+    return WorkerCore(llm, bridge, thread)
 
 
 async def _start_process(

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from vllm import SamplingParams as VllmParams
@@ -35,7 +36,10 @@ T = TypeVar("T")
 
 
 class WorkerCore(CoreDriver):
-    def __init__(self, llm: VllmLLMEngine, bridge: Bridge) -> None:
+    def __init__(
+        self, llm: VllmLLMEngine, bridge: Bridge, step_thread: ThreadPoolExecutor | None = None
+    ) -> None:
+        """``step_thread``: the thread ``llm`` was loaded on, for its steps; else a new one."""
         super().__init__(llm.model_config.max_model_len, llm.model_config.get_vocab_size())
         core = llm.engine_core.engine_core  # the in-process client: the engine core itself
         self._llm, self._bridge = llm, bridge
@@ -48,7 +52,7 @@ class WorkerCore(CoreDriver):
         stepping = Stepping(
             has_work=self._has_work, step=self._step, deliver=self._deliver, refresh=self._refresh
         )
-        self._loop = StepLoop(stepping, "vllm-engine-loop", self.progress)
+        self._loop = StepLoop(stepping, "vllm-engine-loop", self.progress, step_thread)
 
     def start(self, callbacks: CoreCallbacks) -> None:
         self._callbacks = callbacks

@@ -1,17 +1,24 @@
 """AsyncEngine: a reader that stops reading pauses its request at the buffer bound (blocks kept,
 no seat) and resumes it when it reads again, with the same tokens as one run; a quiet request
-yields heartbeats; services reach the engine only through its methods."""
+yields heartbeats; services reach the engine only through its methods; a worker's engine is
+built on the thread that steps it."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+import torch
 
 from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from native_engine import LLM
-from native_engine.async_engine import AsyncEngine
+from engine.serving_engine import EngineHooks
+from native_engine.async_engine import AsyncEngine, build_native_engine
 from native_engine.llm_engine import LLMEngine
 from tests.services.harness import wait_for
 
@@ -122,6 +129,35 @@ def test_a_pause_past_max_pause_s_gives_its_blocks_back_and_resumes_exactly(
             async for update in slow:
                 tokens.extend(update.new_token_ids)
             assert tokens == reference  # recomputed, exactly
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def _native_threads() -> int:
+    """The process's threads Python does not know of: here, OpenMP's."""
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no OpenMP team to count")
+def test_a_workers_engine_is_built_on_its_step_thread(model_factory: Callable[..., Path]) -> None:
+    """Loading runs torch's parallel kernels too: built on any other thread, the process would
+    keep a second OpenMP team, and with more OpenMP threads than CPUs libgomp stops spinning
+    between parallel regions (a served step took 1.5x as long; engine/threads.py)."""
+    model = model_factory("llama", "tiny64")
+
+    async def run() -> None:
+        before = _native_threads()
+        config = EngineConfig(model=str(model), dtype="bfloat16", cache=CacheConfig(num_blocks=64))
+        engine = await build_native_engine(config, EngineHooks())
+        engine.start()
+        try:
+            stream = engine.generate("r", list(range(10, 40)), PARAMS)
+            tokens = [t async for u in stream for t in u.new_token_ids]
+            assert len(tokens) == PARAMS.max_tokens
+            # One new team: its num_threads - 1 workers, and at most one other native thread.
+            assert _native_threads() - before <= torch.get_num_threads()
         finally:
             await engine.close()
 
