@@ -49,12 +49,21 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
         greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         probs = filtered_probs(logits, requests)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self._generator)
-        for row, r in enumerate(requests):
-            if r.params.seed is not None and not r.params.greedy:
-                noise[row] = seeded_noise(probs.shape[-1], logits.device, r)
-        sampled = fused_ops.argmax(probs / noise)
+        seeded = [row for row, r in enumerate(requests) if r.params.seed is not None]
+        if fused_ops.races_here(probs):
+            # Unseeded rows: one seed each from the sampler's generator, the race in parallel
+            # (torch's exponential_ is one thread: 15 ms of a batch-20 step).
+            seeds = torch.randint(-(2**63), 2**63 - 1, (len(requests),), generator=self._generator)
+            sampled = fused_ops.exponential_race(probs, seeds)
+            for row in seeded:
+                noise = seeded_noise(probs.shape[-1], logits.device, requests[row])
+                sampled[row] = fused_ops.argmax(probs[row : row + 1] / noise)[0]
+        else:
+            noise = torch.empty_like(probs)
+            noise.exponential_(generator=self._generator)
+            for row in seeded:
+                noise[row] = seeded_noise(probs.shape[-1], logits.device, requests[row])
+            sampled = fused_ops.argmax(probs / noise)
         return torch.where(greedy, fused_ops.argmax(logits), sampled)
 
     @staticmethod

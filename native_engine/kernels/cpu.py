@@ -34,6 +34,7 @@ _SOURCES = [
     _CSRC / "fused_ops.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "prefill_attention_amx.cpp",
+    _CSRC / "exponential_race.cpp",
 ]
 # A build takes ~20 s; a lock older than this was left by a killed process and would make
 # every later build wait on it forever.

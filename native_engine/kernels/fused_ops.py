@@ -53,6 +53,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def races_here(probs: torch.Tensor) -> bool:
+    """Whether ``exponential_race`` takes these probabilities: fp32 rows on the CPU."""
+    return (
+        probs.dtype == torch.float32
+        and probs.device.type == "cpu"
+        and probs.dim() == 2
+        and probs.shape[1] > 0
+        and probs.stride(1) == 1
+        and load_cpu_kernels()
+    )
+
+
+def exponential_race(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax(p / q)``, q ~ Exp(1) drawn from the row's int64 seed by a counter-based
+    generator (``csrc/exponential_race.cpp``), rows in parallel; where ``races_here``."""
+    out: torch.Tensor = cpu_ops().exponential_race(probs, seeds)
+    return out
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of [rows, n] logits: the first largest, a NaN counting as
     largest; rows in parallel on the CPU (torch's is one thread)."""

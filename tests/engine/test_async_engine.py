@@ -16,8 +16,8 @@ import torch
 
 from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from native_engine import LLM
 from engine.serving_engine import EngineHooks
+from native_engine import LLM
 from native_engine.async_engine import AsyncEngine, build_native_engine
 from native_engine.llm_engine import LLMEngine
 from tests.services.harness import wait_for
