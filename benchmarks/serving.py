@@ -81,9 +81,11 @@ def loads(args: argparse.Namespace) -> list[tuple[str, Load]]:
     out: list[tuple[str, Load]] = []
     for workload in args.workloads.split(","):
         name, input_len, output_len = workload.split(":")
+        # Named with its lengths: two workloads of one dataset (random 256/64 and 1024/128)
+        # must not share a row.
         for rate in args.rates.split(","):
             load = Load(float(rate), args.num_prompts, int(input_len), int(output_len), len(out))
-            out.append((f"{name}@{rate}", load))
+            out.append((f"{name}:{input_len}:{output_len}@{rate}", load))
     return out
 
 

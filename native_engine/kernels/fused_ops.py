@@ -53,16 +53,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def races_here(probs: torch.Tensor) -> bool:
-    """Whether ``exponential_race`` takes these probabilities: fp32 rows on the CPU."""
+def _cpu_rows(x: torch.Tensor) -> bool:
+    """fp32 rows [rows, n > 0] on the CPU, unit column stride, the kernels built: what the
+    sampler's kernels take."""
     return (
-        probs.dtype == torch.float32
-        and probs.device.type == "cpu"
-        and probs.dim() == 2
-        and probs.shape[1] > 0
-        and probs.stride(1) == 1
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and x.stride(1) == 1
         and load_cpu_kernels()
     )
+
+
+def races_here(probs: torch.Tensor) -> bool:
+    """Whether ``exponential_race`` takes these probabilities."""
+    return _cpu_rows(probs)
 
 
 def exponential_race(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
@@ -75,14 +81,7 @@ def exponential_race(probs: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of [rows, n] logits: the first largest, a NaN counting as
     largest; rows in parallel on the CPU (torch's is one thread)."""
-    if (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.dim() == 2
-        and x.shape[1] > 0
-        and x.stride(1) == 1
-        and load_cpu_kernels()
-    ):
+    if _cpu_rows(x):
         out: torch.Tensor = cpu_ops().argmax_rows(x)
         return out
     return x.argmax(dim=-1)

@@ -18,7 +18,7 @@ def test_vllm_bench_serve_drives_pdserve_to_completion() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["benchmark"] == "serving" and report["smoke"] is True
-    row = report["rows"]["float32"]["random@4"]["vllm"]["native-colocated"]
+    row = report["rows"]["float32"]["random:32:8@4"]["vllm"]["native-colocated"]
     assert "error" not in row, row
     assert row["completed"] == report["num_prompts"] == 6
     assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"]

@@ -28,7 +28,9 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "bf16.h"
+#include "vec_exp.h"
 #define PDSERVE_PREFILL_AMX 1
 #endif
 
@@ -42,22 +44,6 @@ constexpr float kMasked = -1e30f;
 
 #if defined(PDSERVE_PREFILL_AMX)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void load_tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kRows;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 struct Problem {
   const uint16_t* q;   // [q_len, heads, dim] at row stride ldq
@@ -73,24 +59,6 @@ struct Problem {
   int64_t chunks() const { return dim / kDChunk; }
 };
 
-// exp(x) for the softmax (x <= 0 there): 2^n * e^r with n = round(x / ln 2) and r the rest
-// (ln 2 in two parts), e^r by its degree-6 Taylor polynomial on |r| <= ln 2 / 2: within a few
-// ulp of fp32, and the probabilities are rounded to bf16 for the value product anyway. scalef
-// takes 2^n to 0 smoothly below fp32's range.
-inline __m512 exp_ps(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // A thread's rows of one block of queries: padded() keys each.
 struct Scratch {
@@ -139,7 +107,7 @@ float softmax_row(float* row, uint16_t* probs, int64_t keys, int64_t pos, float 
   for (int64_t k = 0; k < keys; k += kRows) {
     const __m512 v = _mm512_loadu_ps(row + k);
     const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, masked, _CMP_GT_OQ),
-                                         exp_ps(_mm512_sub_ps(v, m)));
+                                         pdserve::exp_nonpositive(_mm512_sub_ps(v, m)));
     sum = _mm512_add_ps(sum, p);
     // vcvtneps2bf16: to nearest even, denormals to 0 (a probability below 1e-38 is 0 here).
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + k), (__m256i)_mm512_cvtneps_pbh(p));
@@ -327,7 +295,7 @@ at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, h
   });
   const int64_t qblocks = (q_len + kRows - 1) / kRows;
   at::parallel_for(0, heads * qblocks, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();  // per thread: the tile state is the thread's
+    pdserve::configure_tiles();  // per thread: the tile state is the thread's
     Scratch sc{std::vector<float>(kRows * pb.padded()), std::vector<uint16_t>(kRows * pb.padded()),
                std::vector<uint16_t>(kRows * dim)};
     for (int64_t item = begin; item < end; ++item)

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "small_gemm.h"
 
 namespace pdserve::gemm {
@@ -23,22 +24,6 @@ constexpr int64_t kPrefetchChunks = 2;  // weight tiles ahead in each block's st
 // Above this M, panels (below); at or under, each block's weights stream past the rows.
 constexpr int64_t kStreamMaxRows = 48;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-TileConfig tile_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
-  }
-  return cfg;
-}
 
 // Block J's weights for chunk c into tile BT, multiplied into accumulator J (the tile
 // intrinsics take register numbers as literals).
@@ -219,8 +204,7 @@ void gemm_amx_panels(const Problem& pb) {
   const int64_t groups = (pb.m + kTileRows - 1) / kTileRows;
   const bool split_weights = pb.m <= kSplitWeightsMaxRows;
   at::parallel_for(0, split_weights ? pairs : groups, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig cfg = tile_config();
-    _tile_loadconfig(&cfg);  // per thread: the tile state is the thread's
+    configure_tiles();  // per thread: the tile state is the thread's
     if (split_weights) {
       panels(pb, x, 0, pb.m, begin, end);
     } else {
@@ -242,8 +226,7 @@ void gemm_amx(const Problem& pb) {
   for (int64_t i = 0; i < pb.m; ++i)
     std::memcpy(xp + i * ldxp, pb.x + i * pb.ldx, pb.k * sizeof(uint16_t));
   at::parallel_for(0, pb.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig cfg = tile_config();
-    _tile_loadconfig(&cfg);  // per thread: the tile state is the thread's
+    configure_tiles();  // per thread: the tile state is the thread's
     alignas(64) float scratch[4 * 256];
     for (int64_t b = begin; b < end; b += 4) {
       const int64_t nb = std::min<int64_t>(4, end - b);
