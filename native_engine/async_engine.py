@@ -392,10 +392,14 @@ async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> Async
     # Built on the thread that will step it: torch's parallel kernels then keep one OpenMP
     # team in this process (engine/threads.py, ``step_executor``).
     thread = step_executor()
-    engine = await finish_in_thread(LLMEngine, config, executor=thread)
-    # Guided decoding's token table, before the worker is ready: building it holds the GIL
-    # (~0.3 s), which would stall the first guided request's process mid-serving.
-    await finish_in_thread(engine.loaded.guides.warm, executor=thread)
+    try:
+        engine = await finish_in_thread(LLMEngine, config, executor=thread)
+        # Guided decoding's token table, before the worker is ready: building it holds the
+        # GIL (~0.3 s), which would stall the first guided request's process mid-serving.
+        await finish_in_thread(engine.loaded.guides.warm, executor=thread)
+    except BaseException:
+        thread.shutdown(wait=False)
+        raise
     return AsyncEngine(
         engine,
         on_stats=hooks.on_stats,

@@ -49,7 +49,11 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
         greedy = torch.tensor([r.params.greedy for r in requests], device=logits.device)
         probs = filtered_probs(logits, requests)
-        seeded = [row for row, r in enumerate(requests) if r.params.seed is not None]
+        seeded = [
+            row
+            for row, r in enumerate(requests)
+            if r.params.seed is not None and not r.params.greedy
+        ]
         if fused_ops.races_here(probs):
             # Unseeded rows: one seed each from the sampler's generator, the race in parallel
             # (torch's exponential_ is one thread: 15 ms of a batch-20 step).

@@ -67,9 +67,13 @@ async def build_vllm_engine(config: EngineConfig, hooks: EngineHooks) -> VllmEng
         if hub is None:
             # Loaded on the thread that will step it: one OpenMP team (engine/threads.py).
             thread = step_executor()
-            core: CoreDriver = await finish_in_thread(
-                _load_in_worker, config, bridge, target, thread, executor=thread
-            )
+            try:
+                core: CoreDriver = await finish_in_thread(
+                    _load_in_worker, config, bridge, target, thread, executor=thread
+                )
+            except BaseException:
+                thread.shutdown(wait=False)
+                raise
         else:
             core = await _start_process(config, bridge, target, hub)
         if hub is not None:  # each rank said hello while vLLM built it: this is a check

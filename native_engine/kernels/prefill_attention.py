@@ -30,6 +30,7 @@ def applies(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         query.dtype == torch.bfloat16
         and k_cache.dtype == torch.bfloat16
+        and k_cache.is_contiguous()
         and query.device.type == "cpu"
         and query.shape[-1] % 32 == 0
         and query.stride(-1) == 1

@@ -50,3 +50,13 @@ def test_bad_arguments_are_refused_by_name() -> None:
         fused_ops.exponential_race(torch.ones(2, 4, dtype=torch.float64), seeds(2, 0))
     with pytest.raises(RuntimeError, match="seeds must be"):
         fused_ops.exponential_race(torch.ones(2, 4), seeds(3, 0))
+
+
+def test_no_token_wins_by_a_zero_noise() -> None:
+    """A token of tiny probability must not win by its noise: u = 1 would make q = 0, and
+    that token win whatever its probability (u now has 23 bits, so u < 1 by construction)."""
+    vocab, rows = 49152, 40000
+    p = torch.full((vocab,), 1e-10)
+    p[0] = 1.0 - 1e-10 * (vocab - 1)
+    ids = fused_ops.exponential_race(p.expand(rows, vocab).contiguous(), seeds(rows, 3))
+    assert int((ids != 0).sum()) <= 5  # expected 0.2

@@ -25,9 +25,10 @@ inline uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// u in (0, 1): the top 24 bits and a half, so log(u) is finite.
+// u in (0, 1): the top 23 bits and a half, exact in fp32, so u <= 1 - 2^-24 and log(u) < 0
+// (with 24 bits, 2^24 - 0.5 rounds to 2^24: u = 1, q = 0, and that token would always win).
 inline float uniform(uint64_t bits) {
-  return (static_cast<float>(bits >> 40) + 0.5f) * (1.0f / 16777216.0f);
+  return (static_cast<float>(bits >> 41) + 0.5f) * (1.0f / 8388608.0f);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -47,11 +48,11 @@ inline __m512 uniform16(uint64_t seed, int64_t j0) {
     const __m512i j = _mm512_add_epi64(lanes, _mm512_set1_epi64(j0 + 8 * h));
     const __m512i z = _mm512_add_epi64(_mm512_set1_epi64(static_cast<int64_t>(seed)),
                                        _mm512_mullo_epi64(j, _mm512_set1_epi64(static_cast<int64_t>(kGolden))));
-    top[h] = _mm512_cvtepi64_epi32(_mm512_srli_epi64(splitmix64x8(z), 40));
+    top[h] = _mm512_cvtepi64_epi32(_mm512_srli_epi64(splitmix64x8(z), 41));
   }
   const __m512i bits = _mm512_inserti64x4(_mm512_castsi256_si512(top[0]), top[1], 1);
   return _mm512_mul_ps(_mm512_add_ps(_mm512_cvtepi32_ps(bits), _mm512_set1_ps(0.5f)),
-                       _mm512_set1_ps(1.0f / 16777216.0f));
+                       _mm512_set1_ps(1.0f / 8388608.0f));
 }
 
 // log(x) for x in (0, 1]: x = m 2^e with m in [sqrt(1/2), sqrt(2)), log m by the series of

@@ -185,7 +185,7 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul_bf16: gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul_bf16: gate_up must have an even width");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   at::Tensor y = at::empty({rows, size}, gate_up.options());
   const uint16_t* pg = in(gate_up);
   uint16_t* py = out(y);
