@@ -57,7 +57,7 @@ def engine_builder(config: EngineConfig) -> EngineBuilder:
     """The engine a worker runs; a missing vLLM install is refused here, before any model
     loads, with the command that installs it."""
     if config.backend is EngineBackend.NATIVE:
-        from native_engine.async_engine import build_native_engine
+        from native_engine.builder import build_native_engine
 
         return build_native_engine
     from vllm_engine import require_vllm

@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import torch
-
 from engine.block_hash import BlockHash
-from engine.config import DEFAULT_MAX_BUFFERED_TOKENS, EngineConfig
+from engine.config import DEFAULT_MAX_BUFFERED_TOKENS
 from engine.fault_injection import FaultInjection
 from engine.guide import Guide
 from engine.kv_events import CacheTier, KVEvents
@@ -29,7 +26,6 @@ from engine.outputs import EngineStats, PrefilledRequest, RequestUpdate
 from engine.sampling_params import SamplingParams
 from engine.serving_engine import (
     EngineDeadError,
-    EngineHooks,
     FaultEvidence,
     NoRoomError,
     ServingEngine,
@@ -38,7 +34,6 @@ from engine.serving_engine import (
 from engine.spilled_block import SpillSink
 from engine.step_loop import StepLoop, Stepping
 from engine.step_progress import StepProgress
-from engine.threads import finish_in_thread, step_executor
 from engine.update_queue import UpdateQueue
 from native_engine.kv_cache import KVCache
 from native_engine.llm_engine import LLMEngine
@@ -49,7 +44,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-__all__ = ["AsyncEngine", "EngineDeadError", "build_native_engine"]
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine(ServingEngine):
@@ -64,7 +59,7 @@ class AsyncEngine(ServingEngine):
         faults: FaultInjection | None = None,
         step_thread: ThreadPoolExecutor | None = None,
     ) -> None:
-        """``step_thread``: the thread ``engine`` was built on (``build_native_engine``), for its
+        """``step_thread``: the thread ``engine`` was built on (``native_engine.builder``), for its
         steps; else a new one."""
         if max_buffered_tokens < 2:
             raise ValueError(f"max_buffered_tokens must be >= 2, got {max_buffered_tokens}")
@@ -382,30 +377,3 @@ class AsyncEngine(ServingEngine):
             if full and not stream.paused and not update.finished:
                 stream.paused = self._engine.pause(update.request_id)
         return self._engine.last_step_idle
-
-
-async def build_native_engine(config: EngineConfig, hooks: EngineHooks) -> AsyncEngine:
-    """The native engine for a worker service (an ``EngineBuilder``): loads in a thread. Sets
-    the process's torch threads (``EngineConfig.num_threads``; by default the CPUs this process
-    may run on): one engine per worker process."""
-    torch.set_num_threads(config.num_threads or len(os.sched_getaffinity(0)))
-    # Built on the thread that will step it: torch's parallel kernels then keep one OpenMP
-    # team in this process (engine/threads.py, ``step_executor``).
-    thread = step_executor()
-    try:
-        engine = await finish_in_thread(LLMEngine, config, executor=thread)
-        # Guided decoding's token table, before the worker is ready: building it holds the
-        # GIL (~0.3 s), which would stall the first guided request's process mid-serving.
-        await finish_in_thread(engine.loaded.guides.warm, executor=thread)
-    except BaseException:
-        thread.shutdown(wait=False)
-        raise
-    return AsyncEngine(
-        engine,
-        on_stats=hooks.on_stats,
-        on_dead=hooks.on_dead,
-        max_buffered_tokens=hooks.max_buffered_tokens,
-        heartbeat_s=hooks.heartbeat_s,
-        faults=FaultInjection(config.fault_stall_at_step, config.fault_raise_on_token),
-        step_thread=thread,
-    )

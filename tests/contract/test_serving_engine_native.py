@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig
 from engine.serving_engine import EngineHooks
-from native_engine.async_engine import build_native_engine
+from native_engine.builder import build_native_engine
 from tests.contract.serving_engine_suite import CASES, Case
 
 

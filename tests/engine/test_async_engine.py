@@ -18,7 +18,8 @@ from engine import SamplingParams
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.serving_engine import EngineHooks
 from native_engine import LLM
-from native_engine.async_engine import AsyncEngine, build_native_engine
+from native_engine.async_engine import AsyncEngine
+from native_engine.builder import build_native_engine
 from native_engine.llm_engine import LLMEngine
 from tests.services.harness import wait_for
 

@@ -19,7 +19,7 @@ from app.embedded_redis import EmbeddedRedis
 from engine import SamplingParams
 from engine.block_hash import hash_blocks, root_hash
 from engine.fingerprint import fingerprint_of
-from native_engine.async_engine import build_native_engine
+from native_engine.builder import build_native_engine
 from pdserve.cluster.config import RedisConfig
 from pdserve.cluster.prefix_index import ANY_TIER
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex

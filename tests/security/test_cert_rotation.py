@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from native_engine.async_engine import build_native_engine
+from native_engine.builder import build_native_engine
 from pdserve.common.channels import ChannelPool
 from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.common.tls import TlsConfig

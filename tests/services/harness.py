@@ -17,7 +17,7 @@ from decode_service.service import DecodeService
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_layout import KVCacheDtype
 from engine.sampling_params import SamplingParams
-from native_engine.async_engine import build_native_engine
+from native_engine.builder import build_native_engine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, Service, ServiceServer
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc

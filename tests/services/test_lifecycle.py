@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import SamplingParams
-from native_engine.async_engine import build_native_engine
+from native_engine.builder import build_native_engine
 from pdserve.common.convert import sampling_to_proto
 from pdserve.common.server import ServerConfig, ServiceServer
 from pdserve.v1 import prefill_pb2

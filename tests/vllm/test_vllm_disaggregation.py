@@ -29,7 +29,7 @@ from engine.config import EngineBackend
 from engine.fingerprint import engine_fingerprint
 from engine.model_layout import ModelLayout
 from engine.sampling_params import SamplingParams
-from native_engine.async_engine import build_native_engine
+from native_engine.builder import build_native_engine
 from pdserve.cluster.redis_prefix_index import RedisPrefixIndex
 from pdserve.common.convert import sampling_to_proto
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
