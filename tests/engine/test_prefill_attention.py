@@ -1,6 +1,6 @@
 """The AMX prefill attention (native_engine/kernels/prefill_attention.py) against a float64
 reference, beside torch's SDPA in bf16 on the same inputs; and a row's bits whatever chunk it
-comes in."""
+comes in, at any thread count."""
 
 from __future__ import annotations
 
@@ -109,3 +109,25 @@ def test_bad_arguments_are_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 32"):
         odd = torch.zeros(4, 32, 3, 48, dtype=torch.bfloat16)
         call(torch.zeros(8, 9, 48, dtype=torch.bfloat16), odd, odd, ids, 8, 0.125)
+
+
+def test_a_rows_bits_do_not_depend_on_the_thread_count() -> None:
+    gen = torch.Generator().manual_seed(1)
+    ctx, heads, kv_heads, dim = 200, 9, 3, 64
+    keys = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
+    values = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
+    query = torch.randn(ctx, heads, dim, generator=gen).bfloat16()
+    k_cache, v_cache, ids = paged(keys, values, 32, gen)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(
+                prefill_attention.paged_prefill_attention(
+                    query, k_cache, v_cache, ids, ctx, dim**-0.5
+                )
+            )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
