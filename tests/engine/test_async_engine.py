@@ -114,6 +114,9 @@ def test_a_pause_past_max_pause_s_gives_its_blocks_back_and_resumes_exactly(
         engine = AsyncEngine(LLMEngine(config), max_buffered_tokens=4)
         engine.start()
         try:
+            # Counted before the slow request starts: its pause may expire as soon as it is
+            # paused (a loaded box can step in between), before the busy request arrives.
+            held = engine.stats.num_preemptions
             slow = engine.generate("slow", slow_prompt, PARAMS)
             tokens = (await anext(slow)).new_token_ids  # then nobody reads
 
@@ -121,7 +124,6 @@ def test_a_pause_past_max_pause_s_gives_its_blocks_back_and_resumes_exactly(
                 return engine.stats.num_paused == 1
 
             await wait_for(paused, 30.0, "the unread request is paused")
-            held = engine.stats.num_preemptions
             busy_tokens: list[int] = []
             async for update in engine.generate("busy", busy_prompt, busy_params):
                 busy_tokens.extend(update.new_token_ids)  # steps, past the pause bound
