@@ -4,6 +4,8 @@ comes in, at any thread count."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,8 +39,11 @@ def reference(
 ) -> torch.Tensor:
     q_len, ctx = query.shape[0], keys.shape[0]
     mask = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + (ctx - q_len)
+    q, k, v = (t.to(dtype).transpose(0, 1)[None] for t in (query, keys, values))
     out = F.scaled_dot_product_attention(
-        *(t.to(dtype).transpose(0, 1)[None] for t in (query, keys, values)),
+        q,
+        k,
+        v,
         attn_mask=mask,
         scale=query.shape[-1] ** -0.5,
         enable_gqa=True,
@@ -75,22 +80,31 @@ def test_within_sdpas_error_of_float64(
     assert err <= 1.5 * sdpa_err + 1e-3, (err, sdpa_err)
 
 
-def test_a_rows_bits_do_not_depend_on_the_chunking() -> None:
-    gen = torch.Generator().manual_seed(0)
-    ctx, heads, kv_heads, dim = 300, 9, 3, 64
+def prompt(seed: int, ctx: int) -> Callable[[int, int], torch.Tensor]:
+    """A prompt of ctx tokens (SmolLM2's heads) in a paged cache: attention(start, n) is the
+    kernel's output for its tokens [start, start + n) as one chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 9, 3, 64
     keys = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
     values = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
     query = torch.randn(ctx, heads, dim, generator=gen).bfloat16()
     k_cache, v_cache, ids = paged(keys, values, 32, gen)
-    whole = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, ids, ctx, dim**-0.5)
+
+    def attention(start: int, n: int) -> torch.Tensor:
+        return prefill_attention.paged_prefill_attention(
+            query[start : start + n], k_cache, v_cache, ids, start + n, dim**-0.5
+        )
+
+    return attention
+
+
+def test_a_rows_bits_do_not_depend_on_the_chunking() -> None:
+    attention = prompt(0, 300)
+    whole = attention(0, 300)
     for cuts in ([7, 50, 64, 3, 176], [1] * 20 + [280], [299, 1], [16, 16, 268]):
         parts, start = [], 0
         for n in cuts:
-            parts.append(
-                prefill_attention.paged_prefill_attention(
-                    query[start : start + n], k_cache, v_cache, ids, start + n, dim**-0.5
-                )
-            )
+            parts.append(attention(start, n))
             start += n
         assert torch.equal(torch.cat(parts), whole), cuts
 
@@ -112,22 +126,13 @@ def test_bad_arguments_are_refused_by_name() -> None:
 
 
 def test_a_rows_bits_do_not_depend_on_the_thread_count() -> None:
-    gen = torch.Generator().manual_seed(1)
-    ctx, heads, kv_heads, dim = 200, 9, 3, 64
-    keys = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
-    values = torch.randn(ctx, kv_heads, dim, generator=gen).bfloat16()
-    query = torch.randn(ctx, heads, dim, generator=gen).bfloat16()
-    k_cache, v_cache, ids = paged(keys, values, 32, gen)
+    attention = prompt(1, 200)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(
-                prefill_attention.paged_prefill_attention(
-                    query, k_cache, v_cache, ids, ctx, dim**-0.5
-                )
-            )
+            outs.append(attention(0, 200))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
