@@ -28,6 +28,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [
     _CSRC / "paged_decode_attention_cpu.cpp",
     _CSRC / "decode_span.cpp",
+    _CSRC / "decode_span_amx.cpp",
     _CSRC / "small_gemm.cpp",
     _CSRC / "small_gemm_avx.cpp",
     _CSRC / "small_gemm_amx.cpp",

@@ -19,9 +19,9 @@ LENS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 5]
 
 def _exact(query, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
     out = []
-    group = query.shape[1] // k_cache.shape[2]
+    block_size, group = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
     for s, n in enumerate(lens):
-        blocks = tables[s, : -(-n // BLOCK_SIZE)].long()
+        blocks = tables[s, : -(-n // block_size)].long()
         k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n].double()
         v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n].double()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -251,6 +251,9 @@ bool decode_span_supported(c10::ScalarType dtype, int64_t head_dim) {
 }
 
 void decode_span(c10::ScalarType dtype, const DecodeSpan& span) {
+  if (dtype == c10::kBFloat16 &&
+      decode_span_amx_supported(span.block_size, span.head_dim, span.num_kv_heads * span.group))
+    return decode_span_amx(span);
   switch (dtype) {
     case c10::kBFloat16: return run_dim<c10::BFloat16>(span);
     case c10::kHalf: return run_dim<c10::Half>(span);

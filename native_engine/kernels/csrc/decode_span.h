@@ -1,6 +1,8 @@
 // One work item of paged decode attention (one span of one sequence, every head) over a dense
 // cache, vectorised by hand: paged_decode_attention_cpu.cpp calls it and falls back to its
 // portable loops when it returns false (no AVX-512 at build time, an unsupported head_dim).
+// A bf16 cache takes AMX's tiles where the CPU has them (decode_span_amx.cpp), AVX-512 else
+// (decode_span.cpp).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -27,6 +29,11 @@ struct DecodeSpan {
   float scale;
   float* scores;            // [num_q_heads, t1 - t0] scratch
   float* part;              // [num_q_heads, head_dim + 2]: max, sum, unnormalised output
+  // The span this thread computes next (none where next_table is null): the AMX span fetches
+  // its rows while it computes this one. `prefetched`: the span before fetched this one's.
+  const int32_t* next_table = nullptr;
+  int64_t next_t0 = 0, next_t1 = 0;
+  bool prefetched = false;
 };
 
 
@@ -68,5 +75,11 @@ bool decode_span_supported(c10::ScalarType dtype, int64_t head_dim);
 // Fills span.part exactly as the portable loop does (same softmax, same layout); only the
 // order of the fp32 sums within a dot product differs.
 void decode_span(c10::ScalarType dtype, const DecodeSpan& span);
+
+// The AMX span for a bf16 cache: whether this build and CPU have it for this shape, and the
+// span itself (decode_span calls it where it applies). Same part layout; see its file for the
+// arithmetic.
+bool decode_span_amx_supported(int64_t block_size, int64_t head_dim, int64_t num_q_heads);
+void decode_span_amx(const DecodeSpan& span);
 
 }  // namespace pdserve

@@ -1,7 +1,7 @@
 // Paged decode attention for CPU: reads each sequence's K/V blocks in place, once, and
 // accumulates in fp32 (split into spans across threads, as flash-decoding does). Dense caches
-// take the AVX-512 span of decode_span.cpp where the build has it; these loops are the portable
-// path. Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
+// take the AVX-512 span of decode_span.cpp where the build has it (a bf16 cache AMX's, in
+// decode_span_amx.cpp, where the CPU has that); these loops are the portable path. Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
 // fp32 as they are read (the query too; the output is rounded back to the query's dtype, as
 // torch's fused CPU attention does). A quantized cache's rows are decoded (codebook[code] *
 // scale) as they are read.
@@ -102,9 +102,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tenso
       scores.resize(num_q_heads * n);
       if constexpr (Rows::kDense) {
         if (fast) {
-          pdserve::decode_span(Rows::kDtype, {q_seq, rows.k, rows.v, table, block_size,
-                                              num_kv_heads, group, head_dim, t0, t1, fscale,
-                                              scores.data(), part});
+          pdserve::DecodeSpan span{q_seq, rows.k, rows.v, table, block_size,
+                                   num_kv_heads, group, head_dim, t0, t1, fscale,
+                                   scores.data(), part};
+          span.prefetched = item > begin;
+          if (item + 1 < end) {  // this thread's next span, fetched while this one computes
+            const int64_t next_seq = spans.seq_of(item + 1);
+            span.next_table = tp + next_seq * max_blocks;
+            span.next_t0 = (item + 1 - spans.first_item[next_seq]) * spans.span_tokens;
+            span.next_t1 = std::min<int64_t>(lp[next_seq], span.next_t0 + spans.span_tokens);
+          }
+          pdserve::decode_span(Rows::kDtype, span);
           continue;
         }
       }
@@ -320,7 +328,17 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
 }
 }  // namespace pdserve
 
+namespace {
+// Whether a bf16 cache of this shape takes the AMX span here (tests ask, to know which path
+// they checked).
+bool decode_attention_amx_applies(int64_t block_size, int64_t head_dim, int64_t num_q_heads) {
+  return pdserve::decode_span_amx_supported(block_size, head_dim, num_q_heads);
+}
+}  // namespace
+
 TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("decode_attention_amx_applies(int block_size, int head_dim, int num_q_heads) -> bool",
+        decode_attention_amx_applies);
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("paged_decode_attention_quantized(Tensor query, Tensor k_codes, Tensor v_codes, "

@@ -20,12 +20,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <asm/prctl.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "small_gemm.h"
 
 namespace {
@@ -33,18 +30,6 @@ namespace {
 using pdserve::gemm::Isa;
 using pdserve::gemm::kBlockCols;
 using pdserve::gemm::kTilePairs;
-
-// AMX needs the kernel's leave to use the tile data state, once per process.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-    constexpr int kXFeatureTileData = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, kXFeatureTileData) == 0;
-  }();
-  return permitted;
-}
 
 // Whether this build has the kernel (compiled -march=native) and this CPU runs it.
 bool cpu_has(Isa isa) {
@@ -63,7 +48,7 @@ bool cpu_has(Isa isa) {
 #endif
     case Isa::kAmx:
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-      return amx_permitted() && __builtin_cpu_supports("avx512bf16");
+      return pdserve::amx_permitted() && __builtin_cpu_supports("avx512bf16");
 #else
       return false;
 #endif
