@@ -34,6 +34,9 @@ struct DecodeSpan {
   const int32_t* next_table = nullptr;
   int64_t next_t0 = 0, next_t1 = 0;
   bool prefetched = false;
+  // False where the span this thread computed just before was the same sequence's: the AMX
+  // span keeps the query it packed for that one.
+  bool new_query = true;
 };
 
 

@@ -202,7 +202,7 @@ void run(const DecodeSpan& s) {
         _mm_prefetch(reinterpret_cast<const char*>(v + off[t]) + j, _MM_HINT_T1);
       }
   NextSpanFetch next(s, row_bytes, tiles * chunks + heads + kv * tiles * 2);  // its pump calls
-  pack_query(s, chunks, qp);
+  if (s.new_query) pack_query(s, chunks, qp);
   configure_tiles();
 
   // Scores, head-major, scaled and masked: rows[qh][t].
