@@ -20,7 +20,7 @@ from native_engine.models.linear import Linear
 
 ISAS = small_gemm.available()
 SHAPES = [(16, 64), (48, 33), (960, 576), (208, 1000), (576, 1536)]  # (N, K)
-ROWS = [1, 3, 16, 17, 40, 48, 49, 64, 100, 300]  # AMX: panels above 48
+ROWS = [1, 3, 16, 17, 40, 48, 49, 64, 100, 300]  # AMX: panels above 16
 
 
 def test_this_x86_cpu_runs_at_least_the_avx2_kernel() -> None:

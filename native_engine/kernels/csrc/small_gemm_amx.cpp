@@ -21,8 +21,11 @@ namespace {
 
 constexpr int kTileRows = 16;
 constexpr int64_t kPrefetchChunks = 2;  // weight tiles ahead in each block's stream (2 KiB)
-// Above this M, panels (below); at or under, each block's weights stream past the rows.
-constexpr int64_t kStreamMaxRows = 48;
+// Above this M, panels (below); at or under, each block's weights stream past the rows. Past
+// one tile of rows the stream re-reads each block from L2 per 16 rows, where a panel loads
+// each weight tile once for 32 rows (SmolLM2's shapes, cold weights: M = 32 at 21.5 GB/s
+// against 19.8 streamed, M = 40 at 16.9 against 16.3; M <= 16 streams at ~26).
+constexpr int64_t kStreamMaxRows = 16;
 
 
 // Block J's weights for chunk c into tile BT, multiplied into accumulator J (the tile
