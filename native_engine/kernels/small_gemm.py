@@ -36,10 +36,10 @@ EVERY_M = sys.maxsize
 # The largest M each kernel serves; above it, oneDNN (or F.linear where oneDNN has no bf16
 # path). Measured by benchmarks/small_gemm.py on SmolLM2's shapes (docs/engine.md has the
 # table): AMX streams weights at the copy bandwidth through M = 16 and above takes
-# 32 x 32 panels (~80 % of it at M = 32), level with oneDNN from 64 to 1024 rows (0.86-1.07x its time), 1.3x at 2048;
-# vdpbf16ps is ahead through M = 4 and behind at 8, bound by its own throughput. The AVX2
-# kernel's rival, F.linear in bf16 on a CPU without bf16 hardware, was not measured: 16 is
-# where it falls to a third of the bandwidth.
+# 32 x 32 panels (~80 % of it at M = 32), level with oneDNN from 64 to 1024 rows (0.86-1.07x
+# its time), 1.3x at 2048; vdpbf16ps is ahead through M = 4 and behind at 8, bound by its
+# own throughput. The AVX2 kernel's rival, F.linear in bf16 on a CPU without bf16 hardware,
+# was not measured: 16 is where it falls to a third of the bandwidth.
 _MAX_ROWS = {GemmIsa.AMX: EVERY_M, GemmIsa.AVX512_BF16: 4, GemmIsa.AVX2: 16}
 
 

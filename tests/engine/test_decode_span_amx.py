@@ -2,9 +2,10 @@
 exactly (float64 over the same bf16 inputs), on the shapes its tiles cut differently: query
 groups of 1 to 8 heads (a values pass takes 4 at a time), up to 16 query heads (one score
 tile), head_dim 64 and 128, blocks of 16 to 128 tokens, contexts ending inside a 16-token tile,
-and stale slots past a context holding NaN. Its probabilities carry fp32's precision (a bf16
-hi + lo pair), so it is held to the same bound as the AVX-512 span: within one bf16 ulp (plus
-fp32's rounding of the sums) of the exact result, and the exact result rounded nearly always."""
+and stale slots past a context holding NaN. Each probability weighs the values as a bf16 hi +
+lo pair (relative error <= 2^-16), so an output is within one bf16 ulp of the exact result
+plus 2^-16 of the largest value (the pair's worst case; fp32's sums add far less), and is the
+exact result rounded nearly always, as on the AVX-512 span."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_the_amx_span_is_within_an_ulp_of_exact_attention(
         lens_t = torch.tensor(lens, dtype=torch.int32)
         kernel = paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens_t, scale)
         assert kernel.isfinite().all(), threads
-        assert ((kernel.double() - exact).abs() <= _ulp(rounded) + 2.0**-18 * finite).all()
+        assert ((kernel.double() - exact).abs() <= _ulp(rounded) + 2.0**-16 * finite).all()
         assert (kernel == rounded).double().mean() >= 0.99, threads
 
 

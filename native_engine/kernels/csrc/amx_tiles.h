@@ -16,15 +16,17 @@
 
 namespace pdserve {
 
-// Whether this CPU has AMX tiles with bf16 and the kernel lets this process use the tile data
-// state (asked once per process; every AMX kernel here checks it before its first tile op).
+// Whether this CPU has AMX tiles with bf16 (and AVX512-BF16, which every kernel here uses
+// beside them) and the kernel lets this process use the tile data state (asked once per
+// process; every AMX kernel here checks it before its first tile op).
 inline bool amx_permitted() {
   static const bool permitted = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
     constexpr int kXFeatureTileData = 18;
-    return tile && bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, kXFeatureTileData) == 0;
+    return tile && bf16 && __builtin_cpu_supports("avx512bf16") &&
+           syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, kXFeatureTileData) == 0;
   }();
   return permitted;
 }

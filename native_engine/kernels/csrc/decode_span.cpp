@@ -251,7 +251,8 @@ bool decode_span_supported(c10::ScalarType dtype, int64_t head_dim) {
 }
 
 void decode_span(c10::ScalarType dtype, const DecodeSpan& span) {
-  if (dtype == c10::kBFloat16 &&
+  if (dtype == c10::kBFloat16 && span.t1 - span.t0 <= kAmxSpanTokens &&
+      span.next_t1 - span.next_t0 <= kAmxSpanTokens &&
       decode_span_amx_supported(span.block_size, span.head_dim, span.num_kv_heads * span.group))
     return decode_span_amx(span);
   switch (dtype) {

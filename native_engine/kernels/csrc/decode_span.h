@@ -75,13 +75,15 @@ inline void softmax_span(float* scores, int64_t n, float* part, int64_t head_dim
 // Whether this build has the fast path for caches of `dtype` with this head_dim.
 bool decode_span_supported(c10::ScalarType dtype, int64_t head_dim);
 
-// Fills span.part exactly as the portable loop does (same softmax, same layout); only the
-// order of the fp32 sums within a dot product differs.
+// Fills span.part as the portable loop does (same layout; max and sum of the same scores);
+// the order of the fp32 sums differs, and the AMX span weighs values by a bf16 hi + lo pair
+// of each probability (about 16 bits of it) where the others use its fp32 value.
 void decode_span(c10::ScalarType dtype, const DecodeSpan& span);
 
 // The AMX span for a bf16 cache: whether this build and CPU have it for this shape, and the
-// span itself (decode_span calls it where it applies). Same part layout; see its file for the
-// arithmetic.
+// span itself, for spans (this one and the next) of at most kAmxSpanTokens tokens (decode_span
+// checks both before calling it). Same part layout; see its file for the arithmetic.
+constexpr int64_t kAmxSpanTokens = 128;
 bool decode_span_amx_supported(int64_t block_size, int64_t head_dim, int64_t num_q_heads);
 void decode_span_amx(const DecodeSpan& span);
 

@@ -48,7 +48,7 @@ bool cpu_has(Isa isa) {
 #endif
     case Isa::kAmx:
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-      return pdserve::amx_permitted() && __builtin_cpu_supports("avx512bf16");
+      return pdserve::amx_permitted();
 #else
       return false;
 #endif
