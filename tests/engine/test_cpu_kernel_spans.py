@@ -64,7 +64,19 @@ def test_a_sequence_is_the_same_bits_in_any_batch_at_any_thread_count(
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     query = 3 * torch.randn(len(lens), num_q_heads, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen).view(len(lens), max_blocks).int()
-    scale = head_dim**-0.5
+    assert_each_sequence_is_its_own(query, k_cache, v_cache, tables, lens, head_dim**-0.5)
+
+
+def assert_each_sequence_is_its_own(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: list[int],
+    scale: float,
+) -> None:
+    """Each sequence alone, and the 5th, 1st and 3rd together, give the bits the whole batch
+    gives them, at 1, 2 and 3 threads (the caller restores the thread count)."""
 
     def attend(rows: list[int]) -> torch.Tensor:
         picked = torch.tensor(rows)

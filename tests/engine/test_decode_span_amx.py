@@ -16,6 +16,7 @@ import torch
 
 from native_engine.kernels.cpu import cpu_ops, load_cpu_kernels, paged_decode_attention_cpu
 from tests.engine.test_cpu_kernel_dtypes import _exact, _ulp
+from tests.engine.test_cpu_kernel_spans import assert_each_sequence_is_its_own
 
 
 def _amx_applies(block_size: int, head_dim: int, num_q_heads: int) -> bool:
@@ -90,21 +91,7 @@ def test_a_sequence_on_the_amx_span_is_the_same_bits_in_any_batch() -> None:
         pytest.skip("no AMX here")
     lens = [290, 7, 1000, 65, 300, 16, 33]
     query, k_cache, v_cache, tables = _case(lens, 32, 3, 3, 64, 5)
-
-    def attend(rows: list[int]) -> torch.Tensor:
-        picked = torch.tensor(rows)
-        lens_t = torch.tensor([lens[r] for r in rows], dtype=torch.int32)
-        return paged_decode_attention_cpu(
-            query[picked], k_cache, v_cache, tables[picked], lens_t, 0.125
-        )
-
-    torch.set_num_threads(2)
-    batch = attend(list(range(len(lens))))
-    for threads in (1, 2, 3):
-        torch.set_num_threads(threads)
-        for r in range(len(lens)):
-            assert torch.equal(attend([r]), batch[r : r + 1]), (threads, r)
-        assert torch.equal(attend([4, 0, 2, 6]), batch[[4, 0, 2, 6]]), threads
+    assert_each_sequence_is_its_own(query, k_cache, v_cache, tables, lens, 0.125)
 
 
 def test_shapes_off_the_amx_tiles_take_the_avx512_span() -> None:
