@@ -204,8 +204,7 @@ void run(const DecodeSpan& s) {
   // read (every head, both passes, the prefetch) cost more than the arithmetic.
   thread_local std::vector<int64_t> offsets;
   offsets.resize(s.t1 - s.t0);
-  for (int64_t t = s.t0; t < s.t1; ++t)
-    offsets[t - s.t0] = (s.table[t / s.block_size] * s.block_size + t % s.block_size) * token_stride;
+  row_offsets(s.table, s.block_size, token_stride, s.t0, s.t1 - s.t0, offsets.data());
   const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(T));
   const Rows<T, D> keys{static_cast<const T*>(s.k), offsets.data(), s.t0, row_bytes};
   const Rows<T, D> values{static_cast<const T*>(s.v), offsets.data(), s.t0, row_bytes};

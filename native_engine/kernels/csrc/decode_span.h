@@ -40,6 +40,19 @@ struct DecodeSpan {
 };
 
 
+// Element offsets of rows t0 .. t0 + n - 1 of a sequence (every kv head's row of a token) in
+// a cache of `table`'s blocks, a block at a time (one division per block, not per row).
+inline void row_offsets(const int32_t* table, int64_t block_size, int64_t token_stride,
+                        int64_t t0, int64_t n, int64_t* out) {
+  for (int64_t t = 0; t < n;) {
+    const int64_t pos = t0 + t, in = pos % block_size;
+    const int64_t m = std::min(block_size - in, n - t);
+    const int64_t base = (table[pos / block_size] * block_size + in) * token_stride;
+    for (int64_t i = 0; i < m; ++i) out[t + i] = base + i * token_stride;
+    t += m;
+  }
+}
+
 // Turns one query head's n raw scores into exp(score - max) in place and starts its part:
 // part = [max, sum, 0 ... 0]. Both paths use it, so a span is normalised one way.
 inline void softmax_span(float* scores, int64_t n, float* part, int64_t head_dim) {

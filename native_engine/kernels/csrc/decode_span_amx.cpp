@@ -80,19 +80,6 @@ struct Scratch {
   }
 };
 
-// Element offsets of rows t0 .. t0 + n - 1 of a sequence (every kv head's row of a token), a
-// block at a time.
-void row_offsets(const int32_t* table, int64_t block_size, int64_t token_stride, int64_t t0,
-                 int64_t n, int64_t* out) {
-  for (int64_t t = 0; t < n;) {
-    const int64_t pos = t0 + t, in = pos % block_size;
-    const int64_t m = std::min(block_size - in, n - t);
-    const int64_t base = (table[pos / block_size] * block_size + in) * token_stride;
-    for (int64_t i = 0; i < m; ++i) out[t + i] = base + i * token_stride;
-    t += m;
-  }
-}
-
 // The next span's cache lines, K and V interleaved, handed to the prefetcher a few at a time:
 // `pump` is called between tile ops, `per` lines each, so the fetch runs beside the compute.
 class NextSpanFetch {
@@ -228,9 +215,10 @@ void run(const DecodeSpan& s) {
     _tile_stored(0, score, 64);
     transpose16(score, 16, transposed);
     const __mmask16 live = n - tt >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - tt)) - 1);
-    for (int64_t qh = 0; qh < heads; ++qh)
-      _mm512_store_ps(rows[qh] + tt,
-                      _mm512_mask_mul_ps(masked, live, _mm512_load_ps(transposed + 16 * qh), scale));
+    for (int64_t qh = 0; qh < heads; ++qh) {
+      const __m512 raw = _mm512_load_ps(transposed + 16 * qh);
+      _mm512_store_ps(rows[qh] + tt, _mm512_mask_mul_ps(masked, live, raw, scale));
+    }
   }
 
   // Softmax per head: max, exp, fp32 sum in token order; probabilities as bf16 hi + lo.

@@ -1,9 +1,10 @@
 // Paged decode attention for CPU: reads each sequence's K/V blocks in place, once, and
 // accumulates in fp32 (split into spans across threads, as flash-decoding does). Dense caches
 // take the AVX-512 span of decode_span.cpp where the build has it (a bf16 cache AMX's, in
-// decode_span_amx.cpp, where the CPU has that); these loops are the portable path. Caches of fp32 are read as they are; bf16 and fp16 rows are widened to
-// fp32 as they are read (the query too; the output is rounded back to the query's dtype, as
-// torch's fused CPU attention does). A quantized cache's rows are decoded (codebook[code] *
+// decode_span_amx.cpp, where the CPU has that); these loops are the portable path. Caches of
+// fp32 are read as they are; bf16 and fp16 rows are widened to fp32 as they are read (the
+// query too; the output is rounded back to the query's dtype, as torch's fused CPU attention
+// does). A quantized cache's rows are decoded (codebook[code] *
 // scale) as they are read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,8 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "decode_span.h"
