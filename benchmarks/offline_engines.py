@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp  # sibling module
+import torch
 from bench_inputs import REPO, make_prompts  # sibling module
 from memory_limit import copy_gb_s, decode_weight_bytes, weight_read_limit_tok_s
 
@@ -150,8 +151,8 @@ def main() -> None:
     peers = {} if args.quick or not llama_cpp.available(args.llama_cpp) else llama_peers(args)
     gb_s = copy_gb_s(size_bytes=QUICK_KV_BYTES if args.quick else None)
     weight_bytes = decode_weight_bytes(model, 2 if args.dtype == "bfloat16" else 4)
-    isa = small_gemm.chosen()
-    gemm = isa.name if isa is not None and args.dtype == "bfloat16" else "onednn"
+    isa = small_gemm.chosen(getattr(torch, args.dtype))
+    gemm = isa.name if isa is not None else "onednn"
     rows: list[dict[str, Any]] = []
     print(f"offline decode tok/s, {args.dtype}, {args.prompt_len}-token prompts, greedy")
     mb = weight_bytes / 1e6

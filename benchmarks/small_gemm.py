@@ -1,7 +1,7 @@
 """The decode GEMM alone, at a model's own shapes: GB/s of weights moved by each of pdserve's
-small-M bf16 kernels (native_engine/kernels/small_gemm.py) and by oneDNN's packed bf16 path
-(what the engine used before, and still uses above the switch point), against this box's copy
-bandwidth measured in the same run.
+small-M kernels for a dtype (native_engine/kernels/small_gemm.py; bf16 or fp32) and by
+oneDNN's packed path in that dtype (what the engine used before, and still uses above the
+switch point), against this box's copy bandwidth measured in the same run.
 
 Weights are read from memory, not from cache: each shape is timed over distinct copies that
 together exceed the last-level cache several times, as a decode step reads each weight once.
@@ -9,7 +9,7 @@ Prints a table per M (each kernel's GB/s over the model's GEMMs, and as a share 
 bandwidth), the M from which oneDNN is faster (the switch point the engine's table holds),
 then one JSON line.
 
-    .venv/bin/python benchmarks/small_gemm.py [--rows 1,8,32,64,256] [--model DIR]
+    .venv/bin/python benchmarks/small_gemm.py [--rows 1,8,32,64,256] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=None, help="default: the real SmolLM2")
     p.add_argument("--rows", default="1,8,32,64,256", help="M values")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--quick", action="store_true", help="CI: small shapes, M 1 and 8, 64 MiB")
     p.add_argument(
         "--kernels",
@@ -46,17 +47,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def kernels() -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
-    """name -> pack(weight) -> (x -> y), for every kernel this CPU runs."""
+def kernels(
+    dtype: torch.dtype,
+) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
+    """name -> pack(weight) -> (x -> y), for every kernel this CPU runs in ``dtype``."""
     made: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {}
-    for isa in small_gemm.available():
+    for isa in small_gemm.available(dtype):
 
         def ours(w: torch.Tensor, isa: small_gemm.GemmIsa = isa) -> Callable[..., torch.Tensor]:
             packed, k = small_gemm.pack(w), w.shape[1]
             return lambda x: small_gemm.gemm(x, packed, None, k, isa)
 
         made[isa.name] = ours
-    if onednn_packs(torch.bfloat16):
+    if onednn_packs(dtype):
 
         def onednn(w: torch.Tensor) -> Callable[..., torch.Tensor]:
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
@@ -67,20 +70,26 @@ def kernels() -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], tor
 
 
 def time_shape(
-    n: int, k: int, rows: list[int], total_bytes: int, repeats: int, only: set[str] | None
+    n: int,
+    k: int,
+    rows: list[int],
+    total_bytes: int,
+    repeats: int,
+    only: set[str] | None,
+    dtype: torch.dtype,
 ) -> dict[str, dict[int, float]]:
     """Seconds per call of each kernel (``only`` those) at each M, the weights cold (copies
     cycled)."""
-    copies = max(2, total_bytes // (n * k * 2))
-    base = (torch.randn(n, k) * 0.05).bfloat16()
+    copies = max(2, total_bytes // (n * k * dtype.itemsize))
+    base = (torch.randn(n, k) * 0.05).to(dtype)
     seconds: dict[str, dict[int, float]] = {}
-    for name, make in kernels().items():
+    for name, make in kernels(dtype).items():
         if only is not None and name not in only:
             continue
         calls = [make(base) for _ in range(copies)]
         seconds[name] = {}
         for m in rows:
-            x = torch.randn(m, k).bfloat16()
+            x = torch.randn(m, k).to(dtype)
             calls[0](x)  # first call: thread pool, tile configuration
             best = float("inf")
             for _ in range(repeats):
@@ -103,15 +112,19 @@ def main() -> None:
         shapes = gemm_shapes(model)
         rows, total = [int(m) for m in args.rows.split(",")], 4 * last_level_cache_bytes()
     stream = copy_gb_s(size_bytes=total if args.quick else None)
-    chosen = small_gemm.chosen()
+    dtype = getattr(torch, args.dtype)
+    size = dtype.itemsize
+    chosen = small_gemm.chosen(dtype)
     only = set(args.kernels.split(",")) if args.kernels else None
     per_shape = {
-        s: time_shape(n, k, rows, total, args.repeats, only) for s, (n, k) in shapes.items()
+        s: time_shape(n, k, rows, total, args.repeats, only, dtype) for s, (n, k) in shapes.items()
     }
     names = list(next(iter(per_shape.values())))
-    layer_bytes = {s: n * k * 2 for s, (n, k) in shapes.items()}
+    layer_bytes = {s: n * k * size for s, (n, k) in shapes.items()}
     name = chosen.name if chosen is not None else None
-    print(f"bf16 GEMM, weights from memory; copy bandwidth {stream:.1f} GB/s; chosen: {name}")
+    print(
+        f"{args.dtype} GEMM, weights from memory; copy bandwidth {stream:.1f} GB/s; chosen: {name}"
+    )
     print(f"{'M':>4} " + " ".join(f"{name:>18}" for name in names))
     table: list[dict[str, Any]] = []
     for m in rows:
@@ -137,13 +150,15 @@ def main() -> None:
             "n": n,
             "k": k,
             "gb_s": {
-                name: {m: n * k * 2 / per_shape[s][name][m] / 1e9 for m in rows} for name in names
+                name: {m: n * k * size / per_shape[s][name][m] / 1e9 for m in rows}
+                for name in names
             },
         }
         for s, (n, k) in shapes.items()
     ]
     report = {
         "benchmark": "small_gemm",
+        "dtype": args.dtype,
         "copy_gb_s": stream,
         "chosen": chosen.name if chosen is not None else None,
         "kernels": names,

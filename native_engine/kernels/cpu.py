@@ -33,6 +33,8 @@ _SOURCES = [
     _CSRC / "small_gemm_avx.cpp",
     _CSRC / "small_gemm_amx.cpp",
     _CSRC / "fused_ops.cpp",
+    _CSRC / "fused_ops_f32.cpp",
+    _CSRC / "argmax_rows.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "prefill_attention_amx.cpp",
     _CSRC / "exponential_race.cpp",

@@ -1,11 +1,12 @@
-"""The bf16 step's elementwise work fused (``csrc/fused_ops.cpp``): RMSNorm with the residual
-add before it, rotary, SiLU x up. Called by ``native_engine.models.layers`` for bf16 tensors
-on the CPU; every other dtype and device takes torch's ops, which round the same way. And the
-sampler's argmax over fp32 logits (``argmax``: torch's answer, ties and NaN included).
+"""The step's elementwise work fused (``csrc/fused_ops.cpp``, ``csrc/fused_ops_f32.cpp``):
+RMSNorm with the residual add before it, rotary, SiLU x up. Called by
+``native_engine.models.layers`` for bf16 and fp32 tensors on the CPU; every other dtype and
+device takes torch's ops, which round the same way. And the sampler's argmax over fp32 logits
+(``argmax``, ``csrc/argmax_rows.cpp``: torch's answer, ties and NaN included).
 
 Rotary and SiLU x up are torch's (and so HF's) bit for bit; RMSNorm's sum of squares is one
-fp32 sum whose order can differ from torch's on another CPU: a result then moves by one bf16
-rounding (tests/engine/test_fused_ops.py).
+fp32 sum whose order can differ from torch's: a result then moves by one rounding of the
+dtype (tests/engine/test_fused_ops.py).
 """
 
 from __future__ import annotations
@@ -23,33 +24,35 @@ if TYPE_CHECKING:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether ``x`` takes the fused ops: bf16 on the CPU, the extension built."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and load_cpu_kernels()
+    """Whether ``x`` takes the fused ops: bf16 or fp32 on the CPU, the extension built."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu" and load_cpu_kernels()
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * bf16(x * rsqrt(mean(x²) + eps))`` over ``x`` [rows, size]'s last dim."""
-    y: torch.Tensor = cpu_ops().rms_norm_bf16(x, weight, eps)
+    """``weight * round(x * rsqrt(mean(x²) + eps))`` over ``x`` [rows, size]'s last dim."""
+    y: torch.Tensor = cpu_ops().rms_norm(x, weight, eps)
     return y
 
 
 def add_rms_norm(
     residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual + delta`` (rounded to bf16) and its RMSNorm, in one pass."""
-    total, normed = cpu_ops().add_rms_norm_bf16(residual, delta, weight, eps)
+    """``residual + delta`` (rounded to the dtype) and its RMSNorm, in one pass."""
+    total, normed = cpu_ops().add_rms_norm(residual, delta, weight, eps)
     return total, normed
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """``layers.apply_rotary``: x [tokens, heads, head_dim], rows contiguous."""
-    y: torch.Tensor = cpu_ops().rotary_bf16(x, cos, signed_sin)
+    y: torch.Tensor = cpu_ops().rotary(x, cos, signed_sin)
     return y
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of gate_up [rows, 2 * size] (gate | up)."""
-    y: torch.Tensor = cpu_ops().silu_mul_bf16(gate_up)
+    y: torch.Tensor = cpu_ops().silu_mul(gate_up)
     return y
 
 
@@ -111,14 +114,14 @@ def decode_layer(
     x: torch.Tensor,  # [tokens, hidden]
     residual: torch.Tensor | None,
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [tokens, 1, head_dim]
-    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim] bf16: written here
+    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim], x's dtype: written here
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     w: FusedLayerWeights,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of a decode-only step (``DecoderLayer.fused_decode``): its output
     and the residual stream before it."""
-    out, stream = cpu_ops().decode_layer_bf16(
+    out, stream = cpu_ops().decode_layer(
         x,
         residual,
         w.input_norm,

@@ -21,7 +21,7 @@ from native_engine.kernels.cpu import cpu_ops
 def available() -> bool:
     """Whether this build has the kernel and this CPU lets the process use AMX tiles (the GEMM's
     check asks for them)."""
-    return small_gemm.GemmIsa.AMX in small_gemm.available() and bool(
+    return small_gemm.GemmIsa.AMX in small_gemm.available(torch.bfloat16) and bool(
         cpu_ops().prefill_attention_amx_built()
     )
 

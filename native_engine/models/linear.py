@@ -7,13 +7,14 @@ always, bf16 where the CPU has native bf16 dot products (AVX512-BF16 or AMX: one
 fp16 where it has AVX512-FP16 / AVX-NE-CONVERT. A packed call costs ~50 us more up front, so
 weights under 128K elements stay on ``F.linear``.
 
-In bf16, batches of up to ``small_gemm.max_rows`` rows take pdserve's own kernel instead
-(``native_engine/kernels/small_gemm.py``): oneDNN's small-M path reads weights at 65-75 % of
-the memory's bandwidth, this one at about all of it, and a row's result does not depend on how
-many rows share the call (oneDNN's does). On AMX it serves every M, prefill included, and its
-packing is the only copy kept; on the other kernels oneDNN's is kept too, for prefill.
-Results agree with ``F.linear`` in bf16 to the last bit but for a rounding in ~1e-4 of the
-elements (an fp32 sum in another order; tests/engine/test_small_gemm.py).
+In bf16 and fp32, batches of up to ``small_gemm.max_rows`` rows take pdserve's own kernel
+instead (``native_engine/kernels/small_gemm.py``): oneDNN's small-M paths read weights at
+50-75 % of the memory's bandwidth, this one at about all of it, and a row's result does not
+depend on how many rows share the call (oneDNN's bf16 rows do). On AMX (bf16) and AVX-512F
+(fp32) it serves every M, prefill included, and its packing is the only copy kept; on the
+other kernels oneDNN's is kept too, for prefill. Results agree with ``F.linear`` in bf16 to
+the last bit but for a rounding in ~1e-4 of the elements, in fp32 within the fp32 sum's error
+bound (sums in another order; tests/engine/test_small_gemm.py).
 """
 
 from __future__ import annotations
@@ -78,10 +79,10 @@ class Linear(nn.Module):
         if w.device.type != "cpu":
             return
         # Any size: the kernel has no fixed cost to amortize, unlike oneDNN's packed call.
-        isa = small_gemm.chosen() if small_gemm.packs(w) else None
+        isa = small_gemm.chosen(w.dtype) if small_gemm.packs(w) else None
         if isa is not None:
             self._small = small_gemm.pack(w.data)
-            self._small_isa, self._small_rows = isa, small_gemm.max_rows(isa)
+            self._small_isa, self._small_rows = isa, small_gemm.max_rows(isa, w.dtype)
         if self._small_rows == small_gemm.EVERY_M or (
             w.numel() < _PACK_MIN_NUMEL or not onednn_packs(w.dtype)
         ):

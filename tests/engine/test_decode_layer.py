@@ -1,7 +1,7 @@
-"""A bf16 decode step's layer as one C++ call (``DecoderLayer.fused_decode``) against the same
-layer run op by op in Python: the same output and residual bits, the same keys and values
-written to the same slots, for batch sizes across the GEMM kernel's range, with and without a
-qkv bias (Qwen2). And a step outside what it runs keeps the Python path."""
+"""A bf16 or fp32 decode step's layer as one C++ call (``DecoderLayer.fused_decode``) against
+the same layer run op by op in Python: the same output and residual bits, the same keys and
+values written to the same slots, for batch sizes across the GEMM kernel's range, with and
+without a qkv bias (Qwen2). And a step outside what it runs keeps the Python path."""
 
 from __future__ import annotations
 
@@ -42,13 +42,15 @@ def smollm_layer_config(qkv_bias: bool) -> ModelConfig:
     )
 
 
-def random_layer(config: ModelConfig, seed: int) -> DecoderLayer:
+def random_layer(
+    config: ModelConfig, seed: int, dtype: torch.dtype = torch.bfloat16
+) -> DecoderLayer:
     gen = torch.Generator().manual_seed(seed)
-    layer = DecoderLayer(config, torch.bfloat16)
+    layer = DecoderLayer(config, dtype)
     for param in layer.parameters():
-        param.data = (torch.randn(param.shape, generator=gen) * 0.05).bfloat16()
+        param.data = (torch.randn(param.shape, generator=gen) * 0.05).to(dtype)
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        norm.weight.data = (1 + torch.randn(norm.weight.shape, generator=gen) * 0.1).bfloat16()
+        norm.weight.data = (1 + torch.randn(norm.weight.shape, generator=gen) * 0.1).to(dtype)
     for module in layer.modules():
         if hasattr(module, "prepack"):
             module.prepack()
@@ -77,25 +79,28 @@ def decode_step(rows: int, seed: int) -> tuple[AttentionMetadata, torch.Tensor]:
     return meta, lens - 1  # positions
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("qkv_bias", [False, True], ids=["llama", "qwen2-bias"])
-def test_the_fused_layer_is_the_python_layer_bit_for_bit(qkv_bias: bool) -> None:
-    isa = small_gemm.chosen()
+def test_the_fused_layer_is_the_python_layer_bit_for_bit(
+    qkv_bias: bool, dtype: torch.dtype
+) -> None:
+    isa = small_gemm.chosen(dtype)
     assert isa is not None
     config = smollm_layer_config(qkv_bias)
-    layer = random_layer(config, seed=1)
+    layer = random_layer(config, seed=1, dtype=dtype)
     rows_served = layer.fused_rows()
-    assert rows_served == small_gemm.max_rows(isa)
-    rope_table = RotaryEmbedding(config.rope, 64, 2048, torch.bfloat16)
+    assert rows_served == small_gemm.max_rows(isa, dtype)
+    rope_table = RotaryEmbedding(config.rope, 64, 2048, dtype)
     gen = torch.Generator().manual_seed(2)
     shape = (BLOCKS, BLOCK, 3, 64)
-    k0 = torch.randn(shape, generator=gen).bfloat16()
-    v0 = torch.randn(shape, generator=gen).bfloat16()
+    k0 = torch.randn(shape, generator=gen).to(dtype)
+    v0 = torch.randn(shape, generator=gen).to(dtype)
     # The largest batch the kernel serves, or (AMX: every M) one past its switch to panels.
     for rows in sorted({1, 3, min(rows_served, 50)}):
         meta, positions = decode_step(rows, seed=rows)
         rope = rope_table.lookup(positions)
-        x = torch.randn(rows, 576, generator=gen).bfloat16()
-        residual = torch.randn(rows, 576, generator=gen).bfloat16()
+        x = torch.randn(rows, 576, generator=gen).to(dtype)
+        residual = torch.randn(rows, 576, generator=gen).to(dtype)
         for before in (None, residual):  # layer 0, and any other
             python_cache = LayerCache(k0.clone(), v0.clone())
             fused_cache = LayerCache(k0.clone(), v0.clone())
@@ -110,5 +115,4 @@ def test_a_layer_with_qk_norm_or_a_gemm_off_the_kernel_is_not_fused() -> None:
     config = smollm_layer_config(qkv_bias=False)
     qwen3 = ModelConfig(**{**config.__dict__, "qk_norm": True})
     assert random_layer(qwen3, seed=3).fused_rows() == 0
-    fp32 = DecoderLayer(config, torch.float32)  # no small-M kernel in fp32
-    assert fp32.fused_rows() == 0
+    assert random_layer(config, seed=3, dtype=torch.float16).fused_rows() == 0  # no fp16 kernel

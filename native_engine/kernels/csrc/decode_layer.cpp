@@ -1,9 +1,10 @@
-// One decoder layer of a bf16 decode step, in one call: the same kernels the Python layer calls
-// (so the same bits: tests/engine/test_decode_layer.py), without the ~40 interpreter round trips
-// between them, which at batch 1 cost about as much as a layer's attention.
+// One decoder layer of a bf16 or fp32 decode step, in one call: the same kernels the Python
+// layer calls (so the same bits: tests/engine/test_decode_layer.py), without the ~40
+// interpreter round trips between them, which at batch 1 cost about as much as a layer's
+// attention.
 //
 // Llama-family layers (native_engine/models/llama.py) whose GEMMs all run on the small-M
-// kernel, a full-precision paged cache and the CPU attention kernel; the caller checks that
+// kernel, a full-precision paged cache of the model's dtype and the CPU attention kernel; the caller checks that
 // (DecoderLayer.fused_decode) and takes the Python path otherwise.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -25,66 +26,68 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const auto* kp = static_cast<const char*>(k.data_ptr());
   const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t bytes = row * 2;
+  const int64_t size = k.element_size(), bytes = row * size;
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decode_layer_bf16: slot ", slot[t],
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "decode_layer: slot ", slot[t],
                 " out of range");
-    std::memcpy(kc + slot[t] * bytes, kp + t * k.stride(0) * 2, bytes);
-    std::memcpy(vc + slot[t] * bytes, vp + t * v.stride(0) * 2, bytes);
+    std::memcpy(kc + slot[t] * bytes, kp + t * k.stride(0) * size, bytes);
+    std::memcpy(vc + slot[t] * bytes, vp + t * v.stride(0) * size, bytes);
   }
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> decode_layer_bf16(
+std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x,                         // [T, hidden]: the last layer's output
     const c10::optional<at::Tensor>& residual,   // the stream before it; none at layer 0
     const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
     const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
-    const at::Tensor& gate_up, const at::Tensor& down,  // packed by pack_bf16_weight
+    const at::Tensor& gate_up, const at::Tensor& down,  // packed by pack_weight
     const at::Tensor& cos, const at::Tensor& signed_sin,  // [T, 1, head_dim]
     const at::Tensor& k_cache, const at::Tensor& v_cache,  // [blocks, block_size, kv_heads, D]
     const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
     int64_t num_q_heads, int64_t num_kv_heads, double scale, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "decode_layer_bf16: x");
-  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(2) == num_kv_heads,
-              "decode_layer_bf16: bf16 caches [blocks, block_size, kv_heads, head_dim]");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "decode_layer: x must be [tokens, hidden] bf16 or fp32");
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == num_kv_heads,
+              "decode_layer: caches [blocks, block_size, kv_heads, head_dim] in x's dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0),
-              "decode_layer_bf16: one int64 slot per token");
+              "decode_layer: one int64 slot per token");
   const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(3);
   const int64_t q_size = num_q_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor stream, h;
   if (residual.has_value()) {
-    std::tie(stream, h) = add_rms_norm_bf16(*residual, x, input_norm, eps);
+    std::tie(stream, h) = add_rms_norm(*residual, x, input_norm, eps);
   } else {
     stream = x;
-    h = rms_norm_bf16(x, input_norm, eps);
+    h = rms_norm(x, input_norm, eps);
   }
-  const at::Tensor proj = small_gemm_bf16(h, qkv, qkv_bias, hidden, isa);  // [T, q + 2 kv]
+  const at::Tensor proj = small_gemm(h, qkv, qkv_bias, hidden, isa);  // [T, q + 2 kv]
   const at::Tensor qk = proj.narrow(1, 0, q_size + kv_size).view({tokens, -1, head_dim});
-  const at::Tensor rotated = rotary_bf16(qk, cos, signed_sin);  // [T, q + kv heads, D]
+  const at::Tensor rotated = rotary(qk, cos, signed_sin);  // [T, q + kv heads, D]
   const at::Tensor q = rotated.narrow(1, 0, num_q_heads);
   const at::Tensor k = rotated.narrow(1, num_q_heads, num_kv_heads);
   const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
   store_kv(k, v, k_cache, v_cache, slots.contiguous());
   const at::Tensor attn =
       pdserve::decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
-  const at::Tensor out = small_gemm_bf16(attn.reshape({tokens, q_size}), o, c10::nullopt, q_size, isa);
-  std::tie(stream, h) = add_rms_norm_bf16(stream, out, post_norm, eps);
-  const at::Tensor act = silu_mul_bf16(small_gemm_bf16(h, gate_up, c10::nullopt, hidden, isa));
-  const at::Tensor mlp = small_gemm_bf16(act, down, c10::nullopt, act.size(1), isa);
+  const at::Tensor out = small_gemm(attn.reshape({tokens, q_size}), o, c10::nullopt, q_size, isa);
+  std::tie(stream, h) = add_rms_norm(stream, out, post_norm, eps);
+  const at::Tensor act = silu_mul(small_gemm(h, gate_up, c10::nullopt, hidden, isa));
+  const at::Tensor mlp = small_gemm(act, down, c10::nullopt, act.size(1), isa);
   return {mlp, stream};
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def(
-      "decode_layer_bf16(Tensor x, Tensor? residual, Tensor input_norm, Tensor post_norm, "
+      "decode_layer(Tensor x, Tensor? residual, Tensor input_norm, Tensor post_norm, "
       "float eps, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor gate_up, Tensor down, "
       "Tensor cos, Tensor signed_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
       "Tensor block_tables, Tensor context_lens, int num_q_heads, int num_kv_heads, "
       "float scale, int isa) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_layer_bf16", decode_layer_bf16); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_layer", decode_layer); }

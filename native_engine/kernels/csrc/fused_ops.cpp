@@ -19,14 +19,13 @@
 #include <sleef.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
-#include <cstring>
-#include <limits>
 #include <tuple>
 
 #include "bf16.h"
+#include "cpu_ops.h"
 
 namespace {
 
@@ -81,10 +80,7 @@ void add_row(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* sum) {
   for (; i < n; ++i) sum[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
 }
 
-}  // namespace
-
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "rms_norm_bf16: x");
   const int64_t rows = x.size(0), size = x.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == size &&
                   weight.is_contiguous(),
@@ -105,9 +101,6 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double e
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
                                                      const at::Tensor& delta,
                                                      const at::Tensor& weight, double eps) {
-  check_rows(residual, "add_rms_norm_bf16: residual");
-  check_rows(delta, "add_rms_norm_bf16: delta");
-  TORCH_CHECK(residual.sizes() == delta.sizes(), "add_rms_norm_bf16: shapes differ");
   const int64_t rows = residual.size(0), size = residual.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == size &&
                   weight.is_contiguous(),
@@ -132,11 +125,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
 at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
                        const at::Tensor& cos,    // [tokens, 1, head_dim]
                        const at::Tensor& ssin) {  // [tokens, 1, head_dim]
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1 &&
-                  x.stride(1) == x.size(2),
-              "rotary_bf16: x must be [tokens, heads, head_dim] bf16, rows contiguous");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(dim % 2 == 0, "rotary_bf16: head_dim must be even");
   for (const at::Tensor* t : {&cos, &ssin}) {
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == tokens &&
                     t->size(2) == dim && t->stride(2) == 1,
@@ -182,8 +171,6 @@ at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
 // ~20x slower and a faster one is not torch's bits. One pass: at::silu and then the product
 // were two over the [rows, size] tensor (2.4 ms a layer at 2048 rows, against ~1.2).
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_mul_bf16: gate_up");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul_bf16: gate_up must have an even width");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   at::Tensor y = at::empty({rows, size}, gate_up.options());
@@ -231,77 +218,52 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
 #endif
 }
 
-// NaN tests on the bits: the build is -ffast-math, under which the compiler may fold a float
-// NaN test to false.
-inline bool is_nan(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return (bits & 0x7fffffffu) > 0x7f800000u;
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (x.scalar_type() == at::kFloat) return pdserve::f32::rms_norm(x, weight, eps);
+  check_rows(x, "rms_norm: x");
+  return rms_norm_bf16(x, weight, eps);
 }
 
-// torch.argmax(x, -1) of fp32 rows: the first index of the largest value, a NaN counting as
-// largest (the first NaN wins). Rows in parallel, 16 lanes at a time (torch's is one thread,
-// ~1 ns a logit: 1.2 ms of a batch-32 step over a 49K vocabulary).
-int64_t argmax_row(const float* x, int64_t n) {
-  int64_t i = 0;
-  float best = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  __m512 best_v = _mm512_set1_ps(best);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), magnitude);
-    if (_mm512_cmpgt_epu32_mask(bits, inf) != 0) break;  // a NaN: the loop below finds it
-    best_v = _mm512_max_ps(best_v, v);
-  }
-  best = _mm512_reduce_max_ps(best_v);
-#endif
-  for (; i < n; ++i) {
-    if (is_nan(x[i])) {
-      for (int64_t j = 0;; ++j)
-        if (is_nan(x[j])) return j;
-    }
-    best = x[i] > best ? x[i] : best;
-  }
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 target = _mm512_set1_ps(best);
-  for (; j + 16 <= n; j += 16) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), target, _CMP_EQ_OQ);
-    if (hit != 0) return j + __builtin_ctz(hit);
-  }
-#endif
-  for (; j < n; ++j)
-    if (x[j] == best) return j;
-  return 0;  // unreachable: best is one of the row's values
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
+                                                const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  if (residual.scalar_type() == at::kFloat)
+    return pdserve::f32::add_rms_norm(residual, delta, weight, eps);
+  check_rows(residual, "add_rms_norm: residual");
+  check_rows(delta, "add_rms_norm: delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "add_rms_norm: shapes differ");
+  return add_rms_norm_bf16(residual, delta, weight, eps);
 }
 
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
-              "argmax_rows: x must be [rows, n > 0] float32 with unit column stride");
-  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* px = x.data_ptr<float>();
-  int64_t* po = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) po[r] = argmax_row(px + r * ld, n);
-  });
-  return out;
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rotary: x must be [tokens, heads, head_dim], rows contiguous");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rotary: head_dim must be even");
+  if (x.scalar_type() == at::kFloat) return pdserve::f32::rotary(x, cos, signed_sin);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rotary: x must be bf16 or fp32");
+  return rotary_bf16(x, cos, signed_sin);
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  if (gate_up.scalar_type() == at::kFloat) return pdserve::f32::silu_mul(gate_up);
+  check_rows(gate_up, "silu_mul: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even width");
+  return silu_mul_bf16(gate_up);
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("rms_norm_bf16(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm_bf16(Tensor residual, Tensor delta, Tensor weight, float eps) -> "
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor residual, Tensor delta, Tensor weight, float eps) -> "
         "(Tensor, Tensor)");
-  m.def("rotary_bf16(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
-  m.def("silu_mul_bf16(Tensor gate_up) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("rms_norm_bf16", rms_norm_bf16);
-  m.impl("add_rms_norm_bf16", add_rms_norm_bf16);
-  m.impl("rotary_bf16", rotary_bf16);
-  m.impl("silu_mul_bf16", silu_mul_bf16);
-  m.impl("argmax_rows", argmax_rows);
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("rotary", rotary);
+  m.impl("silu_mul", silu_mul);
 }

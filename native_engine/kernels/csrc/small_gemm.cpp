@@ -1,22 +1,26 @@
-// A bf16 GEMM for decode shapes, y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (1..64).
+// A GEMM for decode shapes, y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (1..64), in bf16
+// or fp32 (x, W, bias and y all of one dtype).
 //
 // At decode the GEMM is a read of the weights: each weight is used M times, so the time is the
-// bytes of W over the memory's bandwidth. oneDNN's small-M bf16 path moves them at ~65-75 % of
-// what this CPU streams; these kernels stream them at about all of it (benchmarks/small_gemm.py).
+// bytes of W over the memory's bandwidth. oneDNN's small-M paths move them at ~45-75 % of
+// what this CPU streams (bf16 ~65-75 %, fp32 at M = 1 ~50 %); these kernels stream them at
+// about all of it (benchmarks/small_gemm.py).
 //
-// The weights are packed once at load (pack_bf16_weight) into blocks of 16 output columns,
-// each block one contiguous stream: block b, k-pair p is the 64-byte line
-//   W[16b + c][2p], W[16b + c][2p + 1]   for c in 0..15
-// (16 dwords, each the pair of k's of one column; K is padded with zeros to whole AMX tiles,
-// 32 k). One line is one step of a block's stream on every ISA, and 16 lines are AMX's weight
-// tile as it is: small_gemm_avx.cpp (AVX2, AVX512-BF16) and small_gemm_amx.cpp read the same
-// packing. The ISA is chosen at run time among those the build has and the CPU runs.
+// The weights are packed once at load (pack_weight) into blocks of 16 output columns, each
+// block one contiguous stream of 64-byte lines:
+//   - bf16: block b, k-pair p is the line W[16b + c][2p], W[16b + c][2p + 1] for c in 0..15
+//     (16 dwords, each the pair of k's of one column; K is padded with zeros to whole AMX
+//     tiles, 32 k). One line is one step of a block's stream on every ISA, and 16 lines are
+//     AMX's weight tile as it is: small_gemm_avx.cpp (AVX2, AVX512-BF16) and
+//     small_gemm_amx.cpp read the same packing.
+//   - fp32: block b, k is the line W[16b + c][k] for c in 0..15 (small_gemm_avx.cpp).
+// The ISA is chosen at run time among those the build has and the CPU runs.
 //
 // Threads split the blocks (contiguous ranges, so each reads sequential streams), streams are
-// prefetched ahead, accumulation is fp32 and the result is rounded once to bf16 (to nearest
-// even), as F.linear does in bf16. Every output element is one fp32 sum over k in the same
-// order whatever M is and whichever rows share the call: a row's result does not depend on
-// its batch (oneDNN's does; tests/engine/test_small_gemm.py checks ours).
+// prefetched ahead, accumulation is fp32 and a bf16 result is rounded once (to nearest even),
+// as F.linear does in bf16. Every output element is one fp32 sum over k in the same order
+// whatever M is and whichever rows share the call: a row's result does not depend on its
+// batch (oneDNN's does; tests/engine/test_small_gemm.py checks ours).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +50,12 @@ bool cpu_has(Isa isa) {
 #else
       return false;
 #endif
+    case Isa::kAvx512:
+#if defined(__AVX512F__)
+      return __builtin_cpu_supports("avx512f");
+#else
+      return false;
+#endif
     case Isa::kAmx:
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
       return pdserve::amx_permitted();
@@ -68,18 +78,17 @@ const uint16_t* bf16_data(const at::Tensor& t) {
 // The kernels this build has and this CPU runs, as a bit mask of (1 << Isa).
 int64_t small_gemm_isas() {
   int64_t mask = 0;
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512Bf16, Isa::kAmx}) {
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512Bf16, Isa::kAmx, Isa::kAvx512}) {
     if (cpu_has(isa)) mask |= int64_t{1} << isa;
   }
   return mask;
 }
 
-at::Tensor pack_bf16_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
-              "pack_bf16_weight: a 2-D bf16 weight [N, K]");
+namespace {
+
+at::Tensor pack_bf16(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), k2 = padded_pairs(k);
-  TORCH_CHECK(n % kBlockCols == 0, "pack_bf16_weight: N must be a multiple of 16, got ", n);
-  const at::Tensor w = weight.contiguous();
+    const at::Tensor w = weight.contiguous();
   at::Tensor packed = at::zeros({n / kBlockCols, k2, kBlockCols, 2}, weight.options());
   const uint16_t* src = bf16_data(w);
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
@@ -92,24 +101,27 @@ at::Tensor pack_bf16_weight(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed,
-                           const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "small_gemm_bf16: x must be [M, K] bf16 with unit column stride");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(2) == kBlockCols && packed.size(3) == 2 && packed.is_contiguous(),
-              "small_gemm_bf16: packed must come from pack_bf16_weight");
-  TORCH_CHECK(x.size(1) == k && packed.size(1) == padded_pairs(k), "small_gemm_bf16: x has K=",
-              x.size(1), ", the weight K=", k);
-  const int64_t m = x.size(0), n = packed.size(0) * kBlockCols;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == n && bias->is_contiguous(),
-                "small_gemm_bf16: bias must be [N] bf16");
-  }
-  const auto chosen = static_cast<Isa>(isa);
-  TORCH_CHECK(cpu_has(chosen), "small_gemm_bf16: isa ", isa, " is not available here");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+at::Tensor pack_f32(const at::Tensor& weight) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor w = weight.contiguous();
+  at::Tensor packed = at::empty({n / kBlockCols, k, kBlockCols}, weight.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t c = 0; c < kBlockCols; ++c)
+        for (int64_t kk = 0; kk < k; ++kk)
+          dst[(b * k + kk) * kBlockCols + c] = src[(b * kBlockCols + c) * k + kk];
+  });
+  return packed;
+}
+
+void run_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+              int64_t k, Isa isa, at::Tensor& y) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockCols && packed.size(3) == 2 &&
+                  packed.size(1) == padded_pairs(k),
+              "small_gemm: a bf16 packed weight must come from pack_weight");
+  const int64_t m = x.size(0), n = y.size(1);
   const pdserve::gemm::Problem pb{
       bf16_data(x),
       x.stride(0),
@@ -122,21 +134,74 @@ at::Tensor small_gemm_bf16(const at::Tensor& x, const at::Tensor& packed,
       n,
       m,
   };
-  switch (chosen) {
+  switch (isa) {
     case Isa::kAmx: pdserve::gemm::gemm_amx(pb); break;
     case Isa::kAvx512Bf16: pdserve::gemm::gemm_avx512bf16(pb); break;
-    default: pdserve::gemm::gemm_avx2(pb); break;
+    case Isa::kAvx2: pdserve::gemm::gemm_avx2(pb); break;
+    default: TORCH_CHECK(false, "small_gemm: isa ", int64_t{isa}, " has no bf16 kernel");
+  }
+}
+
+void run_f32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+             int64_t k, Isa isa, at::Tensor& y) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kBlockCols,
+              "small_gemm: an fp32 packed weight must come from pack_weight");
+  const pdserve::gemm::ProblemF32 pb{
+      x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), k,
+      bias.has_value() ? bias->data_ptr<float>() : nullptr,
+      y.data_ptr<float>(), y.size(1), x.size(0),
+  };
+  switch (isa) {
+    case Isa::kAvx512: pdserve::gemm::gemm_f32_avx512(pb); break;
+    case Isa::kAvx2: pdserve::gemm::gemm_f32_avx2(pb); break;
+    default: TORCH_CHECK(false, "small_gemm: isa ", int64_t{isa}, " has no fp32 kernel");
+  }
+}
+
+bool gemm_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kFloat; }
+
+}  // namespace
+
+at::Tensor pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && gemm_dtype(weight.scalar_type()),
+              "pack_weight: a 2-D bf16 or fp32 weight [N, K]");
+  TORCH_CHECK(weight.size(0) % kBlockCols == 0, "pack_weight: N must be a multiple of 16, got ",
+              weight.size(0));
+  return weight.scalar_type() == at::kFloat ? pack_f32(weight) : pack_bf16(weight);
+}
+
+at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && gemm_dtype(dtype) && x.stride(1) == 1,
+              "small_gemm: x must be [M, K] bf16 or fp32 with unit column stride");
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.is_contiguous(),
+              "small_gemm: packed must come from pack_weight, in x's dtype");
+  TORCH_CHECK(x.size(1) == k, "small_gemm: x has K=", x.size(1), ", the weight K=", k);
+  const int64_t m = x.size(0), n = packed.size(0) * kBlockCols;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == n && bias->is_contiguous(),
+                "small_gemm: bias must be [N] in x's dtype");
+  }
+  const auto chosen = static_cast<Isa>(isa);
+  TORCH_CHECK(cpu_has(chosen), "small_gemm: isa ", isa, " is not available here");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  if (dtype == at::kFloat) {
+    run_f32(x, packed, bias, k, chosen, y);
+  } else {
+    run_bf16(x, packed, bias, k, chosen, y);
   }
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("pack_bf16_weight(Tensor weight) -> Tensor");
-  m.def("small_gemm_bf16(Tensor x, Tensor packed, Tensor? bias, int k, int isa) -> Tensor");
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias, int k, int isa) -> Tensor");
   m.def("small_gemm_isas() -> int", small_gemm_isas);  // no tensor: one kernel for all keys
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
-  m.impl("pack_bf16_weight", pack_bf16_weight);
-  m.impl("small_gemm_bf16", small_gemm_bf16);
+  m.impl("pack_weight", pack_weight);
+  m.impl("small_gemm", small_gemm);
 }

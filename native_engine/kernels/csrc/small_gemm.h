@@ -1,5 +1,5 @@
-// The small-M bf16 GEMM's shared parts (see small_gemm.cpp): the packed layout's constants,
-// the problem one call solves, and the kernel of each ISA.
+// The small-M GEMM's shared parts (see small_gemm.cpp): the packed layouts' constants, the
+// problem one call solves (bf16 or fp32), and the kernel of each ISA.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,8 @@ constexpr int64_t kBlockCols = 16;     // output columns per packed block (one 6
 constexpr int64_t kTilePairs = 16;     // k-pairs per AMX tile (32 k): the packing pads K to it
 constexpr int64_t kPrefetchLines = 8;  // lines ahead in each block's stream (512 bytes)
 
-enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };
+// kAvx2 serves both dtypes, kAvx512Bf16 and kAmx bf16, kAvx512 fp32 (the Python GemmIsa).
+enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3, kAvx512 = 4 };
 
 struct Problem {
   const uint16_t* x;     // [M, K] bf16, row stride ldx
@@ -29,6 +30,19 @@ struct Problem {
   int64_t m;             // M
   // Block b's stream.
   const uint32_t* block(int64_t b) const { return w + b * k2 * kBlockCols; }
+};
+
+// fp32: packed [N / 16][K][16], block b, k the 64-byte line W[16b + c][k] for c in 0..15.
+struct ProblemF32 {
+  const float* x;     // [M, K], row stride ldx
+  int64_t ldx;
+  const float* w;     // packed
+  int64_t k;          // K
+  const float* bias;  // [N], or nullptr
+  float* y;           // [M, N], row-major
+  int64_t n;          // N
+  int64_t m;          // M
+  const float* block(int64_t b) const { return w + b * k * kBlockCols; }
 };
 
 #if defined(__AVX512BF16__)
@@ -48,5 +62,7 @@ inline void store16(const Problem& pb, __m512 acc, int64_t row, int64_t col) {
 void gemm_avx2(const Problem& pb);
 void gemm_avx512bf16(const Problem& pb);
 void gemm_amx(const Problem& pb);
+void gemm_f32_avx2(const ProblemF32& pb);
+void gemm_f32_avx512(const ProblemF32& pb);
 
 }  // namespace pdserve::gemm

@@ -1,9 +1,12 @@
-// The small-M GEMM's vector kernels (see small_gemm.cpp for the layout). A tile is MR rows x
-// NB blocks of y over all of K: the NB weight lines of a k-pair are loaded once and used by
-// every row, the accumulators stay in registers for the whole of K.
-//   - AVX512-BF16: vdpbf16ps multiplies a line by the broadcast pair (x[2p], x[2p + 1]);
-//   - AVX2 + FMA (no bf16 hardware): the line's dwords are widened to fp32 in registers (a
-//     shift gives the even k, a mask the odd one; bf16 is fp32's top half), two FMAs.
+// The small-M GEMM's vector kernels (see small_gemm.cpp for the layouts). A tile is MR rows x
+// NB blocks of y over all of K: the NB weight lines of a k (bf16: a k-pair) are loaded once
+// and used by every row, the accumulators stay in registers for the whole of K.
+//   - bf16 on AVX512-BF16: vdpbf16ps multiplies a line by the broadcast pair (x[2p], x[2p + 1]);
+//   - bf16 on AVX2 + FMA (no bf16 hardware): the line's dwords are widened to fp32 in registers
+//     (a shift gives the even k, a mask the odd one; bf16 is fp32's top half), two FMAs;
+//   - fp32 on AVX-512F or AVX2 + FMA: one FMA per line and row, the broadcast x[k]. Both ISAs
+//     compute y[r, c] as the same chain fma(x[k], w[k], acc) over k = 0..K-1, so they agree
+//     bit for bit, at any M.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -17,8 +20,8 @@ namespace pdserve::gemm {
 namespace {
 
 // Calls Tile<mr, nb>::run for runtime mr <= MR, nb <= NB (the compiler unrolls each).
-template <template <int, int> class Tile, int MR, int NB>
-void run_tile(int mr, int nb, const Problem& pb, int64_t row0, int64_t block0) {
+template <template <int, int> class Tile, int MR, int NB, class P>
+void run_tile(int mr, int nb, const P& pb, int64_t row0, int64_t block0) {
   if constexpr (MR > 1) {
     if (mr < MR) return run_tile<Tile, MR - 1, NB>(mr, nb, pb, row0, block0);
   }
@@ -30,20 +33,29 @@ void run_tile(int mr, int nb, const Problem& pb, int64_t row0, int64_t block0) {
 
 // Threads take contiguous block ranges (each reads its own sequential streams); within one,
 // NB blocks at a time, every MR rows against them (the lines are in cache after the first).
-template <template <int, int> class Tile, int MR, int NB>
-void solve(const Problem& pb) {
+// Rows go in chunks of kChunkRows, so at prefill sizes a chunk of x (<= 576 KiB at K = 1536,
+// fp32) stays in L2 while the thread's blocks pass, not all of x once per NB blocks.
+template <template <int, int> class Tile, int MR, int NB, class P>
+void solve(const P& pb) {
+  constexpr int64_t kChunkRows = 96;
   at::parallel_for(0, pb.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; b += NB) {
-      const int nb = static_cast<int>(std::min<int64_t>(NB, end - b));
-      for (int64_t r = 0; r < pb.m; r += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, pb.m - r));
-        run_tile<Tile, MR, NB>(mr, nb, pb, r, b);
+    for (int64_t r0 = 0; r0 < pb.m; r0 += kChunkRows) {
+      const int64_t r1 = std::min(pb.m, r0 + kChunkRows);
+      for (int64_t b = begin; b < end; b += NB) {
+        const int nb = static_cast<int>(std::min<int64_t>(NB, end - b));
+        for (int64_t r = r0; r < r1; r += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, r1 - r));
+          run_tile<Tile, MR, NB>(mr, nb, pb, r, b);
+        }
       }
     }
   });
 }
 
-inline void prefetch_line(const uint32_t* stream, int64_t p) {
+// Line p + kPrefetchLines of a block's stream (dwords or floats: 16 a line).
+template <class T>
+inline void prefetch_line(const T* stream, int64_t p) {
+  static_assert(sizeof(T) == 4);
   _mm_prefetch(reinterpret_cast<const char*>(stream + (p + kPrefetchLines) * kBlockCols),
                _MM_HINT_T0);
 }
@@ -126,7 +138,84 @@ struct Avx2Tile {
 };
 #endif
 
+#if defined(__AVX512F__)
+template <int MR, int NB>
+struct Avx512F32Tile {
+  static void run(const ProblemF32& pb, int64_t row0, int64_t block0) {
+    __m512 acc[MR][NB];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+    const float* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = pb.block(block0 + j);
+    const float* x = pb.x + row0 * pb.ldx;
+    for (int64_t k = 0; k < pb.k; ++k) {
+      __m512 line[NB];
+      for (int j = 0; j < NB; ++j) {
+        prefetch_line(w[j], k);
+        line[j] = _mm512_loadu_ps(w[j] + k * kBlockCols);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xv = _mm512_set1_ps(x[i * pb.ldx + k]);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xv, line[j], acc[i][j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const int64_t col = (block0 + j) * kBlockCols;
+      const __m512 bias = pb.bias != nullptr ? _mm512_loadu_ps(pb.bias + col) : _mm512_setzero_ps();
+      for (int i = 0; i < MR; ++i)
+        _mm512_storeu_ps(pb.y + (row0 + i) * pb.n + col, _mm512_add_ps(acc[i][j], bias));
+    }
+  }
+};
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A block is two 8-lane halves, as in Avx2Tile.
+template <int MR, int NB>
+struct Avx2F32Tile {
+  static void run(const ProblemF32& pb, int64_t row0, int64_t block0) {
+    __m256 acc[MR][NB][2];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    const float* w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = pb.block(block0 + j);
+    const float* x = pb.x + row0 * pb.ldx;
+    for (int64_t k = 0; k < pb.k; ++k) {
+      __m256 line[NB][2];
+      for (int j = 0; j < NB; ++j) {
+        prefetch_line(w[j], k);
+        for (int h = 0; h < 2; ++h) line[j][h] = _mm256_loadu_ps(w[j] + k * kBlockCols + 8 * h);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_set1_ps(x[i * pb.ldx + k]);
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 2; ++h) acc[i][j][h] = _mm256_fmadd_ps(xv, line[j][h], acc[i][j][h]);
+      }
+    }
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = (block0 + j) * kBlockCols + 8 * h;
+        const __m256 bias = pb.bias != nullptr ? _mm256_loadu_ps(pb.bias + col) : _mm256_setzero_ps();
+        for (int i = 0; i < MR; ++i)
+          _mm256_storeu_ps(pb.y + (row0 + i) * pb.n + col, _mm256_add_ps(acc[i][j][h], bias));
+      }
+  }
+};
+#endif
+
 }  // namespace
+
+#if defined(__AVX512F__)
+void gemm_f32_avx512(const ProblemF32& pb) { solve<Avx512F32Tile, 6, 4>(pb); }
+#else
+void gemm_f32_avx512(const ProblemF32&) {}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+void gemm_f32_avx2(const ProblemF32& pb) { solve<Avx2F32Tile, 2, 2>(pb); }
+#else
+void gemm_f32_avx2(const ProblemF32&) {}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 void gemm_avx512bf16(const Problem& pb) { solve<Avx512Bf16Tile, 4, 4>(pb); }

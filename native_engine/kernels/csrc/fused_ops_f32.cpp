@@ -1,0 +1,138 @@
+// The fp32 step's work outside the GEMMs (fused_ops.cpp dispatches here for fp32 tensors):
+// rotary and SiLU(gate) x up one pass each; RMSNorm with the residual add before it.
+//
+// Each op rounds where torch's fp32 ops do, one rounding per torch op: the vector forms use
+// the explicit-rounding intrinsics, which the compiler never contracts into an FMA (the build
+// is -ffast-math, under which a plain a * b + c * d may become one). So rotary and SiLU x up
+// are torch's bits (tests/engine/test_fused_ops.py). RMSNorm is torch's own op. Without
+// AVX-512F each op is torch's own ops.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <sleef.h>
+#endif
+
+#include <cstdint>
+#include <tuple>
+
+#include "cpu_ops.h"
+
+namespace pdserve::f32 {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+inline __m512 mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kRound); }
+inline __m512 add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kRound); }
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1u);
+}
+#endif
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
+              " must be [rows, size] fp32 with unit column stride");
+}
+
+void check_weight(const at::Tensor& w, int64_t size, const char* name) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == size && w.is_contiguous(), name,
+              ": weight must be [size] fp32");
+}
+
+}  // namespace
+
+// torch's own rms_norm: its fp32 sum of squares is HF's (pow, then mean) to the bit, which a
+// sum in another order is not (tests/engine/test_layers_exact.py); the call costs ~2 us.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  check_weight(weight, x.size(1), "rms_norm");
+  return at::rms_norm(x, {x.size(1)}, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
+                                                const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(residual, "add_rms_norm: residual");
+  check_rows(delta, "add_rms_norm: delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "add_rms_norm: shapes differ");
+  check_weight(weight, residual.size(1), "add_rms_norm");
+  at::Tensor sum = residual + delta;
+  return {sum, rms_norm(sum, weight, eps)};
+}
+
+// x * cos + roll(x, half) * signed_sin: two products and a sum, each rounded (torch's three ops).
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& ssin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  for (const at::Tensor* t : {&cos, &ssin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == tokens &&
+                    t->size(2) == dim && t->stride(2) == 1,
+                "rotary: cos and sin must be [tokens, 1, head_dim] fp32");
+  }
+#if defined(__AVX512F__)
+  at::Tensor y = at::empty({tokens, heads, dim}, x.options());
+  const float *px = x.data_ptr<float>(), *pc = cos.data_ptr<float>(), *ps = ssin.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldc = cos.stride(0), lds = ssin.stride(0);
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = pc + t * ldc, *s = ps + t * lds;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* row = px + t * ldx + h * dim;
+        float* o = py + (t * heads + h) * dim;
+        // Each half against the other: lanes [i, i + 16) of a half stay within it.
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = lanes(half - i);
+          const __m512 lo = _mm512_maskz_loadu_ps(m, row + i);
+          const __m512 hi = _mm512_maskz_loadu_ps(m, row + half + i);
+          _mm512_mask_storeu_ps(o + i, m,
+                                add(mul(lo, _mm512_maskz_loadu_ps(m, c + i)),
+                                    mul(hi, _mm512_maskz_loadu_ps(m, s + i))));
+          _mm512_mask_storeu_ps(o + half + i, m,
+                                add(mul(hi, _mm512_maskz_loadu_ps(m, c + half + i)),
+                                    mul(lo, _mm512_maskz_loadu_ps(m, s + half + i))));
+        }
+      }
+    }
+  });
+  return y;
+#else
+  return x * cos + x.roll(half, -1) * ssin;
+#endif
+}
+
+// silu(gate) * up, gate_up [rows, 2 * size]: torch's silu, x / (1 + exp(-x)) with SLEEF's
+// expf (the exp torch vectorizes with), then the product.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul: gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even width");
+  const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
+#if defined(__AVX512F__)
+  at::Tensor y = at::empty({rows, size}, gate_up.options());
+  const float* pg = gate_up.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  const int64_t ld = gate_up.stride(0);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gate = pg + r * ld, *up = gate + size;
+      for (int64_t i = 0; i < size; i += 16) {
+        const __mmask16 m = lanes(size - i);
+        const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+        const __m512 e = Sleef_expf16_u10(
+            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign)));
+        const __m512 act = _mm512_div_round_ps(g, add(one, e), kRound);
+        _mm512_mask_storeu_ps(py + r * size + i, m, mul(act, _mm512_maskz_loadu_ps(m, up + i)));
+      }
+    }
+  });
+  return y;
+#else
+  return at::silu(gate_up.narrow(1, 0, size)) * gate_up.narrow(1, size, size);
+#endif
+}
+
+}  // namespace pdserve::f32
