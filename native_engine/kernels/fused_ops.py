@@ -4,9 +4,9 @@ RMSNorm with the residual add before it, rotary, SiLU x up. Called by
 device takes torch's ops, which round the same way. And the sampler's argmax over fp32 logits
 (``argmax``, ``csrc/argmax_rows.cpp``: torch's answer, ties and NaN included).
 
-Rotary and SiLU x up are torch's (and so HF's) bit for bit; RMSNorm's sum of squares is one
-fp32 sum whose order can differ from torch's: a result then moves by one rounding of the
-dtype (tests/engine/test_fused_ops.py).
+Rotary and SiLU x up are torch's (and so HF's) bit for bit. fp32 RMSNorm is torch's own op
+(HF's bits); bf16 RMSNorm's sum of squares is one fp32 sum whose order can differ from
+torch's: a result then moves by one bf16 rounding (tests/engine/test_fused_ops.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ packed copy is the layer's to keep), ``gemm`` per forward when the batch has at 
 ``max_rows(isa, dtype)`` rows. A row's result does not depend on M up to that bound, on one
 ISA: a request's numerics do not change with how many share its step. AMX serves every M in
 bf16 (decode shapes stream the weights, prefill shapes take panels, bit for bit the same
-sums), and AVX-512F every M in fp32, so there every GEMM row is batch-invariant; oneDNN's
+sums), and both fp32 kernels every M, so there every GEMM row is batch-invariant; oneDNN's
 bf16 rows are not (they move with M).
 """
 
@@ -44,19 +44,19 @@ _KERNELS = {
 EVERY_M = sys.maxsize
 # The largest M each kernel serves per dtype; above it, oneDNN (or F.linear where oneDNN has
 # no path for the dtype). Measured by benchmarks/small_gemm.py on SmolLM2's shapes
-# (docs/engine.md has the table). bf16: AMX streams weights at the copy bandwidth through
+# (docs/cpu-kernels.md has the table). bf16: AMX streams weights at the copy bandwidth through
 # M = 16 and above takes 32 x 32 panels (~80 % of it at M = 32), level with oneDNN from 64 to
 # 1024 rows (0.86-1.07x its time), 1.3x at 2048; vdpbf16ps is ahead through M = 4 and behind
 # at 8, bound by its own throughput. The AVX2 kernel's rival, F.linear in bf16 on a CPU
 # without bf16 hardware, was not measured: 16 is where it falls to a third of the bandwidth.
 # fp32: the AVX-512F kernel streams weights at 1.15-1.3x oneDNN's packed fp32 path's speed
-# through M = 32 and is level with it from 128 to 2048 rows (0.93-1.04x), so it serves every
-# M: one packing, and a row's bits do not depend on its batch. The AVX2 kernel, measured on
-# the same AVX-512 box against oneDNN's AVX-512 path, is ahead through M = 8 and 0.75x at 32;
-# 16 is a guess for a CPU where oneDNN has AVX2 only too.
+# through M = 32 and is level with it from 128 to 2048 rows (0.93-1.04x); the AVX2 kernel,
+# against oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, the same box), is 1.1-1.4x through
+# M = 32 and 0.85x at 128-512. Both serve every M: one packing, and a row's bits do not depend
+# on its batch (fp32 is the default dtype where bf16 has no hardware: equal exactness).
 _MAX_ROWS = {
     torch.bfloat16: {GemmIsa.AMX: EVERY_M, GemmIsa.AVX512_BF16: 4, GemmIsa.AVX2: 16},
-    torch.float32: {GemmIsa.AVX512: EVERY_M, GemmIsa.AVX2: 16},
+    torch.float32: {GemmIsa.AVX512: EVERY_M, GemmIsa.AVX2: EVERY_M},
 }
 
 

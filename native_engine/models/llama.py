@@ -131,8 +131,8 @@ class DecoderLayer(nn.Module):
         cache: LayerCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` of a decode-only bf16 step in one C++ call, the same kernels in the same
-        order (so the same bits); the caller checked ``fused_rows``."""
+        """``forward`` of a decode-only bf16 or fp32 step in one C++ call, the same kernels in
+        the same order (so the same bits); the caller checked ``fused_rows``."""
         weights = self._fused
         assert weights is not None
         return fused_ops.decode_layer(x, residual, rope, cache.k, cache.v, meta, weights)
@@ -169,8 +169,8 @@ class LlamaFamilyForCausalLM(nn.Module):
     def _fused_decode(
         self, x: torch.Tensor, kv_cache: list[LayerCache], meta: AttentionMetadata
     ) -> bool:
-        """Whether this step runs each layer as one C++ call: decode rows only, bf16 on the
-        CPU kernels, a full-precision cache, and a batch the small-M GEMMs serve."""
+        """Whether this step runs each layer as one C++ call: decode rows only, bf16 or fp32 on
+        the CPU kernels, a full-precision cache, and a batch the small-M GEMMs serve."""
         return (
             not meta.prefills
             and meta.backend is AttentionBackend.CPU

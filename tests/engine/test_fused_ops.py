@@ -75,8 +75,9 @@ def test_rotary_is_the_torch_ops_bit_for_bit_on_a_strided_qkv_view(
 def test_silu_times_up_is_the_torch_ops_bit_for_bit(
     rows: int, size: int, dtype: torch.dtype
 ) -> None:
-    """Widths of whole 32-lane steps: torch takes a row's last width % 32 with libm's exp, not
-    SLEEF's (its bits then depend on the position; no model has such a width)."""
+    """Widths of whole 32-lane steps: torch takes a row's last width % 32 (and, where its
+    threads split a large tensor, each chunk's last elements) with libm's exp, not SLEEF's, so
+    its bits there depend on the position; ours are SLEEF's everywhere."""
     gen = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * size, generator=gen) * 4).to(dtype)
     gate, up = gate_up.split(size, dim=-1)

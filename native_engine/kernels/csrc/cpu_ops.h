@@ -25,7 +25,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
 }  // namespace pdserve
 
 namespace pdserve::f32 {
-// The fp32 forms (fused_ops_f32.cpp), which the ops above call for fp32 tensors.
+// The fp32 forms (fused_ops_f32.cpp), which the ops above call for fp32 tensors once they have
+// checked the shapes and dtypes.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
                                                 const at::Tensor& delta,

@@ -4,8 +4,8 @@
 // attention.
 //
 // Llama-family layers (native_engine/models/llama.py) whose GEMMs all run on the small-M
-// kernel, a full-precision paged cache of the model's dtype and the CPU attention kernel; the caller checks that
-// (DecoderLayer.fused_decode) and takes the Python path otherwise.
+// kernel, a full-precision paged cache of the model's dtype and the CPU attention kernel; the
+// caller checks that (DecoderLayer.fused_decode) and takes the Python path otherwise.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

@@ -1,7 +1,8 @@
-// The bf16 decode step's work outside the GEMMs, one pass each: RMSNorm (with the residual
-// add before it), rotary embedding, SiLU(gate) x up.
+// The decode step's work outside the GEMMs, one pass each: RMSNorm (with the residual add
+// before it), rotary embedding, SiLU(gate) x up. Each op takes bf16 (the kernels here) or fp32
+// tensors (fused_ops_f32.cpp); its shapes and dtypes are checked here, once for both.
 //
-// Each rounds as HF transformers does op by op in bf16 (the engine's contract is HF's
+// In bf16 each rounds as HF transformers does op by op in bf16 (the engine's contract is HF's
 // tokens): an elementwise op computes in fp32 and rounds to bf16 where torch would, so
 // rotary and SiLU x up are HF's bit for bit. RMSNorm's mean of squares is one fp32 sum, in
 // the order the compiler vectorizes it (on the CPUs measured, torch's); where the order
@@ -45,9 +46,22 @@ const uint16_t* in(const at::Tensor& t) {
 
 uint16_t* out(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.stride(1) == 1, name,
-              " must be [rows, size] bf16 with unit column stride");
+// The dtype of an op's first tensor: bf16 or fp32.
+at::ScalarType op_dtype(const at::Tensor& t, const char* op) {
+  const at::ScalarType dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": bf16 or fp32 tensors, got ",
+              dtype);
+  return dtype;
+}
+
+void check_rows(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == dtype && t.stride(1) == 1, name,
+              " must be [rows, size] ", dtype, " with unit column stride");
+}
+
+void check_weight(const at::Tensor& w, at::ScalarType dtype, int64_t size, const char* name) {
+  TORCH_CHECK(w.scalar_type() == dtype && w.numel() == size && w.is_contiguous(), name,
+              ": weight must be [size] ", dtype);
 }
 
 // HF's LlamaRMSNorm on one row: weight * bf16(x32 * rsqrt(mean(x32^2) + eps)).
@@ -82,9 +96,6 @@ void add_row(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* sum) {
 
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), size = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == size &&
-                  weight.is_contiguous(),
-              "rms_norm_bf16: weight must be [size] bf16");
   at::Tensor y = at::empty({rows, size}, x.options());
   const uint16_t *px = in(x), *pw = in(weight);
   uint16_t* py = out(y);
@@ -102,9 +113,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
                                                      const at::Tensor& delta,
                                                      const at::Tensor& weight, double eps) {
   const int64_t rows = residual.size(0), size = residual.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == size &&
-                  weight.is_contiguous(),
-              "add_rms_norm_bf16: weight must be [size] bf16");
   at::Tensor sum = at::empty({rows, size}, residual.options());
   at::Tensor y = at::empty({rows, size}, residual.options());
   const uint16_t *pr = in(residual), *pd = in(delta), *pw = in(weight);
@@ -126,11 +134,6 @@ at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
                        const at::Tensor& cos,    // [tokens, 1, head_dim]
                        const at::Tensor& ssin) {  // [tokens, 1, head_dim]
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  for (const at::Tensor* t : {&cos, &ssin}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == tokens &&
-                    t->size(2) == dim && t->stride(2) == 1,
-                "rotary_bf16: cos and sin must be [tokens, 1, head_dim] bf16");
-  }
   at::Tensor y = at::empty({tokens, heads, dim}, x.options());
   const uint16_t *px = in(x), *pc = in(cos), *ps = in(ssin);
   uint16_t* py = out(y);
@@ -221,36 +224,44 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (x.scalar_type() == at::kFloat) return pdserve::f32::rms_norm(x, weight, eps);
-  check_rows(x, "rms_norm: x");
-  return rms_norm_bf16(x, weight, eps);
+  const at::ScalarType dtype = op_dtype(x, "rms_norm");
+  check_rows(x, dtype, "rms_norm: x");
+  check_weight(weight, dtype, x.size(1), "rms_norm");
+  return dtype == at::kFloat ? pdserve::f32::rms_norm(x, weight, eps)
+                             : rms_norm_bf16(x, weight, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
                                                 const at::Tensor& delta,
                                                 const at::Tensor& weight, double eps) {
-  if (residual.scalar_type() == at::kFloat)
-    return pdserve::f32::add_rms_norm(residual, delta, weight, eps);
-  check_rows(residual, "add_rms_norm: residual");
-  check_rows(delta, "add_rms_norm: delta");
+  const at::ScalarType dtype = op_dtype(residual, "add_rms_norm");
+  check_rows(residual, dtype, "add_rms_norm: residual");
+  check_rows(delta, dtype, "add_rms_norm: delta");
   TORCH_CHECK(residual.sizes() == delta.sizes(), "add_rms_norm: shapes differ");
-  return add_rms_norm_bf16(residual, delta, weight, eps);
+  check_weight(weight, dtype, residual.size(1), "add_rms_norm");
+  return dtype == at::kFloat ? pdserve::f32::add_rms_norm(residual, delta, weight, eps)
+                             : add_rms_norm_bf16(residual, delta, weight, eps);
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  const at::ScalarType dtype = op_dtype(x, "rotary");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "rotary: x must be [tokens, heads, head_dim], rows contiguous");
   TORCH_CHECK(x.size(2) % 2 == 0, "rotary: head_dim must be even");
-  if (x.scalar_type() == at::kFloat) return pdserve::f32::rotary(x, cos, signed_sin);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rotary: x must be bf16 or fp32");
-  return rotary_bf16(x, cos, signed_sin);
+  for (const at::Tensor* t : {&cos, &signed_sin}) {
+    TORCH_CHECK(t->scalar_type() == dtype && t->dim() == 3 && t->size(0) == x.size(0) &&
+                    t->size(2) == x.size(2) && t->stride(2) == 1,
+                "rotary: cos and sin must be [tokens, 1, head_dim] in x's dtype");
+  }
+  return dtype == at::kFloat ? pdserve::f32::rotary(x, cos, signed_sin)
+                             : rotary_bf16(x, cos, signed_sin);
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
-  if (gate_up.scalar_type() == at::kFloat) return pdserve::f32::silu_mul(gate_up);
-  check_rows(gate_up, "silu_mul: gate_up");
+  const at::ScalarType dtype = op_dtype(gate_up, "silu_mul");
+  check_rows(gate_up, dtype, "silu_mul: gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even width");
-  return silu_mul_bf16(gate_up);
+  return dtype == at::kFloat ? pdserve::f32::silu_mul(gate_up) : silu_mul_bf16(gate_up);
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {

@@ -1,5 +1,6 @@
-// A GEMM for decode shapes, y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (1..64), in bf16
-// or fp32 (x, W, bias and y all of one dtype).
+// A GEMM built for decode shapes, y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (1..64),
+// in bf16 or fp32 (x, W, bias and y all of one dtype); where it holds its own at prefill sizes
+// too (AMX in bf16, AVX-512F in fp32: native_engine/kernels/small_gemm.py) it serves every M.
 //
 // At decode the GEMM is a read of the weights: each weight is used M times, so the time is the
 // bytes of W over the memory's bandwidth. oneDNN's small-M paths move them at ~45-75 % of
@@ -96,7 +97,8 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
     for (int64_t b = begin; b < end; ++b)
       for (int64_t c = 0; c < kBlockCols; ++c)
         for (int64_t kk = 0; kk < k; ++kk)
-          dst[((b * k2 + kk / 2) * kBlockCols + c) * 2 + kk % 2] = src[(b * kBlockCols + c) * k + kk];
+          dst[((b * k2 + kk / 2) * kBlockCols + c) * 2 + kk % 2] =
+              src[(b * kBlockCols + c) * k + kk];
   });
   return packed;
 }
