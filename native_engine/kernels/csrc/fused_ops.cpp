@@ -28,6 +28,7 @@
 
 #include "bf16.h"
 #include "cpu_ops.h"
+#include "rotary_rows.h"
 
 namespace {
 
@@ -134,38 +135,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
 at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
                        const at::Tensor& cos,    // [tokens, 1, head_dim]
                        const at::Tensor& ssin) {  // [tokens, 1, head_dim]
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  at::Tensor y = at::empty({tokens, heads, dim}, x.options());
-  const uint16_t *px = in(x), *pc = in(cos), *ps = in(ssin);
-  uint16_t* py = out(y);
-  const int64_t ldx = x.stride(0), ldc = cos.stride(0), lds = ssin.stride(0);
-  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t *c = pc + t * ldc, *s = ps + t * lds;
-      for (int64_t h = 0; h < heads; ++h) {
-        const uint16_t* row = px + t * ldx + h * dim;
-        uint16_t* o = py + (t * heads + h) * dim;
-        int64_t i = 0;
+  const int64_t dim = x.size(2), half = dim / 2;
+  const auto body = [&](const uint16_t* row, const uint16_t* c, const uint16_t* s, uint16_t* o) {
+    int64_t i = 0;
 #if defined(__AVX512F__)
-        if (half % 16 == 0) {  // the rolled row is whole vectors of the row
-          for (; i < dim; i += 16) {
-            const __m512 a = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(row + i),
-                                                         bf16x16_to_float(c + i)));
-            const __m512 b = round_bf16x16(_mm512_mul_ps(
-                bf16x16_to_float(row + (i < half ? i + half : i - half)), bf16x16_to_float(s + i)));
-            store_bf16x16(o + i, _mm512_add_ps(a, b));
-          }
-        }
-#endif
-        for (; i < dim; ++i) {
-          const float rolled = bf16_to_float(row[i < half ? i + half : i - half]);
-          o[i] = float_to_bf16(round_bf16(bf16_to_float(row[i]) * bf16_to_float(c[i])) +
-                               round_bf16(rolled * bf16_to_float(s[i])));
-        }
+    if (half % 16 == 0) {  // the rolled row is whole vectors of the row
+      for (; i < dim; i += 16) {
+        const __m512 a =
+            round_bf16x16(_mm512_mul_ps(bf16x16_to_float(row + i), bf16x16_to_float(c + i)));
+        const __m512 b = round_bf16x16(_mm512_mul_ps(
+            bf16x16_to_float(row + (i < half ? i + half : i - half)), bf16x16_to_float(s + i)));
+        store_bf16x16(o + i, _mm512_add_ps(a, b));
       }
     }
-  });
-  return y;
+#endif
+    for (; i < dim; ++i) {
+      const float rolled = bf16_to_float(row[i < half ? i + half : i - half]);
+      o[i] = float_to_bf16(round_bf16(bf16_to_float(row[i]) * bf16_to_float(c[i])) +
+                           round_bf16(rolled * bf16_to_float(s[i])));
+    }
+  };
+  return pdserve::for_each_rotary_row<uint16_t>(x, cos, ssin, body);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)

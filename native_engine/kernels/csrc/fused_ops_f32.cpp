@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "cpu_ops.h"
+#include "rotary_rows.h"
 
 namespace pdserve::f32 {
 namespace {
@@ -89,34 +90,23 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
 
 // x * cos + roll(x, half) * signed_sin: two products and a sum, each rounded (torch's three ops).
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& ssin) {
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t half = x.size(2) / 2;
 #if defined(__AVX512F__)
-  at::Tensor y = at::empty({tokens, heads, dim}, x.options());
-  const float *px = x.data_ptr<float>(), *pc = cos.data_ptr<float>(), *ps = ssin.data_ptr<float>();
-  float* py = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), ldc = cos.stride(0), lds = ssin.stride(0);
-  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *c = pc + t * ldc, *s = ps + t * lds;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* row = px + t * ldx + h * dim;
-        float* o = py + (t * heads + h) * dim;
-        // Each half against the other: lanes [i, i + 16) of a half stay within it.
-        for (int64_t i = 0; i < half; i += 16) {
-          const __mmask16 m = lanes(half - i);
-          const __m512 lo = _mm512_maskz_loadu_ps(m, row + i);
-          const __m512 hi = _mm512_maskz_loadu_ps(m, row + half + i);
-          _mm512_mask_storeu_ps(o + i, m,
-                                add(mul(lo, _mm512_maskz_loadu_ps(m, c + i)),
-                                    mul(hi, _mm512_maskz_loadu_ps(m, s + i))));
-          _mm512_mask_storeu_ps(o + half + i, m,
-                                add(mul(hi, _mm512_maskz_loadu_ps(m, c + half + i)),
-                                    mul(lo, _mm512_maskz_loadu_ps(m, s + half + i))));
-        }
-      }
+  // Each half against the other: lanes [i, i + 16) of a half stay within it.
+  const auto body = [&](const float* row, const float* c, const float* s, float* o) {
+    for (int64_t i = 0; i < half; i += 16) {
+      const __mmask16 m = lanes(half - i);
+      const __m512 lo = _mm512_maskz_loadu_ps(m, row + i);
+      const __m512 hi = _mm512_maskz_loadu_ps(m, row + half + i);
+      _mm512_mask_storeu_ps(o + i, m,
+                            add(mul(lo, _mm512_maskz_loadu_ps(m, c + i)),
+                                mul(hi, _mm512_maskz_loadu_ps(m, s + i))));
+      _mm512_mask_storeu_ps(o + half + i, m,
+                            add(mul(hi, _mm512_maskz_loadu_ps(m, c + half + i)),
+                                mul(lo, _mm512_maskz_loadu_ps(m, s + half + i))));
     }
-  });
-  return y;
+  };
+  return pdserve::for_each_rotary_row<float>(x, cos, ssin, body);
 #else
   return x * cos + x.roll(half, -1) * ssin;
 #endif
