@@ -39,12 +39,25 @@ OpenAIBody = ChatCompletionRequest | CompletionRequest
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
-def error_response(error: errors.ApiError, request_id: str | None = None) -> JSONResponse:
+def error_response(
+    error: errors.ApiError, request: Request, request_id: str | None = None
+) -> JSONResponse:
     metrics.REQUEST_ERRORS.labels(_CODE_NAMES.get(error.status, "INTERNAL")).inc()
     headers = error.headers()
     if request_id:
         headers["x-request-id"] = request_id
+    if carries_body(request):
+        # A refusal may leave body bytes unread (the key, the load and the size are checked
+        # before the body is read, on purpose): the server then closes the connection after
+        # the response, and a client told keep-alive reuses it and its next request is reset.
+        headers["Connection"] = "close"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def carries_body(request: Request) -> bool:
+    """Whether the request came with a body (a length above zero, or chunks)."""
+    length = request.headers.get("content-length")
+    return "transfer-encoding" in request.headers or (length is not None and length != "0")
 
 
 # pdserve_request_errors_total counts refusals by gRPC code name, for both frontends.
@@ -87,12 +100,12 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
 
     @app.exception_handler(errors.ApiError)
     async def api_error(request: Request, exc: errors.ApiError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(errors.ApiError(exc.status_code, str(exc.detail), kind))
+        return error_response(errors.ApiError(exc.status_code, str(exc.detail), kind), request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -137,7 +150,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
         except Overloaded as exc:
             error = errors.from_exception(exc)
             assert error is not None
-            return error_response(error)
+            return error_response(error, request)
         try:
             return await respond(request, kind, start_s)
         finally:
@@ -182,7 +195,7 @@ def build_app(core: RequestCore, served_model_name: str) -> FastAPI:
             if error is None:
                 logger.exception("request_id=%s failed", client_id)
                 error = errors.internal(client_id)
-            return error_response(error, client_id)
+            return error_response(error, request, client_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:

@@ -5,9 +5,12 @@ text completions, streamed and not, give exactly what one engine gives on the sa
 from __future__ import annotations
 
 import dataclasses
+import http.client
+import json
 import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -390,3 +393,29 @@ def test_a_wrong_key_is_refused(http_cluster: LocalCluster) -> None:
         bad.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_a_refusal_that_leaves_the_body_unread_says_it_closes_the_connection(
+    http_cluster: LocalCluster,
+) -> None:
+    """The key is checked before the body is read, so the server closes the connection after a
+    refused POST: the response says so, or a client that reuses the connection has its next
+    request reset (the openai client's, above, was now and then). A refused GET (no body)
+    keeps the connection."""
+    url = urlsplit(http_cluster.http_url)
+    assert url.hostname is not None and url.port is not None
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    wrong = {"Authorization": "Bearer sk-wrong", "Content-Type": "application/json"}
+    try:
+        body = json.dumps({"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2})
+        conn.request("POST", "/v1/chat/completions", body, wrong)
+        refused = conn.getresponse()
+        refused.read()
+        assert refused.status == 401 and refused.getheader("connection") == "close"
+        conn.close()
+        conn.request("GET", "/v1/models", headers=wrong)
+        kept = conn.getresponse()
+        kept.read()
+        assert kept.status == 401 and kept.getheader("connection") != "close"
+    finally:
+        conn.close()
