@@ -17,7 +17,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <sleef.h>
 #endif
 
 #include <algorithm>
@@ -29,6 +28,7 @@
 #include "bf16.h"
 #include "cpu_ops.h"
 #include "rotary_rows.h"
+#include "silu.h"
 
 namespace {
 
@@ -159,17 +159,6 @@ at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// bf16(silu(g)) for 16 bf16 gates widened to fp32: torch's arithmetic (see silu_mul_bf16).
-inline __m512 silu_bf16x16(__m512 g) {
-  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  const __m512 e = Sleef_expf16_u10(
-      _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign)));  // exp(-g)
-  // The rounding-mode form: -ffast-math would make a plain division a reciprocal estimate
-  // (not torch's bits; NaN where exp(-x) overflows).
-  return round_bf16x16(_mm512_div_round_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
 // bf16(silu(g)) for every bf16 g, by its bits, computed once (a gate is one of 65536 values:
 // a look-up is its SiLU's bits, at half the time of computing them: SLEEF's exp is ~20
 // vector instructions, and this CPU's vector units are slow). Padded: a gather reads 4 bytes.
@@ -182,7 +171,7 @@ const uint16_t* silu_table() {
                                                               11, 12, 13, 14, 15));
       const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.data() + i),
-                          float_to_bf16x16(silu_bf16x16(g)));
+                          float_to_bf16x16(pdserve::silu16(g)));
     }
     return t;
   }();

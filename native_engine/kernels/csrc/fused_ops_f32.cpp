@@ -11,7 +11,6 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#include <sleef.h>
 #endif
 
 #include <cstdint>
@@ -19,6 +18,7 @@
 
 #include "cpu_ops.h"
 #include "rotary_rows.h"
+#include "silu.h"
 
 namespace pdserve::f32 {
 namespace {
@@ -112,8 +112,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 #endif
 }
 
-// silu(gate) * up, gate_up [rows, 2 * size]: torch's silu, x / (1 + exp(-x)) with SLEEF's
-// expf (the exp torch vectorizes with), then the product.
+// silu(gate) * up, gate_up [rows, 2 * size]: torch's silu (silu.h), then the product.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
 #if defined(__AVX512F__)
@@ -122,16 +121,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   float* py = y.data_ptr<float>();
   const int64_t ld = gate_up.stride(0);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = pg + r * ld, *up = gate + size;
       for (int64_t i = 0; i < size; i += 16) {
         const __mmask16 m = lanes(size - i);
-        const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-        const __m512 e = Sleef_expf16_u10(
-            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign)));
-        const __m512 act = _mm512_div_round_ps(g, add(one, e), kRound);
+        const __m512 act = pdserve::silu16(_mm512_maskz_loadu_ps(m, gate + i));
         _mm512_mask_storeu_ps(py + r * size + i, m, mul(act, _mm512_maskz_loadu_ps(m, up + i)));
       }
     }

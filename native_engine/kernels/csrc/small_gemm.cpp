@@ -89,7 +89,7 @@ namespace {
 
 at::Tensor pack_bf16(const at::Tensor& weight) {
   const int64_t n = weight.size(0), k = weight.size(1), k2 = padded_pairs(k);
-    const at::Tensor w = weight.contiguous();
+  const at::Tensor w = weight.contiguous();
   at::Tensor packed = at::zeros({n / kBlockCols, k2, kBlockCols, 2}, weight.options());
   const uint16_t* src = bf16_data(w);
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
