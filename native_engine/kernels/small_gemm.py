@@ -109,3 +109,16 @@ def gemm(
 ) -> torch.Tensor:  # [M, N], x's dtype
     out: torch.Tensor = cpu_ops().small_gemm(x, packed, bias, in_features, isa.value)
     return out
+
+
+def gemm_silu_mul(
+    x: torch.Tensor,  # as gemm's
+    packed: torch.Tensor,  # pack's, of a gate_up weight [2 * size, K] (gate | up)
+    bias: torch.Tensor | None,
+    in_features: int,
+    isa: GemmIsa,
+) -> torch.Tensor:  # [M, size]: silu(gate) * up
+    """``fused_ops.silu_mul(gemm(...))`` bit for bit; on AMX one pass, where the [M, 2 * size]
+    product is never written (each half whole blocks of 16)."""
+    out: torch.Tensor = cpu_ops().small_gemm_silu_mul(x, packed, bias, in_features, isa.value)
+    return out

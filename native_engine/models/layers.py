@@ -113,6 +113,9 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(hidden_size, intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        act = self.gate_up_proj.forward_silu_mul(x)  # on AMX the product is never written
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         if fused_ops.applies(gate_up):
             return self.down_proj(fused_ops.silu_mul(gate_up))

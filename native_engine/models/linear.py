@@ -101,6 +101,15 @@ class Linear(nn.Module):
             return None
         return self._small, self._small_isa, self._small_rows
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this layer's output (gate | up: a gated MLP's gate_up), in
+        one call that is the two ops' bits; None where the small-M kernel does not serve x
+        (the caller then takes ``forward`` and its own SiLU x up)."""
+        if self._small_isa is None or x.shape[0] > self._small_rows:
+            return None
+        assert self._small is not None
+        return small_gemm.gemm_silu_mul(x, self._small, self.bias, x.shape[1], self._small_isa)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         if self._small_isa is not None and x.shape[0] <= self._small_rows:
             assert self._small is not None

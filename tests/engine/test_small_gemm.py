@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from native_engine.kernels import small_gemm
+from native_engine.kernels import fused_ops, small_gemm
 from native_engine.kernels.small_gemm import GemmIsa
 from native_engine.models.linear import Linear
 
@@ -108,6 +108,32 @@ def test_a_row_is_the_same_bits_whatever_m_and_thread_count(
     assert torch.equal(small_gemm.gemm(x[37:137], packed, bias, k, isa), full[37:137])
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize(("dtype", "isa"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize(("n", "k"), [(3072, 576), (96, 64), (64, 40), (80, 33)], ids=str)
+def test_gemm_silu_mul_is_the_two_ops_bit_for_bit(
+    dtype: torch.dtype, isa: GemmIsa, n: int, k: int, threads: int
+) -> None:
+    """The gated MLP's projection and activation in one call (fused on AMX where each half is
+    whole blocks: 3072, 96 and 64 here; 80's halves are not, and take the two ops) against
+    silu_mul of the GEMM, streaming and panel sizes, with a bias and without, gates wide
+    enough that SiLU's whole range is hit."""
+    w, x, bias = operands(n, k, 300, seed=13, dtype=dtype)
+    x = x * 4
+    packed = small_gemm.pack(w)
+    for m in (1, 5, 16, 17, 33, 64, 129, 300):
+        for b in (None, bias):
+            fused = small_gemm.gemm_silu_mul(x[:m], packed, b, k, isa)
+            ref = fused_ops.silu_mul(small_gemm.gemm(x[:m], packed, b, k, isa))
+            assert fused.shape == (m, n // 2)
+            assert torch.equal(bits(fused), bits(ref)), (m, b is None)
+    empty = small_gemm.gemm_silu_mul(x[:0], packed, None, k, isa)
+    assert empty.shape == (0, n // 2)
+
+
 def test_the_fp32_kernels_are_the_same_bits() -> None:
     """AVX2 and AVX-512F take each element's sum in the same order (one FMA chain over k)."""
     isas = small_gemm.available(torch.float32)
@@ -149,6 +175,8 @@ def test_bad_operands_are_refused_by_name() -> None:
             small_gemm.gemm(x.float(), small_gemm.pack(w.float()), None, 64, bf16_only)
     with pytest.raises(RuntimeError, match="bias must be"):
         small_gemm.gemm(x, packed, torch.zeros(31, dtype=torch.bfloat16), 64, isa)
+    with pytest.raises(RuntimeError, match="small_gemm_silu_mul: x has K=63"):
+        small_gemm.gemm_silu_mul(x[:, :63], packed, None, 64, isa)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

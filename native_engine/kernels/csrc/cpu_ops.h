@@ -10,6 +10,9 @@
 // bf16 or fp32, by the tensors' dtype.
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa);
+// silu_mul(small_gemm(...)), bit for bit (fused on AMX).
+at::Tensor small_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                               const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
                                                 const at::Tensor& delta,

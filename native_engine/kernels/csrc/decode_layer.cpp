@@ -76,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
       pdserve::decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
   const at::Tensor out = small_gemm(attn.reshape({tokens, q_size}), o, c10::nullopt, q_size, isa);
   std::tie(stream, h) = add_rms_norm(stream, out, post_norm, eps);
-  const at::Tensor act = silu_mul(small_gemm(h, gate_up, c10::nullopt, hidden, isa));
+  const at::Tensor act = small_gemm_silu_mul(h, gate_up, c10::nullopt, hidden, isa);
   const at::Tensor mlp = small_gemm(act, down, c10::nullopt, act.size(1), isa);
   return {mlp, stream};
 }

@@ -158,26 +158,6 @@ at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
   return pdserve::for_each_rotary_row<uint16_t>(x, cos, ssin, body);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// bf16(silu(g)) for every bf16 g, by its bits, computed once (a gate is one of 65536 values:
-// a look-up is its SiLU's bits, at half the time of computing them: SLEEF's exp is ~20
-// vector instructions, and this CPU's vector units are slow). Padded: a gather reads 4 bytes.
-const uint16_t* silu_table() {
-  static const std::vector<uint16_t> table = [] {
-    std::vector<uint16_t> t((1 << 16) + 16);
-    for (uint32_t i = 0; i < (1u << 16); i += 16) {
-      const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(i)),
-                                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                              11, 12, 13, 14, 15));
-      const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.data() + i),
-                          float_to_bf16x16(pdserve::silu16(g)));
-    }
-    return t;
-  }();
-  return table.data();
-}
-#endif
 
 // bf16(silu(gate)) * up, rounded: gate_up is [rows, 2 * size] (gate | up, as fused at load).
 // SiLU is torch's arithmetic, x / (1 + exp(-x)) in fp32 with torch's own vectorized exp
@@ -193,22 +173,18 @@ at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   const uint16_t* pg = in(gate_up);
   uint16_t* py = out(y);
   const int64_t ld = gate_up.stride(0);
-  const uint16_t* table = silu_table();
+  const uint16_t* table = pdserve::silu_table();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    const __m512i low = _mm512_set1_epi32(0xffff);
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t *gate = pg + r * ld, *up = gate + size;
       uint16_t* row = py + r * size;
       for (int64_t i = 0; i < size; i += 16) {
         const int64_t n = std::min<int64_t>(16, size - i);
         const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-        const __m512i bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, gate + i));
-        const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, up + i)), 16));
-        // 4 bytes at entry `bits` (its low half): the padding keeps the last one in bounds.
-        const __m512i got = _mm512_i32gather_epi32(bits, reinterpret_cast<const int*>(table), 2);
-        const __m512 act = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_and_si512(got, low), 16));
-        _mm256_mask_storeu_epi16(row + i, mask, float_to_bf16x16(_mm512_mul_ps(act, u)));
+        _mm256_mask_storeu_epi16(row + i, mask,
+                                 pdserve::silu_mul_bf16x16(_mm256_maskz_loadu_epi16(mask, gate + i),
+                                                           _mm256_maskz_loadu_epi16(mask, up + i),
+                                                           table));
       }
     }
   });

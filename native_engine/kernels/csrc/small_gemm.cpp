@@ -28,6 +28,8 @@
 #include <torch/library.h>
 
 #include "amx_tiles.h"
+#include "cpu_ops.h"
+#include "silu.h"
 #include "small_gemm.h"
 
 namespace {
@@ -118,12 +120,13 @@ at::Tensor pack_f32(const at::Tensor& weight) {
   return packed;
 }
 
+// y = x W^T (+ bias), or with silu (silu.h's table; AMX only) silu(gate) * up of its halves.
 void run_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-              int64_t k, Isa isa, at::Tensor& y) {
+              int64_t k, Isa isa, at::Tensor& y, const uint16_t* silu = nullptr) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockCols && packed.size(3) == 2 &&
                   packed.size(1) == padded_pairs(k),
               "small_gemm: a bf16 packed weight must come from pack_weight");
-  const int64_t m = x.size(0), n = y.size(1);
+  const int64_t m = x.size(0), n = packed.size(0) * kBlockCols;
   const pdserve::gemm::Problem pb{
       bf16_data(x),
       x.stride(0),
@@ -135,6 +138,7 @@ void run_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional
       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
       n,
       m,
+      silu,
   };
   switch (isa) {
     case Isa::kAmx: pdserve::gemm::gemm_amx(pb); break;
@@ -172,38 +176,67 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   return weight.scalar_type() == at::kFloat ? pack_f32(weight) : pack_bf16(weight);
 }
 
+namespace {
+
+// Checks a GEMM's operands (`op` names it in a refusal); returns N.
+int64_t checked_n(const at::Tensor& x, const at::Tensor& packed,
+                  const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa, const char* op) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && gemm_dtype(dtype) && x.stride(1) == 1, op,
+              ": x must be [M, K] bf16 or fp32 with unit column stride");
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.is_contiguous(), op,
+              ": packed must come from pack_weight, in x's dtype");
+  TORCH_CHECK(x.size(1) == k, op, ": x has K=", x.size(1), ", the weight K=", k);
+  const int64_t n = packed.size(0) * kBlockCols;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == n && bias->is_contiguous(), op,
+                ": bias must be [N] in x's dtype");
+  }
+  TORCH_CHECK(cpu_has(static_cast<Isa>(isa)), op, ": isa ", isa, " is not available here");
+  return n;
+}
+
+}  // namespace
+
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa) {
-  const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && gemm_dtype(dtype) && x.stride(1) == 1,
-              "small_gemm: x must be [M, K] bf16 or fp32 with unit column stride");
-  TORCH_CHECK(packed.scalar_type() == dtype && packed.is_contiguous(),
-              "small_gemm: packed must come from pack_weight, in x's dtype");
-  TORCH_CHECK(x.size(1) == k, "small_gemm: x has K=", x.size(1), ", the weight K=", k);
-  const int64_t m = x.size(0), n = packed.size(0) * kBlockCols;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == n && bias->is_contiguous(),
-                "small_gemm: bias must be [N] in x's dtype");
-  }
-  const auto chosen = static_cast<Isa>(isa);
-  TORCH_CHECK(cpu_has(chosen), "small_gemm: isa ", isa, " is not available here");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  if (dtype == at::kFloat) {
-    run_f32(x, packed, bias, k, chosen, y);
+  const int64_t n = checked_n(x, packed, bias, k, isa, "small_gemm");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    run_f32(x, packed, bias, k, static_cast<Isa>(isa), y);
   } else {
-    run_bf16(x, packed, bias, k, chosen, y);
+    run_bf16(x, packed, bias, k, static_cast<Isa>(isa), y);
   }
   return y;
+}
+
+// silu_mul(small_gemm(...)) bit for bit: the MLP's gate_up projection (gate | up) and its
+// activation. AMX takes both in one pass where each half is whole blocks (small_gemm_amx.cpp:
+// the [M, N] product is never written); elsewhere it is the two ops.
+at::Tensor small_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                               const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa) {
+  const int64_t n = checked_n(x, packed, bias, k, isa, "small_gemm_silu_mul");
+  TORCH_CHECK(n % 2 == 0, "small_gemm_silu_mul: N must be even (gate | up), got ", n);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (x.scalar_type() == at::kBFloat16 && isa == Isa::kAmx && n / 2 % kBlockCols == 0) {
+    at::Tensor y = at::empty({x.size(0), n / 2}, x.options());
+    if (x.size(0) > 0) run_bf16(x, packed, bias, k, Isa::kAmx, y, pdserve::silu_table());
+    return y;
+  }
+#endif
+  return silu_mul(small_gemm(x, packed, bias, k, isa));
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("small_gemm(Tensor x, Tensor packed, Tensor? bias, int k, int isa) -> Tensor");
+  m.def("small_gemm_silu_mul(Tensor x, Tensor packed, Tensor? bias, int k, int isa) -> Tensor");
   m.def("small_gemm_isas() -> int", small_gemm_isas);  // no tensor: one kernel for all keys
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("pack_weight", pack_weight);
   m.impl("small_gemm", small_gemm);
+  m.impl("small_gemm_silu_mul", small_gemm_silu_mul);
 }

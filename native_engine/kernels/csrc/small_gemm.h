@@ -28,8 +28,12 @@ struct Problem {
   uint16_t* y;           // [M, N] bf16, row-major
   int64_t n;             // N
   int64_t m;             // M
+  // Gated (gemm_amx only): y is [M, N / 2], silu(gate) * up of the halves (gate |
+  // up) of the product, each rounded as the unfused ops round it; this is silu.h's table.
+  const uint16_t* silu = nullptr;
   // Block b's stream.
   const uint32_t* block(int64_t b) const { return w + b * k2 * kBlockCols; }
+  int64_t ldy() const { return silu != nullptr ? n / 2 : n; }
 };
 
 // fp32: packed [N / 16][K][16], block b, k the 64-byte line W[16b + c][k] for c in 0..15.
@@ -46,14 +50,18 @@ struct ProblemF32 {
 };
 
 #if defined(__AVX512BF16__)
-// y[row, col .. col + 15] = bf16(acc + bias[col ..]), rounded to nearest even.
-inline void store16(const Problem& pb, __m512 acc, int64_t row, int64_t col) {
+// bf16(acc + bias[col ..]), rounded to nearest even: an output's bits.
+inline __m256i round16(const Problem& pb, __m512 acc, int64_t col) {
   if (pb.bias != nullptr) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb.bias + col));
     acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.y + row * pb.n + col),
-                      (__m256i)_mm512_cvtneps_pbh(acc));
+  return (__m256i)_mm512_cvtneps_pbh(acc);
+}
+
+// y[row, col .. col + 15] = bf16(acc + bias[col ..]), rounded to nearest even.
+inline void store16(const Problem& pb, __m512 acc, int64_t row, int64_t col) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.y + row * pb.n + col), round16(pb, acc, col));
 }
 #endif
 
@@ -61,7 +69,7 @@ inline void store16(const Problem& pb, __m512 acc, int64_t row, int64_t col) {
 // has it and the CPU runs it (cpu_has).
 void gemm_avx2(const Problem& pb);
 void gemm_avx512bf16(const Problem& pb);
-void gemm_amx(const Problem& pb);
+void gemm_amx(const Problem& pb);  // also gated (pb.silu), where N / 2 is whole blocks
 void gemm_f32_avx2(const ProblemF32& pb);
 void gemm_f32_avx512(const ProblemF32& pb);
 

@@ -4,6 +4,12 @@
 // one tile shape serves every M and a pad never holds garbage (a NaN times a padded zero weight
 // would be NaN). Tiles 0-3 accumulate four blocks, 4 holds x, 5-7 the weights in turn (three,
 // so that a load need not wait for the multiply before last to let go of its tile).
+//
+// Gated (pb.silu set: the MLP's gate_up projection with SiLU x up after it), a unit of output
+// is a gate block and its up block, N / 32 blocks apart in the packing, multiplied side by
+// side; their accumulators are rounded to bf16 as y's would be and combined as silu_mul
+// combines them, so y is the unfused ops' bits, but the [M, N] product is never written or
+// read back.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -12,6 +18,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "silu.h"
 #include "small_gemm.h"
 
 namespace pdserve::gemm {
@@ -27,6 +34,49 @@ constexpr int64_t kPrefetchChunks = 2;  // weight tiles ahead in each block's st
 // against 19.8 streamed, M = 40 at 16.9 against 16.3; M <= 16 streams at ~26).
 constexpr int64_t kStreamMaxRows = 16;
 
+// Output units: blocks of y's 16 columns, each one weight block, or gated a gate block and its
+// up block.
+int64_t units(const Problem& pb) { return pb.ldy() / kBlockCols; }
+
+// The weight blocks of units [u, u + count), in the order their tiles are multiplied (gated:
+// gate, up, gate, up ...); returns how many.
+int unit_blocks(const Problem& pb, int64_t u, int64_t count, int64_t* blocks) {
+  if (pb.silu == nullptr) {
+    for (int64_t i = 0; i < count; ++i) blocks[i] = u + i;
+    return static_cast<int>(count);
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    blocks[2 * i] = u + i;
+    blocks[2 * i + 1] = u + i + units(pb);
+  }
+  return static_cast<int>(2 * count);
+}
+
+// The accumulators of a group of 16 rows from row0 (`rows` valid), scratch tile j (16 x 16
+// fp32) for weight block blocks[j], into y: each block to its columns, or gated, tiles 2i and
+// 2i + 1 (a gate block and its up block) to the gate block's columns.
+void store_tiles(const Problem& pb, const float* scratch, int nb, const int64_t* blocks,
+                 int64_t row0, int64_t rows) {
+  if (pb.silu == nullptr) {
+    for (int j = 0; j < nb; ++j)
+      for (int64_t i = 0; i < rows; ++i)
+        store16(pb, _mm512_loadu_ps(scratch + j * 256 + i * 16), row0 + i,
+                blocks[j] * kBlockCols);
+    return;
+  }
+  const int64_t ldy = pb.ldy();
+  for (int j = 0; j < nb; j += 2) {
+    const int64_t col = blocks[j] * kBlockCols;
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m256i gate = round16(pb, _mm512_loadu_ps(scratch + j * 256 + i * 16), col);
+      const __m256i up =
+          round16(pb, _mm512_loadu_ps(scratch + (j + 1) * 256 + i * 16), col + ldy);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.y + (row0 + i) * ldy + col),
+                          silu_mul_bf16x16(gate, up, pb.silu));
+    }
+  }
+}
+
 
 // Block J's weights for chunk c into tile BT, multiplied into accumulator J (the tile
 // intrinsics take register numbers as literals).
@@ -34,12 +84,12 @@ constexpr int64_t kStreamMaxRows = 16;
   _tile_loadd(BT, w[J] + c * kTilePairs * kBlockCols, 64); \
   _tile_dpbf16ps(J, 4, BT)
 
-// 16 rows (from row0) x NB blocks of y, over all of K; scratch holds NB C tiles.
+// 16 rows (from row0) x NB weight blocks, over all of K; scratch holds NB C tiles.
 template <int NB>
-void tile(const Problem& pb, const uint16_t* xpad, int64_t ldxp, int64_t row0, int64_t block0,
-          float* scratch) {
+void tile(const Problem& pb, const uint16_t* xpad, int64_t ldxp, int64_t row0,
+          const int64_t* blocks, float* scratch) {
   const uint32_t* w[4];
-  for (int j = 0; j < NB; ++j) w[j] = pb.block(block0 + j);
+  for (int j = 0; j < NB; ++j) w[j] = pb.block(blocks[j]);
   _tile_zero(0);
   if (NB > 1) _tile_zero(1);
   if (NB > 2) _tile_zero(2);
@@ -61,11 +111,7 @@ void tile(const Problem& pb, const uint16_t* xpad, int64_t ldxp, int64_t row0, i
   if (NB > 1) _tile_stored(1, scratch + 256, 64);
   if (NB > 2) _tile_stored(2, scratch + 512, 64);
   if (NB > 3) _tile_stored(3, scratch + 768, 64);
-  const int64_t rows = std::min<int64_t>(kTileRows, pb.m - row0);
-  for (int j = 0; j < NB; ++j)
-    for (int64_t i = 0; i < rows; ++i)
-      store16(pb, _mm512_loadu_ps(scratch + j * 256 + i * 16), row0 + i,
-              (block0 + j) * kBlockCols);
+  store_tiles(pb, scratch, NB, blocks, row0, std::min<int64_t>(kTileRows, pb.m - row0));
 }
 
 #undef PDSERVE_AMX_BLOCK
@@ -101,12 +147,12 @@ struct XRows {
   if (RA > 1) _tile_dpbf16ps(2, 5, 6);                                         \
   if (RA > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7)
 
-// Rows (16 RA of them from a0 / a1, `rows` valid) x blocks b, b + 1 (NB of them), all of K.
+// Rows (16 RA of them from a0 / a1, `rows` valid) x weight blocks blocks[0 .. NB), all of K.
 template <int RA, int NB>
 void panel(const Problem& pb, const uint16_t* a0, int64_t lda0, const uint16_t* a1, int64_t lda1,
-           int64_t row0, int64_t rows, int64_t b, bool fetch, float* scratch) {
-  const uint32_t* w0 = pb.block(b);
-  const uint32_t* w1 = NB > 1 ? pb.block(b + 1) : w0;
+           int64_t row0, int64_t rows, const int64_t* blocks, bool fetch, float* scratch) {
+  const uint32_t* w0 = pb.block(blocks[0]);
+  const uint32_t* w1 = NB > 1 ? pb.block(blocks[1]) : w0;
   _tile_zero(0);
   if (NB > 1) _tile_zero(1);
   if (RA > 1) _tile_zero(2);
@@ -136,10 +182,8 @@ void panel(const Problem& pb, const uint16_t* a0, int64_t lda0, const uint16_t* 
   if (RA > 1) _tile_stored(2, scratch + 512, 64);
   if (RA > 1 && NB > 1) _tile_stored(3, scratch + 768, 64);
   for (int ra = 0; ra < RA; ++ra)
-    for (int j = 0; j < NB; ++j)
-      for (int64_t i = 0; i < std::min<int64_t>(kTileRows, rows - ra * kTileRows); ++i)
-        store16(pb, _mm512_loadu_ps(scratch + (2 * ra + j) * 256 + i * 16),
-                row0 + ra * kTileRows + i, (b + j) * kBlockCols);
+    store_tiles(pb, scratch + 2 * ra * 256, NB, blocks, row0 + ra * kTileRows,
+                std::min<int64_t>(kTileRows, rows - ra * kTileRows));
 }
 
 #undef PDSERVE_AMX_PANEL_STEP
@@ -157,32 +201,35 @@ struct XGroups {
   }
 };
 
-// Rows [r0, r1) (r0 a multiple of 16) x block pairs [p0, p1) of y. x rows of one row block
-// stay in L2 (1 MiB of them) while the weight panels pass over them: the weights are read
-// once per row block.
+// Rows [r0, r1) (r0 a multiple of 16) x block pairs [p0, p1) (pair_units). x rows of one row
+// block stay in L2 (1 MiB of them) while the weight panels pass over them: the weights are
+// read once per row block.
 void panels(const Problem& pb, const XGroups& x, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   constexpr int64_t kRowBlockBytes = 1 << 20;
   constexpr int64_t kPanelRows = 2 * kTileRows;
   const int64_t row_block =
       std::max<int64_t>(kPanelRows, kRowBlockBytes / (2 * x.ldp) / kPanelRows * kPanelRows);
   alignas(64) float scratch[4 * 256];
-  const int64_t blocks = pb.n / kBlockCols;
+  // A pair is two units' blocks, or gated one unit's (its gate and up blocks).
+  const int64_t per_pair = pb.silu == nullptr ? 2 : 1;
   for (int64_t rb = r0; rb < r1; rb += row_block) {
     const int64_t rb_end = std::min(r1, rb + row_block);
-    for (int64_t b = 2 * p0; b < std::min(blocks, 2 * p1); b += 2) {
-      const bool two = b + 1 < blocks;
+    for (int64_t p = p0; p < p1; ++p) {
+      int64_t blocks[2];
+      const int64_t u = p * per_pair;
+      const bool two = unit_blocks(pb, u, std::min(per_pair, units(pb) - u), blocks) == 2;
       for (int64_t r = rb; r < rb_end; r += kPanelRows) {
         const bool fetch = r == rb;
         const XRows a0 = x.at(r);
         const int64_t rows = std::min<int64_t>(kPanelRows, rb_end - r);
         if (rows > kTileRows) {
           const XRows a1 = x.at(r + kTileRows);
-          if (two) panel<2, 2>(pb, a0.x, a0.ld, a1.x, a1.ld, r, rows, b, fetch, scratch);
-          else panel<2, 1>(pb, a0.x, a0.ld, a1.x, a1.ld, r, rows, b, fetch, scratch);
+          if (two) panel<2, 2>(pb, a0.x, a0.ld, a1.x, a1.ld, r, rows, blocks, fetch, scratch);
+          else panel<2, 1>(pb, a0.x, a0.ld, a1.x, a1.ld, r, rows, blocks, fetch, scratch);
         } else if (two) {
-          panel<1, 2>(pb, a0.x, a0.ld, a0.x, a0.ld, r, rows, b, fetch, scratch);
+          panel<1, 2>(pb, a0.x, a0.ld, a0.x, a0.ld, r, rows, blocks, fetch, scratch);
         } else {
-          panel<1, 1>(pb, a0.x, a0.ld, a0.x, a0.ld, r, rows, b, fetch, scratch);
+          panel<1, 1>(pb, a0.x, a0.ld, a0.x, a0.ld, r, rows, blocks, fetch, scratch);
         }
       }
     }
@@ -203,7 +250,7 @@ void gemm_amx_panels(const Problem& pb) {
   for (int64_t r = copy_from; r < pb.m; ++r)
     std::memcpy(pad.data() + (r - copy_from) * ldp, pb.x + r * pb.ldx, pb.k * sizeof(uint16_t));
   const XGroups x{pb, ldp, copy_from, pad.data()};
-  const int64_t pairs = (pb.n / kBlockCols + 1) / 2;
+  const int64_t pairs = pb.silu == nullptr ? (units(pb) + 1) / 2 : units(pb);
   const int64_t groups = (pb.m + kTileRows - 1) / kTileRows;
   const bool split_weights = pb.m <= kSplitWeightsMaxRows;
   at::parallel_for(0, split_weights ? pairs : groups, 1, [&](int64_t begin, int64_t end) {
@@ -228,17 +275,20 @@ void gemm_amx(const Problem& pb) {
   uint16_t* const xp = xpad.data();  // a worker would see its own thread_local: pass this
   for (int64_t i = 0; i < pb.m; ++i)
     std::memcpy(xp + i * ldxp, pb.x + i * pb.ldx, pb.k * sizeof(uint16_t));
-  at::parallel_for(0, pb.n / kBlockCols, 1, [&](int64_t begin, int64_t end) {
+  // Four weight blocks a pass: four units, or gated two.
+  const int64_t per_pass = pb.silu == nullptr ? 4 : 2;
+  at::parallel_for(0, units(pb), 1, [&](int64_t begin, int64_t end) {
     configure_tiles();  // per thread: the tile state is the thread's
     alignas(64) float scratch[4 * 256];
-    for (int64_t b = begin; b < end; b += 4) {
-      const int64_t nb = std::min<int64_t>(4, end - b);
+    for (int64_t u = begin; u < end; u += per_pass) {
+      int64_t blocks[4];
+      const int nb = unit_blocks(pb, u, std::min<int64_t>(per_pass, end - u), blocks);
       for (int64_t r = 0; r < pb.m; r += kTileRows) {
         switch (nb) {
-          case 1: tile<1>(pb, xp, ldxp, r, b, scratch); break;
-          case 2: tile<2>(pb, xp, ldxp, r, b, scratch); break;
-          case 3: tile<3>(pb, xp, ldxp, r, b, scratch); break;
-          default: tile<4>(pb, xp, ldxp, r, b, scratch); break;
+          case 1: tile<1>(pb, xp, ldxp, r, blocks, scratch); break;
+          case 2: tile<2>(pb, xp, ldxp, r, blocks, scratch); break;
+          case 3: tile<3>(pb, xp, ldxp, r, blocks, scratch); break;
+          default: tile<4>(pb, xp, ldxp, r, blocks, scratch); break;
         }
       }
     }
