@@ -64,25 +64,6 @@ struct Rows {
   }
 };
 
-// Raw scores of query heads qh0 .. qh0+G-1 (all sharing kv head h) for every token of the span.
-template <typename T, int D, int G>
-void scores_for(const Rows<T, D>& keys, const DecodeSpan& s, int64_t h, int64_t qh0, bool ahead) {
-  constexpr int V = D / 16;
-  const int64_t n = s.t1 - s.t0;
-  __m512 q[G][V];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < V; ++i) q[g][i] = _mm512_loadu_ps(s.q + (qh0 + g) * D + 16 * i);
-  for (int64_t t = s.t0; t < s.t1; ++t) {
-    __m512 k[V];
-    keys.load(t, s.t1, h, ahead, k);
-    for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(q[g][0], k[0]);
-      for (int i = 1; i < V; ++i) acc = _mm512_fmadd_ps(q[g][i], k[i], acc);
-      s.scores[(qh0 + g) * n + (t - s.t0)] = _mm512_reduce_add_ps(acc) * s.scale;
-    }
-  }
-}
-
 // Unnormalised outputs of the same heads: sum over the span of exp-weight x value row.
 template <typename T, int D, int G>
 void values_for(const Rows<T, D>& values, const DecodeSpan& s, int64_t h, int64_t qh0, bool ahead) {
@@ -122,7 +103,6 @@ void for_chunks(const DecodeSpan& s, const Pass& pass) {
   }
 }
 
-#if defined(__AVX512BF16__)
 // Sums each of 16 vectors' lanes at once, a transpose as it adds (45 shuffles and adds for 16
 // dot products, where a horizontal sum each is ~8 dependent ones): lane l of the result is
 // the sum of v[l / 4 + 4 * (l % 4)].
@@ -141,6 +121,7 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_ps(y[0], y[1], 0xDD));
 }
 
+#if defined(__AVX512BF16__)
 // One query head's dot with one bf16 key row: `vdpbf16ps` takes the row as it lies (pairs of
 // dims), so nothing is widened. A bf16 query is exact as bf16 pairs, and each product of two
 // bf16 is exact in fp32: only the order of the fp32 sums differs from the widening path.
@@ -152,21 +133,45 @@ inline __m512 dot_bf16(const __m512bh* q, const c10::BFloat16* row) {
   return acc;
 }
 
-// The scores pass for a bf16 cache: 16 tokens at a time, every head of each token while its
-// row is in L1, one transposing sum per (16 tokens, query head). It fetches keys and values
-// two chunks ahead into L2, so the values pass finds its rows there.
-template <int D>
-void scores_bf16(const Rows<c10::BFloat16, D>& keys, const Rows<c10::BFloat16, D>& values,
-                 const DecodeSpan& s) {
-  constexpr int P = D / 32;
+#endif
+
+// One query head's dot with a key row of an fp32 or fp16 cache, widened: 16 lanes for sum16.
+template <typename T, int D>
+inline __m512 dot_wide(const float* q, const T* row) {
+  __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), load16(row));
+  for (int i = 1; i < D / 16; ++i)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), load16(row + 16 * i), acc);
+  return acc;
+}
+
+// The scores pass: 16 tokens at a time, every head of each token while its row is in L1, one
+// transposing sum per (16 tokens, query head), where a horizontal sum per score cost ~10
+// vector instructions of this CPU's scarce vector throughput (fp32 at batch 32: most of the
+// pass). It fetches keys and values two chunks ahead into L2, so the values pass finds its
+// rows there. The chunks start at the span's first token, and spans are fixed by the context
+// alone: a score's sum order does not depend on the batch.
+template <typename T, int D>
+void scores16(const Rows<T, D>& keys, const Rows<T, D>& values, const DecodeSpan& s) {
   const int64_t n = s.t1 - s.t0, heads = s.num_kv_heads * s.group;
-  thread_local std::vector<__m512bh> q;
-  q.resize(heads * P);
-  for (int64_t qh = 0; qh < heads; ++qh)
-    for (int p = 0; p < P; ++p) {
-      const float* src = s.q + qh * D + 32 * p;
-      q[qh * P + p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-    }
+#if defined(__AVX512BF16__)
+  // bf16: vdpbf16ps takes the row as it lies; the query is packed to bf16 pairs once.
+  constexpr int P = D / 32;
+  thread_local std::vector<__m512bh> qb;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    qb.resize(heads * P);
+    for (int64_t qh = 0; qh < heads; ++qh)
+      for (int p = 0; p < P; ++p) {
+        const float* src = s.q + qh * D + 32 * p;
+        qb[qh * P + p] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+      }
+  }
+#endif
+  auto dot = [&](int64_t qh, const T* row) {
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) return dot_bf16<D>(&qb[qh * P], row);
+#endif
+    return dot_wide<T, D>(s.q + qh * D, row);
+  };
   const __m512 scale = _mm512_set1_ps(s.scale);
   int64_t t = s.t0;
   for (int64_t a = t + 16; a < std::min(s.t1, t + 32); ++a) {
@@ -178,24 +183,22 @@ void scores_bf16(const Rows<c10::BFloat16, D>& keys, const Rows<c10::BFloat16, D
       keys.prefetch_l2(a);
       values.prefetch_l2(a);
     }
-    const c10::BFloat16* rows[16];
+    const T* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = keys.token(t + j);
     for (int64_t h = 0; h < s.num_kv_heads; ++h)
       for (int64_t qh = h * s.group; qh < (h + 1) * s.group; ++qh) {
         __m512 acc[16];
         for (int j = 0; j < 16; ++j)  // token j into the slot whose sum lands in lane j
-          acc[j / 4 + 4 * (j % 4)] = dot_bf16<D>(&q[qh * P], rows[j] + h * D);
+          acc[j / 4 + 4 * (j % 4)] = dot(qh, rows[j] + h * D);
         _mm512_storeu_ps(s.scores + qh * n + (t - s.t0), _mm512_mul_ps(sum16(acc), scale));
       }
   }
   for (; t < s.t1; ++t)
     for (int64_t qh = 0; qh < heads; ++qh) {
-      const c10::BFloat16* row = keys.token(t) + (qh / s.group) * D;
-      const __m512 dot = dot_bf16<D>(&q[qh * P], row);
-      s.scores[qh * n + (t - s.t0)] = _mm512_reduce_add_ps(dot) * s.scale;
+      const T* row = keys.token(t) + (qh / s.group) * D;
+      s.scores[qh * n + (t - s.t0)] = _mm512_reduce_add_ps(dot(qh, row)) * s.scale;
     }
 }
-#endif
 
 template <typename T, int D>
 void run(const DecodeSpan& s) {
@@ -215,16 +218,7 @@ void run(const DecodeSpan& s) {
     keys.prefetch(t);
     values.prefetch(t);
   }
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    scores_bf16<D>(keys, values, s);
-  } else
-#endif
-  {
-    for_chunks(s, [&](auto g, int64_t h, int64_t qh0, bool ahead) {
-      scores_for<T, D, decltype(g)::value>(keys, s, h, qh0, ahead);
-    });
-  }
+  scores16<T, D>(keys, values, s);
   const int64_t n = s.t1 - s.t0;
   for (int64_t qh = 0; qh < s.num_kv_heads * s.group; ++qh)
     softmax_span(s.scores + qh * n, n, s.part + qh * (D + 2), D);

@@ -35,29 +35,20 @@ inline __mmask16 lanes(int64_t n) {
 
 }  // namespace
 
-// HF's LlamaRMSNorm in fp32, weight * (x * rsqrt(mean(x^2) + eps)), each op rounded as
-// torch's. The sum of squares is torch's own at::sum (its cascade order: HF's bits, which a
-// sum in another order is not; tests/engine/test_layers_exact.py); the rest is one pass here.
-// at::rms_norm gives the same bits as ~10 ATen ops, 60 us a call at decode sizes (4 ms of a
-// SmolLM2 step); this is one.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #if defined(__AVX512F__)
-  const int64_t rows = x.size(0), size = x.size(1), ldx = x.stride(0);
-  const float* px = x.data_ptr<float>();
-  at::Tensor squares = at::empty({rows, size}, x.options());
-  float* pq = squares.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < size; i += 16) {
-        const __mmask16 m = lanes(size - i);
-        const __m512 v = _mm512_maskz_loadu_ps(m, px + r * ldx + i);
-        _mm512_mask_storeu_ps(pq + r * size + i, m, mul(v, v));
-      }
-  });
+namespace {
+
+// RMSNorm's second half, given the squares of x [rows, size] (row stride ldx): each row's
+// sum of squares is torch's own at::sum (its cascade order: HF's bits, which a sum in another
+// order is not; tests/engine/test_layers_exact.py), then mean, + eps, 1 / sqrt and the two
+// products, each rounded as torch's op.
+at::Tensor normed(const float* px, int64_t ldx, const at::Tensor& squares,
+                  const at::Tensor& weight, double eps) {
+  const int64_t rows = squares.size(0), size = squares.size(1);
   const at::Tensor sums = at::sum(squares, {1});  // [rows]
   const float* ps = sums.data_ptr<float>();
   const float* pw = weight.data_ptr<float>();
-  at::Tensor y = at::empty({rows, size}, x.options());
+  at::Tensor y = at::empty({rows, size}, squares.options());
   float* py = y.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -76,16 +67,61 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     }
   });
   return y;
+}
+
+}  // namespace
+#endif
+
+// HF's LlamaRMSNorm in fp32, weight * (x * rsqrt(mean(x^2) + eps)): the squares one pass
+// here, then `normed`. at::rms_norm gives the same bits as ~10 ATen ops, 60 us a call at
+// decode sizes (4 ms of a SmolLM2 step); this is two.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+#if defined(__AVX512F__)
+  const int64_t rows = x.size(0), size = x.size(1), ldx = x.stride(0);
+  const float* px = x.data_ptr<float>();
+  at::Tensor squares = at::empty({rows, size}, x.options());
+  float* pq = squares.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < size; i += 16) {
+        const __mmask16 m = lanes(size - i);
+        const __m512 v = _mm512_maskz_loadu_ps(m, px + r * ldx + i);
+        _mm512_mask_storeu_ps(pq + r * size + i, m, mul(v, v));
+      }
+  });
+  return normed(px, ldx, squares, weight, eps);
 #else
   return at::rms_norm(x, {x.size(1)}, weight, eps);
 #endif
 }
 
+// residual + delta (one rounded add, torch's bits) and its RMSNorm: the add and the squares
+// in one pass (at::add was ~20 us a call at decode sizes).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
                                                 const at::Tensor& delta,
                                                 const at::Tensor& weight, double eps) {
+#if defined(__AVX512F__)
+  const int64_t rows = residual.size(0), size = residual.size(1);
+  const int64_t ldr = residual.stride(0), ldd = delta.stride(0);
+  const float *pr = residual.data_ptr<float>(), *pd = delta.data_ptr<float>();
+  at::Tensor sum = at::empty({rows, size}, residual.options());
+  at::Tensor squares = at::empty({rows, size}, residual.options());
+  float *ps = sum.data_ptr<float>(), *pq = squares.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < size; i += 16) {
+        const __mmask16 m = lanes(size - i);
+        const __m512 v = add(_mm512_maskz_loadu_ps(m, pr + r * ldr + i),
+                             _mm512_maskz_loadu_ps(m, pd + r * ldd + i));
+        _mm512_mask_storeu_ps(ps + r * size + i, m, v);
+        _mm512_mask_storeu_ps(pq + r * size + i, m, mul(v, v));
+      }
+  });
+  return {sum, normed(ps, size, squares, weight, eps)};
+#else
   at::Tensor sum = residual + delta;
   return {sum, rms_norm(sum, weight, eps)};
+#endif
 }
 
 // x * cos + roll(x, half) * signed_sin: two products and a sum, each rounded (torch's three ops).
