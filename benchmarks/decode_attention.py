@@ -46,7 +46,7 @@ def cases(quick: bool) -> list[tuple[str, int, int]]:
     return [
         (dtype, batch, context)
         for dtype in (d.value for d in DTYPES)
-        for batch, context in ((1, 290), (8, 290), (32, 290), (8, 1100))
+        for batch, context in ((1, 290), (8, 290), (32, 290), (8, 1100), (1, 4096))
     ]
 
 

@@ -4,6 +4,8 @@ comes in, at any thread count."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -123,6 +125,23 @@ def test_bad_arguments_are_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 32"):
         odd = torch.zeros(4, 32, 3, 48, dtype=torch.bfloat16)
         call(torch.zeros(8, 9, 48, dtype=torch.bfloat16), odd, odd, ids, 8, 0.125)
+    with pytest.raises(RuntimeError, match="scale must be > 0"):
+        call(query, k_cache, k_cache, ids, 8, -0.125)
+
+
+def test_the_op_asks_for_the_tile_state_itself() -> None:
+    """Called first thing in a process (no GEMM or availability check before it to ask the
+    kernel for AMX's tile state), it must still run: a tile op without that is SIGILL."""
+    code = (
+        "import torch\n"
+        "from native_engine.kernels.cpu import cpu_ops\n"
+        "k = torch.zeros(2, 32, 3, 64, dtype=torch.bfloat16)\n"
+        "q = torch.ones(8, 9, 64, dtype=torch.bfloat16)\n"
+        "out = cpu_ops().paged_prefill_attention_bf16(q, k, k, torch.tensor([0, 1]), 8, 0.125)\n"
+        "assert out.shape == (8, 9, 64) and bool((out == 0).all())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_rows_bits_do_not_depend_on_the_thread_count() -> None:

@@ -88,31 +88,36 @@ void scores_of(const Problem& pb, const uint16_t* q, int64_t ldq, const uint16_t
   }
 }
 
-// One row: scale, mask (keys past `pos` score kMasked and weigh exactly 0), max, probabilities
-// as bf16 and their fp32 sum, lane-wise in key order, then reduced. Returns 1 / the sum.
+// One row: mask (keys past `pos` weigh exactly 0), max, probabilities as bf16 and their fp32
+// sum, lane-wise in key order, then reduced. Returns 1 / the sum. The scale goes into the
+// exp's argument, 2^((s - max) scale log2 e) as one fused op (scale > 0, so the max of the
+// raw scores is the max of the scaled ones), and only the chunks reaching past `pos` are
+// masked: a softmax is ~14 vector instructions a 16 keys, not ~28.
 float softmax_row(float* row, uint16_t* probs, int64_t keys, int64_t pos, float scale) {
-  const __m512 scale_v = _mm512_set1_ps(scale), masked = _mm512_set1_ps(kMasked);
+  const __m512 masked = _mm512_set1_ps(kMasked);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i last = _mm512_set1_epi32(static_cast<int32_t>(pos));
-  __m512 mv = masked;
-  for (int64_t k = 0; k < keys; k += kRows) {
+  auto live = [&](int64_t k) {
     const __m512i key = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(k)));
-    const __mmask16 live = _mm512_cmp_epi32_mask(key, last, _MM_CMPINT_LE);
-    const __m512 v = _mm512_mask_mul_ps(masked, live, _mm512_loadu_ps(row + k), scale_v);
-    _mm512_storeu_ps(row + k, v);
-    mv = _mm512_max_ps(mv, v);
-  }
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    return _mm512_cmp_epi32_mask(key, last, _MM_CMPINT_LE);
+  };
+  const int64_t whole = std::min(keys, (pos + 1) / kRows * kRows);  // chunks all live
+  __m512 mv = masked;
+  int64_t k = 0;
+  for (; k < whole; k += kRows) mv = _mm512_max_ps(mv, _mm512_loadu_ps(row + k));
+  for (; k < keys; k += kRows) mv = _mm512_mask_max_ps(mv, live(k), mv, _mm512_loadu_ps(row + k));
+  const float c = scale * pdserve::kLog2e;
+  const __m512 cv = _mm512_set1_ps(c), mc = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * c);
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t k = 0; k < keys; k += kRows) {
-    const __m512 v = _mm512_loadu_ps(row + k);
-    const __m512 p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, masked, _CMP_GT_OQ),
-                                         pdserve::exp_nonpositive(_mm512_sub_ps(v, m)));
+  for (k = 0; k < keys; k += kRows) {
+    __m512 p = pdserve::exp2_nonpositive(_mm512_fmsub_ps(_mm512_loadu_ps(row + k), cv, mc));
+    if (k >= whole) p = _mm512_maskz_mov_ps(live(k), p);
     sum = _mm512_add_ps(sum, p);
     // vcvtneps2bf16: to nearest even, denormals to 0 (a probability below 1e-38 is 0 here).
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + k), (__m256i)_mm512_cvtneps_pbh(p));
   }
-  // A row always sees its own key, whose probability is 1 (exp(0)): the sum is >= 1.
+  // A row always sees its own key, whose probability is ~1 (2^0 but for the max's rounding
+  // in the fused op): the sum is ~>= 1.
   return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
@@ -250,6 +255,11 @@ at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, h
                                         const at::Tensor& block_ids,  // [n] int64
                                         int64_t context_len, double scale) {
   TORCH_CHECK(prefill_attention_amx_built(), "paged_prefill_attention_bf16: built without AMX");
+#if defined(PDSERVE_PREFILL_AMX)
+  // Also asks the kernel for the tile state once: a tile op without it is SIGILL.
+  TORCH_CHECK(pdserve::amx_permitted(), "paged_prefill_attention_bf16: this CPU or kernel "
+              "does not let the process use AMX tiles");
+#endif
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "paged_prefill_attention_bf16: query must be [q_len, heads, dim] bf16, rows whole");
@@ -262,6 +272,7 @@ at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, h
   TORCH_CHECK(k_cache.size(3) == dim && dim % kDChunk == 0,
               "paged_prefill_attention_bf16: head_dim must be a multiple of 32");
   TORCH_CHECK(heads % kv_heads == 0, "paged_prefill_attention_bf16: heads % kv_heads != 0");
+  TORCH_CHECK(scale > 0, "paged_prefill_attention_bf16: scale must be > 0, got ", scale);
   TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong &&
                   block_ids.is_contiguous(),
               "paged_prefill_attention_bf16: block_ids must be [n] int64");
