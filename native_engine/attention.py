@@ -16,10 +16,12 @@ one, or another worker, so chunking, prefix hits and transfers never change a re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.config import AttentionBackend
 from native_engine.kernels import prefill_attention as amx_prefill
@@ -38,6 +40,26 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class PrefillTables:
+    """A step's prefill spans as the CPU prefill kernel takes them (one call a layer for all of
+    them: ``kernels/prefill_attention.py``), built once per step."""
+
+    block_tables: torch.Tensor  # [num_prefills, width] int64, zero-padded
+    query_starts: torch.Tensor  # [num_prefills + 1] int64
+    context_lens: torch.Tensor  # [num_prefills] int64
+
+    @staticmethod
+    def of(spans: Sequence[PrefillSpan]) -> PrefillTables:
+        starts = [span.query_start for span in spans]
+        starts.append(spans[-1].query_start + spans[-1].query_len)
+        return PrefillTables(
+            block_tables=pad_sequence([span.block_ids for span in spans], batch_first=True),
+            query_starts=torch.tensor(starts, dtype=torch.long),
+            context_lens=torch.tensor([span.context_len for span in spans], dtype=torch.long),
+        )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     prefills: tuple[PrefillSpan, ...]
@@ -50,6 +72,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, num_ctx_blocks * block_size]
     # A quantized cache's stores, split once per step: ``kv_quant.slot_positions``.
     slot_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The CPU backend's prefills for its kernel (spans starting at row 0, in order).
+    prefill_tables: PrefillTables | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -137,7 +161,13 @@ def prefill_attention(
     ):
         # Chunk-invariant (kernels/prefill_attention.py); SDPA's rows move with the chunking.
         return amx_prefill.paged_prefill_attention(
-            query, cache.k, cache.v, span.block_ids, span.context_len, scale
+            query,
+            cache.k,
+            cache.v,
+            span.block_ids[None],
+            torch.tensor([0, span.query_len]),
+            torch.tensor([span.context_len]),
+            scale,
         )
     # 4-D inputs: torch's fused CPU attention kernel does not take 3-D ones (math fallback).
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
@@ -194,19 +224,39 @@ def paged_attention(
     else:
         store_kv_torch(key, value, cache.k, cache.v, meta.slot_mapping)
     outputs: list[torch.Tensor] = []
-    for span in meta.prefills:
-        end = span.query_start + span.query_len
+    tables = meta.prefill_tables
+    if (
+        tables is not None
+        and meta.backend is AttentionBackend.CPU
+        and not cache.quantized
+        and amx_prefill.applies(query, cache.k)
+    ):
+        # Every prefill sequence in one call (each row's bits as in a call of its own).
         outputs.append(
-            prefill_attention(
-                query[span.query_start : end],
-                key[span.query_start : end],
-                value[span.query_start : end],
-                cache,
-                span,
+            amx_prefill.paged_prefill_attention(
+                query[: meta.num_prefill_tokens],
+                cache.k,
+                cache.v,
+                tables.block_tables,
+                tables.query_starts,
+                tables.context_lens,
                 scale,
-                meta.backend,
             )
         )
+    else:
+        for span in meta.prefills:
+            end = span.query_start + span.query_len
+            outputs.append(
+                prefill_attention(
+                    query[span.query_start : end],
+                    key[span.query_start : end],
+                    value[span.query_start : end],
+                    cache,
+                    span,
+                    scale,
+                    meta.backend,
+                )
+            )
     if meta.num_decodes:
         outputs.append(_decode_attention(query[meta.num_prefill_tokens :], cache, meta, scale))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -18,7 +18,12 @@ from engine.sampling import SampleRequest
 from engine.sequence import TokenLogprobs
 from engine.token_bans import min_tokens_ids
 from native_engine import prompt_logprobs
-from native_engine.attention import AttentionMetadata, PrefillSpan, decode_gather_inputs
+from native_engine.attention import (
+    AttentionMetadata,
+    PrefillSpan,
+    PrefillTables,
+    decode_gather_inputs,
+)
 from native_engine.kv_cache import KVCache
 from native_engine.kv_quant import slot_positions
 from native_engine.models.llama import LlamaFamilyForCausalLM
@@ -229,4 +234,7 @@ class ModelRunner:
             decode_gather_table=gather_table,
             decode_mask=mask,
             slot_positions=slot_positions(slots, self.block_size) if self.quantized else None,
+            prefill_tables=(
+                PrefillTables.of(spans) if spans and self.backend is AttentionBackend.CPU else None
+            ),
         )

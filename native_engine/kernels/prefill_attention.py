@@ -1,9 +1,10 @@
 """Paged prefill attention in bf16 on AMX (``csrc/prefill_attention_amx.cpp``): a prompt row's
 result is the same bits however the prompt is chunked, cached or batched.
 
-Called by ``native_engine.attention.prefill_attention`` for each prefill sequence of a step on
-the CPU backend, after the step's keys and values are stored: it reads every key and value
-from the cache (the chunk's own included) and returns a new tensor, the caller's. Where it does
+Called by ``native_engine.attention`` once per layer for all of a step's prefill sequences on
+the CPU backend (and for one alone by ``prefill_attention``), after the step's keys and values
+are stored: it reads every key and value from the cache (the chunks' own included) and returns
+a new tensor, the caller's. Where it does
 not apply (another dtype, a quantized cache, no AMX) the caller keeps torch's SDPA.
 """
 
@@ -40,14 +41,15 @@ def applies(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,  # [query_len, num_q_heads, head_dim] bf16, each token's heads whole
+    query: torch.Tensor,  # [tokens, num_q_heads, head_dim] bf16: the sequences' rows in turn
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] bf16
     v_cache: torch.Tensor,
-    block_ids: torch.Tensor,  # [num_blocks_of_seq] int64
-    context_len: int,  # cached tokens before the chunk + query_len
+    block_tables: torch.Tensor,  # [num_seqs, width] int64: each sequence's blocks, padded
+    query_starts: torch.Tensor,  # [num_seqs + 1] int64: sequence i's rows start..start[i + 1]
+    context_lens: torch.Tensor,  # [num_seqs] int64: cached tokens before a chunk + its rows
     scale: float,
-) -> torch.Tensor:  # [query_len, num_q_heads, head_dim]
+) -> torch.Tensor:  # [tokens, num_q_heads, head_dim]
     out: torch.Tensor = cpu_ops().paged_prefill_attention_bf16(
-        query, k_cache, v_cache, block_ids.contiguous(), context_len, scale
+        query, k_cache, v_cache, block_tables, query_starts, context_lens, scale
     )
     return out

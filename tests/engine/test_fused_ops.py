@@ -84,6 +84,33 @@ def test_silu_times_up_is_the_torch_ops_bit_for_bit(
     assert torch.equal(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+def test_denormal_results_are_torchs_bits_in_bf16() -> None:
+    """Products and sums that land below fp32's normal range (bf16 shares its exponents): the
+    kernels' one-instruction rounding flushes those to zero, so they must take the long way
+    and round as torch does; signs of zero included."""
+    gen = torch.Generator().manual_seed(3)
+
+    def tiny(*shape: int) -> torch.Tensor:  # mostly denormal, some normal, some zero
+        scale = torch.tensor([1e-39, 1e-37, 0.0])[torch.randint(0, 3, shape, generator=gen)]
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16)
+
+    table = RotaryEmbedding(RopeConfig(theta=10000.0), 64, 4096, torch.bfloat16)
+    cos, signed_sin = table.lookup(torch.randint(0, 4096, (9,), generator=gen))
+    qk = tiny(9, 12, 64)
+    expected = qk * cos + qk.roll(32, -1) * signed_sin
+    assert torch.equal(bits(fused_ops.rotary(qk, cos, signed_sin)), bits(expected))
+    x, delta = tiny(5, 576), tiny(5, 576)
+    total, _ = fused_ops.add_rms_norm(x, delta, torch.ones(576, dtype=torch.bfloat16), 1e-5)
+    assert torch.equal(bits(total), bits(x + delta))
+    gate = (torch.randn(4, 96, generator=gen) * 3).bfloat16()
+    up = tiny(4, 96)
+    got = fused_ops.silu_mul(torch.cat([gate, up], dim=1))
+    assert torch.equal(bits(got), bits(F.silu(gate) * up))
+
+
 def test_fp32_silu_is_torchs_on_every_exponent() -> None:
     """Every bf16 value widened, and each with random low mantissa bits, as fp32 gates (up =
     1): at::silu's bits, infinities, NaNs, denormals and overflowing exp(-x) included."""

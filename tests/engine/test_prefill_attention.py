@@ -36,6 +36,26 @@ def paged(
     return k_cache, v_cache, ids
 
 
+def one(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    ids: torch.Tensor,
+    ctx: int,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel on one sequence: a batch of one."""
+    return prefill_attention.paged_prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        ids[None],
+        torch.tensor([0, query.shape[0]]),
+        torch.tensor([ctx]),
+        scale,
+    )
+
+
 def reference(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -74,7 +94,7 @@ def test_within_sdpas_error_of_float64(
     qk = torch.randn(q_len, heads + kv_heads, dim, generator=gen).bfloat16()
     query = qk[:, :heads]
     k_cache, v_cache, ids = paged(keys, values, block_size, gen)
-    out = prefill_attention.paged_prefill_attention(query, k_cache, v_cache, ids, ctx, dim**-0.5)
+    out = one(query, k_cache, v_cache, ids, ctx, dim**-0.5)
     exact = reference(query, keys, values, torch.float64)
     sdpa = reference(query, keys, values, torch.bfloat16)
     assert not out.isnan().any()
@@ -93,9 +113,7 @@ def prompt(seed: int, ctx: int) -> Callable[[int, int], torch.Tensor]:
     k_cache, v_cache, ids = paged(keys, values, 32, gen)
 
     def attention(start: int, n: int) -> torch.Tensor:
-        return prefill_attention.paged_prefill_attention(
-            query[start : start + n], k_cache, v_cache, ids, start + n, dim**-0.5
-        )
+        return one(query[start : start + n], k_cache, v_cache, ids, start + n, dim**-0.5)
 
     return attention
 
@@ -115,7 +133,7 @@ def test_bad_arguments_are_refused_by_name() -> None:
     k_cache = torch.zeros(4, 32, 3, 64, dtype=torch.bfloat16)
     query = torch.zeros(8, 9, 64, dtype=torch.bfloat16)
     ids = torch.tensor([0, 1])
-    call = prefill_attention.paged_prefill_attention
+    call = one
     with pytest.raises(RuntimeError, match="bad lengths"):
         call(query, k_cache, k_cache, ids, 65, 0.125)  # past the blocks given
     with pytest.raises(RuntimeError, match="bad lengths"):
@@ -127,6 +145,58 @@ def test_bad_arguments_are_refused_by_name() -> None:
         call(torch.zeros(8, 9, 48, dtype=torch.bfloat16), odd, odd, ids, 8, 0.125)
     with pytest.raises(RuntimeError, match="scale must be > 0"):
         call(query, k_cache, k_cache, ids, 8, -0.125)
+    batch = prefill_attention.paged_prefill_attention
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([8, 40])
+    with pytest.raises(RuntimeError, match="query_starts must run from 0"):
+        batch(query, k_cache, k_cache, tables, torch.tensor([0, 4, 7]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="sequence 1 q_len 0"):
+        batch(query, k_cache, k_cache, tables, torch.tensor([0, 8, 8]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="context_lens \\[seqs\\]"):
+        batch(query, k_cache, k_cache, tables, torch.tensor([0, 4, 8]), lens[:1], 0.125)
+    with pytest.raises(RuntimeError, match="must be contiguous int64"):
+        batch(query, k_cache, k_cache, tables.int(), torch.tensor([0, 4, 8]), lens, 0.125)
+
+
+def test_a_batch_of_sequences_is_each_sequence_alone_bit_for_bit() -> None:
+    """Sequences of different lengths, fresh and with cached context, in one call: each one's
+    rows are its call alone's bits, whichever sequences share the call."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 32
+    cases = [(256, 256), (17, 17), (100, 300), (1, 45), (64, 64)]  # (chunk, context)
+    width = max(-(-ctx // block_size) for _, ctx in cases)
+    num_blocks = sum(-(-ctx // block_size) for _, ctx in cases) + 3
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), float("nan"))
+    k_cache = k_cache.bfloat16()
+    v_cache = k_cache.clone()
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    queries, tables = [], []
+    for q_len, ctx in cases:
+        ids = torch.tensor([free.pop() for _ in range(-(-ctx // block_size))])
+        slots = ids[torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
+        k_cache.view(-1, kv_heads, dim)[slots] = torch.randn(
+            ctx, kv_heads, dim, generator=gen
+        ).bfloat16()
+        v_cache.view(-1, kv_heads, dim)[slots] = torch.randn(
+            ctx, kv_heads, dim, generator=gen
+        ).bfloat16()
+        queries.append(torch.randn(q_len, heads, dim, generator=gen).bfloat16())
+        tables.append(torch.cat([ids, torch.zeros(width - len(ids), dtype=torch.long)]))
+    alone = [
+        one(q, k_cache, v_cache, t, ctx, dim**-0.5)
+        for q, t, (_, ctx) in zip(queries, tables, cases, strict=True)
+    ]
+    for order in ([0, 1, 2, 3, 4], [3, 0, 4, 2, 1]):
+        out = prefill_attention.paged_prefill_attention(
+            torch.cat([queries[i] for i in order]),
+            k_cache,
+            v_cache,
+            torch.stack([tables[i] for i in order]),
+            torch.tensor([0] + [queries[i].shape[0] for i in order]).cumsum(0),
+            torch.tensor([cases[i][1] for i in order]),
+            dim**-0.5,
+        )
+        assert not out.isnan().any()
+        assert torch.equal(out, torch.cat([alone[i] for i in order])), order
 
 
 def test_the_op_asks_for_the_tile_state_itself() -> None:
@@ -137,7 +207,8 @@ def test_the_op_asks_for_the_tile_state_itself() -> None:
         "from native_engine.kernels.cpu import cpu_ops\n"
         "k = torch.zeros(2, 32, 3, 64, dtype=torch.bfloat16)\n"
         "q = torch.ones(8, 9, 64, dtype=torch.bfloat16)\n"
-        "out = cpu_ops().paged_prefill_attention_bf16(q, k, k, torch.tensor([0, 1]), 8, 0.125)\n"
+        "ids, starts, lens = torch.tensor([[0, 1]]), torch.tensor([0, 8]), torch.tensor([8])\n"
+        "out = cpu_ops().paged_prefill_attention_bf16(q, k, k, ids, starts, lens, 0.125)\n"
         "assert out.shape == (8, 9, 64) and bool((out == 0).all())\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

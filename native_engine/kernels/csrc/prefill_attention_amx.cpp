@@ -1,5 +1,7 @@
-// Paged prefill attention in bf16 on AMX: one sequence's chunk of queries over its cached
-// context (the chunk's own keys included, already stored), causal, grouped-query.
+// Paged prefill attention in bf16 on AMX: each prefill sequence's chunk of queries over its
+// cached context (the chunk's own keys included, already stored), causal, grouped-query; all
+// of a step's prefill sequences in one call (one parallel region each for packing and for
+// the queries, every sequence's output rows written in place).
 //
 // Why not torch's SDPA: its result for a prompt row moves with how the prompt is chunked (and
 // so with the step's token budget, a prefix-cache hit, or a re-prefill after a migration).
@@ -48,8 +50,8 @@ constexpr float kMasked = -1e30f;
 struct Problem {
   const uint16_t* q;   // [q_len, heads, dim] at row stride ldq
   int64_t ldq;
-  const uint16_t* kp;  // K per 16-key tile: [kv_heads][tiles][dim / 32][16 dim pairs][16][2]
-  const uint16_t* vp;  // V per span: [kv_heads][spans][16 key pairs][dim][2]
+  uint16_t* kp;  // K per 16-key tile: [kv_heads][tiles][dim / 32][16 dim pairs][16][2]
+  uint16_t* vp;  // V per span: [kv_heads][spans][16 key pairs][dim][2]
   uint16_t* out;       // [q_len, heads, dim]
   int64_t q_len, heads, kv_heads, dim, context_len, spans;
   float scale;
@@ -199,8 +201,7 @@ void query_block(const Problem& pb, int64_t head, int64_t i0, Scratch& sc) {
 // the scores) and of keys (V, for the value product) side by side. Positions past the context
 // stay zero: a stale row may hold a NaN, and a zero probability times a NaN is a NaN.
 void pack_span(const Problem& pb, const uint16_t* k_cache, const uint16_t* v_cache,
-               const int64_t* ids, int64_t block_size, int64_t h, int64_t s, uint16_t* kp,
-               uint16_t* vp) {
+               const int64_t* ids, int64_t block_size, int64_t h, int64_t s) {
   const int64_t dim = pb.dim, pairs = dim / 2;
   const int64_t keys = std::min(kSpan, pb.context_len - s * kSpan);
   auto row = [&](const uint16_t* cache, int64_t t) {
@@ -208,15 +209,21 @@ void pack_span(const Problem& pb, const uint16_t* k_cache, const uint16_t* v_cac
     return cache + ((ids[pos / block_size] * block_size + pos % block_size) * pb.kv_heads + h) * dim;
   };
   // K, a dword (two dims) at a time: tile 2s + t / 16 is [dim pair][key t % 16], its chunks of
-  // 32 dims one after another, so dim pair j of key t lands at j * 16 + t % 16.
-  auto* kt = reinterpret_cast<uint32_t*>(kp) + (h * pb.spans * 2 + 2 * s) * pairs * kRows;
-  for (int64_t t = 0; t < keys; ++t) {
-    const auto* k = reinterpret_cast<const uint32_t*>(row(k_cache, t));
+  // 32 dims one after another, so dim pair j of key t lands at j * 16 + t % 16. Keys past the
+  // context are zeros (the buffers are not cleared beforehand).
+  auto* kt = reinterpret_cast<uint32_t*>(pb.kp) + (h * pb.spans * 2 + 2 * s) * pairs * kRows;
+  for (int64_t t = 0; t < kSpan; ++t) {
     uint32_t* dst = kt + t / kRows * pairs * kRows + t % kRows;
-    for (int64_t j = 0; j < pairs; ++j) dst[j * kRows] = k[j];
+    if (t < keys) {
+      const auto* k = reinterpret_cast<const uint32_t*>(row(k_cache, t));
+      for (int64_t j = 0; j < pairs; ++j) dst[j * kRows] = k[j];
+    } else {
+      for (int64_t j = 0; j < pairs; ++j) dst[j * kRows] = 0;
+    }
   }
   // V, two keys at a time: key pair t / 2 is [dim][2], 16 dims a vector.
-  uint16_t* vt = vp + (h * pb.spans + s) * kRows * dim * 2;
+  uint16_t* vt = pb.vp + (h * pb.spans + s) * kRows * dim * 2;
+  std::fill(vt + (keys + 1) / 2 * dim * 2, vt + kRows * dim * 2, uint16_t{0});
   for (int64_t t = 0; t < keys; t += 2) {
     const uint16_t* v0 = row(v_cache, t);
     auto* dst = reinterpret_cast<uint32_t*>(vt + t / 2 * dim * 2);
@@ -239,6 +246,10 @@ const uint16_t* bf16_data(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
+uint16_t* mutable_bf16(at::Tensor& t) {
+  return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
 }  // namespace
 
 bool prefill_attention_amx_built() {
@@ -249,11 +260,16 @@ bool prefill_attention_amx_built() {
 #endif
 }
 
-at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, heads, dim]
+// Sequence s's queries are query rows [query_starts[s], query_starts[s + 1]), at positions
+// context_lens[s] - q_len .. context_lens[s] - 1 of its context, whose blocks are
+// block_tables[s] (only the blocks the context covers are read).
+at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [tokens, heads, dim]
                                         const at::Tensor& k_cache,  // [blocks, bs, kv_heads, dim]
                                         const at::Tensor& v_cache,
-                                        const at::Tensor& block_ids,  // [n] int64
-                                        int64_t context_len, double scale) {
+                                        const at::Tensor& block_tables,  // [seqs, width] int64
+                                        const at::Tensor& query_starts,  // [seqs + 1] int64
+                                        const at::Tensor& context_lens,  // [seqs] int64
+                                        double scale) {
   TORCH_CHECK(prefill_attention_amx_built(), "paged_prefill_attention_bf16: built without AMX");
 #if defined(PDSERVE_PREFILL_AMX)
   // Also asks the kernel for the tile state once: a tile op without it is SIGILL.
@@ -262,55 +278,94 @@ at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, h
 #endif
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
-              "paged_prefill_attention_bf16: query must be [q_len, heads, dim] bf16, rows whole");
+              "paged_prefill_attention_bf16: query must be [tokens, heads, dim] bf16, rows whole");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
               "paged_prefill_attention_bf16: caches must be contiguous bf16 [blocks, bs, kv, dim]");
-  const int64_t q_len = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && dim % kDChunk == 0,
               "paged_prefill_attention_bf16: head_dim must be a multiple of 32");
   TORCH_CHECK(heads % kv_heads == 0, "paged_prefill_attention_bf16: heads % kv_heads != 0");
   TORCH_CHECK(scale > 0, "paged_prefill_attention_bf16: scale must be > 0, got ", scale);
-  TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong &&
-                  block_ids.is_contiguous(),
-              "paged_prefill_attention_bf16: block_ids must be [n] int64");
-  TORCH_CHECK(q_len >= 1 && context_len >= q_len && context_len <= block_ids.size(0) * block_size,
-              "paged_prefill_attention_bf16: bad lengths: q_len ", q_len, ", context ",
-              context_len, ", blocks ", block_ids.size(0));
-  const int64_t* ids = block_ids.data_ptr<int64_t>();
-  for (int64_t b = 0; b < (context_len + block_size - 1) / block_size; ++b)
-    TORCH_CHECK(ids[b] >= 0 && ids[b] < k_cache.size(0), "paged_prefill_attention_bf16: block id ",
-                ids[b], " out of range");
-  at::Tensor out = at::empty({q_len, heads, dim}, query.options());
+  const int64_t seqs = block_tables.dim() == 2 ? block_tables.size(0) : -1;
+  for (const at::Tensor* t : {&block_tables, &query_starts, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_prefill_attention_bf16: block_tables, query_starts and context_lens "
+                "must be contiguous int64");
+  TORCH_CHECK(seqs >= 1 && query_starts.dim() == 1 && query_starts.size(0) == seqs + 1 &&
+                  context_lens.dim() == 1 && context_lens.size(0) == seqs,
+              "paged_prefill_attention_bf16: block_tables [seqs, width], query_starts "
+              "[seqs + 1], context_lens [seqs]");
+  const int64_t width = block_tables.size(1);
+  const int64_t *starts = query_starts.data_ptr<int64_t>(), *lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[seqs] == tokens,
+              "paged_prefill_attention_bf16: query_starts must run from 0 to the query's ",
+              tokens, " rows");
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(q_len >= 1 && lens[s] >= q_len && lens[s] <= width * block_size,
+                "paged_prefill_attention_bf16: bad lengths: sequence ", s, " q_len ", q_len,
+                ", context ", lens[s], ", blocks ", width);
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int64_t id = tables[s * width + b];
+      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "paged_prefill_attention_bf16: block id ",
+                  id, " out of range");
+    }
+  }
+  at::Tensor out = at::empty({tokens, heads, dim}, query.options());
 #if defined(PDSERVE_PREFILL_AMX)
-  const int64_t spans = (context_len + kSpan - 1) / kSpan;
-  at::Tensor kp = at::zeros({kv_heads, spans * 2, dim / kDChunk, kRows, kRows, 2}, query.options());
-  at::Tensor vp = at::zeros({kv_heads, spans, kRows, dim, 2}, query.options());
-  const Problem pb{
-      bf16_data(query),
-      query.stride(0),
-      bf16_data(kp),
-      bf16_data(vp),
-      reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-      q_len, heads, kv_heads, dim, context_len, spans,
-      static_cast<float>(scale),
+  // Each sequence's problem, its packed K and V at its own offsets of two shared buffers; then
+  // every (sequence, kv head, span) packing, and every (sequence, head, query block), is one
+  // item of one parallel region.
+  std::vector<int64_t> pack_first{0}, query_first{0};  // items before each sequence
+  std::vector<int64_t> k_at{0}, v_at{0};  // where each sequence's packed K and V start
+  int64_t max_padded = 0;
+  const int64_t k_span = 2 * (dim / kDChunk) * kRows * kRows * 2, v_span = kRows * dim * 2;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s], spans = (lens[s] + kSpan - 1) / kSpan;
+    k_at.push_back(k_at.back() + kv_heads * spans * k_span);
+    v_at.push_back(v_at.back() + kv_heads * spans * v_span);
+    max_padded = std::max(max_padded, spans * kSpan);
+    pack_first.push_back(pack_first.back() + kv_heads * spans);
+    query_first.push_back(query_first.back() + heads * ((q_len + kRows - 1) / kRows));
+  }
+  at::Tensor kp = at::empty({k_at.back()}, query.options());
+  at::Tensor vp = at::empty({v_at.back()}, query.options());
+  std::vector<Problem> pbs;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t q_len = starts[s + 1] - starts[s];
+    pbs.push_back(Problem{bf16_data(query) + starts[s] * query.stride(0), query.stride(0),
+                          mutable_bf16(kp) + k_at[s], mutable_bf16(vp) + v_at[s],
+                          mutable_bf16(out) + starts[s] * heads * dim, q_len, heads, kv_heads,
+                          dim, lens[s], (lens[s] + kSpan - 1) / kSpan,
+                          static_cast<float>(scale)});
+  }
+  // The sequence an item belongs to: the last s with first[s] <= item.
+  auto seq_of = [](const std::vector<int64_t>& first, int64_t item) {
+    return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), item) -
+                                first.begin()) - 1;
   };
-  auto* pkp = reinterpret_cast<uint16_t*>(kp.data_ptr<at::BFloat16>());
-  auto* pvp = reinterpret_cast<uint16_t*>(vp.data_ptr<at::BFloat16>());
-  at::parallel_for(0, kv_heads * spans, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item)
-      pack_span(pb, bf16_data(k_cache), bf16_data(v_cache), ids, block_size, item / spans,
-                item % spans, pkp, pvp);
+  at::parallel_for(0, pack_first.back(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = seq_of(pack_first, item), local = item - pack_first[s];
+      const Problem& pb = pbs[s];
+      pack_span(pb, bf16_data(k_cache), bf16_data(v_cache), tables + s * width, block_size,
+                local / pb.spans, local % pb.spans);
+    }
   });
-  const int64_t qblocks = (q_len + kRows - 1) / kRows;
-  at::parallel_for(0, heads * qblocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, query_first.back(), 1, [&](int64_t begin, int64_t end) {
     pdserve::configure_tiles();  // per thread: the tile state is the thread's
-    Scratch sc{std::vector<float>(kRows * pb.padded()), std::vector<uint16_t>(kRows * pb.padded()),
+    Scratch sc{std::vector<float>(kRows * max_padded), std::vector<uint16_t>(kRows * max_padded),
                std::vector<uint16_t>(kRows * dim)};
-    for (int64_t item = begin; item < end; ++item)
-      query_block(pb, item / qblocks, item % qblocks * kRows, sc);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = seq_of(query_first, item), local = item - query_first[s];
+      const Problem& pb = pbs[s];
+      const int64_t qblocks = (pb.q_len + kRows - 1) / kRows;
+      query_block(pb, local / qblocks, local % qblocks * kRows, sc);
+    }
     _tile_release();
   });
 #endif
@@ -319,7 +374,7 @@ at::Tensor paged_prefill_attention_bf16(const at::Tensor& query,    // [q_len, h
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
   m.def("paged_prefill_attention_bf16(Tensor query, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_ids, int context_len, float scale) -> Tensor");
+        "Tensor block_tables, Tensor query_starts, Tensor context_lens, float scale) -> Tensor");
   m.def("prefill_attention_amx_built() -> bool", prefill_attention_amx_built);
 }
 
