@@ -24,7 +24,8 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 
 
 class AttentionBackend(enum.Enum):
-    """How decode attention and KV stores run (prefill always uses torch SDPA)."""
+    """How decode attention and KV stores run; prefill attention is torch's SDPA but on the CPU
+    backend in bf16 with AMX (native_engine/kernels/prefill_attention.py)."""
 
     TORCH = "torch"  # portable: gather blocks, then scaled_dot_product_attention
     TRITON = "triton"  # CUDA kernels (also runs under TRITON_INTERPRET=1 on CPU, for tests)

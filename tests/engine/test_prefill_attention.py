@@ -4,15 +4,28 @@ comes in, at any thread count."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import AttentionBackend
+from native_engine.attention import (
+    AttentionMetadata,
+    PrefillSpan,
+    PrefillTables,
+    paged_attention,
+)
+from native_engine.attention import (
+    prefill_attention as one_span,
+)
 from native_engine.kernels import prefill_attention
+from native_engine.kv_cache import LayerCache
 
 pytestmark = pytest.mark.skipif(
     not prefill_attention.available(), reason="the prefill attention kernel needs AMX"
@@ -199,6 +212,50 @@ def test_a_batch_of_sequences_is_each_sequence_alone_bit_for_bit() -> None:
         assert torch.equal(out, torch.cat([alone[i] for i in order])), order
 
 
+def test_a_layers_prefills_take_one_call_with_each_spans_bits() -> None:
+    """paged_attention on the CPU backend with the step's PrefillTables (one kernel call) gives
+    every span the bits of its own call (the path without tables), a decode-free step of a
+    fresh prompt, a chunk over cached context and a one-token chunk."""
+    gen = torch.Generator().manual_seed(9)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 32
+    cases = [(40, 40), (33, 100), (1, 70)]  # (chunk, context)
+    num_blocks = 16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).bfloat16()
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    spans, slots, start = [], [], 0
+    for q_len, ctx in cases:
+        ids = torch.tensor([free.pop() for _ in range(-(-ctx // block_size))])
+        spans.append(PrefillSpan(start, q_len, ctx, ids))
+        chunk = torch.arange(ctx - q_len, ctx)
+        slots.append(ids[chunk // block_size] * block_size + chunk % block_size)
+        start += q_len
+    tables = PrefillTables.of(spans)
+    assert tables.query_starts.tolist() == [0, 40, 73, 74]
+    assert tables.context_lens.tolist() == [40, 100, 70]
+    assert tables.block_tables.shape == (3, 4) and tables.block_tables[0, 2:].tolist() == [0, 0]
+    query = torch.randn(start, heads, dim, generator=gen).bfloat16()
+    key = torch.randn(start, kv_heads, dim, generator=gen).bfloat16()
+    value = torch.randn(start, kv_heads, dim, generator=gen).bfloat16()
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        prefills=tuple(spans),
+        num_prefill_tokens=start,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        backend=AttentionBackend.CPU,
+        prefill_tables=tables,
+    )
+    cache = LayerCache(k_cache, v_cache)
+    out = paged_attention(query, key, value, cache, meta, dim**-0.5)  # stores the chunks' K/V
+    for span in spans:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        alone = one_span(
+            query[rows], key[rows], value[rows], cache, span, dim**-0.5, AttentionBackend.CPU
+        )
+        assert torch.equal(out[rows], alone), span.context_len
+
+
 def test_the_op_asks_for_the_tile_state_itself() -> None:
     """Called first thing in a process (no GEMM or availability check before it to ask the
     kernel for AMX's tile state), it must still run: a tile op without that is SIGILL."""
@@ -211,7 +268,11 @@ def test_the_op_asks_for_the_tile_state_itself() -> None:
         "out = cpu_ops().paged_prefill_attention_bf16(q, k, k, ids, starts, lens, 0.125)\n"
         "assert out.shape == (8, 9, 64) and bool((out == 0).all())\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root, env=env
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 

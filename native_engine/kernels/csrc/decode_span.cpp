@@ -1,7 +1,8 @@
-// The AVX-512 decode span (see decode_span.h). Each kv head is taken in turn with the query
-// heads that share it (GQA) held in registers: a key row is widened to fp32 once and dotted
-// with every query head of its group; a value row is widened once and accumulated into every
-// head's output, which stays in registers for the whole span.
+// The AVX-512 decode span (see decode_span.h). Scores: 16 tokens at a time, each query head
+// dotted with its kv head's key rows (bf16 rows as they lie, by vdpbf16ps; fp32 and fp16 ones
+// widened per dot) and the 16 dots summed in one transposing reduction. Values: each kv head
+// in turn with the query heads that share it (GQA): a value row is widened once and
+// accumulated into every head's output, which stays in registers for the whole span.
 #include "decode_span.h"
 
 #include <c10/util/BFloat16.h>

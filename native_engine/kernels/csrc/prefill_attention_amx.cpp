@@ -41,7 +41,8 @@ namespace {
 constexpr int64_t kSpan = 32;    // keys per k-step of the value product
 constexpr int64_t kRows = 16;    // queries per block, keys per score tile, dims per output tile
 constexpr int64_t kDChunk = 32;  // head_dim per k-step of the scores
-// A masked score. Finite: the build is -ffast-math, under which infinities are not safe.
+// The max's starting value. Finite: the build is -ffast-math, under which infinities are not
+// safe. (A masked key's exp may overflow in its lane; the lane is zeroed before any use.)
 constexpr float kMasked = -1e30f;
 
 #if defined(PDSERVE_PREFILL_AMX)
@@ -199,7 +200,7 @@ void query_block(const Problem& pb, int64_t head, int64_t i0, Scratch& sc) {
 
 // K and V as AMX's second operand takes them, for kv head h, span s: pairs of dims (K, for
 // the scores) and of keys (V, for the value product) side by side. Positions past the context
-// stay zero: a stale row may hold a NaN, and a zero probability times a NaN is a NaN.
+// are written as zeros: a stale row may hold a NaN, and a zero probability times a NaN is a NaN.
 void pack_span(const Problem& pb, const uint16_t* k_cache, const uint16_t* v_cache,
                const int64_t* ids, int64_t block_size, int64_t h, int64_t s) {
   const int64_t dim = pb.dim, pairs = dim / 2;

@@ -201,9 +201,9 @@ struct XGroups {
   }
 };
 
-// Rows [r0, r1) (r0 a multiple of 16) x block pairs [p0, p1) (pair_units). x rows of one row
-// block stay in L2 (1 MiB of them) while the weight panels pass over them: the weights are
-// read once per row block.
+// Rows [r0, r1) (r0 a multiple of 16) x block pairs [p0, p1) (a pair: two units' blocks, or
+// gated one unit's gate and up blocks). x rows of one row block stay in L2 (1 MiB of them)
+// while the weight panels pass over them: the weights are read once per row block.
 void panels(const Problem& pb, const XGroups& x, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
   constexpr int64_t kRowBlockBytes = 1 << 20;
   constexpr int64_t kPanelRows = 2 * kTileRows;

@@ -10,9 +10,9 @@ namespace pdserve {
 
 #if defined(__AVX512F__)
 // 2^x for x <= 0, 16 at a time: x = n + f with |f| <= 1/2 (f exact), 2^f = exp(f ln2) by its
-// Taylor series to the 6th power (relative error < 1.3e-7, fp32's rounding), scaled by 2^n
-// (vscalefps). Below -126 it gives 2^-126 x 2^f: a weight of ~1e-38 next to the max's 1; a
-// small positive x (a max's own rounding) is fine. Ten vector instructions: on this CPU's
+// Taylor series to the 6th power (relative error < 2e-7, about fp32's rounding), scaled by 2^n
+// (vscalefps). Below -126 it gives 2^-126 (the clamp): a weight of ~1e-38 next to the max's 1;
+// a small positive x (a max's own rounding) is fine. Ten vector instructions: on this CPU's
 // scarce vector throughput the exp is most of a softmax, prefill attention's above all.
 inline __m512 exp2_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
@@ -31,7 +31,7 @@ inline __m512 exp2_nonpositive(__m512 x) {
 constexpr float kLog2e = 1.44269504f;
 
 // exp(x) for x <= 0 (a score minus its row's max): 2^(x log2 e). The product's rounding moves
-// the result by |x| 2^-24 ln 2 relatively (4e-7 at x = -10, a weight of 5e-5).
+// the result by up to |x| 2^-24 relatively (6e-7 at x = -10, a weight of 5e-5).
 inline __m512 exp_nonpositive(__m512 x) {
   return exp2_nonpositive(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)));
 }
