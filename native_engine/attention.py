@@ -17,7 +17,7 @@ one, or another worker, so chunking, prefix hits and transfers never change a re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -160,13 +160,15 @@ def prefill_attention(
         and amx_prefill.applies(query, cache.k)
     ):
         # Chunk-invariant (kernels/prefill_attention.py); SDPA's rows move with the chunking.
+        # A batch of one: the span's rows are all of `query`.
+        tables = PrefillTables.of([replace(span, query_start=0)])
         return amx_prefill.paged_prefill_attention(
             query,
             cache.k,
             cache.v,
-            span.block_ids[None],
-            torch.tensor([0, span.query_len]),
-            torch.tensor([span.context_len]),
+            tables.block_tables,
+            tables.query_starts,
+            tables.context_lens,
             scale,
         )
     # 4-D inputs: torch's fused CPU attention kernel does not take 3-D ones (math fallback).
