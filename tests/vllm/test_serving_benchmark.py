@@ -35,3 +35,8 @@ def test_offline_engines_benchmark_runs_both_engines() -> None:
     for row in report["rows"]:
         assert row["native_tok_s"] > 0 and row["vllm_tok_s"] > 0
         assert row["limit_tok_s"] > 0 and row["native_share_of_limit"] > 0
+        # the engines took turns: one ratio per repeat, and their median
+        assert len(row["pair_ratios"]) == 2 and all(r > 0 for r in row["pair_ratios"])
+        assert min(row["pair_ratios"]) <= row["median_pair_ratio"] <= max(row["pair_ratios"])
+    assert len(report["copy_gb_s_each_batch"]) == 2
+    assert report["copy_gb_s"] == max(report["copy_gb_s_each_batch"])
