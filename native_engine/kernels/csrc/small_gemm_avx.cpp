@@ -214,7 +214,16 @@ using Avx2F32Tile = F32Tile<Ymm, MR, NB>;
 }  // namespace
 
 #if defined(__AVX512F__)
-void gemm_f32_avx512(const ProblemF32& pb) { solve<Avx512F32Tile, 6, 4>(pb); }
+// Up to 4 rows a tile takes 4 blocks (4 streams from memory at once); from 5, 8 rows x 3
+// blocks, so 8 and 32 rows are whole tiles where 6 x 4 left a 2-row one re-reading its
+// blocks. Either way an element is the same FMA chain.
+void gemm_f32_avx512(const ProblemF32& pb) {
+  if (pb.m <= 4) {
+    solve<Avx512F32Tile, 6, 4>(pb);
+  } else {
+    solve<Avx512F32Tile, 8, 3>(pb);
+  }
+}
 #else
 void gemm_f32_avx512(const ProblemF32&) {}
 #endif
