@@ -22,6 +22,7 @@ native engine's GEMM kernel, then one JSON line. Run in the vLLM environment:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -30,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from native_engine.kernels import small_gemm
 QUICK_KV_BYTES = 32 << 20
 START_TIMEOUT_S = 900  # vLLM's torch.compile on a loaded 2-core box
 RUN_TIMEOUT_S = 900
+CLOSE_TIMEOUT_S = 60
 # (prompts, max_tokens) -> seconds
 Runner = Callable[[list[list[int]], int], float]
 
@@ -61,7 +63,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=65)
     p.add_argument("--repeats", type=int, default=4)
-    p.add_argument("--quick", action="store_true", help="CI: a tiny model, fp32, batches 1,2")
+    p.add_argument(
+        "--quick", action="store_true", help="CI: a tiny model, fp32, batches 1,2, 2 repeats"
+    )
     p.add_argument(
         "--llama-cpp",
         type=Path,
@@ -136,7 +140,7 @@ class EngineProcess:
     runs as it would alone yet the two take turns within one run. In one process (vLLM pins
     the OpenMP threads of the process it starts in) both ran slower: fp32 at batch 8, native
     207 against 222 tok/s, vLLM 156 against 173. The timings are taken in the child, around
-    generate alone."""
+    generate alone. A context manager: leaving it stops the child."""
 
     def __init__(self, name: str, model: Path, args: argparse.Namespace) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -148,22 +152,44 @@ class EngineProcess:
             daemon=True,
         )
         self._proc.start()
-        if not self._conn.poll(START_TIMEOUT_S):
-            raise TimeoutError(f"{name} did not start in {START_TIMEOUT_S} s")
-        self._conn.recv()
+        child.close()  # the child's end is the child's alone: its death reads as EOF here
+        try:
+            self._receive(START_TIMEOUT_S, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _receive(self, timeout_s: float, what: str) -> Any:
+        """The child's next message, waited for with a bound; a dead child is named."""
+        if not wait([self._conn, self._proc.sentinel], timeout_s):
+            raise TimeoutError(f"{self.name} did not {what} in {timeout_s} s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            self._proc.join(CLOSE_TIMEOUT_S)
+            raise RuntimeError(
+                f"{self.name} exited (code {self._proc.exitcode}) before it could {what}"
+            ) from None
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> float:
         self._conn.send((prompts, max_tokens))
-        if not self._conn.poll(RUN_TIMEOUT_S):
-            raise TimeoutError(f"{self.name} did not finish a run in {RUN_TIMEOUT_S} s")
-        seconds: float = self._conn.recv()
+        seconds: float = self._receive(RUN_TIMEOUT_S, "finish a run")
         return seconds
 
     def close(self) -> None:
-        self._conn.send(None)
-        self._proc.join(START_TIMEOUT_S)
+        with contextlib.suppress(OSError):  # a child already gone
+            self._conn.send(None)
+        self._proc.join(CLOSE_TIMEOUT_S)
         if self._proc.is_alive():
             self._proc.kill()
+            self._proc.join()
+        self._conn.close()
 
 
 def llama_peers(
@@ -185,7 +211,7 @@ class Figures:
 
     decode_tok_s: float  # from the best t(N) and the best t(1) of the repeats
     prefill_tok_s: float  # the batch's prompt tokens over the best t(1)
-    per_repeat: list[float]  # each repeat's own decode tok/s, in order
+    per_repeat: tuple[float, ...]  # each repeat's own decode tok/s, in order
 
 
 def measure(
@@ -209,7 +235,7 @@ def measure(
         name: Figures(
             tokens / (min(full[name]) - min(first[name])),
             batch * args.prompt_len / min(first[name]),
-            [tokens / (f - o) for f, o in zip(full[name], first[name], strict=True)],
+            tuple(tokens / (f - o) for f, o in zip(full[name], first[name], strict=True)),
         )
         for name in runs
     }
@@ -223,15 +249,14 @@ def main() -> None:
         model, _ = fetch_model("smollm2", args.model or REPO / "models" / "smollm2-135m-instruct")
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     batches = [int(b) for b in args.batches.split(",")]
-    engines = [EngineProcess(name, model, args) for name in ENGINES]
-    runs: dict[str, Runner] = {e.name: e.run for e in engines}
     bandwidths: list[float] = []
     measured: dict[int, dict[str, Figures]] = {}
-    for b in batches:
-        bandwidths.append(copy_gb_s(size_bytes=QUICK_KV_BYTES if args.quick else None))
-        measured[b] = measure(runs, b, args, vocab)
-    for e in engines:
-        e.close()
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(EngineProcess(name, model, args)) for name in ENGINES]
+        runs: dict[str, Runner] = {e.name: e.run for e in engines}
+        for b in batches:
+            bandwidths.append(copy_gb_s(size_bytes=QUICK_KV_BYTES if args.quick else None))
+            measured[b] = measure(runs, b, args, vocab)
     peers = {} if args.quick or not llama_cpp.available(args.llama_cpp) else llama_peers(args)
     gb_s = max(bandwidths)
     weight_bytes = decode_weight_bytes(model, 2 if args.dtype == "bfloat16" else 4)
@@ -244,8 +269,8 @@ def main() -> None:
         f"copy bandwidth {gb_s:.1f} GB/s (best of {min(bandwidths):.1f}-{gb_s:.1f}), "
         f"{mb:.0f} MB of weights a step; GEMM {gemm}"
     )
-    head = ("batch", "native", "vLLM", "native/vLLM", "pairs", "limit", "native", "vLLM")
-    widths = (5, 9, 9, 12, 6, 8, 7, 6)
+    head = ("batch", "native", "vLLM", "native/vLLM", "pair median", "limit", "native", "vLLM")
+    widths = (5, 9, 9, 12, 12, 8, 7, 6)
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
     for b in batches:
         native, vllm = measured[b]["native"], measured[b]["vllm"]
@@ -270,7 +295,7 @@ def main() -> None:
         r = rows[-1]
         print(
             f"{b:>5} {r['native_tok_s']:>9.1f} {r['vllm_tok_s']:>9.1f} {r['ratio']:>11.2f}x"
-            f" {r['median_pair_ratio']:>5.2f}x {limit:>8.1f}"
+            f" {r['median_pair_ratio']:>11.2f}x {limit:>8.1f}"
             f" {r['native_share_of_limit']:>7.0%} {r['vllm_share_of_limit']:>6.0%}"
         )
     print(f"prefill tok/s ({args.prompt_len}-token prompts, one step for the batch)")

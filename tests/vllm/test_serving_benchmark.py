@@ -5,6 +5,7 @@ not for tests)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,27 @@ def test_offline_engines_benchmark_runs_both_engines() -> None:
         assert min(row["pair_ratios"]) <= row["median_pair_ratio"] <= max(row["pair_ratios"])
     assert len(report["copy_gb_s_each_batch"]) == 2
     assert report["copy_gb_s"] == max(report["copy_gb_s_each_batch"])
+
+
+def test_an_engine_process_that_dies_starting_is_named_not_waited_for(tmp_path: Path) -> None:
+    """offline_engines' child engine exits (no model there): the parent says so at once
+    rather than waiting out its start timeout."""
+    code = (
+        "import argparse, pathlib, offline_engines\n"
+        "args = argparse.Namespace(dtype='float32', quick=True, prompt_len=16)\n"
+        f"offline_engines.EngineProcess('native', pathlib.Path({str(tmp_path / 'absent')!r}), args)"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT / "benchmarks",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "RuntimeError: native exited (code 1) before it could start" in result.stderr
