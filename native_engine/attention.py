@@ -145,6 +145,25 @@ def paged_decode_attention_torch(
     return out.squeeze(2)
 
 
+def _amx_prefill(
+    query: torch.Tensor,  # [tokens, q_heads, D]: the tables' sequences, back to back
+    cache: LayerCache,
+    tables: PrefillTables,
+    scale: float,
+) -> torch.Tensor:
+    """The AMX prefill kernel over a step's (or one span's) tables."""
+    out: torch.Tensor = amx_prefill.paged_prefill_attention(
+        query,
+        cache.k,
+        cache.v,
+        tables.block_tables,
+        tables.query_starts,
+        tables.context_lens,
+        scale,
+    )
+    return out
+
+
 def prefill_attention(
     query: torch.Tensor,  # [query_len, num_q_heads, head_dim]
     key: torch.Tensor,  # [query_len, num_kv_heads, head_dim] (this chunk's keys)
@@ -161,16 +180,7 @@ def prefill_attention(
     ):
         # Chunk-invariant (kernels/prefill_attention.py); SDPA's rows move with the chunking.
         # A batch of one: the span's rows are all of `query`.
-        tables = PrefillTables.of([replace(span, query_start=0)])
-        return amx_prefill.paged_prefill_attention(
-            query,
-            cache.k,
-            cache.v,
-            tables.block_tables,
-            tables.query_starts,
-            tables.context_lens,
-            scale,
-        )
+        return _amx_prefill(query, cache, PrefillTables.of([replace(span, query_start=0)]), scale)
     # 4-D inputs: torch's fused CPU attention kernel does not take 3-D ones (math fallback).
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
     q = query.transpose(0, 1)[None]  # [1, num_q_heads, query_len, head_dim]
@@ -234,17 +244,7 @@ def paged_attention(
         and amx_prefill.applies(query, cache.k)
     ):
         # Every prefill sequence in one call (each row's bits as in a call of its own).
-        outputs.append(
-            amx_prefill.paged_prefill_attention(
-                query[: meta.num_prefill_tokens],
-                cache.k,
-                cache.v,
-                tables.block_tables,
-                tables.query_starts,
-                tables.context_lens,
-                scale,
-            )
-        )
+        outputs.append(_amx_prefill(query[: meta.num_prefill_tokens], cache, tables, scale))
     else:
         for span in meta.prefills:
             end = span.query_start + span.query_len
