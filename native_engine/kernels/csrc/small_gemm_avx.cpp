@@ -214,12 +214,12 @@ using Avx2F32Tile = F32Tile<Ymm, MR, NB>;
 }  // namespace
 
 #if defined(__AVX512F__)
-// Up to 4 rows a tile takes 4 blocks (4 streams from memory at once); from 5, 8 rows x 3
+// Up to 4 rows, one tile of 4 blocks (4 streams from memory at once); from 5, 8 rows x 3
 // blocks, so 8 and 32 rows are whole tiles where 6 x 4 left a 2-row one re-reading its
 // blocks. Either way an element is the same FMA chain.
 void gemm_f32_avx512(const ProblemF32& pb) {
   if (pb.m <= 4) {
-    solve<Avx512F32Tile, 6, 4>(pb);
+    solve<Avx512F32Tile, 4, 4>(pb);
   } else {
     solve<Avx512F32Tile, 8, 3>(pb);
   }
