@@ -3,11 +3,13 @@
 Every number comes from one process and one checkpoint (random-init Llama, float32, built with
 ``app.make_model`` into ``models/bench-llama-<size>`` when missing):
 
-- Decode tok/s (engine and HF alike): ``batch * (N - 1) / (t(max_tokens=N) - t(max_tokens=1))``
-  with 64-token random prompts and greedy, EOS-free generation. ``t(1)`` is the prefill plus the
-  first token, so the difference is exactly N - 1 decode steps. Each time is the best (min) of
-  ``--repeats`` runs, engine and HF interleaved; each run uses fresh prompts (no prefix-cache
-  hits), and the same prompts go to both, so their greedy tokens are compared too.
+- Decode tok/s (engine and HF alike): ``batch * (N - 1) / decode_seconds`` with 64-token random
+  prompts and greedy, EOS-free generation. ``decode_seconds`` runs from the moment every prompt
+  has its first token to the last token, timed inside one run (the engine's own token times;
+  a streamer on HF's ``generate``): exactly N - 1 decode steps, no prefill. (A difference of two
+  runs, t(N) - t(1), went negative on a loaded machine.) Best of ``--repeats`` runs, engine and
+  HF interleaved; each run uses fresh prompts (no prefix-cache hits), and the same prompts go
+  to both, so their greedy tokens are compared too.
 - Prefill tok/s: one ``--prefill-len`` prompt, ``max_tokens=1``, best of ``--repeats``.
 - Roofline: one decode step's matmuls alone (``F.linear`` over HF's unfused weight shapes: per
   layer q, k, v, o, gate, up, down; lm_head once) at the same batch: ``batch / step_time``.
@@ -23,13 +25,15 @@ import functools
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_inputs import REPO, ensure_model, make_prompts  # sibling module
+from bench_inputs import REPO, decode_phase, ensure_model, make_prompts  # sibling modules
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
 
 from engine import SamplingParams
 from engine.dtypes import DTYPE_NAMES, ModelDtype
@@ -48,16 +52,43 @@ FULL = {
 QUICK = {
     "batch_sizes": "1,2",
     "prompt_len": 16,
-    # Enough steps and two repeats that the one-token run is reliably the shorter even on a
-    # loaded box: the step time is a difference of two runs.
-    "new_tokens": 32,
+    "new_tokens": 16,
     "prefill_len": 64,
     "repeats": 2,
     "size": "tiny",
 }
 
-# (prompts, max_new_tokens) -> (seconds, generated token ids per prompt)
-Runner = Callable[[list[list[int]], int], tuple[float, list[list[int]]]]
+
+@dataclass(frozen=True)
+class Run:
+    """One timed ``generate``: its seconds, the seconds of its decode phase (from every
+    prompt's first token to the last token), and the generated token ids per prompt."""
+
+    seconds: float
+    decode_seconds: float
+    tokens: list[list[int]]
+
+
+# (prompts, max_new_tokens) -> the run
+Runner = Callable[[list[list[int]], int], Run]
+
+
+class DecodeClock(BaseStreamer):
+    """Times HF's decode phase: ``generate`` puts the prompt, then each step's new tokens."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first = self.last = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        now = time.perf_counter()
+        self.puts += 1
+        if self.puts == 2:  # the first generated tokens (put 1 is the prompt)
+            self.first = now
+        self.last = now
+
+    def end(self) -> None:
+        return None
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,14 +113,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def engine_runner(llm: LLM) -> Runner:
-    def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    def run(prompts: list[list[int]], n: int) -> Run:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        decode_seconds, outputs = decode_phase(llm, prompts, [params] * len(prompts))
         elapsed = time.perf_counter() - start
         tokens = [o.token_ids for o in outputs]
         assert all(len(t) == n for t in tokens), "engine generated the wrong number of tokens"
-        return elapsed, tokens
+        return Run(elapsed, decode_seconds, tokens)
 
     return run
 
@@ -99,7 +130,8 @@ def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
     # instead mask EOS out of the logits, and greedy would then differ wherever EOS wins.)
     model.generation_config.eos_token_id = None
 
-    def run(prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    def run(prompts: list[list[int]], n: int) -> Run:
+        clock = DecodeClock()
         ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():
@@ -110,11 +142,12 @@ def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
                 max_new_tokens=n,
                 do_sample=False,
                 pad_token_id=pad_id,
+                streamer=clock,
             )
             elapsed = time.perf_counter() - start
         tokens: list[list[int]] = out[:, ids.shape[1] :].tolist()
         assert all(len(t) == n for t in tokens), "HF generated the wrong number of tokens"
-        return elapsed, tokens
+        return Run(elapsed, clock.last - clock.first, tokens)
 
     return run
 
@@ -195,19 +228,18 @@ def measure_decode(
 
     for run in runners.values():
         run(prompts(0), n)  # warm-up
-    full: dict[str, list[float]] = {name: [] for name in runners}
-    first: dict[str, list[float]] = {name: [] for name in runners}
+    decode: dict[str, list[float]] = {name: [] for name in runners}
     tokens: dict[str, list[list[int]]] = {}
     for rep in range(args.repeats):
         for name, run in runners.items():  # interleaved: load drift hits both alike
-            elapsed, tokens[name] = run(prompts(2 * rep + 1), n)
-            full[name].append(elapsed)
-            first[name].append(run(prompts(2 * rep + 2), 1)[0])
+            timed = run(prompts(rep + 1), n)
+            decode[name].append(timed.decode_seconds)
+            tokens[name] = timed.tokens
     result: dict[str, Any] = {"batch": batch}
     for name in runners:
-        step = (min(full[name]) - min(first[name])) / (n - 1)
+        step = min(decode[name]) / (n - 1)
         result[f"{name}_step_ms"] = 1e3 * step
-        result[f"{name}_tok_s"] = batch / step if step > 0 else float("nan")
+        result[f"{name}_tok_s"] = batch / step
     same = sum(a == b for a, b in zip(tokens["engine"], tokens["hf"], strict=True))
     result["greedy_match"] = same / batch
     return result
@@ -223,7 +255,7 @@ def measure_prefill(
     for rep in range(args.repeats):
         prompt = make_prompts(8 + rep, 1, args.prefill_len, vocab)
         for name, run in runners.items():  # interleaved, like decode
-            times[name].append(run(prompt, 1)[0])
+            times[name].append(run(prompt, 1).seconds)
     for name, elapsed in times.items():
         result[f"{name}_tok_s"] = args.prefill_len / min(elapsed)
     result["ratio"] = result["engine_tok_s"] / result["hf_tok_s"]
@@ -312,7 +344,7 @@ def main() -> None:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "decode_method": "(t(max_tokens=N) - t(max_tokens=1)) / (N - 1), best of repeats",
+        "decode_method": "first token to last, in one run, / (N - 1); best of repeats",
         "decode": decode,
         "prefill": measure_prefill(runners, args, vocab),
     }

@@ -4,10 +4,12 @@ Both engines load the same checkpoint, each in a process of its own (vLLM's engi
 in-process there, with its default torch.compile), and decode the same random prompts
 greedily, EOS ignored, one engine at a time, taking turns: every repeat runs both, the first
 of the pair alternating, so the drift in this box's speed (10-20 % an hour) reaches both
-alike. Decode tok/s = batch x (N - 1) / (t(max_tokens=N) - t(max_tokens=1)), best of the
-repeats, so prefill is left out; prefill tok/s is the batch's prompt tokens over
-t(max_tokens=1) (one step: the prompts, and the first token). Each repeat's own pair gives a
-ratio too; their median is printed beside the ratio of the bests. The same run measures this
+alike. Decode tok/s = batch x (N - 1) / the decode phase of a max_tokens=N run: from the step
+that gave every prompt its first token to the last step, timed inside the run (prefill left
+out; a difference of two runs, t(N) - t(1), went negative on a loaded box), best of the
+repeats. Prefill tok/s is the batch's prompt tokens over a whole max_tokens=1 run (one step:
+the prompts, and the first token). Each repeat's own pair gives a ratio too; their median is
+printed beside the ratio of the bests. The same run measures this
 box's copy bandwidth (benchmarks/memory_limit.py) before every batch and reports each decode
 figure as a share of the weight-read limit at the best of those, batch x bandwidth / the
 bytes of weights a step reads. Where ``make install-llama-cpp`` has built llama.cpp, the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -37,7 +40,7 @@ from typing import Any
 
 import llama_cpp  # sibling module
 import torch
-from bench_inputs import REPO, make_prompts  # sibling module
+from bench_inputs import REPO, decode_phase, make_prompts  # sibling module
 from memory_limit import copy_gb_s, decode_weight_bytes, weight_read_limit_tok_s
 
 from app.fetch_model import fetch_model
@@ -51,8 +54,19 @@ QUICK_KV_BYTES = 32 << 20
 START_TIMEOUT_S = 900  # vLLM's torch.compile on a loaded 2-core box
 RUN_TIMEOUT_S = 900
 CLOSE_TIMEOUT_S = 60
-# (prompts, max_tokens) -> seconds
-Runner = Callable[[list[list[int]], int], float]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed run: its seconds, and those of its decode phase (every prompt's first token
+    to the last token: N - 1 steps)."""
+
+    seconds: float
+    decode_seconds: float
+
+
+# (prompts, max_tokens) -> the run's timing
+Runner = Callable[[list[list[int]], int], Timing]
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,11 +97,11 @@ def native_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runn
     kv_bytes = QUICK_KV_BYTES if quick else DEFAULT_CPU_KV_CACHE_BYTES
     llm = LLM(str(model), dtype=dtype, block_size=32, kv_cache_bytes=kv_bytes)
 
-    def run(prompts: list[list[int]], n: int) -> float:
+    def run(prompts: list[list[int]], n: int) -> Timing:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate(prompts, params)
-        return time.perf_counter() - start
+        decode_seconds, _ = decode_phase(llm, prompts, [params] * len(prompts))
+        return Timing(time.perf_counter() - start, decode_seconds)
 
     return run
 
@@ -97,6 +111,7 @@ def vllm_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runner
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     llm = VllmLLM(
         str(model),
@@ -109,12 +124,30 @@ def vllm_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runner
         disable_log_stats=True,
     )
 
-    def run(prompts: list[list[int]], n: int) -> float:
-        params = VllmParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    engine, runs = llm.llm_engine, itertools.count()
+
+    def run(prompts: list[list[int]], n: int) -> Timing:
+        # LLM.generate's own loop (add every request, then step to the end, final outputs
+        # only), with each step's end timed. Each prompt decodes one token a step once it
+        # has its first, so the last prompt's first token came N - 1 steps before the end
+        # (prompts prefilled over several steps included).
+        params = VllmParams(
+            max_tokens=n,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        tag = next(runs)
         start = time.perf_counter()
-        llm.generate(inputs, params, use_tqdm=False)
-        return time.perf_counter() - start
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+        steps: list[float] = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps.append(time.perf_counter())
+        if len(steps) < n:
+            raise RuntimeError(f"vLLM took {len(steps)} steps for {n} tokens a prompt")
+        return Timing(steps[-1] - start, steps[-1] - steps[-n])
 
     return run
 
@@ -177,10 +210,10 @@ class EngineProcess:
                 f"{self.name} exited (code {self._proc.exitcode}) before it could {what}"
             ) from None
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> float:
+    def run(self, prompts: list[list[int]], max_tokens: int) -> Timing:
         self._conn.send((prompts, max_tokens))
-        seconds: float = self._receive(RUN_TIMEOUT_S, "finish a run")
-        return seconds
+        timing: Timing = self._receive(RUN_TIMEOUT_S, "finish a run")
+        return timing
 
     def close(self) -> None:
         with contextlib.suppress(OSError):  # a child already gone
@@ -209,8 +242,8 @@ def llama_peers(
 class Figures:
     """One engine at one batch."""
 
-    decode_tok_s: float  # from the best t(N) and the best t(1) of the repeats
-    prefill_tok_s: float  # the batch's prompt tokens over the best t(1)
+    decode_tok_s: float  # from the best decode phase of the repeats' max_tokens=N runs
+    prefill_tok_s: float  # the batch's prompt tokens over the best max_tokens=1 run
     per_repeat: tuple[float, ...]  # each repeat's own decode tok/s, in order
 
 
@@ -224,18 +257,20 @@ def measure(
 
     for run in runs.values():
         run(prompts(batch), 4)  # warm-up: compiles, first-touch pages
-    full: dict[str, list[float]] = {name: [] for name in runs}
+    decode: dict[str, list[float]] = {name: [] for name in runs}
     first: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.repeats):
         for name in list(runs) if r % 2 == 0 else list(reversed(runs)):
-            full[name].append(runs[name](prompts(100 * batch + r), args.new_tokens))
-            first[name].append(runs[name](prompts(200 * batch + r), 1))
+            decode[name].append(
+                runs[name](prompts(100 * batch + r), args.new_tokens).decode_seconds
+            )
+            first[name].append(runs[name](prompts(200 * batch + r), 1).seconds)
     tokens = batch * (args.new_tokens - 1)
     return {
         name: Figures(
-            tokens / (min(full[name]) - min(first[name])),
+            tokens / min(decode[name]),
             batch * args.prompt_len / min(first[name]),
-            tuple(tokens / (f - o) for f, o in zip(full[name], first[name], strict=True)),
+            tuple(tokens / d for d in decode[name]),
         )
         for name in runs
     }

@@ -106,6 +106,13 @@ class RayKVSender(KVSender):
     def num_staged(self) -> int:
         return sum(len(ranges) for ranges in self._staged.values())
 
+    @property
+    def staged_object_ids(self) -> frozenset[str]:
+        """The hex ids of the objects this sender holds (what ``ray memory`` lists)."""
+        return frozenset(
+            ref.hex() for ranges in self._staged.values() for ref, _ in ranges.values()
+        )
+
     async def start(self) -> None:
         _require_ray()
         self._namespace = ray.get_runtime_context().namespace
