@@ -11,6 +11,7 @@ torch's: a result then moves by one bf16 rounding (tests/engine/test_fused_ops.p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,7 +93,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FusedLayerWeights:
-    """A decoder layer's constants for ``decode_layer``, gathered once after loading
+    """A decoder layer's constants for ``decode_layers``, gathered once after loading
     (``DecoderLayer.fused_weights``)."""
 
     input_norm: torch.Tensor
@@ -109,32 +110,73 @@ class FusedLayerWeights:
     isa: GemmIsa
     max_rows: int  # the largest batch every GEMM's kernel serves
 
+    def shared(self) -> tuple[float, bool, int, int, float, GemmIsa]:
+        """What every layer of one ``decode_layers`` call has alike."""
+        has_bias = self.qkv_bias is not None
+        return self.eps, has_bias, self.num_q_heads, self.num_kv_heads, self.scale, self.isa
 
-def decode_layer(
+
+@dataclass(frozen=True)
+class FusedStack:
+    """Decoder layers that run as one ``decode_layers`` call: each weight as a tuple, layer i's
+    at index i, and the constants they share. Built once, after loading
+    (``LlamaFamilyForCausalLM.prepack``)."""
+
+    input_norms: tuple[torch.Tensor, ...]
+    post_norms: tuple[torch.Tensor, ...]
+    qkv: tuple[torch.Tensor, ...]
+    qkv_biases: tuple[torch.Tensor, ...]  # empty where the model has none
+    o: tuple[torch.Tensor, ...]
+    gate_up: tuple[torch.Tensor, ...]
+    down: tuple[torch.Tensor, ...]
+    first: FusedLayerWeights  # the shared constants: the first layer's, every layer's alike
+    max_rows: int  # the largest batch every layer serves
+
+    @classmethod
+    def of(cls, layers: Sequence[FusedLayerWeights]) -> FusedStack | None:
+        """The stack, or None where there are no layers or they differ in a shared constant."""
+        if not layers or len({w.shared() for w in layers}) != 1:
+            return None
+        return cls(
+            input_norms=tuple(w.input_norm for w in layers),
+            post_norms=tuple(w.post_norm for w in layers),
+            qkv=tuple(w.qkv for w in layers),
+            qkv_biases=tuple(w.qkv_bias for w in layers if w.qkv_bias is not None),
+            o=tuple(w.o for w in layers),
+            gate_up=tuple(w.gate_up for w in layers),
+            down=tuple(w.down for w in layers),
+            first=layers[0],
+            max_rows=min(w.max_rows for w in layers),
+        )
+
+
+def decode_layers(
     x: torch.Tensor,  # [tokens, hidden]
-    residual: torch.Tensor | None,
+    residual: torch.Tensor | None,  # the residual stream before x; None at layer 0
     rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [tokens, 1, head_dim]
-    k_cache: torch.Tensor,  # [blocks, block_size, kv_heads, head_dim], x's dtype: written here
-    v_cache: torch.Tensor,
+    # one per layer: [blocks, block_size, kv_heads, head_dim], x's dtype; written here
+    k_caches: Sequence[torch.Tensor],
+    v_caches: Sequence[torch.Tensor],
     meta: AttentionMetadata,
-    w: FusedLayerWeights,
+    stack: FusedStack,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer of a decode-only step (``DecoderLayer.fused_decode``): its output
-    and the residual stream before it."""
-    out, stream = cpu_ops().decode_layer(
+    """A decode-only step's decoder layers, in one call (``LlamaFamilyForCausalLM.forward``):
+    the last layer's output and the residual stream before it."""
+    w = stack.first
+    out, stream = cpu_ops().decode_layers(
         x,
         residual,
-        w.input_norm,
-        w.post_norm,
+        stack.input_norms,
+        stack.post_norms,
         w.eps,
-        w.qkv,
-        w.qkv_bias,
-        w.o,
-        w.gate_up,
-        w.down,
+        stack.qkv,
+        stack.qkv_biases,
+        stack.o,
+        stack.gate_up,
+        stack.down,
         *rope,
-        k_cache,
-        v_cache,
+        k_caches,
+        v_caches,
         meta.slot_mapping,
         meta.decode_block_tables,
         meta.decode_context_lens,

@@ -88,9 +88,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def fused_weights(self) -> fused_ops.FusedLayerWeights | None:
-        """What ``fused_decode`` passes of this layer (kept once found, after ``prepack``), or
-        None where it cannot run: a GEMM off the small-M kernel, kernels of two ISAs, a q/k
-        norm."""
+        """What ``fused_ops.decode_layers`` takes of this layer (kept once found, after
+        ``prepack``), or None where it cannot run: a GEMM off the small-M kernel, kernels of
+        two ISAs, a q/k norm."""
         if self._fused is not None:
             return self._fused
         attn, mlp, cfg = self.self_attn, self.mlp, self.self_attn.config
@@ -118,25 +118,6 @@ class DecoderLayer(nn.Module):
         )
         return self._fused
 
-    def fused_rows(self) -> int:
-        """The largest decode batch ``fused_decode`` runs (0: none)."""
-        weights = self.fused_weights()
-        return weights.max_rows if weights is not None else 0
-
-    def fused_decode(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: LayerCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` of a decode-only bf16 or fp32 step in one C++ call, the same kernels in
-        the same order (so the same bits); the caller checked ``fused_rows``."""
-        weights = self._fused
-        assert weights is not None
-        return fused_ops.decode_layer(x, residual, rope, cache.k, cache.v, meta, weights)
-
 
 class LlamaFamilyForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
@@ -148,7 +129,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self._fused_rows = 0  # set by prepack: the largest decode batch run fused
+        self._fused: fused_ops.FusedStack | None = None  # set by prepack where all layers fuse
         self.lm_head = Linear(
             config.vocab_size,
             config.hidden_size,
@@ -164,17 +145,20 @@ class LlamaFamilyForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
-        self._fused_rows = min((layer.fused_rows() for layer in self.decoder_layers()), default=0)
+        weights = [layer.fused_weights() for layer in self.decoder_layers()]
+        found = [w for w in weights if w is not None]
+        self._fused = fused_ops.FusedStack.of(found) if len(found) == len(weights) else None
 
     def _fused_decode(
         self, x: torch.Tensor, kv_cache: list[LayerCache], meta: AttentionMetadata
     ) -> bool:
-        """Whether this step runs each layer as one C++ call: decode rows only, bf16 or fp32 on
+        """Whether this step runs its layers as one C++ call: decode rows only, bf16 or fp32 on
         the CPU kernels, a full-precision cache, and a batch the small-M GEMMs serve."""
         return (
-            not meta.prefills
+            self._fused is not None
+            and not meta.prefills
             and meta.backend is AttentionBackend.CPU
-            and x.shape[0] <= self._fused_rows
+            and x.shape[0] <= self._fused.max_rows
             and not kv_cache[0].quantized
             and fused_ops.applies(x)
         )
@@ -189,11 +173,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
-        fused = self._fused_decode(x, kv_cache, meta)
-        for i, layer in enumerate(self.decoder_layers()):
-            if fused:
-                x, residual = layer.fused_decode(x, residual, rope, kv_cache[i], meta)
-            else:
+        if self._fused_decode(x, kv_cache, meta):
+            assert self._fused is not None
+            k_caches, v_caches = [c.k for c in kv_cache], [c.v for c in kv_cache]
+            x, residual = fused_ops.decode_layers(
+                x, None, rope, k_caches, v_caches, meta, self._fused
+            )
+        else:
+            for i, layer in enumerate(self.decoder_layers()):
                 x, residual = layer(x, residual, rope, kv_cache[i], meta)
         if residual is None:  # no layers
             return self.norm(x)

@@ -1,7 +1,9 @@
-// One decoder layer of a bf16 or fp32 decode step, in one call: the same kernels the Python
+// The decoder layers of a bf16 or fp32 decode step, in one call: the same kernels the Python
 // layer calls (so the same bits: tests/engine/test_decode_layer.py), without the ~40
-// interpreter round trips between them, which at batch 1 cost about as much as a layer's
-// attention.
+// interpreter round trips a layer would cost between them (at batch 1, about a layer's
+// attention), nor one a layer into this op: ~50 us each at batch 1 on a 2-core AMX box, where
+// a layer's own work is ~380 us (the op's 21 arguments, and a Python path a weight stream has
+// just evicted from the caches).
 //
 // Llama-family layers (native_engine/models/llama.py) whose GEMMs all run on the small-M
 // kernel, a full-precision paged cache of the model's dtype and the CPU attention kernel; the
@@ -35,8 +37,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   }
 }
 
-}  // namespace
-
+// One layer: its output, and the residual stream before it.
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x,                         // [T, hidden]: the last layer's output
     const c10::optional<at::Tensor>& residual,   // the stream before it; none at layer 0
@@ -54,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == num_kv_heads,
               "decode_layer: caches [blocks, block_size, kv_heads, head_dim] in x's dtype");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == x.size(0) &&
+                  slots.is_contiguous(),
               "decode_layer: one int64 slot per token");
   const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(3);
   const int64_t q_size = num_q_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -71,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const at::Tensor q = rotated.narrow(1, 0, num_q_heads);
   const at::Tensor k = rotated.narrow(1, num_q_heads, num_kv_heads);
   const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-  store_kv(k, v, k_cache, v_cache, slots.contiguous());
+  store_kv(k, v, k_cache, v_cache, slots);
   const at::Tensor attn =
       pdserve::decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
   const at::Tensor out = small_gemm(attn.reshape({tokens, q_size}), o, c10::nullopt, q_size, isa);
@@ -81,13 +83,48 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {mlp, stream};
 }
 
-TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def(
-      "decode_layer(Tensor x, Tensor? residual, Tensor input_norm, Tensor post_norm, "
-      "float eps, Tensor qkv, Tensor? qkv_bias, Tensor o, Tensor gate_up, Tensor down, "
-      "Tensor cos, Tensor signed_sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-      "Tensor block_tables, Tensor context_lens, int num_q_heads, int num_kv_heads, "
-      "float scale, int isa) -> (Tensor, Tensor)");
+}  // namespace
+
+// Every layer in turn, layer i's weights at index i of each list (qkv_bias empty where the
+// model has none); the caches are written at ``slots``. Returns the last layer's output and
+// the residual stream before it.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, at::TensorList input_norms,
+    at::TensorList post_norms, double eps, at::TensorList qkv, at::TensorList qkv_bias,
+    at::TensorList o, at::TensorList gate_up, at::TensorList down, const at::Tensor& cos,
+    const at::Tensor& signed_sin, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& context_lens,
+    int64_t num_q_heads, int64_t num_kv_heads, double scale, int64_t isa) {
+  const size_t layers = input_norms.size();
+  TORCH_CHECK(post_norms.size() == layers && qkv.size() == layers && o.size() == layers &&
+                  gate_up.size() == layers && down.size() == layers &&
+                  k_caches.size() == layers && v_caches.size() == layers &&
+                  (qkv_bias.empty() || qkv_bias.size() == layers),
+              "decode_layers: one of each weight and cache a layer (qkv_bias: or none)");
+  TORCH_CHECK(layers > 0, "decode_layers: no layers");
+  const at::Tensor slot_ids = slots.contiguous();
+  at::Tensor out = x;
+  c10::optional<at::Tensor> stream = residual;
+  for (size_t i = 0; i < layers; ++i) {
+    const c10::optional<at::Tensor> bias =
+        qkv_bias.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_bias[i]);
+    auto [next, before] = decode_layer(out, stream, input_norms[i], post_norms[i], eps, qkv[i],
+                                       bias, o[i], gate_up[i], down[i], cos, signed_sin,
+                                       k_caches[i], v_caches[i], slot_ids, block_tables,
+                                       context_lens, num_q_heads, num_kv_heads, scale, isa);
+    out = std::move(next);
+    stream = std::move(before);
+  }
+  return {out, *stream};
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_layer", decode_layer); }
+TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor? residual, Tensor[] input_norms, Tensor[] post_norms, "
+      "float eps, Tensor[] qkv, Tensor[] qkv_bias, Tensor[] o, Tensor[] gate_up, "
+      "Tensor[] down, Tensor cos, Tensor signed_sin, Tensor(a!)[] k_caches, "
+      "Tensor(b!)[] v_caches, Tensor slots, Tensor block_tables, Tensor context_lens, "
+      "int num_q_heads, int num_kv_heads, float scale, int isa) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("decode_layers", decode_layers); }
