@@ -4,8 +4,33 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 
 #include <tuple>
+#include <utility>
+
+namespace pdserve {
+// A new CPU tensor, and a view of one, made without a trip through torch's dispatcher: in a
+// decode step the first dispatcher call after a GEMM finds the dispatcher's code and tables
+// evicted by the weight stream (5-10 us each at batch 1 on a 2-core AMX box, where a layer's
+// work is ~380 us), and a layer made ~10 such calls.
+inline at::Tensor empty_cpu(at::IntArrayRef sizes, const at::Tensor& like) {
+  return at::detail::empty_cpu(sizes, like.scalar_type(), false, c10::nullopt);
+}
+inline at::Tensor empty_cpu(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::detail::empty_cpu(sizes, dtype, false, c10::nullopt);
+}
+// base's elements from `offset` (in elements, past base's own) with these sizes and strides:
+// what base.as_strided would give, sharing base's storage.
+inline at::Tensor view_of(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides,
+                          int64_t offset) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW,
+                                                   c10::Storage(base.storage()),
+                                                   base.key_set(), base.dtype());
+  impl->set_sizes_and_strides(sizes, strides, base.storage_offset() + offset);
+  return at::Tensor(std::move(impl));
+}
+}  // namespace pdserve
 
 // bf16 or fp32, by the tensors' dtype.
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed,

@@ -68,15 +68,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     h = rms_norm(x, input_norm, eps);
   }
   const at::Tensor proj = small_gemm(h, qkv, qkv_bias, hidden, isa);  // [T, q + 2 kv]
-  const at::Tensor qk = proj.narrow(1, 0, q_size + kv_size).view({tokens, -1, head_dim});
+  // Views by pdserve::view_of (cpu_ops.h), not narrow / view: no dispatcher calls.
+  const int64_t ld = proj.stride(0), heads = num_q_heads + num_kv_heads;
+  const at::Tensor qk = pdserve::view_of(proj, {tokens, heads, head_dim}, {ld, head_dim, 1}, 0);
   const at::Tensor rotated = rotary(qk, cos, signed_sin);  // [T, q + kv heads, D]
-  const at::Tensor q = rotated.narrow(1, 0, num_q_heads);
-  const at::Tensor k = rotated.narrow(1, num_q_heads, num_kv_heads);
-  const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+  const int64_t rd = heads * head_dim;
+  const at::Tensor q =
+      pdserve::view_of(rotated, {tokens, num_q_heads, head_dim}, {rd, head_dim, 1}, 0);
+  const at::Tensor k =
+      pdserve::view_of(rotated, {tokens, num_kv_heads, head_dim}, {rd, head_dim, 1}, q_size);
+  const at::Tensor v = pdserve::view_of(proj, {tokens, num_kv_heads, head_dim}, {ld, head_dim, 1},
+                                        q_size + kv_size);
   store_kv(k, v, k_cache, v_cache, slots);
   const at::Tensor attn =
       pdserve::decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
-  const at::Tensor out = small_gemm(attn.reshape({tokens, q_size}), o, c10::nullopt, q_size, isa);
+  const at::Tensor attn_rows = pdserve::view_of(attn, {tokens, q_size}, {q_size, 1}, 0);
+  const at::Tensor out = small_gemm(attn_rows, o, c10::nullopt, q_size, isa);
   std::tie(stream, h) = add_rms_norm(stream, out, post_norm, eps);
   const at::Tensor act = small_gemm_silu_mul(h, gate_up, c10::nullopt, hidden, isa);
   const at::Tensor mlp = small_gemm(act, down, c10::nullopt, act.size(1), isa);

@@ -98,7 +98,7 @@ void add_row(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* sum) {
 
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), size = x.size(1);
-  at::Tensor y = at::empty({rows, size}, x.options());
+  at::Tensor y = pdserve::empty_cpu({rows, size}, x);
   const uint16_t *px = in(x), *pw = in(weight);
   uint16_t* py = out(y);
   const int64_t ldx = x.stride(0);
@@ -115,8 +115,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& residual,
                                                      const at::Tensor& delta,
                                                      const at::Tensor& weight, double eps) {
   const int64_t rows = residual.size(0), size = residual.size(1);
-  at::Tensor sum = at::empty({rows, size}, residual.options());
-  at::Tensor y = at::empty({rows, size}, residual.options());
+  at::Tensor sum = pdserve::empty_cpu({rows, size}, residual);
+  at::Tensor y = pdserve::empty_cpu({rows, size}, residual);
   const uint16_t *pr = in(residual), *pd = in(delta), *pw = in(weight);
   uint16_t *ps = out(sum), *py = out(y);
   const int64_t ldr = residual.stride(0), ldd = delta.stride(0);
@@ -169,7 +169,7 @@ at::Tensor rotary_bf16(const at::Tensor& x,      // [tokens, heads, head_dim]
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  at::Tensor y = at::empty({rows, size}, gate_up.options());
+  at::Tensor y = pdserve::empty_cpu({rows, size}, gate_up);
   const uint16_t* pg = in(gate_up);
   uint16_t* py = out(y);
   const int64_t ld = gate_up.stride(0);

@@ -48,7 +48,7 @@ at::Tensor normed(const float* px, int64_t ldx, const at::Tensor& squares,
   const at::Tensor sums = at::sum(squares, {1});  // [rows]
   const float* ps = sums.data_ptr<float>();
   const float* pw = weight.data_ptr<float>();
-  at::Tensor y = at::empty({rows, size}, squares.options());
+  at::Tensor y = pdserve::empty_cpu({rows, size}, squares);
   float* py = y.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -79,7 +79,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #if defined(__AVX512F__)
   const int64_t rows = x.size(0), size = x.size(1), ldx = x.stride(0);
   const float* px = x.data_ptr<float>();
-  at::Tensor squares = at::empty({rows, size}, x.options());
+  at::Tensor squares = pdserve::empty_cpu({rows, size}, x);
   float* pq = squares.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -104,8 +104,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& residual,
   const int64_t rows = residual.size(0), size = residual.size(1);
   const int64_t ldr = residual.stride(0), ldd = delta.stride(0);
   const float *pr = residual.data_ptr<float>(), *pd = delta.data_ptr<float>();
-  at::Tensor sum = at::empty({rows, size}, residual.options());
-  at::Tensor squares = at::empty({rows, size}, residual.options());
+  at::Tensor sum = pdserve::empty_cpu({rows, size}, residual);
+  at::Tensor squares = pdserve::empty_cpu({rows, size}, residual);
   float *ps = sum.data_ptr<float>(), *pq = squares.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
@@ -152,7 +152,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
 #if defined(__AVX512F__)
-  at::Tensor y = at::empty({rows, size}, gate_up.options());
+  at::Tensor y = pdserve::empty_cpu({rows, size}, gate_up);
   const float* pg = gate_up.data_ptr<float>();
   float* py = y.data_ptr<float>();
   const int64_t ld = gate_up.stride(0);

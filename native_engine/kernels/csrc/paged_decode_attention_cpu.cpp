@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "decode_span.h"
 
 namespace {
@@ -71,13 +72,45 @@ struct Spans {
 // head lie side by side, so the span is read front to back); it leaves, per query head, the
 // running max, the sum of exp(score - max) and the unnormalised output, which a second pass
 // merges. A sequence of one span is normalised exactly as a single pass would.
+// The inputs as the kernel reads them, and its fp32 output in bf16, converted here rather
+// than by Tensor::to (pdserve::empty_cpu says why): int32 tables and lengths, an fp32 query,
+// all contiguous. Each conversion is torch's: bf16 <-> fp32 by c10::BFloat16 (round to
+// nearest even).
+at::Tensor int_rows(const at::Tensor& t) {
+  if (t.scalar_type() == at::kInt && t.is_contiguous()) return t;
+  return t.to(at::kInt).contiguous();
+}
+
+at::Tensor float_rows(const at::Tensor& query) {
+  if (query.scalar_type() == at::kFloat && query.is_contiguous()) return query;
+  if (query.scalar_type() != at::kBFloat16) return query.to(at::kFloat).contiguous();
+  const int64_t seqs = query.size(0), heads = query.size(1), dim = query.size(2);
+  at::Tensor q = pdserve::empty_cpu({seqs, heads, dim}, at::kFloat);
+  const auto* src = query.data_ptr<c10::BFloat16>();
+  float* dst = q.data_ptr<float>();
+  for (int64_t s = 0; s < seqs; ++s)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < dim; ++i)
+        dst[(s * heads + h) * dim + i] =
+            static_cast<float>(src[s * query.stride(0) + h * query.stride(1) + i * query.stride(2)]);
+  return q;
+}
+
+at::Tensor bf16_rows(const at::Tensor& out) {  // contiguous fp32, as attend leaves it
+  at::Tensor y = pdserve::empty_cpu(out.sizes(), at::kBFloat16);
+  const float* src = out.data_ptr<float>();
+  auto* dst = y.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  return y;
+}
+
 template <typename Rows>
 at::Tensor attend(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                   int64_t block_size, int64_t num_kv_heads, double scale, const Rows& rows) {
   const int64_t num_seqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t max_blocks = tables.size(1);
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = pdserve::empty_cpu(q.sizes(), q);
   const float* qp = q.data_ptr<float>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
@@ -265,9 +298,9 @@ at::Tensor paged_decode_attention(
               "paged_decode_attention: caches of the query's dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache / v_cache shapes differ");
-  const at::Tensor q = query.to(at::kFloat).contiguous();
-  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
-  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  const at::Tensor q = float_rows(query);
+  const at::Tensor tables = int_rows(block_tables);
+  const at::Tensor lens = int_rows(context_lens);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   check_tables(tables, lens, q.size(0), block_size, k_cache.size(0));
   const int64_t head_dim = q.size(2), token_stride = num_kv_heads * head_dim;
@@ -279,7 +312,7 @@ at::Tensor paged_decode_attention(
   };
   switch (k_cache.scalar_type()) {
     case at::kBFloat16:
-      return run(c10::BFloat16()).to(at::kBFloat16);
+      return bf16_rows(run(c10::BFloat16()));
     case at::kHalf:
       return run(c10::Half()).to(at::kHalf);
     default:
@@ -310,8 +343,8 @@ at::Tensor paged_decode_attention_quantized(
               v_scales.sizes() == k_scales.sizes() && v_scales.strides() == k_scales.strides(),
               "scale views must be [num_blocks, block_size, num_kv_heads]");
   const at::Tensor q = query.contiguous();
-  const at::Tensor tables = block_tables.to(at::kInt).contiguous();
-  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  const at::Tensor tables = int_rows(block_tables);
+  const at::Tensor lens = int_rows(context_lens);
   const int64_t block_size = k_codes.size(1), num_kv_heads = k_codes.size(2);
   check_tables(tables, lens, q.size(0), block_size, k_codes.size(0));
   const CodeRows rows{k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),

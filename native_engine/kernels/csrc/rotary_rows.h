@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "cpu_ops.h"
+
 namespace pdserve {
 
 // body(const T* row, const T* cos, const T* signed_sin, T* out); T is the element's storage
@@ -17,7 +19,7 @@ template <typename T, typename Body>
 at::Tensor for_each_rotary_row(const at::Tensor& x, const at::Tensor& cos,
                                const at::Tensor& signed_sin, Body body) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
-  at::Tensor y = at::empty({tokens, heads, dim}, x.options());
+  at::Tensor y = pdserve::empty_cpu({tokens, heads, dim}, x);
   const T* px = static_cast<const T*>(x.data_ptr());
   const T* pc = static_cast<const T*>(cos.data_ptr());
   const T* ps = static_cast<const T*>(signed_sin.data_ptr());

@@ -201,7 +201,7 @@ int64_t checked_n(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& packed,
                       const c10::optional<at::Tensor>& bias, int64_t k, int64_t isa) {
   const int64_t n = checked_n(x, packed, bias, k, isa, "small_gemm");
-  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  at::Tensor y = pdserve::empty_cpu({x.size(0), n}, x);
   if (x.size(0) == 0) return y;
   if (x.scalar_type() == at::kFloat) {
     run_f32(x, packed, bias, k, static_cast<Isa>(isa), y);
@@ -220,7 +220,7 @@ at::Tensor small_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(n % 2 == 0, "small_gemm_silu_mul: N must be even (gate | up), got ", n);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (x.scalar_type() == at::kBFloat16 && isa == Isa::kAmx && n / 2 % kBlockCols == 0) {
-    at::Tensor y = at::empty({x.size(0), n / 2}, x.options());
+    at::Tensor y = pdserve::empty_cpu({x.size(0), n / 2}, x);
     if (x.size(0) > 0) run_bf16(x, packed, bias, k, Isa::kAmx, y, pdserve::silu_table());
     return y;
   }
