@@ -142,11 +142,13 @@ def vllm_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runner
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{tag}-{i}", TokensPrompt(prompt_token_ids=prompt), params)
         steps: list[float] = []
+        finished = []
         while engine.has_unfinished_requests():
-            engine.step()
+            finished.extend(engine.step())
             steps.append(time.perf_counter())
-        if len(steps) < n:
-            raise RuntimeError(f"vLLM took {len(steps)} steps for {n} tokens a prompt")
+        made = sorted(len(out.outputs[0].token_ids) for out in finished)
+        if len(steps) < n or made != [n] * len(prompts):
+            raise RuntimeError(f"vLLM: {len(steps)} steps, {made} tokens, for {n} a prompt")
         return Timing(steps[-1] - start, steps[-1] - steps[-n])
 
     return run

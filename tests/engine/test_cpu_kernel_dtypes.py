@@ -75,6 +75,28 @@ def test_16_bit_decode_is_within_an_ulp_of_exact_attention(
     assert (torch_path.double() - exact).abs().max() <= bound
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_strided_query_and_int64_tables_give_the_contiguous_bits(dtype: torch.dtype) -> None:
+    """The kernel converts its inputs itself (the fused decode layer's query is a view of the
+    rotated q|k rows): a strided query, int64 tables and lengths read as their contiguous
+    int32 copies do."""
+    assert load_cpu_kernels()
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, heads, kv_heads, dim = 24, 9, 3, 64
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
+    rows = torch.randn(len(LENS), heads + kv_heads, dim, generator=gen).to(dtype)
+    query = rows[:, :heads]  # q of q|k: rows of (heads + kv_heads) x dim
+    assert not query.is_contiguous()
+    tables = torch.randperm(num_blocks, generator=gen)[: 4 * len(LENS)].view(len(LENS), 4)
+    lens = torch.tensor(LENS)
+    want = paged_decode_attention_cpu(
+        query.contiguous(), k_cache, v_cache, tables.int(), lens.int(), dim**-0.5
+    )
+    got = paged_decode_attention_cpu(query, k_cache, v_cache, tables, lens, dim**-0.5)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 def test_a_quantized_cache_in_the_kernel_needs_a_float32_query() -> None:
     assert load_cpu_kernels()
     codes = torch.zeros(2, BLOCK_SIZE, 1, 64, dtype=torch.uint8)

@@ -21,7 +21,10 @@ inline at::Tensor empty_cpu(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::detail::empty_cpu(sizes, dtype, false, c10::nullopt);
 }
 // base's elements from `offset` (in elements, past base's own) with these sizes and strides:
-// what base.as_strided would give, sharing base's storage.
+// what base.as_strided would give, sharing base's storage (so it keeps it alive), but
+// unchecked against the storage's size, without a version counter shared with base and
+// without autograd's view record. For views inside a kernel only, read through their
+// pointers; never returned to Python.
 inline at::Tensor view_of(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides,
                           int64_t offset) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW,

@@ -7,7 +7,8 @@
 //
 // Llama-family layers (native_engine/models/llama.py) whose GEMMs all run on the small-M
 // kernel, a full-precision paged cache of the model's dtype and the CPU attention kernel; the
-// caller checks that (DecoderLayer.fused_decode) and takes the Python path otherwise.
+// caller checks that (LlamaFamilyForCausalLM._fused_decode) and takes the Python path
+// otherwise.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -72,6 +73,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t ld = proj.stride(0), heads = num_q_heads + num_kv_heads;
   const at::Tensor qk = pdserve::view_of(proj, {tokens, heads, head_dim}, {ld, head_dim, 1}, 0);
   const at::Tensor rotated = rotary(qk, cos, signed_sin);  // [T, q + kv heads, D]
+  TORCH_CHECK(rotated.is_contiguous(), "decode_layer: rotary's output must be contiguous");
   const int64_t rd = heads * head_dim;
   const at::Tensor q =
       pdserve::view_of(rotated, {tokens, num_q_heads, head_dim}, {rd, head_dim, 1}, 0);
@@ -82,6 +84,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   store_kv(k, v, k_cache, v_cache, slots);
   const at::Tensor attn =
       pdserve::decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+  TORCH_CHECK(attn.is_contiguous(), "decode_layer: attention's output must be contiguous");
   const at::Tensor attn_rows = pdserve::view_of(attn, {tokens, q_size}, {q_size, 1}, 0);
   const at::Tensor out = small_gemm(attn_rows, o, c10::nullopt, q_size, isa);
   std::tie(stream, h) = add_rms_norm(stream, out, post_norm, eps);

@@ -74,25 +74,34 @@ struct Spans {
 // merges. A sequence of one span is normalised exactly as a single pass would.
 // The inputs as the kernel reads them, and its fp32 output in bf16, converted here rather
 // than by Tensor::to (pdserve::empty_cpu says why): int32 tables and lengths, an fp32 query,
-// all contiguous. Each conversion is torch's: bf16 <-> fp32 by c10::BFloat16 (round to
-// nearest even).
+// all contiguous. bf16 <-> fp32 by c10::BFloat16 (round to nearest even): torch's bits for
+// every number; a NaN comes out 0x7FC0, where torch's AVX-512 conversion writes 0xFFFF.
 at::Tensor int_rows(const at::Tensor& t) {
   if (t.scalar_type() == at::kInt && t.is_contiguous()) return t;
   return t.to(at::kInt).contiguous();
 }
 
-at::Tensor float_rows(const at::Tensor& query) {
-  if (query.scalar_type() == at::kFloat && query.is_contiguous()) return query;
-  if (query.scalar_type() != at::kBFloat16) return query.to(at::kFloat).contiguous();
+template <typename T>
+void widen_rows(const at::Tensor& query, float* dst) {
   const int64_t seqs = query.size(0), heads = query.size(1), dim = query.size(2);
-  at::Tensor q = pdserve::empty_cpu({seqs, heads, dim}, at::kFloat);
-  const auto* src = query.data_ptr<c10::BFloat16>();
-  float* dst = q.data_ptr<float>();
+  const T* src = query.data_ptr<T>();
+  const int64_t s0 = query.stride(0), s1 = query.stride(1), s2 = query.stride(2);
   for (int64_t s = 0; s < seqs; ++s)
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < dim; ++i)
-        dst[(s * heads + h) * dim + i] =
-            static_cast<float>(src[s * query.stride(0) + h * query.stride(1) + i * query.stride(2)]);
+        *dst++ = static_cast<float>(src[s * s0 + h * s1 + i * s2]);
+}
+
+at::Tensor float_rows(const at::Tensor& query) {
+  const at::ScalarType dtype = query.scalar_type();
+  if (dtype == at::kFloat && query.is_contiguous()) return query;
+  if (dtype != at::kFloat && dtype != at::kBFloat16) return query.to(at::kFloat).contiguous();
+  at::Tensor q = pdserve::empty_cpu(query.sizes(), at::kFloat);
+  if (dtype == at::kFloat) {
+    widen_rows<float>(query, q.data_ptr<float>());
+  } else {
+    widen_rows<c10::BFloat16>(query, q.data_ptr<float>());
+  }
   return q;
 }
 
