@@ -1,10 +1,13 @@
 """What the benchmarks share: a cached random-init checkpoint, random prompts, fixed leases, the
-decode phase's time, a local cluster's prompt tokens computed."""
+decode phase's time (and a greedy run timed whole and by its decode phase), a local cluster's
+prompt tokens computed."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,6 +65,26 @@ def decode_phase(
     first = [o.first_token_s for o in outputs if o.first_token_s is not None]
     last = [o.last_token_s for o in outputs if o.last_token_s is not None]
     return (max(last) - max(first) if first else 0.0), outputs
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed run: its seconds, and those of its decode phase (``decode_phase``: every
+    prompt's first token to the last token, N - 1 steps)."""
+
+    seconds: float
+    decode_seconds: float
+
+
+def greedy_run(
+    llm: LLM, prompts: Sequence[list[int]], max_tokens: int
+) -> tuple[Timing, list[RequestOutput]]:
+    """``prompts`` decoded greedily, EOS ignored, to ``max_tokens`` each: the run's timing, and
+    the outputs."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    decode_seconds, outputs = decode_phase(llm, prompts, [params] * len(prompts))
+    return Timing(time.perf_counter() - start, decode_seconds), outputs
 
 
 async def prefill_tokens_computed(cluster: LocalCluster) -> int:

@@ -25,17 +25,15 @@ import functools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_inputs import REPO, decode_phase, ensure_model, make_prompts  # sibling modules
+from bench_inputs import REPO, Timing, ensure_model, greedy_run, make_prompts  # sibling module
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from engine import SamplingParams
 from engine.dtypes import DTYPE_NAMES, ModelDtype
 from native_engine import LLM
 from native_engine.models.linear import Linear
@@ -59,18 +57,8 @@ QUICK = {
 }
 
 
-@dataclass(frozen=True)
-class Run:
-    """One timed ``generate``: its seconds, the seconds of its decode phase (from every
-    prompt's first token to the last token), and the generated token ids per prompt."""
-
-    seconds: float
-    decode_seconds: float
-    tokens: list[list[int]]
-
-
-# (prompts, max_new_tokens) -> the run
-Runner = Callable[[list[list[int]], int], Run]
+# (prompts, max_new_tokens) -> the run's timing, and the generated token ids per prompt
+Runner = Callable[[list[list[int]], int], tuple[Timing, list[list[int]]]]
 
 
 class DecodeClock(BaseStreamer):
@@ -113,14 +101,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def engine_runner(llm: LLM) -> Runner:
-    def run(prompts: list[list[int]], n: int) -> Run:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        decode_seconds, outputs = decode_phase(llm, prompts, [params] * len(prompts))
-        elapsed = time.perf_counter() - start
+    def run(prompts: list[list[int]], n: int) -> tuple[Timing, list[list[int]]]:
+        timing, outputs = greedy_run(llm, prompts, n)
         tokens = [o.token_ids for o in outputs]
         assert all(len(t) == n for t in tokens), "engine generated the wrong number of tokens"
-        return Run(elapsed, decode_seconds, tokens)
+        return timing, tokens
 
     return run
 
@@ -130,7 +115,7 @@ def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
     # instead mask EOS out of the logits, and greedy would then differ wherever EOS wins.)
     model.generation_config.eos_token_id = None
 
-    def run(prompts: list[list[int]], n: int) -> Run:
+    def run(prompts: list[list[int]], n: int) -> tuple[Timing, list[list[int]]]:
         clock = DecodeClock()
         ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
         mask = torch.ones_like(ids)
@@ -147,7 +132,7 @@ def hf_runner(model: PreTrainedModel, pad_id: int) -> Runner:
             elapsed = time.perf_counter() - start
         tokens: list[list[int]] = out[:, ids.shape[1] :].tolist()
         assert all(len(t) == n for t in tokens), "HF generated the wrong number of tokens"
-        return Run(elapsed, clock.last - clock.first, tokens)
+        return Timing(elapsed, clock.last - clock.first), tokens
 
     return run
 
@@ -232,9 +217,8 @@ def measure_decode(
     tokens: dict[str, list[list[int]]] = {}
     for rep in range(args.repeats):
         for name, run in runners.items():  # interleaved: load drift hits both alike
-            timed = run(prompts(rep + 1), n)
-            decode[name].append(timed.decode_seconds)
-            tokens[name] = timed.tokens
+            timing, tokens[name] = run(prompts(rep + 1), n)
+            decode[name].append(timing.decode_seconds)
     result: dict[str, Any] = {"batch": batch}
     for name in runners:
         step = min(decode[name]) / (n - 1)
@@ -255,7 +239,7 @@ def measure_prefill(
     for rep in range(args.repeats):
         prompt = make_prompts(8 + rep, 1, args.prefill_len, vocab)
         for name, run in runners.items():  # interleaved, like decode
-            times[name].append(run(prompt, 1).seconds)
+            times[name].append(run(prompt, 1)[0].seconds)
     for name, elapsed in times.items():
         result[f"{name}_tok_s"] = args.prefill_len / min(elapsed)
     result["ratio"] = result["engine_tok_s"] / result["hf_tok_s"]

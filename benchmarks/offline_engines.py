@@ -40,12 +40,11 @@ from typing import Any
 
 import llama_cpp  # sibling module
 import torch
-from bench_inputs import REPO, decode_phase, make_prompts  # sibling module
+from bench_inputs import REPO, Timing, greedy_run, make_prompts  # sibling module
 from memory_limit import copy_gb_s, decode_weight_bytes, weight_read_limit_tok_s
 
 from app.fetch_model import fetch_model
 from app.make_model import make_model
-from engine import SamplingParams
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES
 from native_engine import LLM
 from native_engine.kernels import small_gemm
@@ -54,15 +53,6 @@ QUICK_KV_BYTES = 32 << 20
 START_TIMEOUT_S = 900  # vLLM's torch.compile on a loaded 2-core box
 RUN_TIMEOUT_S = 900
 CLOSE_TIMEOUT_S = 60
-
-
-@dataclass(frozen=True)
-class Timing:
-    """One timed run: its seconds, and those of its decode phase (every prompt's first token
-    to the last token: N - 1 steps)."""
-
-    seconds: float
-    decode_seconds: float
 
 
 # (prompts, max_tokens) -> the run's timing
@@ -98,10 +88,7 @@ def native_runner(model: Path, dtype: str, quick: bool, prompt_len: int) -> Runn
     llm = LLM(str(model), dtype=dtype, block_size=32, kv_cache_bytes=kv_bytes)
 
     def run(prompts: list[list[int]], n: int) -> Timing:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        decode_seconds, _ = decode_phase(llm, prompts, [params] * len(prompts))
-        return Timing(time.perf_counter() - start, decode_seconds)
+        return greedy_run(llm, prompts, n)[0]
 
     return run
 
@@ -175,7 +162,7 @@ class EngineProcess:
     runs as it would alone yet the two take turns within one run. In one process (vLLM pins
     the OpenMP threads of the process it starts in) both ran slower: fp32 at batch 8, native
     207 against 222 tok/s, vLLM 156 against 173. The timings are taken in the child, around
-    generate alone. A context manager: leaving it stops the child."""
+    the engine's own run alone. A context manager: leaving it stops the child."""
 
     def __init__(self, name: str, model: Path, args: argparse.Namespace) -> None:
         ctx = multiprocessing.get_context("spawn")
